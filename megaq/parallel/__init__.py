@@ -1,0 +1,1 @@
+"""Parallel building blocks: rank topology, the collective layer, TP layers, pipeline."""

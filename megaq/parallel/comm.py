@@ -1,0 +1,258 @@
+"""The collective layer: the only module that calls torch.distributed collectives.
+
+Why one room: version shims, async handles, and byte accounting (per phase tag and
+per link class) live here, so every other module just says *what* it moves.
+
+Byte accounting model
+---------------------
+Each call is tagged with a *phase* (``weight_gather_fwd``, ``weight_gather_bwd``,
+``grad_reduce``, ``tp``, ``pp``, ...) and each byte is charged to the rank that
+sends it, as ``intra_node`` or ``inter_node`` depending on where the receiver lives.
+
+* all-gather / reduce-scatter over a group of n ranks on k nodes, moving a full
+  tensor of S bytes (the gathered output, or the reduce-scatter input): a ring laid
+  out node by node. Every rank sends S(n-1)/n bytes to its ring successor; the last
+  rank of each node sends across the node boundary. Summed per node: S(n-1)/n bytes
+  inter-node (zero when k == 1) and (n/k - 1) S(n-1)/n intra-node.
+* all-reduce: reduce-scatter + all-gather, two ring passes, twice the above.
+* all-to-all (equal splits): a rank sends S/n to every other member; each chunk is
+  charged by where its receiver is.
+* broadcast: a chain from the source along the ring, S bytes per link.
+* send / recv: the bytes sent, charged by the receiver's node.
+
+Counters are per rank; :func:`per_node_totals` sums them over each node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+INTRA, INTER = "intra_node", "inter_node"
+
+
+class CommStats:
+    """bytes[phase][link] sent by this rank since the last reset."""
+
+    def __init__(self):
+        self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: {INTRA: 0, INTER: 0})
+
+    def add(self, phase: str, link: str, nbytes: int) -> None:
+        if nbytes:
+            self.bytes[phase][link] += int(nbytes)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {p: dict(v) for p, v in self.bytes.items()}
+
+
+STATS = CommStats()  # this process's counters (one process = one rank)
+
+
+class _Handle:
+    """Async handle; wait() is safe to call on an already-finished op."""
+
+    def __init__(self, work=None, then: Callable[[], None] | None = None):
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+@dataclass
+class Group:
+    """A process group plus what accounting needs: members, their nodes, my index.
+
+    Single-member groups get no torch process group: their collectives are local copies.
+    """
+
+    ranks: list[int]
+    nodes: list[int]
+    pg: object = None
+    rank_index: int = field(default=-1)
+
+    @classmethod
+    def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False) -> "Group":
+        pg = None
+        if world:
+            pg = dist.group.WORLD
+        elif len(ranks) > 1:
+            pg = dist.new_group(ranks)  # collective: every rank calls it for every group
+        me = dist.get_rank() if dist.is_initialized() else 0
+        idx = ranks.index(me) if me in ranks else -1
+        return cls(ranks=list(ranks), nodes=[node_of(r) for r in ranks], pg=pg, rank_index=idx)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.rank_index
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.nodes))
+
+    def ring_successor_is_remote(self) -> bool:
+        """In a node-contiguous ring, does my successor live on another node?"""
+        order = sorted(range(self.size), key=lambda i: (self.nodes[i], self.ranks[i]))
+        pos = order.index(self.rank_index)
+        nxt = order[(pos + 1) % self.size]
+        return self.nodes[nxt] != self.nodes[self.rank_index]
+
+    def link_to(self, member_index: int) -> str:
+        return INTRA if self.nodes[member_index] == self.nodes[self.rank_index] else INTER
+
+
+# --------------------------------------------------------------------------- shims
+# torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single, which
+# torch 2.11 does not have. Pick once, here.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _charge_ring(group: Group, phase: str, full_bytes: int, passes: int = 1) -> None:
+    n = group.size
+    if n == 1:
+        return
+    sent = passes * full_bytes * (n - 1) // n
+    STATS.add(phase, INTER if group.ring_successor_is_remote() else INTRA, sent)
+
+
+def _run(fn, *args, async_op: bool, **kw) -> _Handle | None:
+    work = fn(*args, async_op=async_op, **kw)
+    if async_op:
+        return _Handle(work)
+    return None
+
+
+def _done(async_op: bool) -> _Handle | None:
+    return _Handle() if async_op else None
+
+
+# ---------------------------------------------------------------------- collectives
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
+               async_op: bool = False):
+    """Gather equal flat shards: output = cat(input of member 0, 1, ...)."""
+    if group.size == 1:
+        output.copy_(input.reshape(output.shape))
+        return _done(async_op)
+    _charge_ring(group, phase, _nbytes(output))
+    return _run(_all_gather_flat, output, input, group=group.pg, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
+                   op=dist.ReduceOp.SUM, async_op: bool = False):
+    """output = (sum over members of input)[my chunk]."""
+    if group.size == 1:
+        output.copy_(input.reshape(output.shape))
+        return _done(async_op)
+    _charge_ring(group, phase, _nbytes(input))
+    return _run(_reduce_scatter_flat, output, input, op=op, group=group.pg, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.SUM,
+               async_op: bool = False):
+    if group.size == 1:
+        return _done(async_op)
+    _charge_ring(group, phase, _nbytes(tensor), passes=2)
+    return _run(dist.all_reduce, tensor, op=op, group=group.pg, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
+               async_op: bool = False):
+    """Equal-split all-to-all over dim 0 of flat buffers: chunk j of input goes to member j."""
+    n = group.size
+    if n == 1:
+        output.copy_(input)
+        return _done(async_op)
+    chunk = _nbytes(input) // n
+    for j in range(n):
+        if j != group.rank_index:
+            STATS.add(phase, group.link_to(j), chunk)
+    return _run(dist.all_to_all_single, output, input, group=group.pg, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
+              async_op: bool = False):
+    """Broadcast from member `src_index` (an index into group.ranks)."""
+    n = group.size
+    if n == 1:
+        return _done(async_op)
+    order = sorted(range(n), key=lambda i: (group.nodes[i], group.ranks[i]))
+    start = order.index(src_index)
+    chain = order[start:] + order[:start]
+    pos = chain.index(group.rank_index)
+    if pos < n - 1:
+        STATS.add(phase, group.link_to(chain[pos + 1]), _nbytes(tensor))
+    return _run(dist.broadcast, tensor, src=group.ranks[src_index], group=group.pg,
+                async_op=async_op)
+
+
+def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+              group: Group, phase: str) -> _Handle:
+    """Post sends (tensor, member index) and receives together; returns one handle."""
+    ops = []
+    for t, j in sends:
+        STATS.add(phase, group.link_to(j), _nbytes(t))
+        ops.append(dist.P2POp(dist.isend, t, group.ranks[j], group=group.pg))
+    for t, j in recvs:
+        ops.append(dist.P2POp(dist.irecv, t, group.ranks[j], group=group.pg))
+    if not ops:
+        return _Handle()
+    works = dist.batch_isend_irecv(ops)
+
+    class _Many:
+        def wait(self):
+            for w in works:
+                w.wait()
+
+    return _Handle(_Many())
+
+
+def barrier(group: Group | None = None) -> None:
+    if dist.is_initialized() and (group is None or group.size > 1):
+        dist.barrier(group=None if group is None else group.pg)
+
+
+# ------------------------------------------------------------------ reading counters
+def per_node_totals(world: Group, stats: CommStats = STATS) -> dict[int, dict[str, dict[str, int]]]:
+    """Collective over `world`: {node: {phase: {intra_node, inter_node}}} summed per node."""
+    local = stats.snapshot()
+    if world.size == 1:
+        gathered = [local]
+    else:
+        gathered = [None] * world.size
+        dist.all_gather_object(gathered, local, group=world.pg)
+    out: dict[int, dict[str, dict[str, int]]] = {}
+    for node, snap in zip(world.nodes, gathered):
+        node_d = out.setdefault(node, {})
+        for phase, links in snap.items():
+            d = node_d.setdefault(phase, {INTRA: 0, INTER: 0})
+            for k, v in links.items():
+                d[k] += v
+    return out
+
+
+@contextlib.contextmanager
+def counting(stats: CommStats = STATS):
+    """Reset the counters, run the block, leave the counts in `stats`."""
+    stats.reset()
+    yield stats

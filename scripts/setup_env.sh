@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Prepare a Python environment for megaq; sourced by demo.sh and test.sh.
+# - uses the active virtualenv, or creates/activates .venv in the repo root;
+# - installs torch==2.13.0 (CPU build) only when no torch is importable: a user's
+#   CUDA torch is never replaced;
+# - installs triton, sentencepiece, numpy, pytest, tqdm, matplotlib and megaq itself (editable).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  if [ ! -x "$repo/.venv/bin/python" ]; then
+    echo "[setup] creating virtual environment $repo/.venv"
+    python3 -m venv "$repo/.venv"
+  fi
+  # shellcheck disable=SC1091
+  . "$repo/.venv/bin/activate"
+fi
+PY=python
+if ! $PY -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] no torch importable: installing the CPU build torch==2.13.0"
+  $PY -m pip install -q "torch==2.13.0"
+fi
+missing=$($PY - <<'PYEOF'
+import importlib.util as u
+need = {"triton": "triton", "sentencepiece": "sentencepiece", "numpy": "numpy",
+        "pytest": "pytest", "tqdm": "tqdm", "matplotlib": "matplotlib"}
+print(" ".join(p for m, p in need.items() if u.find_spec(m) is None))
+PYEOF
+)
+if [ -n "$missing" ]; then
+  echo "[setup] installing: $missing"
+  $PY -m pip install -q $missing
+fi
+if [ -n "${MEGAQ_TEST_EXTRAS:-}" ]; then
+  $PY -m pip install -q $MEGAQ_TEST_EXTRAS || echo "[setup] optional test extras unavailable: $MEGAQ_TEST_EXTRAS"
+fi
+if ! $PY -c "import megaq.kernels" >/dev/null 2>&1 || [ "$($PY -c 'import megaq,os;print(os.path.dirname(os.path.dirname(megaq.__file__)))' 2>/dev/null)" != "$repo" ]; then
+  echo "[setup] installing megaq (editable)"
+  $PY -m pip install -q --no-deps --no-build-isolation -e "$repo"
+fi
