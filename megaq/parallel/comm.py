@@ -13,7 +13,8 @@ sends it, as ``intra_node`` or ``inter_node`` depending on where the receiver li
   tensor of S bytes (the gathered output, or the reduce-scatter input): a ring laid
   out node by node. Every rank sends S(n-1)/n bytes to its ring successor; the last
   rank of each node sends across the node boundary. Summed per node: S(n-1)/n bytes
-  inter-node (zero when k == 1) and (n/k - 1) S(n-1)/n intra-node.
+  inter-node and (n/k - 1) S(n-1)/n intra-node; with k == 1 the ring closes inside
+  the node: n S(n-1)/n intra-node, nothing inter-node.
 * all-reduce: reduce-scatter + all-gather, two ring passes, twice the above.
 * all-to-all (equal splits): a rank sends S/n to every other member; each chunk is
   charged by where its receiver is.

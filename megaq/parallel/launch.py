@@ -56,13 +56,14 @@ def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
 
 
 def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
-                 ranks_per_node: int | None = None, hpz_size: int = 1, args: tuple = (),
+                 ranks_per_node: int | None = None, hpz_size: int = 1, order: str = "tp-dp-pp",
+                 args: tuple = (),
                  timeout: float = 300.0) -> list:
     """Run fn(topo, *args) on `world_size` gloo ranks; return per-rank results.
 
     fn and its results must be picklable only when the start method is not fork.
     """
-    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, hpz_size=hpz_size)
+    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, hpz_size=hpz_size, order=order)
     Layout(world_size=world_size, **layout_kw)  # validate before forking
     ctx = mp.get_context("fork")
     queue = ctx.Queue()

@@ -2,7 +2,15 @@
 
 Rank order follows Megatron: TP varies fastest, then DP, then PP:
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)          (order "tp-dp-pp", default)
+
+or, as Megatron's ``--use-tp-pp-dp-mapping``, DP outermost:
+
+    rank = tp_rank + tp * (pp_rank + pp * dp_rank)          (order "tp-pp-dp")
+
+With the default order and PP > 1, each pipeline stage fills a contiguous block of
+ranks, so on 2 nodes a stage's DP groups never leave one node; "tp-pp-dp" spreads
+every DP group over all nodes (what ZeRO++'s cross-node paths need).
 
 Nodes hold contiguous global ranks (`ranks_per_node` each), which is what torchrun
 and slurm's block distribution give. Inside each DP group we build the ZeRO++
@@ -38,6 +46,7 @@ class Layout:
     pp: int = 1
     ranks_per_node: int | None = None  # None: the whole world is one node
     hpz_size: int = 1  # 1 = hpZ off
+    order: str = "tp-dp-pp"  # or "tp-pp-dp" (Megatron's --use-tp-pp-dp-mapping)
 
     def __post_init__(self):
         if self.ranks_per_node is None:
@@ -57,10 +66,15 @@ class Layout:
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+        t, rest = rank % self.tp, rank // self.tp
+        if self.order == "tp-dp-pp":
+            return t, rest % self.dp, rest // self.dp
+        return t, rest // self.pp, rest % self.pp
 
     def rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+        if self.order == "tp-dp-pp":
+            return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+        return tp_rank + self.tp * (pp_rank + self.pp * dp_rank)
 
     # ---- group membership (lists of global ranks) -------------------------------
     def tp_groups(self) -> list[list[int]]:
@@ -97,6 +111,9 @@ class Layout:
 
 def validate_layout(layout: Layout) -> None:
     w, tp, pp, rpn = layout.world_size, layout.tp, layout.pp, layout.ranks_per_node
+    if layout.order not in ("tp-dp-pp", "tp-pp-dp"):
+        raise LayoutError(f"unknown rank order {layout.order!r}; use 'tp-dp-pp' (Megatron's "
+                          f"default) or 'tp-pp-dp' (--use-tp-pp-dp-mapping)")
     if min(w, tp, pp, rpn, layout.hpz_size) < 1:
         raise LayoutError(f"world size, TP, PP, ranks per node and hpZ size must be >= 1 "
                           f"(got world={w}, tp={tp}, pp={pp}, ranks_per_node={rpn}, "
@@ -115,7 +132,8 @@ def validate_layout(layout: Layout) -> None:
             raise LayoutError(
                 f"DP group {g} has an uneven number of ranks per node ({counts}); with "
                 f"TP={tp}, PP={pp} and {rpn} ranks per node, pick --gpus-per-node divisible by "
-                f"TP ({tp}) and either dividing TP x DP ({tp * layout.dp}) or divisible by it")
+                f"TP ({tp}) whose DP groups split evenly over nodes, or change the rank order "
+                f"(--use-tp-pp-dp-mapping)")
         per_node = counts[0]
         if per_node % layout.hpz_size:
             raise LayoutError(

@@ -1,0 +1,85 @@
+"""The packed quantized format shared by the torch reference and the Triton kernels.
+
+A segment of L elements (L a multiple of the block size B) quantized to `bits` in
+{8, 4} is one uint8 buffer:
+
+    [ payload: L * bits / 8 bytes ][ scales: L / B float32, 4 bytes each, little-endian ]
+
+so that a single collective moves data and scales together. Leading dimensions are
+independent segments: a tensor [..., L] packs to [..., packed_len(L, bits, B)].
+
+int8 payload: one two's-complement byte per element. int4 payload: two's-complement
+nibbles, element 2i in the low nibble of byte i, element 2i+1 in the high nibble.
+See docs/KERNELS.md for the rounding rule and the error bounds.
+"""
+
+import sys
+
+# Blocks whose absmax is below TINY quantize to all zeros with scale 0. Keeping every
+# non-zero scale >= TINY / qmax (a normal fp32 number, far above the subnormal range)
+# makes qmax / absmax finite and keeps every product and partial sum normal, so GPU
+# flush-to-zero behaviour can never make the Triton and torch results differ.
+TINY = 2.0 ** -90
+QMAX = {8: 127, 4: 7}
+DEFAULT_BLOCK = 4096
+SCALE_BYTES = 4
+
+if sys.byteorder != "little":  # the scale bytes are written as little-endian fp32
+    raise ImportError("megaq.kernels assumes a little-endian host")
+
+
+def check_format(L: int, bits: int, block: int) -> None:
+    """Raise one clear ValueError when (L, bits, block) cannot be packed."""
+    if bits not in QMAX:
+        raise ValueError(f"bits={bits} is not supported: use 8 (int8) or 4 (int4)")
+    if block <= 0 or block % 2:
+        raise ValueError(f"block={block} must be a positive even number (e.g. {DEFAULT_BLOCK})")
+    if L <= 0 or L % block:
+        raise ValueError(
+            f"length {L} is not a positive multiple of the block size {block}: "
+            f"pad the buffer to a multiple of {block} before quantizing"
+        )
+
+
+def packed_len(L: int, bits: int, block: int) -> int:
+    """Bytes of one packed segment of L elements: payload then one fp32 scale per block."""
+    check_format(L, bits, block)
+    return L * bits // 8 + SCALE_BYTES * (L // block)
+
+
+def check_packed(packed, L: int, bits: int, block: int) -> int:
+    """Validate a packed uint8 buffer [..., P] for segments of L elements; return P."""
+    import torch
+
+    P = packed_len(L, bits, block)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed buffer has dtype {packed.dtype}; expected torch.uint8")
+    if packed.dim() == 0 or packed.shape[-1] != P:
+        raise ValueError(
+            f"packed buffer has shape {tuple(packed.shape)}; expected [..., {P}] "
+            f"(packed_len(L={L}, bits={bits}, block={block}))"
+        )
+    return P
+
+
+def check_float_input(x) -> None:
+    import torch
+
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"input dtype {x.dtype} is not supported: use float32, float16 or bfloat16")
+
+
+def check_reorder(numel: int, k: int, m: int, block: int) -> int:
+    """For a gradient of `numel` elements split over n = k * m ranks, return S."""
+    if k <= 0 or m <= 0:
+        raise ValueError(f"k={k} nodes and m={m} ranks per node must be positive")
+    n = k * m
+    if numel % n:
+        raise ValueError(f"gradient of {numel} elements does not split into n={n} equal chunks: pad it")
+    S = numel // n
+    if S == 0 or S % block:
+        raise ValueError(
+            f"chunk size S={S} is not a positive multiple of the block size {block}: "
+            f"pad the gradient to a multiple of n * block = {n * block}"
+        )
+    return S

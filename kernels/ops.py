@@ -1,0 +1,56 @@
+"""Dispatch: the Triton kernels for CUDA tensors, the torch reference otherwise.
+
+megaq code calls megaq.kernels.ops.* only. MEGAQ_KERNELS (read on every call) forces
+a backend: `triton` (e.g. CPU tests under TRITON_INTERPRET=1), `torch`, or `auto`
+(default). Triton is imported lazily, so CPU-only runs never need a working Triton.
+"""
+
+import os
+
+import torch
+
+from . import reference
+from .format import DEFAULT_BLOCK, packed_len
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "packed_len",
+    "quantize",
+    "dequantize",
+    "reorder_quantize",
+    "dequant_reduce_quantize",
+    "dequant_reduce",
+    "backend_for",
+]
+
+
+def backend_for(t: torch.Tensor):
+    """The module (kernels.quant or kernels.reference) that handles tensor t."""
+    choice = os.environ.get("MEGAQ_KERNELS", "auto").lower()
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"MEGAQ_KERNELS={choice!r} is not one of auto, triton, torch")
+    if choice == "torch" or (choice == "auto" and not t.is_cuda):
+        return reference
+    from . import quant  # lazy: importing triton is slow and needs a GPU or the interpreter
+
+    return quant
+
+
+def quantize(x, bits=8, block=DEFAULT_BLOCK):
+    return backend_for(x).quantize(x, bits, block)
+
+
+def dequantize(packed, L, bits=8, block=DEFAULT_BLOCK, dtype=torch.float32):
+    return backend_for(packed).dequantize(packed, L, bits, block, dtype)
+
+
+def reorder_quantize(grad, k, m, bits=4, block=DEFAULT_BLOCK, residual=None):
+    return backend_for(grad).reorder_quantize(grad, k, m, bits, block, residual)
+
+
+def dequant_reduce_quantize(recv, k, S, bits_in=4, bits_out=4, block=DEFAULT_BLOCK):
+    return backend_for(recv).dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block)
+
+
+def dequant_reduce(recv, S, bits=4, block=DEFAULT_BLOCK, scale=1.0, out=None):
+    return backend_for(recv).dequant_reduce(recv, S, bits, block, scale, out)

@@ -1,0 +1,15 @@
+"""Data pipeline: SentencePiece tokenizer, Megatron .bin/.idx, GPT dataset, blending,
+the distributed batch iterator and the built-in corpus.
+
+Modules (import the one you need; nothing here imports torch.distributed):
+  errors        DataError: bad input the user can fix (one-line message)
+  fsutil        temp-name-then-rename writes and a file lock
+  tokenizer     build_tokenizer(type, model) -> .vocab_size .eod .pad .tokenize .detokenize
+  tokenizer_training  train_sentencepiece(...) used by tools/train_tokenizer.py
+  indexed       Megatron-compatible IndexedDataset reader and IndexedDatasetWriter
+  preprocess    jsonl -> .bin/.idx with worker processes (tools/preprocess_data.py)
+  gpt_dataset   GPTDataset, MockGPTDataset, build_train_valid_test_datasets
+  blending      BlendedDataset and the weighted --data-path parser
+  iterator      BatchIterator: each DP rank's micro-batches of each global batch
+  builtin       ensure_builtin_corpus(): stdlib text corpus + tokenizer, built on first use
+"""

@@ -1,0 +1,59 @@
+"""Crash- and race-safe file writes: write to a temporary name, rename at the end.
+
+Several ranks (or several tools) may build the same cached file at once; each writes
+its own temporary name and `os.replace`s it into place, so readers only ever see a
+complete file. `FileLock` serialises builders on one machine (and on shared
+filesystems that honour flock) so the work is done once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import uuid
+
+
+def tmp_name(path: str) -> str:
+    """A sibling temporary name, unique per process and call (same filesystem as path)."""
+    d, base = os.path.split(os.path.abspath(path))
+    return os.path.join(d, f".{base}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def remove_quietly(*paths: str) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.remove(p)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb"):
+    """Open a temp file for writing; on success rename it to `path`, on error delete it."""
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
+class FileLock:
+    """Exclusive advisory lock on `path` (created if missing); a context manager."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = None
+
+    def __enter__(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+        return False

@@ -1,0 +1,116 @@
+"""Rank grid, node map and ZeRO++ subgroups: membership and refusals."""
+
+import pytest
+
+from megaq.parallel.launch import run_on_ranks
+from megaq.parallel.topology import (Layout, LayoutError, check_model_fits_tp,
+                                     ranks_per_node_from_env)
+
+
+def test_megatron_rank_order_tp2_pp2_dp2():
+    lay = Layout(world_size=8, tp=2, pp=2, ranks_per_node=4)
+    assert lay.dp == 2 and lay.num_nodes == 2
+    assert lay.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.coords(6) == (0, 1, 1)
+    # This DP group sits on one node: intra is the whole group, inter is per rank.
+    assert lay.intra_groups([0, 2]) == [[0, 2]]
+    assert lay.inter_groups([0, 2]) == [[0], [2]]
+
+
+def test_tp2_dp4_two_nodes_has_two_dp_ranks_per_node():
+    # 8 ranks = 2 nodes x 4, TP=2: each DP group has 2 ranks on each node.
+    lay = Layout(world_size=8, tp=2, ranks_per_node=4, hpz_size=2)
+    g = lay.dp_groups()[0]
+    assert g == [0, 2, 4, 6]
+    assert lay.intra_groups(g) == [[0, 2], [4, 6]]
+    assert lay.inter_groups(g) == [[0, 4], [2, 6]]
+    assert lay.hpz_groups(g) == [[0, 2], [4, 6]]
+    assert lay.intra_groups(lay.dp_groups()[1]) == [[1, 3], [5, 7]]
+
+
+def test_dp8_two_nodes_hpz2():
+    lay = Layout(world_size=8, ranks_per_node=4, hpz_size=2)
+    g = lay.dp_groups()[0]
+    assert lay.intra_groups(g) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.inter_groups(g) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.hpz_groups(g) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_sixteen_ranks_demo_layout_spans_both_nodes():
+    # Megatron's default order keeps each PP stage on one node of 8 ...
+    lay = Layout(world_size=16, tp=2, pp=2, ranks_per_node=8)
+    assert all(len(lay.intra_groups(g)) == 1 for g in lay.dp_groups())
+    # ... DP-outermost order spreads every DP group over both nodes, 2 ranks on each.
+    lay = Layout(world_size=16, tp=2, pp=2, ranks_per_node=8, hpz_size=2, order="tp-pp-dp")
+    assert lay.dp_groups()[0] == [0, 4, 8, 12]
+    assert lay.pp_groups()[0] == [0, 2]
+    for g in lay.dp_groups():
+        intra = lay.intra_groups(g)
+        assert len(intra) == 2 and all(len(m) == 2 for m in intra), g
+    assert lay.coords(lay.rank_at(1, 3, 1)) == (1, 3, 1)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(world_size=8, tp=3), "not divisible by TP x PP"),
+    (dict(world_size=8, tp=2, pp=3), "not divisible by TP x PP"),
+    (dict(world_size=8, ranks_per_node=3), "not a multiple of the ranks per node"),
+    (dict(world_size=6, tp=2, ranks_per_node=3), "uneven number of ranks per node"),
+    (dict(world_size=8, order="dp-tp"), "unknown rank order"),
+    (dict(world_size=8, ranks_per_node=4, hpz_size=3), "does not divide the 4 DP ranks per node"),
+    (dict(world_size=8, tp=2, ranks_per_node=4, hpz_size=4), "does not divide the 2 DP ranks per node"),
+])
+def test_refusals(kw, needle):
+    with pytest.raises(LayoutError, match=needle) as e:
+        Layout(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_model_refusals():
+    with pytest.raises(LayoutError, match="--num-attention-heads 6 is not divisible"):
+        check_model_fits_tp(4, 6)
+    with pytest.raises(LayoutError, match="--num-query-groups 2 is not divisible"):
+        check_model_fits_tp(4, 8, 2)
+    check_model_fits_tp(2, 8, 2)
+
+
+def test_node_map_from_launchers(monkeypatch):
+    for v in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"):
+        monkeypatch.delenv(v, raising=False)
+    assert ranks_per_node_from_env(8, 0) == 8
+    assert ranks_per_node_from_env(8, 0, gpus_per_node=4) == 4
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert ranks_per_node_from_env(8, 5) == 4
+    with pytest.raises(LayoutError, match="block distribution"):
+        ranks_per_node_from_env(8, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert ranks_per_node_from_env(8, 7) == 2  # torchrun wins over slurm
+
+
+def _membership(topo):
+    return {k: getattr(topo, k).ranks for k in
+            ("tp", "dp", "pp", "embedding", "intra", "inter", "hpz")}
+
+
+@pytest.mark.parametrize("tp, pp, hpz, order", [(1, 1, 2, "tp-dp-pp"), (2, 1, 2, "tp-dp-pp"),
+                                               (2, 2, 1, "tp-dp-pp"), (1, 2, 2, "tp-pp-dp")])
+def test_built_groups_match_layout(tp, pp, hpz, order):
+    lay = Layout(world_size=8, tp=tp, pp=pp, ranks_per_node=4, hpz_size=hpz, order=order)
+    got = run_on_ranks(_membership, 8, tp=tp, pp=pp, ranks_per_node=4, hpz_size=hpz, order=order)
+    for rank, groups in enumerate(got):
+        dp = next(g for g in lay.dp_groups() if rank in g)
+        want = {
+            "tp": next(g for g in lay.tp_groups() if rank in g),
+            "dp": dp,
+            "pp": next(g for g in lay.pp_groups() if rank in g),
+            "embedding": next(g for g in lay.embedding_groups() if rank in g)
+            if lay.pp > 1 else [rank],
+            "intra": next(g for g in lay.intra_groups(dp) if rank in g),
+            "inter": next(g for g in lay.inter_groups(dp) if rank in g),
+            "hpz": next(g for g in lay.hpz_groups(dp) if rank in g),
+        }
+        assert groups == want, rank
