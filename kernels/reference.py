@@ -3,8 +3,9 @@
 CPU runs use these; the Triton kernels must match them bit for bit. Rounding rule
 (docs/KERNELS.md): per block, absmax = max |x| in fp32; if absmax < TINY the block
 is all zeros with scale 0; else scale = absmax / qmax and inv = qmax / absmax, both
-IEEE round-to-nearest fp32 divisions; y = x * inv (fp32); q = sign(y) *
-min(floor(|y| + 0.5), qmax) (round half away from zero). Dequantize: q * scale in
+IEEE round-to-nearest fp32 divisions; y = x * inv (fp32); q = trunc(y + 0.5 *
+sign(y)) with that add in fp32 (round half away from zero; |q| <= qmax always, see
+docs/KERNELS.md). Dequantize: q * scale in
 fp32, then one cast to the requested dtype. Sums run over rows in order 0, 1, ...
 starting from +0.0, one fp32 add per row.
 
@@ -47,8 +48,10 @@ def _quantize_fp32(xf: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     scale = torch.where(is_zero, torch.zeros_like(absmax), torch.div(safe, qmax))
     inv = torch.where(is_zero, torch.zeros_like(absmax), torch.div(qmax, safe))
     y = blocks * inv.unsqueeze(-1)
-    r = torch.clamp(torch.floor(y.abs() + 0.5), max=float(QMAX[bits]))
-    q = torch.where(y < 0, -r, r).to(torch.int8).reshape(*lead, L)
+    # round half away from zero: truncate y + 0.5 * sign(y) (float -> int truncates);
+    # no clamp needed: |y| <= absmax * inv <= qmax * (1 + 2^-23) < qmax + 0.5
+    half = torch.where(y < 0, -0.5, 0.5)
+    q = (y + half).to(torch.int8).reshape(*lead, L)
     if bits == 8:
         payload = q.view(torch.uint8)
     else:
@@ -156,7 +159,7 @@ def dequant_reduce(
     With `out` (fp32 [S]) the result is ADDED into out (gradient accumulation)."""
     check_packed(recv, S, bits, block)
     rows = _dequantize_fp32(recv.reshape(-1, recv.shape[-1]), S, bits, block)
-    res = _sum_rows(rows) * torch.tensor(scale, dtype=torch.float32, device=rows.device)
+    res = _sum_rows(rows) * float(scale)  # fp32 tensor * python float: fp32(scale) multiply
     if out is None:
         return res
     _check_out(out, S)

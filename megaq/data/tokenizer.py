@@ -56,7 +56,9 @@ class SentencePieceTokenizer:
         return self.sp.encode(text)
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.encode(texts)
+        # One thread: parallelism comes from worker processes, and SentencePiece's own
+        # default would grab every core in every worker.
+        return self.sp.encode(texts, num_threads=1)
 
     def detokenize(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])

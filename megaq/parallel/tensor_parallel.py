@@ -121,8 +121,7 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((group.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, x, group, PHASE)
+    out = _gather_dim0(x, group).view((group.size,) + tuple(x.shape))
     return out.movedim(0, -2).reshape(tuple(x.shape[:-1]) + (group.size * x.shape[-1],))
 
 
@@ -270,7 +269,7 @@ class TPRngTracker:
         if name in self.states:
             raise ValueError(f"RNG stream {name!r} already exists; reset the tracker first")
         state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available():  # dropout on GPU tensors draws from the CUDA generator
             saved = torch.cuda.get_rng_state()
             torch.cuda.manual_seed(seed)
             state["cuda"] = torch.cuda.get_rng_state()

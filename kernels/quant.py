@@ -1,0 +1,291 @@
+"""Triton kernels for the packed blockwise format (kernels/format.py).
+
+Same signatures and bit-identical results as kernels/reference.py. Two kernels do all
+the work, one Triton program per quantization block:
+
+- _quantize_kernel: quantize one block of a (possibly reordered) fp32/bf16/fp16 input,
+  optionally with error feedback (residual read, added, and rewritten).
+- _dequant_reduce_kernel: dequantize one block from each of `n_sum` rows, add them in
+  fp32 in row order, then either requantize (the hop between the two all-to-alls) or
+  scale / accumulate / cast into a float output (plain dequantize, final reduce).
+
+Every launch passes enable_fp_fusion=False: a fused multiply-add rounds differently
+from the separate multiply and add that torch performs, and bit-identity with the
+reference is the contract. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32
+lowering on NVIDIA GPUs is approximate.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover - very old Triton
+    InterpretedFunction = ()
+
+from .format import (
+    DEFAULT_BLOCK,
+    QMAX,
+    SCALE_BYTES,
+    TINY,
+    check_float_input,
+    check_format,
+    check_packed,
+    check_reorder,
+    packed_len,
+)
+from .reference import _check_out, _check_residual
+
+__all__ = [
+    "packed_len",
+    "quantize",
+    "dequantize",
+    "reorder_quantize",
+    "dequant_reduce_quantize",
+    "dequant_reduce",
+]
+
+
+@triton.jit
+def _quantize_block(x, QMAX: tl.constexpr, TINY: tl.constexpr):
+    """fp32 block -> (q as int32, scale): the rule documented in reference.py."""
+    absmax = tl.max(tl.abs(x), axis=0)
+    is_zero = absmax < TINY
+    qmax = tl.full([], QMAX, tl.float32)
+    safe = tl.where(is_zero, 1.0, absmax)
+    scale = tl.where(is_zero, 0.0, tl.math.div_rn(safe, qmax))
+    inv = tl.where(is_zero, 0.0, tl.math.div_rn(qmax, safe))
+    y = x * inv
+    q = (y + tl.where(y < 0, -0.5, 0.5)).to(tl.int32)  # float -> int truncates toward zero
+    return q, scale
+
+
+@triton.jit
+def _load_lanes(ptr, N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+    """Load N lanes from ptr, of which N * BLOCK / BLOCK_P2 are real (unmasked when
+    BLOCK is a power of two, so the loads vectorize)."""
+    if BLOCK == BLOCK_P2:
+        return tl.load(ptr + tl.arange(0, N))
+    else:
+        return tl.load(ptr + tl.arange(0, N), mask=tl.arange(0, N) < (N * BLOCK) // BLOCK_P2, other=0)
+
+
+@triton.jit
+def _store_lanes(ptr, val, N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+    if BLOCK == BLOCK_P2:
+        tl.store(ptr + tl.arange(0, N), val)
+    else:
+        tl.store(ptr + tl.arange(0, N), val, mask=tl.arange(0, N) < (N * BLOCK) // BLOCK_P2)
+
+
+@triton.jit
+def _store_block(ptr, scale_ptr, q, scale, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+    """Write one block's payload at ptr and its fp32 scale as 4 little-endian bytes."""
+    if BITS == 8:
+        _store_lanes(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), BLOCK_P2, BLOCK, BLOCK_P2)
+    else:
+        lo, hi = tl.split(tl.reshape(q, [BLOCK_P2 // 2, 2]))
+        byte = (lo & 0xF) | (hi << 4)
+        _store_lanes(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), BLOCK_P2 // 2, BLOCK, BLOCK_P2)
+    bits = scale.to(tl.uint32, bitcast=True)
+    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+    tl.store(scale_ptr + tl.arange(0, 4), ((bits >> shifts) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _load_block(ptr, scale_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+    """Read one block back as fp32 (q * scale)."""
+    if BITS == 8:
+        raw = _load_lanes(ptr, BLOCK_P2, BLOCK, BLOCK_P2)
+        q = raw.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        raw = _load_lanes(ptr, BLOCK_P2 // 2, BLOCK, BLOCK_P2)
+        raw = raw.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended byte
+        lo = (raw << 28) >> 28
+        hi = raw >> 4
+        q = tl.reshape(tl.join(lo, hi), [BLOCK_P2]).to(tl.float32)
+    b0 = tl.load(scale_ptr).to(tl.uint32)
+    b1 = tl.load(scale_ptr + 1).to(tl.uint32)
+    b2 = tl.load(scale_ptr + 2).to(tl.uint32)
+    b3 = tl.load(scale_ptr + 3).to(tl.uint32)
+    scale = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+    return q * scale
+
+
+@triton.jit
+def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
+    """fp32 -> DTYPE, round to nearest even. Under the Triton interpreter bf16 is rounded
+    by hand: the interpreter truncates fp32 -> bf16, the GPU and torch round to even."""
+    if MANUAL_BF16 and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, res_ptr, out_ptr,
+    m, chunk_blocks, row_blocks, row_bytes, payload_bytes,
+    BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
+    QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    # Output block b of row `row` reads source block ((b // cb) * m + row) * cb + b % cb:
+    # with chunk_blocks == row_blocks (k = 1) that is plain row-major quantization.
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // row_blocks
+    b = pid % row_blocks
+    src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
+    x_blk = x_ptr + src * BLOCK
+    x = _load_lanes(x_blk, BLOCK_P2, BLOCK, BLOCK_P2).to(tl.float32)
+    if HAS_RES:
+        r_blk = res_ptr + src * BLOCK
+        x = x + _load_lanes(r_blk, BLOCK_P2, BLOCK, BLOCK_P2)
+    q, scale = _quantize_block(x, QMAX, TINY)
+    row_ptr = out_ptr + row * row_bytes
+    _store_block(row_ptr + b * (BLOCK * BITS // 8), row_ptr + payload_bytes + b * 4, q, scale, BITS, BLOCK, BLOCK_P2)
+    if HAS_RES:
+        _store_lanes(r_blk, x - q.to(tl.float32) * scale, BLOCK_P2, BLOCK, BLOCK_P2)
+
+
+@triton.jit
+def _dequant_reduce_kernel(
+    in_ptr, out_ptr,
+    in_row_bytes, in_payload_bytes, in_rows_per_out, in_blocks_per_out,
+    out_row_blocks, out_row_bytes, out_payload_bytes, factor,
+    N_SUM: tl.constexpr, BITS_IN: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr, QMAX_OUT: tl.constexpr, TINY: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr,
+):
+    # Output block (orow, ob) sums input rows orow * in_rows_per_out + r, r < N_SUM, at
+    # block orow * in_blocks_per_out + ob of each row. The row loop is unrolled so all
+    # N_SUM loads are in flight at once. Summing from row 0 instead of from +0.0 is
+    # bit-identical to the reference: q * scale is never -0.0.
+    pid = tl.program_id(0).to(tl.int64)
+    orow = pid // out_row_blocks
+    ob = pid % out_row_blocks
+    in_blk = orow * in_blocks_per_out + ob
+    row_ptr = in_ptr + orow * in_rows_per_out * in_row_bytes
+    acc = _load_block(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
+                      BITS_IN, BLOCK, BLOCK_P2)
+    for r in tl.static_range(1, N_SUM):
+        row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
+        acc = acc + _load_block(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
+                                BITS_IN, BLOCK, BLOCK_P2)
+    if BITS_OUT != 0:
+        if BLOCK != BLOCK_P2:  # padding lanes must not touch the absmax
+            acc = tl.where(tl.arange(0, BLOCK_P2) < BLOCK, acc, 0.0)
+        q, scale = _quantize_block(acc, QMAX_OUT, TINY)
+        row_ptr = out_ptr + orow * out_row_bytes
+        _store_block(
+            row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
+            q, scale, BITS_OUT, BLOCK, BLOCK_P2,
+        )
+    else:
+        if HAS_FACTOR:
+            acc = acc * factor
+        o = out_ptr + (orow * out_row_blocks + ob) * BLOCK
+        if ACCUMULATE:
+            acc = _load_lanes(o, BLOCK_P2, BLOCK, BLOCK_P2) + acc
+        _store_lanes(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), BLOCK_P2, BLOCK, BLOCK_P2)
+
+
+# Benchmark-only override of the warps per program (tools/bench_kernels.py sweeps it);
+# None means the default below.
+WARPS_OVERRIDE = None
+
+
+def _launch_opts(block: int) -> dict:
+    p2 = triton.next_power_of_2(block)
+    warps = WARPS_OVERRIDE or (4 if p2 <= 2048 else 8)
+    return dict(BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
+
+
+def _interpreting() -> bool:
+    return isinstance(_quantize_kernel, InterpretedFunction)
+
+
+def _quantize_rows(x, residual, rows, k, m, S, bits, block):
+    """Quantize rows x [rows, k*S] where output row j block b reads chunk (b//cb)*m + j."""
+    P = packed_len(k * S, bits, block)
+    out = torch.empty((rows, P), dtype=torch.uint8, device=x.device)
+    row_blocks = k * S // block
+    res = residual if residual is not None else x
+    _quantize_kernel[(rows * row_blocks,)](
+        x, res, out, m, S // block, row_blocks, P, k * S * bits // 8,
+        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, **_launch_opts(block),
+    )
+    return out
+
+
+def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_per_out, in_blocks_per_out,
+                           out_row_len, bits_out, block, factor=None, accumulate=False):
+    out_row_blocks = out_row_len // block
+    out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
+    _dequant_reduce_kernel[(out_rows * out_row_blocks,)](
+        recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
+        out_row_blocks, out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
+        N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
+        HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
+        **_launch_opts(block),
+    )
+    return out
+
+
+def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    check_float_input(x)
+    L = x.shape[-1] if x.dim() else 0
+    check_format(L, bits, block)
+    lead = x.shape[:-1]
+    flat = x.contiguous().reshape(-1, L)
+    out = _quantize_rows(flat, None, flat.shape[0], 1, 1, L, bits, block)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def dequantize(
+    packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    check_packed(packed, L, bits, block)
+    lead = packed.shape[:-1]
+    flat = packed.contiguous().reshape(-1, packed.shape[-1])
+    out = torch.empty((flat.shape[0], L), dtype=dtype, device=packed.device)
+    _dequant_reduce_launch(flat, out, flat.shape[0], 1, L, bits, 1, 0, L, 0, block)
+    return out.reshape(*lead, L)
+
+
+def reorder_quantize(
+    grad: torch.Tensor, k: int, m: int, bits: int = 4, block: int = DEFAULT_BLOCK,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    check_float_input(grad)
+    S = check_reorder(grad.numel(), k, m, block)
+    check_format(S, bits, block)
+    if residual is not None:
+        _check_residual(residual, grad)
+    return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block)
+
+
+def dequant_reduce_quantize(
+    recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK
+) -> torch.Tensor:
+    check_format(S, bits_out, block)
+    check_packed(recv, k * S, bits_in, block)
+    flat = recv.contiguous().reshape(-1, recv.shape[-1])
+    out = torch.empty((k, packed_len(S, bits_out, block)), dtype=torch.uint8, device=recv.device)
+    return _dequant_reduce_launch(flat, out, k, flat.shape[0], k * S, bits_in, 0, S // block, S, bits_out, block)
+
+
+def dequant_reduce(
+    recv: torch.Tensor, S: int, bits: int = 4, block: int = DEFAULT_BLOCK, scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    check_packed(recv, S, bits, block)
+    flat = recv.contiguous().reshape(-1, recv.shape[-1])
+    accumulate = out is not None
+    if accumulate:
+        _check_out(out, S)
+    else:
+        out = torch.empty(S, dtype=torch.float32, device=recv.device)
+    return _dequant_reduce_launch(flat, out, 1, flat.shape[0], S, bits, 0, 0, S, 0, block, float(scale), accumulate)

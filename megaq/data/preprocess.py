@@ -1,0 +1,299 @@
+"""jsonl (or .jsonl.gz) -> Megatron `{prefix}_{key}_document.bin/.idx`.
+
+The main process reads raw lines in chunks and hands them to worker processes, which
+parse the JSON, tokenize with SentencePiece and return one flat token array plus the
+document lengths per chunk; the main process writes them in input order. With one
+worker everything runs in the main process (no pickling). `--partitions N` encodes N
+contiguous line ranges one after another into temporary datasets and merges them;
+the result is byte-identical to N = 1.
+
+Bad input stops the run with a DataError naming the file and line; nothing is left
+under the output names (everything is written to temporary names and renamed last).
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megaq.data.errors import DataError
+from megaq.data.fsutil import remove_quietly
+from megaq.data.indexed import IndexedDatasetWriter, resolve_dtype
+from megaq.data.tokenizer import build_tokenizer
+
+CHUNK_DOCS = 256          # documents per worker task: amortises IPC, keeps latency low
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0            # non-empty lines read (documents with at least one key)
+    empty: dict = field(default_factory=dict)   # key -> empty documents skipped
+    tokens: dict = field(default_factory=dict)  # key -> tokens written
+    bytes: int = 0                # input bytes (uncompressed) read
+    seconds: float = 0.0
+    outputs: dict = field(default_factory=dict)  # key -> output prefix
+
+    def rates(self) -> dict:
+        s = max(self.seconds, 1e-9)
+        return {"docs_per_s": self.documents / s, "mb_per_s": self.bytes / s / 1e6,
+                "tokens_per_s": sum(self.tokens.values()) / s}
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"
+
+
+def open_input(path: str):
+    """Binary line reader for .jsonl or .jsonl.gz (gzip detected by magic bytes)."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: input not found; check --input")
+    try:
+        return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb", buffering=1 << 20)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read input ({e.strerror}); fix its permissions") from None
+
+
+def is_gzip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def iter_chunks(path: str, start: int = 0, stop: int | None = None,
+                chunk_docs: int = CHUNK_DOCS, by_range: bool = False):
+    """Yield (first line number (1-based), payload) for lines [start, stop).
+
+    payload is the list of raw lines, or with by_range=True (uncompressed files only)
+    the (byte offset, byte count) of those lines, which a worker reads itself: the
+    parent then ships a few integers per chunk instead of the text."""
+    f = open_input(path)
+    lineno = 0
+    try:
+        with f:
+            lines, nbytes, first, offset, n = [], 0, start + 1, 0, 0
+            for lineno, line in enumerate(f, 1):
+                if lineno <= start:
+                    offset += len(line)
+                    continue
+                if stop is not None and lineno > stop:
+                    break
+                if not by_range:
+                    lines.append(line)
+                n += 1
+                nbytes += len(line)
+                if n >= chunk_docs or nbytes >= CHUNK_BYTES:
+                    yield first, ((offset, nbytes) if by_range else lines)
+                    first, lines, offset, nbytes, n = lineno + 1, [], offset + nbytes, 0, 0
+            if n:
+                yield first, ((offset, nbytes) if by_range else lines)
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: read error after line {lineno} ({e}); the file is corrupt "
+                        "or truncated: re-create it") from None
+
+
+def count_lines(path: str) -> int:
+    n, last = 0, b""
+    with open_input(path) as f:
+        while block := f.read(1 << 24):
+            n += block.count(b"\n")
+            last = block
+        if last and not last.endswith(b"\n"):
+            n += 1
+    return n
+
+
+class ChunkEncoder:
+    """Parses and tokenizes chunks of jsonl lines; one instance per worker process."""
+
+    def __init__(self, path, json_keys, tokenizer_type, tokenizer_model, append_eod, dtype):
+        self.path, self.keys, self.append_eod = path, list(json_keys), append_eod
+        self.tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+        self.dtype = np.dtype(dtype)
+        self._fd = None
+
+    def __call__(self, chunk):
+        """-> ("ok", {key: (flat tokens, lengths)}, {key: empty}, docs, nbytes) or ("error", msg)."""
+        first, lines = chunk
+        if isinstance(lines, tuple):  # a byte range of the (uncompressed) input
+            offset, nbytes = lines
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            parts = os.pread(self._fd, nbytes, offset).split(b"\n")  # only \n ends a line
+            lines = [x + b"\n" for x in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+        texts = {k: [] for k in self.keys}
+        empty = dict.fromkeys(self.keys, 0)
+        docs = 0
+        nbytes = 0
+        for lineno, raw in enumerate(lines, first):
+            nbytes += len(raw)
+            if not raw.strip():
+                for k in self.keys:
+                    empty[k] += 1
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                return ("error", f"{self.path}:{lineno}: malformed JSON ({e}); fix or delete "
+                                 "this line (one JSON object per line)")
+            if not isinstance(obj, dict):
+                return ("error", f"{self.path}:{lineno}: expected a JSON object, got "
+                                 f"{type(obj).__name__}; write one object per line")
+            docs += 1
+            for k in self.keys:
+                if k not in obj:
+                    have = ", ".join(list(obj)[:8]) or "none"
+                    return ("error", f"{self.path}:{lineno}: missing json key {k!r} (keys present: "
+                                     f"{have}); pass the right name with --json-keys")
+                text = obj[k]
+                if not isinstance(text, str):
+                    return ("error", f"{self.path}:{lineno}: json key {k!r} holds "
+                                     f"{type(text).__name__}, expected a string; fix the line")
+                texts[k].append(text)
+        out = {}
+        for k in self.keys:
+            ids = self.tokenizer.tokenize_batch(texts[k]) if texts[k] else []
+            kept = [x for x in ids if x]
+            empty[k] += len(ids) - len(kept)
+            if self.append_eod:
+                for x in kept:
+                    x.append(self.tokenizer.eod)
+            lengths = np.fromiter((len(x) for x in kept), np.int32, len(kept))
+            flat = np.fromiter(itertools.chain.from_iterable(kept), self.dtype, int(lengths.sum()))
+            out[k] = (flat, lengths)
+        return ("ok", out, empty, docs, nbytes)
+
+
+_WORKER_ENCODER = None  # set in each pool worker by _init_worker; never used in the parent
+
+
+def _init_worker(args):
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = ChunkEncoder(*args)
+
+
+def _encode_in_worker(chunk):
+    return _WORKER_ENCODER(chunk)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def preprocess(input_path: str, output_prefix: str, tokenizer_model: str,
+               json_keys=("text",), tokenizer_type: str = "SentencePieceTokenizer",
+               append_eod: bool = False, workers: int = 1, partitions: int = 1,
+               log_interval: int = 1000, dtype: str = "auto", log=_log) -> PreprocessStats:
+    """Tokenize `input_path` into `{output_prefix}_{key}_document.bin/.idx` per json key."""
+    if workers < 1 or partitions < 1:
+        raise DataError("--workers and --partitions must be at least 1")
+    if not json_keys:
+        raise DataError("--json-keys is empty; name at least one key, e.g. --json-keys text")
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)  # fail early, in the parent
+    np_dtype = resolve_dtype(dtype, tokenizer.vocab_size)
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.getsize(_checked_input(input_path)) == 0:
+        raise DataError(f"{input_path}: empty input (0 bytes); give a jsonl file with one "
+                        "JSON object per line")
+
+    enc_args = (input_path, list(json_keys), tokenizer_type, tokenizer_model, append_eod, np_dtype)
+    pool = None
+    if workers > 1:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(enc_args,))
+    encode = ChunkEncoder(*enc_args) if pool is None else None
+    writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), np_dtype)
+               for k in json_keys}
+    stats = PreprocessStats(empty=dict.fromkeys(json_keys, 0), tokens=dict.fromkeys(json_keys, 0))
+    t0 = time.perf_counter()
+    try:
+        ranges = _partition_ranges(input_path, partitions)
+        for start, stop in ranges:
+            sinks = writers if len(ranges) == 1 else {
+                k: IndexedDatasetWriter(f"{output_prefix_for(output_prefix, k)}.part{start}",
+                                        np_dtype) for k in json_keys}
+            try:
+                _encode_range(input_path, start, stop, pool, encode, sinks, stats, t0,
+                              log_interval, log)
+                if sinks is not writers:
+                    for k, w in sinks.items():
+                        w.finish()
+                        w.commit()
+                        writers[k].append_files(w.prefix)
+            finally:
+                if sinks is not writers:
+                    for w in sinks.values():
+                        w.abort()
+                        remove_quietly(w.prefix + ".bin", w.prefix + ".idx")
+        if stats.documents == 0:
+            raise DataError(f"{input_path}: empty input: no JSON documents found; give one "
+                            "JSON object per line")
+        for k in json_keys:
+            if writers[k].num_documents == 0:
+                raise DataError(f"{input_path}: all {stats.documents} documents have empty "
+                                f"text under key {k!r}; check --json-keys")
+        for w in writers.values():
+            w.finish()
+        for w in writers.values():
+            w.commit()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    stats.seconds = time.perf_counter() - t0
+    stats.outputs = {k: w.prefix for k, w in writers.items()}
+    r = stats.rates()
+    log(f"Done: {stats.documents} documents, {sum(stats.tokens.values())} tokens, "
+        f"{stats.bytes / 1e6:.2f} MB in {stats.seconds:.2f} s ({r['docs_per_s']:.1f} docs/s, "
+        f"{r['mb_per_s']:.2f} MB/s, {r['tokens_per_s']:.0f} tokens/s); empty documents skipped: "
+        + ", ".join(f"{k}={v}" for k, v in stats.empty.items()))
+    return stats
+
+
+def _checked_input(path: str) -> str:
+    open_input(path).close()  # existence, permissions
+    return path
+
+
+def _partition_ranges(path: str, partitions: int) -> list:
+    if partitions == 1:
+        return [(0, None)]
+    n = count_lines(path)
+    bounds = [n * p // partitions for p in range(partitions + 1)]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a] or [(0, None)]
+
+
+def _encode_range(path, start, stop, pool, encode, writers, stats, t0, log_interval, log):
+    # Chunks no larger than the log interval, so progress lines come when asked for.
+    chunk_docs = min(CHUNK_DOCS, log_interval) if log_interval > 0 else CHUNK_DOCS
+    chunks = iter_chunks(path, start, stop, chunk_docs,
+                         by_range=pool is not None and not is_gzip(path))
+    results = pool.imap(_encode_in_worker, chunks) if pool is not None else map(encode, chunks)
+    next_log = (stats.documents // log_interval + 1) * log_interval if log_interval > 0 else None
+    for res in results:
+        if res[0] == "error":
+            raise DataError(res[1])
+        _, out, empty, docs, nbytes = res
+        for k, (flat, lengths) in out.items():
+            writers[k].add_documents(flat, lengths)
+            stats.tokens[k] += int(flat.size)
+            stats.empty[k] += empty[k]
+        stats.documents += docs
+        stats.bytes += nbytes
+        if next_log is not None and stats.documents >= next_log:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            log(f"Processed {stats.documents} documents ({stats.documents / dt:.1f} docs/s, "
+                f"{stats.bytes / dt / 1e6:.2f} MB/s, {sum(stats.tokens.values()) / dt:.0f} tokens/s).")
+            next_log = (stats.documents // log_interval + 1) * log_interval

@@ -1,0 +1,67 @@
+"""Causal self-attention with heads (and GQA query groups) split over TP."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaq.model.config import GPTConfig
+from megaq.model.init import ParamInit
+from megaq.model.layers import apply_rotary
+from megaq.parallel.comm import Group
+from megaq.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                            get_rng_tracker)
+
+
+def core_attention(q, k, v, dropout_p: float) -> torch.Tensor:
+    """Causal SDPA on [b, heads, s, d] (k, v may have fewer heads: GQA).
+
+    The heads are split over TP, so the dropout mask comes from the model-parallel
+    RNG stream (independent per TP rank).
+    """
+    with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+class SelfAttention(nn.Module):
+    """linear_qkv (column-parallel) -> RoPE -> SDPA -> linear_proj (row-parallel).
+
+    The fused QKV weight is laid out by query group, [group][q heads..., k, v][d],
+    as in Megatron, so a contiguous row split gives each rank whole groups.
+    """
+
+    def __init__(self, config: GPTConfig, tp_group: Group, init: ParamInit):
+        super().__init__()
+        tp = tp_group.size
+        self.head_dim = config.kv_channels
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.groups_per_rank = config.num_query_groups // tp
+        self.heads_per_rank = config.num_attention_heads // tp
+        self.attention_dropout = config.attention_dropout
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_query_groups * self.head_dim
+        common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, q_size + 2 * kv_size, tp_group,
+            init_weight=init.normal("self_attention.linear_qkv.weight"), **common)
+        self.linear_proj = RowParallelLinear(
+            q_size, config.hidden_size, tp_group,
+            init_weight=init.normal("self_attention.linear_proj.weight", scaled=True), **common)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, groups/tp * (heads_per_group + 2) * d]; s is full
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.heads_per_rank, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        out = core_attention(q, k, v, self.attention_dropout if self.training else 0.0)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        return self.linear_proj(out)

@@ -1,0 +1,238 @@
+"""The training loop: steps, evaluation, log lines, metrics, checkpoints.
+
+One step = the pipeline schedule over the step's micro-batches (gradient accumulation:
+global batch / (micro batch x DP) of them; no pipelining when PP = 1) + the engine's
+grad sync, clipping and optimizer update. Host synchronisation: none per micro-batch;
+one per iteration (a small all-reduce of the step's loss, whose finiteness and the
+grad norm's decide whether the update is applied on every rank alike); the comm
+counters are gathered once per logged iteration.
+
+A non-finite loss or grad norm skips the update (the LR schedule does not advance)
+and is counted; ``--max-consecutive-skipped-iters`` in a row stop the run with a
+:class:`TrainingDiverged` error.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megaq import checkpoint as ckpt
+from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
+from megaq.metrics import MetricsWriter, SetAside, comm_per_node_per_iteration
+from megaq.parallel import comm
+from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite iterations."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_total: int = 0
+    nan_total: int = 0
+    consecutive_bad: int = 0
+    losses: dict = field(default_factory=dict)       # iteration -> lm loss (every iteration)
+    grad_norms: dict = field(default_factory=dict)
+    val_losses: dict = field(default_factory=dict)   # iteration -> validation loss
+
+
+@dataclass
+class TrainingParts:
+    """What the loop drives; built by pretrain_gpt.main."""
+
+    args: object
+    topo: object
+    model_chunks: list
+    engine: object
+    lr_schedule: object
+    # callable(consumed_samples) -> iterator yielding, per step, this rank's list of
+    # micro-batch dicts (megaq.data.iterator.BatchIterator); valid may be None
+    train_batches: object
+    valid_batches: object = None
+    flops_per_iteration: float = 0.0  # model FLOPs of one global batch (no recompute)
+    zero_model_bytes: int = 0
+
+
+def _dtype(args) -> torch.dtype:
+    return torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+
+
+class Trainer:
+    def __init__(self, parts: TrainingParts, state: TrainState | None = None):
+        self.p = parts
+        self.args, self.topo = parts.args, parts.topo
+        self.state = state or TrainState()
+        a = self.args
+        vp = len(parts.model_chunks)
+        self.forward_backward = get_forward_backward_func(self.topo.layout.pp, vp)
+        self.tensor_shape = pipeline_tensor_shape(a.seq_length, a.micro_batch_size, a.hidden_size,
+                                                  self.topo.layout.tp, a.sequence_parallel)
+        self.rank0 = self.topo.rank == 0
+        self.metrics = MetricsWriter(a.metrics_file, enabled=self.rank0)
+        self.tb = TensorBoard(a.tensorboard_dir, enabled=self.rank0)
+        self.device = next(parts.model_chunks[0].parameters()).device
+        # reduce the loss over the ranks that hold it: last stage, all TP x DP ranks
+        self._loss_divisor = self.topo.layout.tp * self.topo.layout.dp
+
+    # ------------------------------------------------------------------ one step
+    def _run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
+        a = self.args
+        losses = self.forward_backward(
+            self.p.model_chunks, batches, a.num_micro_batches, self.topo,
+            tensor_shape=self.tensor_shape, dtype=_dtype(a), forward_only=forward_only,
+            no_sync=getattr(self.p.engine, "no_sync", None) if not forward_only else None)
+        if losses:
+            return torch.stack([x.float() for x in losses]).sum().double()
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _global_mean(self, local_sum: torch.Tensor, micro_batches: int) -> float:
+        """Mean micro-batch loss over the global batch, on every rank (one host sync)."""
+        t = local_sum.reshape(1).clone()
+        comm.all_reduce(t, self.topo.world, "dp_misc")
+        return t.item() / (self._loss_divisor * micro_batches)
+
+    def train_step(self, batches) -> tuple[float, float, bool]:
+        """Returns (loss, grad_norm, applied)."""
+        engine = self.p.engine
+        engine.zero_grad()
+        loss_sum = self._run_schedule(batches, forward_only=False)
+        engine.finish_grad_sync()
+        norm = engine.clip_grad_norm(self.args.clip_grad)
+        loss = self._global_mean(loss_sum, self.args.num_micro_batches)  # the one host sync
+        grad_norm = float(norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            engine.skip_step()
+            return loss, grad_norm, False
+        engine.step(self.p.lr_schedule.get_lr())
+        self.p.lr_schedule.step()
+        return loss, grad_norm, True
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, iteration: int, where: str = "") -> float | None:
+        a, vb = self.args, self.p.valid_batches
+        if vb is None or a.eval_iters == 0:
+            return None
+        # Each evaluation reads the next eval_iters global batches of the validation
+        # split (as Megatron's persistent validation iterator), a pure function of the
+        # number of evaluations so far, so resumed runs see the same batches.
+        n_evals = iteration // a.eval_interval
+        start = max(0, n_evals - 1) * a.eval_iters * a.global_batch_size
+        with SetAside(), torch.no_grad():
+            for c in self.p.model_chunks:
+                c.eval()
+            it = vb(start)
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for _ in range(a.eval_iters):
+                total = total + self._run_schedule(next(it), forward_only=True)
+            for c in self.p.model_chunks:
+                c.train()
+            loss = self._global_mean(total, a.num_micro_batches * a.eval_iters)
+        self.state.val_losses[iteration] = loss
+        if self.rank0:
+            line = validation_log_line(iteration, loss, where)
+            bar = "-" * (len(line) + 1)
+            print(f"{bar}\n{line}\n{bar}", flush=True)
+        self.metrics.write({"type": "validation", "iteration": iteration, "val_loss": loss,
+                            "val_ppl": math.exp(min(20.0, loss))})
+        self.tb.scalars({"lm loss validation": loss}, iteration)
+        return loss
+
+    # ---------------------------------------------------------------- checkpoint
+    def save(self) -> None:
+        a, s = self.args, self.state
+        with SetAside():
+            t0 = time.perf_counter()
+            path = ckpt.save_checkpoint(
+                a.save, s.iteration, args=a, topo=self.topo, engine=self.p.engine,
+                lr_schedule=self.p.lr_schedule, consumed_samples=s.consumed_samples,
+                extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total},
+                fault=getattr(a, "_checkpoint_fault", None))
+        if self.rank0:
+            print(f" saved checkpoint at iteration {s.iteration:7d} to {path} "
+                  f"({(time.perf_counter() - t0) * 1000:.0f} ms)", flush=True)
+
+    # ---------------------------------------------------------------------- loop
+    def train(self) -> TrainState:
+        a, s, topo = self.args, self.state, self.topo
+        batches = self.p.train_batches(s.consumed_samples)
+        interval = {"t0": time.perf_counter(), "iters": 0, "loss": 0.0, "counted": 0,
+                    "skipped": 0, "nan": 0}
+        comm.STATS.reset()
+        last_saved = s.iteration
+        while s.iteration < a.train_iters:
+            lr = self.p.lr_schedule.get_lr()
+            loss, grad_norm, applied = self.train_step(next(batches))
+            s.iteration += 1
+            s.consumed_samples += a.global_batch_size
+            s.losses[s.iteration] = loss
+            s.grad_norms[s.iteration] = grad_norm
+            interval["iters"] += 1
+            if applied:
+                s.consecutive_bad = 0
+                interval["loss"] += loss
+                interval["counted"] += 1
+            else:
+                s.consecutive_bad += 1
+                s.skipped_total += 1
+                s.nan_total += 1
+                interval["skipped"] += 1
+                interval["nan"] += 1
+                if s.consecutive_bad >= a.max_consecutive_skipped_iters:
+                    raise TrainingDiverged(
+                        f"stopping at iteration {s.iteration}: {s.consecutive_bad} iterations in a "
+                        f"row had a non-finite loss or gradient norm (last loss {loss}, grad norm "
+                        f"{grad_norm}); lower --lr, check the data, or raise "
+                        f"--max-consecutive-skipped-iters")
+
+            if s.iteration % a.log_interval == 0 or s.iteration == a.train_iters:
+                self._log(interval, lr, grad_norm)
+                interval.update(t0=time.perf_counter(), iters=0, loss=0.0, counted=0,
+                                skipped=0, nan=0)
+            if a.eval_iters and s.iteration % a.eval_interval == 0:
+                self.evaluate(s.iteration)
+            if a.save and a.save_interval and s.iteration % a.save_interval == 0:
+                self.save()
+                last_saved = s.iteration
+        if a.save and s.iteration != last_saved and s.iteration > 0:
+            self.save()
+        self.metrics.close()
+        self.tb.close()
+        return s
+
+    def _log(self, interval: dict, lr: float, grad_norm: float) -> None:
+        a, s, topo = self.args, self.state, self.topo
+        iters = interval["iters"]
+        elapsed = time.perf_counter() - interval["t0"]
+        comm_bytes = comm_per_node_per_iteration(topo.world, iters)  # collective
+        comm.STATS.reset()
+        elapsed_ms = elapsed * 1000.0 / iters
+        tflops = self.p.flops_per_iteration / (elapsed_ms / 1000.0) / topo.layout.world_size / 1e12
+        tokens_per_s = a.global_batch_size * a.seq_length * iters / elapsed
+        loss = interval["loss"] / interval["counted"] if interval["counted"] else float("nan")
+        if not self.rank0:
+            return
+        print(training_log_line(
+            iteration=s.iteration, train_iters=a.train_iters, consumed_samples=s.consumed_samples,
+            elapsed_ms=elapsed_ms, tflops_per_gpu=tflops, lr=lr,
+            global_batch_size=a.global_batch_size, lm_loss=loss, loss_scale=1.0,
+            grad_norm=grad_norm, skipped=interval["skipped"], nan=interval["nan"]), flush=True)
+        record = {
+            "type": "train", "iteration": s.iteration, "consumed_samples": s.consumed_samples,
+            "lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "elapsed_ms": elapsed_ms,
+            "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
+            "skipped_iterations": interval["skipped"], "nan_iterations": interval["nan"],
+            "comm": comm_bytes, "zero_model_bytes": self.p.zero_model_bytes,
+            "nodes": topo.layout.num_nodes, "world_size": topo.layout.world_size,
+            "tp": topo.layout.tp, "pp": topo.layout.pp, "dp": topo.layout.dp,
+        }
+        self.metrics.write(record)
+        self.tb.scalars({"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                         "iteration-time": elapsed_ms / 1000.0, "tokens-per-second": tokens_per_s,
+                         "throughput-tflops-per-gpu": tflops}, s.iteration)

@@ -1,0 +1,11 @@
+"""Data-parallel engines: ZeRO-3 (stage 3) and plain DP (stage 0); see docs/ZERO.md.
+
+The ZeRO++ protocols plug in through the two seams documented in
+megaq.zero.collectives (weight gathering, gradient reduction).
+"""
+
+from megaq.zero.config import ZeroConfig, ZeroConfigError
+from megaq.zero.engine import ZeroEngine, build_engine
+from megaq.zero.partition import wants_weight_decay
+
+__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "build_engine", "wants_weight_decay"]

@@ -1,0 +1,361 @@
+"""The ZeRO-3 engine (and its stage-0 plain-DP baseline), wrapped around the model
+from outside with hooks.
+
+Per step::
+
+    engine.zero_grad()
+    for each micro-batch: forward; torch.autograd.backward(...)   # hooks do the rest
+    engine.finish_grad_sync()
+    norm = engine.clip_grad_norm(max_norm)       # tensor, no host sync
+    engine.step(lr)          # or engine.skip_step() when not engine.grads_finite()
+
+Hooks (stage 3; see units.py for sites and units):
+
+* forward pre-hook of a site's first module: wait for / start the all-gather of its
+  units ('weight_gather_fwd') and prefetch the next ``cfg.prefetch`` sites of the
+  chunk (a side CUDA stream on GPU, async handles on CPU);
+* forward post-hook of its last module: release the gathered weights (storage
+  resized to 0) and hook the output tensors for backward;
+* output-tensor hook (fires before the site's backward): gather again
+  ('weight_gather_bwd') and prefetch the previous sites;
+* post-accumulate-grad hook on every parameter: copy the grad into the partition's
+  padded flat grad buffer and drop ``param.grad``; when a partition's buffer is
+  complete, start its reduction (reduce-scatter, tag 'grad_reduce') into the fp32
+  shard accumulator, averaging over DP once; when all of a site's own parameters
+  have their grads, release the site's weights. At most ``cfg.reduce_bucket_size``
+  bytes of grad buffers are in flight; older reductions are waited for first;
+* an end-of-backward callback flushes partially filled buffers (unused params) and
+  releases anything still gathered, so each micro-batch's backward starts clean.
+
+Micro-batches (PP and gradient accumulation): weights are gathered per micro-batch
+in forward and again in backward, and (``grad_sync="per_microbatch"``, default)
+each micro-batch's grads are reduce-scattered into the fp32 accumulator as they
+become ready: lowest memory, and any interleaving of forwards and backwards of
+different micro-batches (1F1B keeps several forwards in flight) is fine because no
+state crosses a micro-batch boundary. ``grad_sync="last_microbatch"`` instead keeps
+full fp32 grads per partition across micro-batches and reduces once in
+``finish_grad_sync`` (one grad reduction per step, full-size grad memory).
+
+Activation recompute (non-reentrant checkpoint): a forward that runs inside
+backward is recognised and neither releases weights nor hooks outputs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+from megaq.parallel import comm
+from megaq.zero import state as state_io
+from megaq.zero.collectives import Handle, make_gatherer, make_reducer, start_allreduce_mean
+from megaq.zero.config import ZeroConfig
+from megaq.zero.optimizer import ShardedAdamW
+from megaq.zero.units import Site, Unit, all_partitions, build_sites, check_all_params_trainable
+
+FWD, BWD = "weight_gather_fwd", "weight_gather_bwd"
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+class ZeroEngine:
+    def __init__(self, model_chunks: list[nn.Module], topo, cfg: ZeroConfig):
+        if isinstance(model_chunks, nn.Module):
+            model_chunks = [model_chunks]
+        check_all_params_trainable(model_chunks)
+        self.chunks, self.topo, self.cfg = list(model_chunks), topo, cfg
+        self.stage3 = cfg.stage == 3
+        self.gatherer = make_gatherer(topo, cfg) if self.stage3 else None
+        self.reducer = make_reducer(topo, cfg) if self.stage3 else None
+        self.sites: list[Site] = build_sites(self.chunks, topo, cfg)
+        self.partitions = all_partitions(self.sites)
+        self.optimizer = ShardedAdamW(self.partitions, cfg, topo)
+        self._state_of = {id(st.part): st for st in self.optimizer.states}
+        self._part_of, self._site_of = {}, {}
+        for site in self.sites:
+            for unit in site.owned:
+                for part in unit.parts:
+                    for slot in part.slots:
+                        self._part_of[id(slot.param)] = part
+                        self._site_of[id(slot.param)] = site
+        # M: bytes of the weights this DP group shards, in the gather dtype (padded).
+        self.zero_model_bytes = sum(p.full_bytes for p in self.partitions if p.sharded)
+        self.skipped_steps = 0
+        self._norm: torch.Tensor | None = None
+        self._pending_gathers: dict[Unit, tuple[Handle, str]] = {}
+        self._pending_reduces: deque[tuple[Handle, int]] = deque()
+        self._inflight_bytes = 0
+        self._grad_bufs: dict[int, list] = {}      # id(part) -> [flat grad, params seen]
+        self._full_grads: dict[int, torch.Tensor] = {}  # last_microbatch: fp32 full grads
+        self._in_backward = False
+        self._bwd_started: set[int] = set()
+        self._site_remaining: dict[int, int] = {}
+        dev = self.partitions[0].device if self.partitions else torch.device("cpu")
+        self._stream = torch.cuda.Stream(dev) if (self.stage3 and dev.type == "cuda") else None
+        self._hooks = []
+        self._register_hooks()
+
+    # ================================================================ hooks
+    def _register_hooks(self) -> None:
+        for site in self.sites:
+            self._hooks.append(site.modules[0].register_forward_pre_hook(
+                lambda mod, args, site=site: self._pre_forward(site)))
+            self._hooks.append(site.modules[-1].register_forward_hook(
+                lambda mod, args, out, site=site: self._post_forward(site, out)))
+        for part in self.partitions:
+            for slot in part.slots:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _neighbours(self, site: Site, step: int) -> list[Site]:
+        i = self.sites.index(site)
+        out = []
+        for k in range(1, self.cfg.prefetch + 1):
+            j = i + step * k
+            if 0 <= j < len(self.sites) and self.sites[j].chunk == site.chunk:
+                out.append(self.sites[j])
+        return out
+
+    def _pre_forward(self, site: Site) -> None:
+        if not self.stage3:
+            return
+        if self._in_backward:  # activation recompute inside backward
+            self._ensure(site.gathered_units, BWD)
+            return
+        self._ensure(site.gathered_units, FWD)
+        for nxt in self._neighbours(site, +1):
+            self._prefetch(nxt.gathered_units, FWD)
+
+    def _post_forward(self, site: Site, output) -> None:
+        if self._in_backward:
+            return
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, site=site: self._pre_backward(site))
+        if self.stage3:
+            for unit in site.gathered_units:
+                self._release(unit)
+
+    def _pre_backward(self, site: Site) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if id(site) in self._bwd_started:
+            return
+        self._bwd_started.add(id(site))
+        if self.stage3:
+            self._site_remaining.setdefault(id(site), site.owned_param_count)
+            self._ensure(site.gathered_units, BWD)
+            for prev in self._neighbours(site, -1):
+                self._prefetch(prev.gathered_units, BWD)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if getattr(param, "sequence_parallel", False) and self.topo.tp.size > 1:
+            comm.all_reduce(grad, self.topo.tp, "tp")  # partial per TP rank under SP
+        part = self._part_of[id(param)]
+        slot = part.slot_of[id(param)]
+        if self.cfg.grad_sync == "per_microbatch":
+            entry = self._grad_bufs.get(id(part))
+            if entry is None:
+                buf = torch.zeros(part.padded_numel, dtype=grad.dtype, device=grad.device)
+                entry = self._grad_bufs[id(part)] = [buf, 0]
+            entry[0][slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+            entry[1] += 1
+            if entry[1] == len(part.slots):
+                del self._grad_bufs[id(part)]
+                self._launch_reduce(part, entry[0])
+        else:
+            full = self._full_grads.get(id(part))
+            if full is None:
+                full = self._full_grads[id(part)] = torch.zeros(
+                    part.padded_numel, dtype=torch.float32, device=grad.device)
+            full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        param.grad = None
+        if self.stage3:
+            site = self._site_of[id(param)]
+            left = self._site_remaining.setdefault(id(site), site.owned_param_count) - 1
+            self._site_remaining[id(site)] = left
+            if left == 0 and self._in_backward:
+                for unit in site.gathered_units:
+                    self._release(unit)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        self._bwd_started.clear()
+        self._site_remaining.clear()
+        self._flush_partial_grads()
+        if self.stage3:
+            self._release_all()
+
+    # ================================================================ gathers
+    def _start_gather(self, unit: Unit, phase: str) -> None:
+        part = unit.sharded
+        part.materialize()
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                handle = self.gatherer.start_gather(part, phase)
+        else:
+            handle = self.gatherer.start_gather(part, phase)
+        self._pending_gathers[unit] = (handle, phase)
+
+    def _wait_gather(self, unit: Unit) -> None:
+        handle, phase = self._pending_gathers.pop(unit)
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                handle.wait()
+            torch.cuda.current_stream().wait_stream(self._stream)
+            unit.sharded.full.record_stream(torch.cuda.current_stream())
+        else:
+            handle.wait()
+        if phase == FWD:
+            self.gatherer.on_forward_gathered(unit.sharded)
+
+    def _prefetch(self, units: list[Unit], phase: str) -> None:
+        for u in units:
+            if u not in self._pending_gathers and not u.sharded.is_materialized:
+                self._start_gather(u, phase)
+
+    def _ensure(self, units: list[Unit], phase: str) -> None:
+        self._prefetch(units, phase)
+        for u in units:
+            if u in self._pending_gathers:
+                self._wait_gather(u)
+
+    def _release(self, unit: Unit) -> None:
+        if unit not in self._pending_gathers:  # a prefetch for a later site: keep it
+            unit.sharded.release()
+
+    def _release_all(self) -> None:
+        for unit in list(self._pending_gathers):
+            self._wait_gather(unit)
+        for part in self.partitions:
+            part.release()
+
+    def live_gathered_bytes(self) -> int:
+        return sum(p.full_storage_bytes() for p in self.partitions)
+
+    # ================================================================ grads
+    def _launch_reduce(self, part, flat: torch.Tensor) -> None:
+        accum = self._state_of[id(part)].grad
+        if part.sharded:
+            handle = self.reducer.start_reduce(part, flat, accum)
+        else:  # stage 0, or params below the persistence threshold
+            phase = "grad_reduce" if not self.stage3 else "dp_misc"
+            handle = start_allreduce_mean(flat, accum, self.topo.dp, phase)
+        nbytes = flat.numel() * flat.element_size()
+        self._pending_reduces.append((handle, nbytes))
+        self._inflight_bytes += nbytes
+        while self._inflight_bytes > self.cfg.reduce_bucket_size and len(self._pending_reduces) > 1:
+            self._wait_oldest_reduce()
+
+    def _wait_oldest_reduce(self) -> None:
+        handle, nbytes = self._pending_reduces.popleft()
+        handle.wait()
+        self._inflight_bytes -= nbytes
+
+    def _flush_partial_grads(self) -> None:
+        for part in self.partitions:  # partition order: same on every DP rank
+            entry = self._grad_bufs.pop(id(part), None)
+            if entry is not None:
+                self._launch_reduce(part, entry[0])
+
+    def finish_grad_sync(self) -> None:
+        """Finish every gradient reduction of the step (call after the last backward)."""
+        self._flush_partial_grads()
+        for part in self.partitions:
+            full = self._full_grads.pop(id(part), None)
+            if full is not None:
+                self._launch_reduce(part, full.to(part.dtype) if part.dtype != full.dtype else full)
+        while self._pending_reduces:
+            self._wait_oldest_reduce()
+        if self.stage3:
+            self._release_all()
+        if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
+            for st in self.optimizer.states:
+                if st.part.shared_embedding:
+                    comm.all_reduce(st.grad, self.topo.embedding, "embedding")
+
+    # ================================================================ step
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+        self._full_grads.clear()
+        self._grad_bufs.clear()
+        self._norm = None
+
+    def grad_norm(self) -> torch.Tensor:
+        if self._norm is None:
+            self._norm = self.optimizer.global_grad_norm()
+        return self._norm
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Global grad norm over DP shards, TP and PP ranks; scale grads to max_norm."""
+        norm = self.grad_norm()
+        if max_norm:
+            # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1
+            self.optimizer.scale_grads(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    def grads_finite(self) -> torch.Tensor:
+        """Bool tensor: is the global grad norm finite (no inf/nan in any grad)?"""
+        return torch.isfinite(self.grad_norm())
+
+    def step(self, lr: float) -> None:
+        self.optimizer.step(lr)
+        self._norm = None
+        if self.gatherer is not None:
+            self.gatherer.invalidate()
+
+    def skip_step(self) -> None:
+        """Bookkeeping for a step the loop skipped (non-finite grads): drop the grads."""
+        self.skipped_steps += 1
+        self.zero_grad()
+
+    @property
+    def step_count(self) -> int:
+        return self.optimizer.step_count
+
+    # ================================================================ state
+    def full_state(self) -> dict:
+        return state_io.full_state(self)
+
+    def load_full_state(self, sd: dict) -> None:
+        state_io.load_full_state(self, sd)
+        self._norm = None
+        if self.gatherer is not None:
+            self.gatherer.invalidate()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes on this rank: params (model shards + live gathered), grads, optimizer."""
+        def nb(t):
+            return t.numel() * t.element_size()
+        shards = sum(nb(p.shard) for p in self.partitions)
+        gathered = self.live_gathered_bytes()
+        opt = self.optimizer.memory_bytes()
+        grads = opt["grads"] + sum(nb(e[0]) for e in self._grad_bufs.values()) \
+            + sum(nb(t) for t in self._full_grads.values())
+        rep = {"params": shards + gathered, "gathered": gathered, "grads": grads,
+               "optimizer": opt["optimizer"]}
+        rep["total"] = rep["params"] + rep["grads"] + rep["optimizer"]
+        return rep
+
+
+def build_engine(model_chunks, topo, cfg: ZeroConfig | None = None) -> ZeroEngine:
+    """Wrap the model chunks of this rank in a ZeRO-3 (or stage-0) engine."""
+    return ZeroEngine(model_chunks, topo, cfg or ZeroConfig())

@@ -1,0 +1,177 @@
+"""Split model chunks into sites (where hooks fire) and units (what is gathered).
+
+A *site* is a run of modules executed together in forward: per chunk, the
+embedding; each transformer layer; the head (final_norm + output_layer). A *unit*
+is a set of parameters gathered and released together, with one sharded
+:class:`FlatPartition` (and a replicated one for parameters below the persistence
+threshold; under stage 0 everything is replicated). Each unit is *owned* by the site
+whose modules hold its parameters; a site may also *borrow* another site's unit:
+
+* tied embeddings on one stage (PP = 1): the head's output layer reads the word
+  embedding weight, so the head site borrows the embedding unit;
+* tied embeddings over stages (PP > 1): the ``shared_embedding`` weight is a unit of
+  its own on the first and the last stage (owned by the embedding site and the head
+  site respectively), so both stages shard it identically and the fp32 gradient
+  shards can be all-reduced over ``topo.embedding`` element for element.
+
+Parameters of a chunk that no site covers (none in GPTModel) become a replicated
+partition of the chunk's first site, so they are never released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megaq.zero.config import ZeroConfig
+from megaq.zero.partition import FlatPartition
+
+
+@dataclass(eq=False)
+class Unit:
+    name: str
+    parts: list[FlatPartition]  # at most one sharded + one replicated
+
+    @property
+    def sharded(self) -> FlatPartition | None:
+        return next((p for p in self.parts if p.sharded), None)
+
+
+@dataclass(eq=False)
+class Site:
+    name: str
+    chunk: int
+    modules: list[nn.Module]
+    owned: list[Unit] = field(default_factory=list)
+    borrowed: list[Unit] = field(default_factory=list)
+    owned_param_count: int = 0
+
+    @property
+    def units(self) -> list[Unit]:
+        return self.owned + self.borrowed
+
+    @property
+    def gathered_units(self) -> list[Unit]:
+        """Units with a sharded partition (the ones gather/release acts on)."""
+        return [u for u in self.units if u.sharded is not None]
+
+
+def _site_modules(chunk: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    sites = []
+    if getattr(chunk, "embedding", None) is not None:
+        sites.append(("embedding", [chunk.embedding]))
+    for i, layer in enumerate(getattr(chunk, "layers", [])):
+        sites.append((f"layers.{i}", [layer]))
+    head = [m for m in (getattr(chunk, "final_norm", None), getattr(chunk, "output_layer", None))
+            if m is not None]
+    if head:
+        sites.append(("head", head))
+    return sites
+
+
+def _head_reads_embedding(chunk: nn.Module) -> bool:
+    """Tied on one stage: the output layer has no weight and is handed the embedding's."""
+    out, emb = getattr(chunk, "output_layer", None), getattr(chunk, "embedding", None)
+    return out is not None and emb is not None and getattr(out, "weight", 0) is None
+
+
+def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Site]:
+    """All sites of all chunks, in forward order per chunk."""
+    dp = topo.dp
+    pp_first = topo.is_first_stage
+
+    def counted(p) -> bool:
+        # Global norm: TP-split params are distinct per TP rank; replicated ones count
+        # on TP rank 0 only; a tied embedding copy counts on the first stage only.
+        if getattr(p, "shared_embedding", False) and not pp_first:
+            return False
+        return bool(getattr(p, "tensor_model_parallel", False)) or topo.tp_rank == 0
+
+    def make_unit(name: str, named: list[tuple[str, nn.Parameter]], shared: bool = False) -> Unit:
+        if cfg.stage == 0:
+            big, small = [], named
+        else:
+            small = [(n, p) for n, p in named
+                     if p.numel() < cfg.param_persistence_threshold and not shared]
+            big = [(n, p) for n, p in named if not any(p is q for _, q in small)]
+        parts = []
+        if big:
+            parts.append(FlatPartition(name, big, cfg.gather_dtype, dp.size, dp.rank, cfg.block_size,
+                                       True, counted, shared_embedding=shared))
+        if small:
+            parts.append(FlatPartition(name + ".replicated", small, cfg.gather_dtype, dp.size,
+                                       dp.rank, cfg.block_size, False, counted, shared_embedding=shared))
+        return Unit(name, parts)
+
+    sites: list[Site] = []
+    for c, chunk in enumerate(model_chunks):
+        prefix = f"chunk{c}." if len(model_chunks) > 1 else ""
+        name_of = {id(p): prefix + n for n, p in chunk.named_parameters()}
+        owner: dict[int, Unit] = {}
+        chunk_sites: list[Site] = []
+        for sname, modules in _site_modules(chunk):
+            site = Site(prefix + sname, c, modules)
+            seen, mine, shared = set(), [], []
+            for m in modules:
+                for p in m.parameters():
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    if id(p) in owner:
+                        if owner[id(p)] not in site.borrowed:
+                            site.borrowed.append(owner[id(p)])
+                    elif getattr(p, "shared_embedding", False):
+                        shared.append((name_of[id(p)], p))
+                    else:
+                        mine.append((name_of[id(p)], p))
+            for named, uname, is_shared in ((mine, site.name, False),
+                                            (shared, prefix + "shared_embedding", True)):
+                if named:
+                    unit = make_unit(uname, named, is_shared)
+                    site.owned.append(unit)
+                    site.owned_param_count += len(named)
+                    for _, p in named:
+                        owner[id(p)] = unit
+            chunk_sites.append(site)
+        if chunk_sites and _head_reads_embedding(chunk):
+            head, emb = chunk_sites[-1], chunk_sites[0]
+            for u in emb.owned:
+                if u not in head.borrowed:
+                    head.borrowed.append(u)
+        orphans = [(name_of[id(p)], p) for p in chunk.parameters() if id(p) not in owner]
+        if orphans and chunk_sites:
+            site = chunk_sites[0]
+            unit = Unit(site.name + ".extra", [FlatPartition(
+                site.name + ".extra", orphans, cfg.gather_dtype, dp.size, dp.rank,
+                cfg.block_size, False, counted)])
+            site.owned.append(unit)
+            site.owned_param_count += len(orphans)
+        sites.extend(chunk_sites)
+    return sites
+
+
+def all_partitions(sites: list[Site]) -> list[FlatPartition]:
+    out, seen = [], set()
+    for s in sites:
+        for u in s.owned:
+            for p in u.parts:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def param_names(sites: list[Site]) -> list[str]:
+    return [slot.name for part in all_partitions(sites) for slot in part.slots]
+
+
+def check_all_params_trainable(model_chunks: list[nn.Module]) -> None:
+    for chunk in model_chunks:
+        for n, p in chunk.named_parameters():
+            if not p.requires_grad:
+                raise ValueError(f"parameter {n} has requires_grad=False; the ZeRO engine trains "
+                                 f"every parameter: remove frozen parameters or set requires_grad")
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"parameter {n} has dtype {p.dtype}; use float32/bfloat16 params")

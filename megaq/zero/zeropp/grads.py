@@ -1,0 +1,210 @@
+"""qgZ: the gradient reduce-scatter as two quantized all-to-all hops.
+
+For a unit's full flat gradient of n*S elements (n = DP size = k nodes x m ranks per
+node, S = my shard), DP rank ``a*m + j`` (node a, local index j) must end with
+``sum over DP ranks / n`` of chunk ``a*m + j``:
+
+1. reorder + quantize (int4 by default): row j' = chunks a'*m + j' for a' = 0..k-1,
+   the part that in-node peer j' will forward to the rails;
+2. in-node all-to-all over ``topo.intra`` (row j' -> local peer j');
+3. dequantize the m rows, sum in fp32, requantize per chunk (one fused kernel) ->
+   row a' = my node's partial sum of chunk a'*m + j;
+4. cross-node all-to-all over ``topo.inter`` (row a' -> node a' on my rail);
+5. dequantize the k rows, sum in fp32, times 1/n (n = DP size, not the node count),
+   added into the fp32 accumulator shard.
+
+The shard is cut into chunks of ``grad_chunk`` elements (block aligned) and the two
+hops are pipelined: chunk i+1's in-node all-to-all is issued before chunk i's
+cross-node one is waited on. A shard that is not a multiple of the block size is
+zero-padded per chunk; the padding never reaches the accumulator. One node: hop 4 is
+empty and step 5 reduces hop 2's rows directly; one rank per node: hop 2 is empty
+and step 1 quantizes straight into hop 4's layout (one quantization either way).
+
+Error feedback (option): each rank keeps the residual ``x - dequant(quant(x))`` of
+both of its quantizations (hop 1 on the full reordered gradient, hop 3 on its node
+partial sums) per (unit, chunk), in fp32, and adds it to the same values next call.
+The cumulative error over T calls is then one residual, not T errors.
+
+Every collective here is tagged ``grad_reduce``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megaq.kernels import ops
+from megaq.parallel import comm
+
+from .config import ZeroPPConfig, padded
+from .rails import rails_of
+
+PHASE = "grad_reduce"
+
+
+def chunk_bounds(S: int, block: int, chunk: int) -> list[tuple[int, int]]:
+    """[lo, hi) per chunk over the block-padded shard; every hi - lo is a block multiple."""
+    S_pad = padded(S, block)
+    step = padded(min(chunk, S_pad), block)
+    return [(lo, min(lo + step, S_pad)) for lo in range(0, S_pad, step)]
+
+
+class _ReduceHandle:
+    """Drives the rest of the pipeline on wait(); wait() twice is harmless."""
+
+    def __init__(self, run):
+        self._run = run
+
+    def wait(self) -> None:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+
+
+class QuantizedGradReducer:
+    """Engine seam: ``start_reduce(unit, full_grad_flat, out_accum_fp32_shard)``.
+
+    The handle must be waited before ``full_grad_flat`` is overwritten or freed
+    (chunks after the first are quantized from it inside ``wait()``), and handles
+    must be waited in the order they were started on every rank (gloo and NCCL run
+    a group's collectives in issue order).
+    """
+
+    def __init__(self, topo, cfg: ZeroPPConfig):
+        self.cfg = cfg
+        self.rails = rails_of(topo)
+        self.intra, self.inter = topo.intra, topo.inter
+        self.n = topo.dp.size
+        self._res1: dict[tuple, torch.Tensor] = {}  # (key, chunk) -> fp32 [n * s]
+        self._res2: dict[tuple, torch.Tensor] = {}  # (key, chunk) -> fp32 [k, s]
+
+    # ------------------------------------------------------------------ engine seam
+    def start_reduce(self, unit, full_grad_flat: torch.Tensor, out: torch.Tensor):
+        return self.start_reduce_flat(_unit_key(unit), full_grad_flat, out)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Persistent memory this reducer holds (error-feedback residuals)."""
+        res = sum(t.numel() * t.element_size() for d in (self._res1, self._res2) for t in d.values())
+        return {"qgz_error_feedback": res}
+
+    def reset_error_feedback(self) -> None:
+        """Drop the residuals (e.g. after a checkpoint load changes the gradients' meaning)."""
+        self._res1.clear()
+        self._res2.clear()
+
+    # ---------------------------------------------------------------------- protocol
+    def start_reduce_flat(self, key, grad: torch.Tensor, out: torch.Tensor) -> _ReduceHandle:
+        n, S = self.n, out.numel()
+        if grad.numel() != n * S:
+            raise ValueError(f"qgZ: full gradient has {grad.numel()} elements but the DP size "
+                             f"{n} x shard {S} = {n * S}; pass the unit's padded flat gradient")
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"qgZ: the accumulator shard must be contiguous float32 (got {out.dtype})")
+        grad2d = grad.reshape(n, S)
+        if n == 1:  # nothing to exchange: exact
+            out.add_(grad2d[0].to(torch.float32))
+            return _ReduceHandle(None)
+        bounds = chunk_bounds(S, self.cfg.block, self.cfg.grad_chunk)
+        first = self._issue_hop1(key, 0, bounds[0], grad2d)
+
+        def run():
+            cur = first
+            pending = None
+            for i in range(len(bounds)):
+                nxt = self._issue_hop1(key, i + 1, bounds[i + 1], grad2d) if i + 1 < len(bounds) else None
+                second = self._issue_hop2(key, i, bounds[i], cur)
+                if pending is not None:
+                    self._finish(*pending, out)
+                pending = (bounds[i], second)
+                cur = nxt
+            self._finish(*pending, out)
+
+        return _ReduceHandle(run)
+
+    def _chunk_input(self, grad2d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Flat [n * (hi - lo)] in chunk order, zero-padded past the shard's end."""
+        n, S = grad2d.shape
+        if lo == 0 and hi == S:
+            return grad2d.reshape(-1)
+        x = torch.zeros(n, hi - lo, dtype=grad2d.dtype, device=grad2d.device)
+        valid = min(hi, S) - lo
+        x[:, :valid] = grad2d[:, lo:lo + valid]
+        return x.reshape(-1)
+
+    def _residual(self, store, key, i, shape, device):
+        r = store.get((key, i))
+        if r is None or tuple(r.shape) != tuple(shape):
+            r = store[(key, i)] = torch.zeros(shape, dtype=torch.float32, device=device)
+        return r
+
+    def _issue_hop1(self, key, i, bounds, grad2d):
+        """Quantize chunk i and post its in-node all-to-all; returns (recv, handle)."""
+        lo, hi = bounds
+        s = hi - lo
+        cfg, r = self.cfg, self.rails
+        x = self._chunk_input(grad2d, lo, hi)
+        if r.m == 1:
+            # No in-node peers: quantize straight into the cross-node layout [k, P(s)].
+            bits = cfg.grad_bits_inter
+            if cfg.error_feedback:
+                res = self._residual(self._res2, key, i, (r.k, s), x.device)
+                y = x.reshape(r.k, s).to(torch.float32) + res
+                q = ops.quantize(y, bits, cfg.block)
+                res.copy_(y - ops.dequantize(q, s, bits, cfg.block, torch.float32))
+            else:
+                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block)
+            return q, None
+        res = self._residual(self._res1, key, i, (x.numel(),), x.device) if cfg.error_feedback else None
+        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block, res)
+        recv = torch.empty_like(send)
+        return recv, comm.all_to_all(recv, send, self.intra, PHASE, async_op=True)
+
+    def _issue_hop2(self, key, i, bounds, hop1):
+        """Wait for chunk i's in-node rows, reduce + requantize, post the cross-node hop."""
+        lo, hi = bounds
+        s = hi - lo
+        cfg, r = self.cfg, self.rails
+        recv1, h1 = hop1
+        if h1 is not None:
+            h1.wait()
+        if r.k == 1:
+            return recv1, None, cfg.grad_bits_intra  # one node: the rows are final
+        if r.m == 1:
+            send = recv1
+        elif cfg.error_feedback:
+            res = self._residual(self._res2, key, i, (r.k, s), recv1.device)
+            rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block, torch.float32)
+            y = _sum_rows(rows).reshape(r.k, s) + res
+            send = ops.quantize(y, cfg.grad_bits_inter, cfg.block)
+            res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block, torch.float32))
+        else:
+            send = ops.dequant_reduce_quantize(recv1, r.k, s, cfg.grad_bits_intra,
+                                               cfg.grad_bits_inter, cfg.block)
+        recv2 = torch.empty_like(send)
+        h2 = comm.all_to_all(recv2, send, self.inter, PHASE, async_op=True)
+        return recv2, h2, cfg.grad_bits_inter
+
+    def _finish(self, bounds, hop2, out: torch.Tensor) -> None:
+        lo, hi = bounds
+        recv, h, bits = hop2
+        if h is not None:
+            h.wait()
+        S = out.numel()
+        scale = 1.0 / self.n  # the DP size, exactly once
+        if hi <= S:
+            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block, scale, out[lo:hi])
+        else:  # the chunk reaches into the padding: only the real part is accumulated
+            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block, scale)
+            out[lo:S].add_(part[:S - lo])
+
+
+def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over dim 0 in row order (the order the fused kernel uses)."""
+    acc = torch.zeros_like(rows[0])
+    for r in range(rows.shape[0]):
+        acc += rows[r]
+    return acc
+
+
+def _unit_key(unit):
+    key = getattr(unit, "name", None)  # FlatPartition.name: stable across steps
+    return id(unit) if key is None else key

@@ -1,0 +1,73 @@
+"""The analytical byte model of ZeRO-3 and ZeRO++ for one unit, per DP group.
+
+It follows megaq.parallel.comm's accounting: gathers and reduce-scatters are
+node-contiguous rings (each member sends (g-1)/g of the full tensor to its ring
+successor; one member per node sends across the node boundary), all-to-alls charge
+each chunk to where its receiver lives. Returned figures are bytes *summed over the
+members of one DP group* for one call, as {"intra_node": .., "inter_node": ..}.
+Tests compare them with comm's counters; docs/ZEROPP.md tabulates them.
+"""
+
+from __future__ import annotations
+
+from megaq.kernels.format import packed_len
+from megaq.parallel.comm import INTER, INTRA
+
+from .config import ZeroPPConfig, padded
+
+
+def ring(size: int, nodes: int, full_bytes: int) -> dict[str, int]:
+    """Bytes one ring all-gather / reduce-scatter of `full_bytes` sends, over its members."""
+    if size <= 1:
+        return {INTRA: 0, INTER: 0}
+    per = full_bytes * (size - 1) // size
+    remote = nodes if nodes > 1 else 0
+    return {INTRA: per * (size - remote), INTER: per * remote}
+
+
+def add(*parts: dict[str, int], times: int = 1) -> dict[str, int]:
+    return {link: times * sum(p[link] for p in parts) for link in (INTRA, INTER)}
+
+
+def qgz_rank(S: int, k: int, m: int, cfg: ZeroPPConfig) -> dict[str, int]:
+    """Bytes one DP rank sends for one qgZ call on a unit of shard S (all chunks)."""
+    from .grads import chunk_bounds
+
+    intra = inter = 0
+    for lo, hi in chunk_bounds(S, cfg.block, cfg.grad_chunk):
+        s = hi - lo
+        if m > 1:
+            intra += (m - 1) * packed_len(k * s, cfg.grad_bits_intra, cfg.block)
+        if k > 1:
+            inter += (k - 1) * packed_len(s, cfg.grad_bits_inter, cfg.block)
+    return {INTRA: intra, INTER: inter}
+
+
+def weight_gather(S: int, k: int, m: int, elem: int, cfg: ZeroPPConfig, backward: bool) -> dict[str, int]:
+    """One gather of a unit (shard S elements of `elem` bytes) over one DP group.
+
+    backward=True: a gather after the forward one in the same step (hpZ applies).
+    """
+    n = k * m
+    if backward and cfg.hpz:
+        h = cfg.hpz_size
+        return add(ring(h, 1, n * S * elem), times=n // h)
+    if cfg.quantized_weights:
+        return ring(n, k, n * packed_len(padded(S, cfg.block), cfg.weight_bits, cfg.block))
+    return ring(n, k, n * S * elem)
+
+
+def grad_reduce(S: int, k: int, m: int, grad_elem: int, cfg: ZeroPPConfig) -> dict[str, int]:
+    """One gradient reduction of a unit over one DP group (plain = ring reduce-scatter)."""
+    if cfg.quantized_gradients:
+        return add(qgz_rank(S, k, m, cfg), times=k * m)
+    return ring(k * m, k, k * m * S * grad_elem)
+
+
+def step(S: int, k: int, m: int, elem: int, grad_elem: int, cfg: ZeroPPConfig) -> dict[str, dict[str, int]]:
+    """Per phase, one step with one micro-batch: forward gather, backward gather, reduce."""
+    return {
+        "weight_gather_fwd": weight_gather(S, k, m, elem, cfg, backward=False),
+        "weight_gather_bwd": weight_gather(S, k, m, elem, cfg, backward=True),
+        "grad_reduce": grad_reduce(S, k, m, grad_elem, cfg),
+    }

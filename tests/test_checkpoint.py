@@ -1,0 +1,138 @@
+"""Checkpoint layout and atomicity, on one process with a minimal engine.
+
+The multi-rank behaviours (exact resume, DP reshard, a run killed mid-save) run the
+real training loop in tests/test_checkpoint_resume.py.
+"""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megaq import checkpoint as ckpt
+from megaq.arguments import parse_args
+from megaq.lr_schedule import LRSchedule
+from megaq.parallel.comm import Group
+from megaq.parallel.topology import Layout, Topology
+
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "10",
+        "--lr", "1e-3", "--mock-data"]
+
+
+def one_rank_topology() -> Topology:
+    g = Group(ranks=[0], nodes=[0], pg=None, rank_index=0)
+    return Topology(layout=Layout(1), rank=0, tp=g, dp=g, pp=g, embedding=g, intra=g,
+                    inter=g, hpz=g, world=g)
+
+
+class DictEngine:
+    """Stands in for the ZeRO engine: full_state() is a dict of tensors by name."""
+
+    def __init__(self, value: float):
+        self.state = {"weights": {"w": torch.full((3, 2), value)},
+                      "optimizer": {"w": {"exp_avg": torch.full((3, 2), value / 2)}}}
+        self.loaded = None
+
+    def full_state(self):
+        return self.state
+
+    def load_full_state(self, sd):
+        self.loaded = sd
+
+
+def setup(tmp_path, value=1.0):
+    args = parse_args(ARGV, world_size=1)
+    args.vocab_size, args.padded_vocab_size = 1024, 1024
+    sched = LRSchedule.from_args(args)
+    return args, one_rank_topology(), DictEngine(value), sched
+
+
+def save(root, it, args, topo, engine, sched, fault=None):
+    return ckpt.save_checkpoint(root, it, args=args, topo=topo, engine=engine, lr_schedule=sched,
+                                consumed_samples=it * 4, fault=fault)
+
+
+def load(root, args, topo, engine, sched):
+    return ckpt.load_checkpoint(root, args=args, topo=topo, engine=engine, lr_schedule=sched)
+
+
+def test_layout_and_roundtrip(tmp_path):
+    args, topo, engine, sched = setup(tmp_path)
+    for _ in range(3):
+        sched.step()
+    random.seed(5); np.random.seed(5); torch.manual_seed(5)
+    save(tmp_path, 3, args, topo, engine, sched)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (tmp_path / "iter_0000003" / "mp_rank_00_000" / "model_optim.pt").is_file()
+    assert (tmp_path / "iter_0000003" / "rng" / "rank_00000.pt").is_file()
+    expect = (random.random(), np.random.rand(), torch.rand(1).item())
+    # every stream moves on, then the load rewinds all of them
+    random.random(); np.random.rand(); torch.rand(1)
+    fresh = DictEngine(0.0)
+    sched2 = LRSchedule.from_args(args)
+    got = load(tmp_path, args, topo, fresh, sched2)
+    assert got["iteration"] == 3 and got["consumed_samples"] == 12
+    assert torch.equal(fresh.loaded["weights"]["w"], engine.state["weights"]["w"])
+    assert sched2.num_steps == 3
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
+    # files are plain tensors/containers: loadable without unpickling arbitrary objects
+    torch.load(tmp_path / "iter_0000003" / "mp_rank_00_000" / "model_optim.pt", weights_only=True)
+
+
+def test_no_checkpoint_means_fresh_start(tmp_path):
+    args, topo, engine, sched = setup(tmp_path)
+    assert load(tmp_path / "empty", args, topo, engine, sched) is None
+
+
+@pytest.mark.parametrize("stage", ["files_written", "before_rename", "before_tracker"])
+def test_crash_during_save_keeps_previous(tmp_path, stage):
+    args, topo, engine, sched = setup(tmp_path, value=1.0)
+    save(tmp_path, 2, args, topo, engine, sched)
+
+    def crash(where):
+        if where == stage:
+            raise KeyboardInterrupt(f"killed at {where}")
+
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 4, args, topo, DictEngine(9.0), sched, fault=crash)
+    fresh = DictEngine(0.0)
+    got = load(tmp_path, args, topo, fresh, LRSchedule.from_args(args))
+    assert got["iteration"] == 2
+    assert torch.equal(fresh.loaded["weights"]["w"], torch.full((3, 2), 1.0))
+    # the next save cleans up the debris and completes
+    save(tmp_path, 4, args, topo, DictEngine(9.0), sched)
+    assert load(tmp_path, args, topo, fresh, LRSchedule.from_args(args))["iteration"] == 4
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_refuses_other_architecture(tmp_path):
+    args, topo, engine, sched = setup(tmp_path)
+    save(tmp_path, 1, args, topo, engine, sched)
+    other = parse_args(ARGV[:1] + ["3"] + ARGV[2:] + ["--swiglu"], world_size=1)
+    other.vocab_size, other.padded_vocab_size = 1024, 1024
+    with pytest.raises(ckpt.CheckpointError) as e:
+        load(tmp_path, other, topo, engine, sched)
+    msg = str(e.value)
+    assert "--num-layers 3 (checkpoint: 2)" in msg and "--swiglu True (checkpoint: False)" in msg
+
+
+def test_refuses_other_tp_pp(tmp_path):
+    args, topo, engine, sched = setup(tmp_path)
+    save(tmp_path, 1, args, topo, engine, sched)
+    d = tmp_path / "iter_0000001"
+    os.rename(d / "mp_rank_00_000", d / "mp_rank_00_001")  # as if saved with PP=2 (stage 1)
+    with pytest.raises(ckpt.CheckpointError, match="--pipeline-model-parallel-size 2"):
+        load(tmp_path, args, topo, engine, sched)
+
+
+def test_bad_tracker_and_missing_dir(tmp_path):
+    args, topo, engine, sched = setup(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana\n")
+    with pytest.raises(ckpt.CheckpointError, match="not an iteration number"):
+        load(tmp_path, args, topo, engine, sched)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
+    with pytest.raises(ckpt.CheckpointError, match="iter_0000007 does not exist"):
+        load(tmp_path, args, topo, engine, sched)

@@ -1,0 +1,65 @@
+"""Built-in corpus: built once on first use, reused, safe under concurrent callers."""
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from data_fixtures import REPO, quiet
+from megaq.data.builtin import ensure_builtin_corpus, stdlib_files
+from megaq.data.gpt_dataset import build_train_valid_test_datasets
+from megaq.data.indexed import IndexedDataset
+from megaq.data.tokenizer import build_tokenizer
+
+SMALL = {"vocab_size": 400, "max_bytes": 120_000}
+
+
+def _ensure_in_child(cache, q):
+    q.put(ensure_builtin_corpus(cache, log=quiet, **SMALL))
+
+
+def test_concurrent_first_use_builds_once_and_reuses(tmp_path):
+    cache = str(tmp_path / "cache")
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ensure_in_child, args=(cache, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(set(results)) == 1
+    prefix, model = results[0]
+    build_dir = os.path.dirname(prefix)
+    assert sorted(os.listdir(cache)) == [".builtin.lock", os.path.basename(build_dir)]
+    manifest = json.load(open(os.path.join(build_dir, "manifest.json")))
+    stamp = os.stat(model).st_mtime_ns
+    assert ensure_builtin_corpus(cache, log=quiet, **SMALL) == (prefix, model)  # reused
+    assert os.stat(model).st_mtime_ns == stamp
+    # Contents: the tokenizer decodes the preprocessed documents back to the stdlib text.
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    ix = IndexedDataset(prefix)
+    files = stdlib_files(SMALL["max_bytes"])
+    assert len(ix) == len(files) == manifest["documents"] and tok.vocab_size == 400
+    for i in (0, len(ix) - 1):
+        doc = np.asarray(ix[i]).tolist()
+        assert doc[-1] == tok.eod and tok.detokenize(doc[:-1]) == files[i][1]
+    train = build_train_valid_test_datasets([prefix], "98,2,0", 32, 1, (50, 5, 0),
+                                            os.path.join(cache, "index"))[0]
+    assert train[0]["tokens"].shape == (33,)
+
+
+def test_build_corpus_tool_writes_deterministic_jsonl(tmp_path):
+    out = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for o in out:
+        subprocess.run([sys.executable, os.path.join(REPO, "tools", "build_corpus.py"),
+                        "--jsonl", str(o), "--max-bytes", "50000"], check=True,
+                       capture_output=True, timeout=60)
+    assert out[0].read_bytes() == out[1].read_bytes()
+    rows = [json.loads(x) for x in out[0].read_text().splitlines()]
+    assert rows and all(set(r) == {"text", "path"} for r in rows)
+    assert [r["path"] for r in rows] == [p for p, _ in stdlib_files(50000)]

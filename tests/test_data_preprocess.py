@@ -1,0 +1,126 @@
+"""tools/preprocess_data.py: round trip, workers/partitions, gzip, bad input."""
+
+import gzip
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from data_fixtures import REPO, quiet, run_tool, tiny_corpus, tiny_tokenizer, write_jsonl  # noqa: F401
+from megaq.data.errors import DataError
+from megaq.data.indexed import IndexedDataset, resolve_dtype
+from megaq.data.preprocess import preprocess
+
+
+def read_all(prefix):
+    ds = IndexedDataset(prefix)
+    return [np.asarray(ds[i]).tolist() for i in range(len(ds))], ds
+
+
+def test_round_trip_matches_sentencepiece(tmp_path, capsys, tiny_corpus, tiny_tokenizer):
+    src, docs = tiny_corpus
+    sp = spm.SentencePieceProcessor(model_file=tiny_tokenizer)
+    eod = sp.piece_to_id("<EOD>")
+    rc, err = run_tool("preprocess_data", [
+        "--input", src, "--json-keys", "text", "--output-prefix", tmp_path / "out",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tiny_tokenizer,
+        "--append-eod", "--workers", 1, "--log-interval", 20], capsys)
+    assert rc == 0, err
+    got, ds = read_all(str(tmp_path / "out_text_document"))
+    assert got == [sp.encode(d) + [eod] for d in docs]
+    assert ds.dtype == np.uint16  # Megatron's choice for a vocab under 65,500
+    assert "docs/s" in err and "MB/s" in err and "tokens/s" in err
+    assert err.count("Processed") >= len(docs) // 20 - 1  # progress every --log-interval docs
+    # Without --append-eod: exactly SentencePiece's encoding.
+    preprocess(src, str(tmp_path / "plain"), tiny_tokenizer, log=quiet)
+    assert read_all(str(tmp_path / "plain_text_document"))[0] == [sp.encode(d) for d in docs]
+
+
+def test_workers_partitions_gzip_give_identical_bytes(tmp_path, tiny_corpus, tiny_tokenizer):
+    src, _ = tiny_corpus
+    gz = str(tmp_path / "c.jsonl.gz")
+    with open(src, "rb") as f, gzip.open(gz, "wb") as g:
+        g.write(f.read())
+    runs = {"ref": (src, 1, 1), "w2": (src, 2, 1), "p3": (src, 1, 3), "gz": (gz, 2, 2)}
+    blobs = {}
+    for name, (inp, workers, parts) in runs.items():
+        preprocess(inp, str(tmp_path / name), tiny_tokenizer, append_eod=True, workers=workers,
+                   partitions=parts, log=quiet)
+        blobs[name] = tuple(open(str(tmp_path / f"{name}_text_document{e}"), "rb").read()
+                            for e in (".bin", ".idx"))
+    assert all(b == blobs["ref"] for b in blobs.values())
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["c.jsonl.gz"] + [f"{n}_text_document{e}" for n in runs for e in (".bin", ".idx")])
+
+
+def test_multiple_keys_and_empty_documents(tmp_path, tiny_tokenizer):
+    sp = spm.SentencePieceProcessor(model_file=tiny_tokenizer)
+    rows = [{"title": "alpha", "body": "one two"}, {"title": "", "body": "three"},
+            {"title": "beta", "body": ""}]
+    src = write_jsonl(str(tmp_path / "k.jsonl"), rows)
+    with open(src, "a") as f:
+        f.write("\n")  # a blank line: an empty document, not an error
+    stats = preprocess(src, str(tmp_path / "k"), tiny_tokenizer, json_keys=["title", "body"],
+                       log=quiet)
+    assert stats.documents == 3 and stats.empty == {"title": 2, "body": 2}
+    assert read_all(stats.outputs["title"])[0] == [sp.encode("alpha"), sp.encode("beta")]
+    assert read_all(stats.outputs["body"])[0] == [sp.encode("one two"), sp.encode("three")]
+
+
+BAD_INPUTS = {
+    "malformed": ('{"text": "fine"}\n{"text": "fine"}\n{"text": broken\n', "bad.jsonl:3: malformed JSON"),
+    "missing_key": ('{"text": "a"}\n{"txt": "b"}\n', "bad.jsonl:2: missing json key 'text'"),
+    "not_string": ('{"text": 5}\n', "bad.jsonl:1: json key 'text' holds int"),
+    "empty_file": ("", "empty input"),
+    "only_blank": ("\n\n", "empty input"),
+    "all_empty_text": ('{"text": ""}\n', "all 1 documents have empty text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_one_line_no_output(tmp_path, capsys, tiny_tokenizer, case):
+    content, expect = BAD_INPUTS[case]
+    src = tmp_path / "bad.jsonl"
+    src.write_text(content)
+    out = tmp_path / "out"
+    out.mkdir()
+    for workers in (1, 2):
+        rc, err = run_tool("preprocess_data", ["--input", src, "--output-prefix", out / "x",
+                                               "--tokenizer-model", tiny_tokenizer,
+                                               "--workers", workers], capsys)
+        assert rc == 2
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], err
+        assert os.listdir(out) == []  # no partial output, not even temp files
+
+
+def test_bad_tokenizer_and_dtype(tmp_path, capsys, tiny_corpus, tiny_tokenizer):
+    src, _ = tiny_corpus
+    rc, err = run_tool("preprocess_data", ["--input", src, "--output-prefix", tmp_path / "x",
+                                           "--tokenizer-model", tmp_path / "nope.model"], capsys)
+    assert rc == 2 and "nope.model: tokenizer model not found" in err
+    rc, err = run_tool("preprocess_data", ["--input", tmp_path / "none.jsonl", "--output-prefix",
+                                           tmp_path / "x", "--tokenizer-model", tiny_tokenizer], capsys)
+    assert rc == 2 and "none.jsonl: input not found" in err
+    assert not list(tmp_path.glob("x*"))
+    # A vocab too large for the chosen dtype is refused before anything is written.
+    with pytest.raises(DataError, match="vocab of 70000 ids does not fit"):
+        resolve_dtype("uint16", 70000)
+    assert resolve_dtype("auto", 70000) == np.int32 and resolve_dtype("auto", 65499) == np.uint16
+    preprocess(src, str(tmp_path / "i32"), tiny_tokenizer, dtype="int32", log=quiet)
+    assert IndexedDataset(str(tmp_path / "i32_text_document")).dtype == np.int32
+
+
+def test_cli_exit_code_end_to_end(tmp_path):
+    """The real entry point: non-zero exit and one stderr line."""
+    src = tmp_path / "bad.jsonl"
+    src.write_text("not json\n")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"),
+                        "--input", str(src), "--output-prefix", str(tmp_path / "o"),
+                        "--tokenizer-model", str(tmp_path / "missing.model")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "missing.model" in p.stderr

@@ -1,0 +1,99 @@
+"""Tokenizer training tool and the tokenizer wrapper."""
+
+import os
+
+import pytest
+import sentencepiece as spm
+
+from data_fixtures import TINY_VOCAB, quiet, run_tool, tiny_corpus, tiny_tokenizer, write_jsonl  # noqa: F401
+from megaq.data.errors import DataError
+from megaq.data.tokenizer import build_tokenizer
+from megaq.data.tokenizer_training import train_sentencepiece
+
+
+def test_wrapper_ids_and_round_trip(tiny_tokenizer, tiny_corpus):
+    tok = build_tokenizer("SentencePieceTokenizer", tiny_tokenizer)
+    sp = spm.SentencePieceProcessor(model_file=tiny_tokenizer)
+    assert tok.vocab_size == TINY_VOCAB == sp.get_piece_size()
+    assert sp.id_to_piece(tok.eod) == "<EOD>"   # the user-defined end-of-document piece
+    assert sp.id_to_piece(tok.pad) == "<pad>"
+    assert tok.eod != tok.pad
+    text = tiny_corpus[1][3]
+    ids = tok.tokenize(text)
+    assert ids == sp.encode(text)
+    assert tok.detokenize(ids) == sp.decode(ids)
+    # Byte fallback: characters never seen in training still round-trip exactly.
+    odd = "naïve ☃ 数据 🙂"
+    assert tok.detokenize(tok.tokenize(odd)) == odd
+    assert sp.unk_id() not in tok.tokenize(odd)
+
+
+def test_eod_falls_back_to_eos_without_eod_piece(tmp_path, tiny_corpus):
+    model = train_sentencepiece([tiny_corpus[0]], str(tmp_path / "t"), 400,
+                                user_defined_symbols=(), log=quiet)
+    tok = build_tokenizer("GPTSentencePieceTokenizer", model)
+    assert tok.eod == spm.SentencePieceProcessor(model_file=model).eos_id() == 2
+
+
+def test_train_tool_text_files_unigram_and_special_tokens(tmp_path, capsys, tiny_corpus):
+    texts = tiny_corpus[1][:40]
+    a = tmp_path / "a.txt"
+    a.write_text("\n".join(texts[:20]))
+    b = tmp_path / "b.txt"
+    b.write_text("\n".join(texts[20:]))
+    rc, err = run_tool("train_tokenizer", ["--input", a, b, "--model-prefix", tmp_path / "u",
+                                           "--vocab-size", 420, "--model-type", "unigram",
+                                           "--user-defined-symbols", "<EOD>", "<MASK>",
+                                           "--threads", 1], capsys)
+    assert rc == 0, err
+    assert "wrote" in err and "documents" in err  # progress / summary output
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "u.model"))
+    assert sp.get_piece_size() == 420
+    mask = sp.piece_to_id("<MASK>")
+    assert sp.encode("x <MASK> y").count(mask) == 1  # special token kept whole
+    assert (tmp_path / "u.vocab").read_text().count("\n") == 420
+
+
+def test_train_tool_jsonl_keys_and_no_byte_fallback(tmp_path, capsys, tiny_corpus):
+    src = write_jsonl(str(tmp_path / "c.jsonl"),
+                      [{"body": t, "id": i} for i, t in enumerate(tiny_corpus[1][:40])])
+    rc, err = run_tool("train_tokenizer", ["--input", src, "--json-keys", "body",
+                                           "--model-prefix", tmp_path / "j", "--vocab-size", 200,
+                                           "--no-byte-fallback", "--threads", 1], capsys)
+    assert rc == 0, err
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "j.model"))
+    assert sp.piece_to_id("<0x00>") == sp.unk_id()  # no byte pieces
+
+
+@pytest.mark.parametrize("case", ["missing_key", "bad_json", "empty", "missing_file"])
+def test_train_tool_bad_input(tmp_path, capsys, case):
+    src = tmp_path / "in.jsonl"
+    if case == "missing_key":
+        write_jsonl(str(src), [{"text": "a b c"}, {"body": "d"}])
+    elif case == "bad_json":
+        src.write_text('{"text": "ok"}\n{"text": oops}\n')
+    elif case == "empty":
+        src.write_text("")
+    rc, err = run_tool("train_tokenizer", ["--input", src, "--model-prefix", tmp_path / "m",
+                                           "--vocab-size", 100], capsys)
+    assert rc == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and str(src) in line
+    assert {"missing_key": "in.jsonl:2: missing json key 'text'", "bad_json": "in.jsonl:2: malformed",
+            "empty": "empty input", "missing_file": "not found"}[case] in line
+    assert not (tmp_path / "m.model").exists()
+
+
+def test_wrapper_bad_model(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        build_tokenizer("SentencePieceTokenizer", str(tmp_path / "none.model"))
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(DataError, match="not a valid SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", str(junk))
+    if os.geteuid() != 0:  # root reads anything
+        junk.chmod(0)
+        with pytest.raises(DataError, match="not readable"):
+            build_tokenizer("SentencePieceTokenizer", str(junk))
+    with pytest.raises(DataError, match="not supported"):
+        build_tokenizer("HuggingFaceTokenizer", str(junk))

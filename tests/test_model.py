@@ -1,0 +1,220 @@
+"""GPTModel under tensor parallelism equals one process with the same weights.
+
+For TP in {1, 2, 4}, sequence parallelism off and on, GPT-2 and Llama families:
+gathered logits, per-token losses, every weight and every gradient of the TP model
+match a single-process (TP=1) model built from the same config.
+
+Errors are norm-wise relative errors ||a - b|| / ||b|| over a whole tensor, bounded
+by 1e-5: fp32 with TP only changes the summation order of the row-parallel and
+vocab-parallel reductions, which moves results by ~1e-7 relative, while any wrong
+slice, missing reduction or mis-scaled gradient is an O(1) error.
+
+Gradients of parameters marked ``sequence_parallel`` are partial under SP (each rank
+saw only its sequence chunk): the DP engines all-reduce them over TP before the DP
+reduction, and so does this test before comparing.
+"""
+
+import pytest
+import torch
+# torch imports torch._dynamo lazily on the first autograd.Function / checkpoint call
+# (~3 s); importing it once here lets every forked rank inherit it instead.
+import torch._dynamo  # noqa: F401
+
+from megaq.model import GPTConfig, GPTModel
+from megaq.parallel import comm
+from megaq.parallel.comm import Group
+from megaq.parallel.launch import run_on_ranks
+from megaq.parallel.tensor_parallel import (gather_from_tp_region, model_parallel_manual_seed,
+                                            shard_of, single_rank_group)
+from megaq.parallel.topology import LayoutError
+
+TOL = 1e-5
+VOCAB, BATCH, SEQ = 100, 2, 16
+
+
+def _config(family: str, sp: bool, **kw) -> GPTConfig:
+    # divisible_by=8 pads 100 to 104 / 112 / 128 at TP 1 / 2 / 4: the loss must not
+    # depend on the padding.
+    common = dict(num_layers=2, hidden_size=32, vocab_size=VOCAB, seq_length=SEQ,
+                  make_vocab_size_divisible_by=8, sequence_parallel=sp,
+                  attention_dropout=0.0, hidden_dropout=0.0, seed=7)
+    if family == "gpt2":
+        return GPTConfig.gpt2(**{"num_attention_heads": 4, **common, **kw})
+    return GPTConfig.llama(**{"num_attention_heads": 8, "num_query_groups": 4, "ffn_hidden_size": 48,
+                              **common, **kw})
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    weights = torch.rand(BATCH, SEQ, generator=g)  # uneven per-token weights in the loss
+    return ids, labels, weights
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))]) if rows > t.shape[0] else t
+
+
+def _run(model, ids, labels, weights):
+    logits = model(ids)  # [b, s, V_padded/tp]
+    loss = model(ids, labels=labels)  # [b, s]
+    (loss * weights).sum().backward()
+    return logits, loss
+
+
+def _compare_tp_to_single(topo, cases):
+    """On each TP rank: build the TP model and a TP=1 reference; return max errors."""
+    tp = topo.tp
+    out = {}
+    for family, sp, extra in cases:
+        cfg = _config(family, sp, **extra)
+        ids, labels, weights = _batch()
+        ref = GPTModel(_config(family, False, **extra), single_rank_group())
+        model = GPTModel(cfg, tp)
+        ref_logits, ref_loss = _run(ref, ids, labels, weights)
+        logits, loss = _run(model, ids, labels, weights)
+
+        padded = model.padded_vocab_size
+        full_logits = gather_from_tp_region(logits.detach().contiguous(), tp)
+        errs = {"logits": _rel(full_logits[..., :VOCAB], ref_logits.detach()[..., :VOCAB]),
+                "loss": _rel(loss.detach(), ref_loss.detach())}
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            r = ref_params[name]
+            grad = p.grad.clone()
+            if p.sequence_parallel:  # partial under SP: the engines all-reduce it over TP
+                comm.all_reduce(grad, tp, "tp")
+            r_w, r_g = r.detach(), r.grad
+            if p.tensor_model_parallel:
+                if "word_embeddings" in name or "output_layer" in name:
+                    r_w, r_g = _pad_rows(r_w, padded), _pad_rows(r_g, padded)
+                r_w = shard_of(r_w, p.partition_dim, tp.rank, tp.size, p.partition_stride)
+                r_g = shard_of(r_g, p.partition_dim, tp.rank, tp.size, p.partition_stride)
+            assert p.shape == r_w.shape, (name, p.shape, r_w.shape)
+            errs[f"weight {name}"] = _rel(p.detach(), r_w)
+            errs[f"grad {name}"] = _rel(grad, r_g)
+        out[(family, sp, tuple(sorted(extra)))] = errs
+    return out
+
+
+CASES = [(fam, sp, {}) for fam in ("gpt2", "llama") for sp in (False, True)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_model_matches_single_process(tp):
+    cases = CASES + ([("gpt2", True, {"untie_embeddings_and_output_weights": True})] if tp == 2 else [])
+    results = run_on_ranks(_compare_tp_to_single, tp, tp=tp, args=(cases,))
+    for rank, per_case in enumerate(results):
+        for case, errs in per_case.items():
+            assert len(errs) > 10  # logits, loss and a weight + grad per parameter
+            bad = {k: v for k, v in errs.items() if not v < TOL}
+            assert not bad, f"TP={tp} rank {rank} {case}: {bad}"
+
+
+def test_gqa_split_keeps_whole_query_groups():
+    # 8 heads in 2 groups at TP=2: each rank holds one group (4 q heads + k + v).
+    cases = [("llama", sp, {"num_query_groups": 2}) for sp in (False, True)]
+    results = run_on_ranks(_compare_tp_to_single, 2, tp=2, args=(cases,))
+    for per_case in results:
+        for case, errs in per_case.items():
+            assert max(errs.values()) < TOL, (case, errs)
+
+
+def _fake_group(size: int) -> Group:
+    # Construction slices weights but sends nothing, so a group without a process
+    # group is enough to test refusals.
+    return Group(ranks=list(range(size)), nodes=[0] * size, pg=None, rank_index=0)
+
+
+def test_refuses_heads_not_divisible_by_tp():
+    with pytest.raises(LayoutError, match="--num-attention-heads 6 is not divisible"):
+        GPTModel(GPTConfig.gpt2(hidden_size=48, num_attention_heads=6), _fake_group(4))
+
+
+def test_refuses_query_groups_not_divisible_by_tp():
+    cfg = GPTConfig.llama(hidden_size=64, num_attention_heads=8, num_query_groups=2)
+    with pytest.raises(LayoutError, match="--num-query-groups 2 is not divisible"):
+        GPTModel(cfg, _fake_group(4))
+
+
+def test_refuses_sequence_not_divisible_under_sp():
+    cfg = GPTConfig.gpt2(seq_length=30, sequence_parallel=True)
+    with pytest.raises(ValueError, match="--seq-length 30 is not divisible"):
+        GPTModel(cfg, _fake_group(4))
+
+
+def test_vocab_padding_and_layout_independent_init():
+    cfg = GPTConfig.gpt2(vocab_size=50257, hidden_size=16, num_attention_heads=2, num_layers=1,
+                         make_vocab_size_divisible_by=128)
+    assert cfg.padded_vocab_size(1) == 50304 and cfg.padded_vocab_size(2) == 50432
+    small = GPTConfig.gpt2(vocab_size=100, make_vocab_size_divisible_by=8, num_layers=3)
+    full = GPTModel(small)
+    rank1 = GPTModel(small, pre_process=False, layer_start=1)
+    # Same global layer, same weights, whichever stage builds it.
+    assert torch.equal(full.layers[1].mlp.linear_fc1.weight, rank1.layers[0].mlp.linear_fc1.weight)
+    assert rank1.global_param_name("layers.0.mlp.linear_fc1.weight") == "layers.1.mlp.linear_fc1.weight"
+    w = full.embedding.word_embeddings.weight
+    assert w.shape[0] == 104 and torch.all(w[100:] == 0) and w[:100].std() > 0.01
+
+
+def test_tied_head_on_last_stage_is_an_identical_marked_copy():
+    cfg = GPTConfig.gpt2(vocab_size=100, make_vocab_size_divisible_by=8, num_layers=2)
+    first = GPTModel(cfg, post_process=False, layer_end=1)
+    last = GPTModel(cfg, pre_process=False, layer_start=1)
+    both = GPTModel(cfg)
+    assert first.output_layer is None and last.embedding is None
+    assert torch.equal(first.embedding.word_embeddings.weight, last.output_layer.weight)
+    assert first.embedding.word_embeddings.weight.shared_embedding
+    assert last.output_layer.weight.shared_embedding
+    assert both.output_layer.weight is None  # reuses the embedding: nothing to sync
+    assert not both.embedding.word_embeddings.weight.shared_embedding
+    # The split model computes what the whole one does.
+    ids = torch.randint(0, 100, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    both.eval(), first.eval(), last.eval()
+    torch.testing.assert_close(last(hidden_states=first(ids), labels=ids), both(ids, labels=ids))
+
+
+def _recompute_grads(topo):
+    out = {}
+    for sp in (False, True):
+        for recompute in (False, True):
+            cfg = _config("gpt2", sp, attention_dropout=0.2, hidden_dropout=0.2,
+                          recompute_activations=recompute)
+            model = GPTModel(cfg, topo.tp)
+            model_parallel_manual_seed(123, topo.tp_rank)
+            ids, labels, weights = _batch()
+            (model(ids, labels=labels) * weights).sum().backward()
+            out[sp, recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_recompute_gives_identical_grads_with_dropout():
+    for grads in run_on_ranks(_recompute_grads, 2, tp=2):
+        for sp in (False, True):
+            plain, recomputed = grads[sp, False], grads[sp, True]
+            for name, g in plain.items():
+                # Same ops on the same values in the same order: bit-identical, and the
+                # dropout masks must be redrawn identically (default and TP streams).
+                assert torch.equal(g, recomputed[name]), (sp, name)
+
+
+def test_num_flops_matches_megatron_closed_forms():
+    from megaq.model.flops import num_flops
+    # GPT-2 (MHA, ffn = 4h): Narayanan et al.'s 72 B s L h^2 (1 + s/6h + V/12Lh), no recompute.
+    c = GPTConfig.gpt2(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50257,
+                       seq_length=1024)
+    B, s, L, h, V = 8, 1024, 24, 1024, c.padded_vocab_size(1)
+    expected = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert abs(num_flops(c, B * s) / expected - 1) < 1e-12
+    # Llama (GQA, SwiGLU): Megatron's num_floating_point_operations, as written there.
+    c = GPTConfig.llama(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                        ffn_hidden_size=14336, vocab_size=128256, seq_length=8192)
+    B, s, L, h, V = 4, 8192, 32, 4096, c.padded_vocab_size(8)
+    expected = 12 * B * s * L * h * h * (
+        (1 + 8 / 32 + s / h) * 1.0 + (14336 / h) * 1.5 + V / (2 * L * h))
+    assert abs(num_flops(c, B * s, tp_size=8) / expected - 1) < 1e-12

@@ -1,0 +1,165 @@
+"""Shared by the ZeRO engine tests: train GPTModel for a few steps under any
+TP x PP x DP layout with the engine, and the same global batches in one process with
+torch.optim.AdamW + clip_grad_norm_ (the reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from megaq.model.config import GPTConfig
+from megaq.model.gpt import GPTModel
+from megaq.parallel import comm
+from megaq.parallel.pipeline import (build_model_chunks, get_forward_backward_func,
+                                     masked_mean_loss, pipeline_tensor_shape)
+from megaq.parallel.tensor_parallel import shard_of
+from megaq.zero import ZeroConfig, build_engine, wants_weight_decay
+
+SEQ, MBS = 8, 2
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+CLIP = 0.05  # below the grad norms of the first steps (asserted), so clipping triggers
+STEPS = 5
+
+
+def model_config(**kw) -> GPTConfig:
+    # Odd vocab (101; padded to 102 at TP 1 and 2 with make_vocab_size_divisible_by=3),
+    # sizes that leave every flat buffer unaligned, no dropout (exact comparison).
+    # No linear biases: the attention key bias has an exactly-zero gradient in exact
+    # arithmetic, and Adam turns its rounding noise into O(lr) updates that differ
+    # between any two summation orders (LayerNorm biases still exercise no-decay).
+    base = dict(num_layers=2, hidden_size=20, num_attention_heads=2, vocab_size=101,
+                seq_length=SEQ, make_vocab_size_divisible_by=3, attention_dropout=0.0,
+                hidden_dropout=0.0, seed=7, add_bias_linear=False)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def global_batch(step: int, rows: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (rows, SEQ + 1), generator=g)
+
+
+def microbatches(step, dp_rank, dp, n_micro, vocab):
+    data = global_batch(step, dp * n_micro * MBS, vocab)
+    out = []
+    for m in range(n_micro):
+        rows = data[(dp_rank * n_micro + m) * MBS:(dp_rank * n_micro + m + 1) * MBS]
+        out.append({"tokens": rows[:, :-1], "labels": rows[:, 1:],
+                    "loss_mask": torch.ones(MBS, SEQ)})
+    return out
+
+
+def reference(model_kw: dict, dp: int, n_micro: int, steps: int = STEPS, clip: float = CLIP):
+    """One process, whole global batch per step: losses, grad norms, final params."""
+    cfg = model_config(**model_kw)
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if wants_weight_decay(n, p)], "weight_decay": WD},
+              {"params": [p for n, p in named if not wants_weight_decay(n, p)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    losses, norms = [], []
+    for step in range(steps):
+        data = global_batch(step, dp * n_micro * MBS, cfg.vocab_size)
+        opt.zero_grad()
+        loss = masked_mean_loss(model(input_ids=data[:, :-1], labels=data[:, 1:]),
+                                torch.ones(data.shape[0], SEQ))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, norms, {n: p.detach().clone() for n, p in named}
+
+
+def _reference_name(chunk, name: str) -> str:
+    if name.startswith("layers."):
+        i, rest = name[len("layers."):].split(".", 1)
+        return f"layers.{chunk.layer_start + int(i)}.{rest}"
+    if name == "output_layer.weight" and getattr(chunk.output_layer.weight, "shared_embedding", False):
+        return "embedding.word_embeddings.weight"  # the tied copy on the last stage
+    return name
+
+
+def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = STEPS,
+               account: bool = False, clip: float = CLIP):
+    """Runs on every rank; returns what the test compares against the reference."""
+    cfg = model_config(**model_kw)
+    torch.manual_seed(0)
+    chunks = build_model_chunks(cfg, topo)
+    zcfg = ZeroConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **zero_kw)
+    engine = build_engine(chunks, topo, zcfg)
+    peak = [0]
+
+    def track(*_):  # runs after the engine's pre-hook: current site gathered + prefetches
+        peak[0] = max(peak[0], engine.live_gathered_bytes())
+    for site in engine.sites:
+        site.modules[0].register_forward_pre_hook(track)
+    fb = get_forward_backward_func(topo.layout.pp, 1)
+    shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
+    losses, norms, mem, traffic = [], [], [], None
+    for step in range(steps):
+        if account and step == 0:
+            comm.STATS.reset()
+        engine.zero_grad()
+        mbs = microbatches(step, topo.dp_rank, topo.dp.size, n_micro, cfg.vocab_size)
+        step_losses = fb(chunks, mbs, n_micro, topo, tensor_shape=shape)
+        engine.finish_grad_sync()
+        norm = engine.clip_grad_norm(clip)
+        assert bool(engine.grads_finite())
+        engine.step(LR)
+        if account and step == 0:
+            traffic = comm.per_node_totals(topo.world)
+        losses.append([float(x) for x in step_losses])
+        norms.append(float(norm))
+        mem.append(engine.memory_report())
+    full = engine.full_state()
+    chunk = chunks[0]
+    meta = {}
+    for name, p in chunk.named_parameters():
+        meta[name] = (_reference_name(chunk, name), bool(getattr(p, "tensor_model_parallel", False)),
+                      getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
+    return {"losses": losses, "norms": norms, "mem": mem, "state": full, "meta": meta,
+            "tp_rank": topo.tp_rank, "tp": topo.tp.size, "traffic": traffic,
+            "M": engine.zero_model_bytes, "numel": sum(p.numel() for c in chunks for p in c.parameters()),
+            "last_stage": topo.is_last_stage, "peak_gathered": peak[0],
+            "gather_bound": gather_bound(engine)}
+
+
+def gather_bound(engine) -> int:
+    """Live gathered bytes allowed: (1 + prefetch) consecutive sites plus borrowed units."""
+    sizes = [sum(u.sharded.full_bytes for u in s.gathered_units) for s in engine.sites]
+    k = 1 + engine.cfg.prefetch
+    return max((sum(sizes[i:i + k]) for i in range(len(sizes))), default=0)
+
+
+def train_many(topo, scenarios):
+    return [train_rank(topo, *sc) for sc in scenarios]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def check_against_reference(results, ref, tol: float = 1e-5) -> float:
+    """Losses, grad norms and every final parameter slice match; returns the worst error."""
+    ref_losses, ref_norms, ref_params = ref
+    worst = 0.0
+    # Loss of a step: mean over the last stage's micro-batches on every DP rank.
+    per_step = [sum(r["losses"][s][i] for r in results if r["last_stage"] for i in range(len(r["losses"][s])))
+                / sum(len(r["losses"][s]) for r in results if r["last_stage"])
+                for s in range(len(ref_losses))]
+    for got, want in zip(per_step, ref_losses):
+        worst = max(worst, abs(got - want) / abs(want))
+    for r in results:
+        for got, want in zip(r["norms"], ref_norms):
+            worst = max(worst, abs(got - want) / abs(want))
+        for name, st in r["state"]["params"].items():
+            ref_name, tp_split, dim, stride = r["meta"][name]
+            want = ref_params[ref_name]
+            if tp_split and r["tp"] > 1:
+                want = shard_of(want, dim, r["tp_rank"], r["tp"], stride)
+            assert st["param"].shape == want.shape, (name, st["param"].shape, want.shape)
+            e = rel_err(st["param"], want)
+            assert e < tol, f"{name}: relative error {e:.2e}"
+            worst = max(worst, e)
+    assert worst < tol, worst
+    return worst

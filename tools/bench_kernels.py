@@ -1,0 +1,265 @@
+"""Benchmark the quantization kernels: effective GB/s (bytes read + written).
+
+For each size N (elements of the operation's full-precision side) it times the Triton
+kernel, the plain-PyTorch reference (eager, and torch.compile'd), and a device-to-device
+copy of N bf16 elements, all in the same run. Prints a table and writes JSON (--out).
+
+    python tools/bench_kernels.py --out docs/results/kernels_h200.json          # GPU
+    python tools/bench_kernels.py --device cpu --sizes 65536 --block 1024     # smoke test
+
+Operations (bf16 input/output, fp32 accumulation):
+  quantize8 / quantize4        bf16 [N] -> packed int8 / int4
+  dequantize8 / dequantize4    packed -> bf16 [N]
+  reorder_quantize4            bf16 gradient [N], k=2 nodes x m=4 ranks -> int4 [m, ...]
+  dequant_reduce_quantize4     int4 [m=4, N/m] received rows -> sum -> int4 [k=2, N/(m k)]
+  dequant_reduce4              int4 [k=2, N/k] -> fp32 [N/k] (scaled sum)
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+DEFAULT_SIZES = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
+K_NODES, M_RANKS = 2, 4
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="element counts (default 16M 64M 256M 1G)")
+    p.add_argument("--block", type=int, default=None, help="quantization block (default: the kernels' default)")
+    p.add_argument("--sweep-blocks", type=int, nargs="*", default=[],
+                   help="also time quantize/dequantize at 64M (or the first size) for these block sizes")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd baselines")
+    p.add_argument("--out", default=None, help="write results as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before megaq.kernels.quant is imported
+    from megaq.kernels import quant, reference
+    from megaq.kernels.format import DEFAULT_BLOCK, packed_len
+
+    block = args.block or DEFAULT_BLOCK
+    sizes = args.sizes or (DEFAULT_SIZES if device == "cuda" else [64 * block])
+    use_compile = not args.no_compile and device == "cuda"
+    step = block * K_NODES * M_RANKS
+    bad = [n for n in sizes if n % step]
+    if bad:
+        sys.exit(f"error: sizes {bad} are not multiples of block * {K_NODES * M_RANKS} = {step}; pick multiples")
+
+    timer = Timer(device, args.iters)
+    compiled = {}
+
+    def baseline(name, fn):
+        if not use_compile:
+            return None
+        if name not in compiled:
+            compiled[name] = torch.compile(fn, dynamic=True)
+        return compiled[name]
+
+    results = []
+    for n in sizes:
+        try:
+            results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline)
+        except torch.OutOfMemoryError:
+            print(f"# {n} elements: out of memory, skipped", file=sys.stderr)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    sweep = []
+    for b in args.sweep_blocks:
+        n = 64 << 20 if device == "cuda" else sizes[0]
+        sweep += bench_block(torch, quant, packed_len, n, b, device, timer)
+
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "block": block,
+        "k_nodes": K_NODES,
+        "m_ranks": M_RANKS,
+        "iters": args.iters,
+        "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+    }
+    print_table(results, sizes)
+    if sweep:
+        print("\nblock sweep (triton, GB/s):")
+        for r in sweep:
+            print(f"  {r['op']:<14} block {r['block']:>6}: {r['GBps']:8.0f}")
+    if args.out:
+        write_json(args.out, {"meta": meta, "results": results, "block_sweep": sweep})
+
+
+class Timer:
+    """Median milliseconds per call over `iters` calls after warm-up."""
+
+    def __init__(self, device, iters):
+        self.device, self.iters = device, iters
+
+    def __call__(self, fn):
+        import torch
+
+        for _ in range(2):
+            fn()
+        if self.device != "cuda":
+            times = []
+            for _ in range(max(1, self.iters // 5)):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return sorted(times)[len(times) // 2]
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline):
+    k, m = K_NODES, M_RANKS
+    x = torch.randn(n, device=device, dtype=torch.bfloat16)
+    rows = []
+
+    def add(op, impl, nbytes, fn):
+        if fn is None:
+            return
+        try:
+            ms = timer(fn)
+        except Exception as exc:  # a torch.compile failure must not lose the other numbers
+            if impl != "compiled":
+                raise
+            print(f"# {op} {impl} at {n}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            return
+        rows.append({"op": op, "impl": impl, "elements": n, "bytes": nbytes, "ms": ms, "GBps": nbytes / ms / 1e6})
+
+    check_identical(torch, quant, reference, x, n, block, rows)
+    dst = torch.empty_like(x)
+    add("copy_bf16", "torch", 4 * n, lambda: dst.copy_(x))
+    del dst
+
+    for bits in (8, 4):
+        P = packed_len(n, bits, block)
+        q_bytes = 2 * n + P
+        add(f"quantize{bits}", "triton", q_bytes, lambda: quant.quantize(x, bits, block))
+        add(f"quantize{bits}", "eager", q_bytes, lambda: reference.quantize(x, bits, block))
+        comp = baseline("quantize", reference.quantize)
+        add(f"quantize{bits}", "compiled", q_bytes, comp and (lambda: comp(x, bits, block)))
+        packed = quant.quantize(x, bits, block)
+        args = (packed, n, bits, block, torch.bfloat16)
+        add(f"dequantize{bits}", "triton", q_bytes, lambda: quant.dequantize(*args))
+        add(f"dequantize{bits}", "eager", q_bytes, lambda: reference.dequantize(*args))
+        comp = baseline("dequantize", reference.dequantize)
+        add(f"dequantize{bits}", "compiled", q_bytes, comp and (lambda: comp(*args)))
+        del packed
+
+    # fused reorder + int4 quantize of a gradient split over k*m ranks
+    S = n // (k * m)
+    r_bytes = 2 * n + m * packed_len(k * S, 4, block)
+    add("reorder_quantize4", "triton", r_bytes, lambda: quant.reorder_quantize(x, k, m, 4, block))
+    add("reorder_quantize4", "eager", r_bytes, lambda: reference.reorder_quantize(x, k, m, 4, block))
+    comp = baseline("reorder_quantize", reference.reorder_quantize)
+    add("reorder_quantize4", "compiled", r_bytes, comp and (lambda: comp(x, k, m, 4, block)))
+
+    # in-node hop: m received rows of k*S elements each -> k requantized chunks of S
+    recv = quant.reorder_quantize(x, k, m, 4, block)
+    drq_bytes = recv.numel() + k * packed_len(S, 4, block)
+    add("dequant_reduce_quantize4", "triton", drq_bytes, lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block))
+    add("dequant_reduce_quantize4", "eager", drq_bytes,
+        lambda: reference.dequant_reduce_quantize(recv, k, S, 4, 4, block))
+    comp = baseline("dequant_reduce_quantize", reference.dequant_reduce_quantize)
+    add("dequant_reduce_quantize4", "compiled", drq_bytes, comp and (lambda: comp(recv, k, S, 4, 4, block)))
+    del recv
+
+    # final hop: k rows of n/k elements -> fp32 sum
+    L = n // k
+    fin = quant.quantize(x.view(k, L), 4, block)
+    dr_bytes = fin.numel() + 4 * L
+    add("dequant_reduce4", "triton", dr_bytes, lambda: quant.dequant_reduce(fin, L, 4, block, 0.125))
+    add("dequant_reduce4", "eager", dr_bytes, lambda: reference.dequant_reduce(fin, L, 4, block, 0.125))
+    comp = baseline("dequant_reduce", reference.dequant_reduce)
+    add("dequant_reduce4", "compiled", dr_bytes, comp and (lambda: comp(fin, L, 4, block, 0.125)))
+    return rows
+
+
+def check_identical(torch, quant, reference, x, n, block, rows):
+    """Triton == reference bit for bit at this size (catches index overflow at 1G)."""
+    k, m, S = K_NODES, M_RANKS, n // (K_NODES * M_RANKS)
+    ok = True
+    for bits in (8, 4):
+        a, b = quant.quantize(x, bits, block), reference.quantize(x, bits, block)
+        ok &= torch.equal(a, b)
+        ok &= torch.equal(quant.dequantize(a, n, bits, block, torch.bfloat16),
+                          reference.dequantize(a, n, bits, block, torch.bfloat16))
+        del a, b
+    r = quant.reorder_quantize(x, k, m, 4, block)
+    ok &= torch.equal(r, reference.reorder_quantize(x, k, m, 4, block))
+    h = quant.dequant_reduce_quantize(r, k, S, 4, 4, block)
+    ok &= torch.equal(h, reference.dequant_reduce_quantize(r, k, S, 4, 4, block))
+    ok &= torch.equal(quant.dequant_reduce(h, S, 4, block, 0.125), reference.dequant_reduce(h, S, 4, block, 0.125))
+    rows.append({"op": "check_triton_equals_reference", "impl": "-", "elements": n, "identical": bool(ok)})
+    print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
+
+
+def bench_block(torch, quant, packed_len, n, block, device, timer):
+    x = torch.randn(n, device=device, dtype=torch.bfloat16)
+    rows = []
+    for bits in (8, 4):
+        nbytes = 2 * n + packed_len(n, bits, block)
+        packed = quant.quantize(x, bits, block)
+        for op, fn in ((f"quantize{bits}", lambda: quant.quantize(x, bits, block)),
+                       (f"dequantize{bits}", lambda: quant.dequantize(packed, n, bits, block, torch.bfloat16))):
+            ms = timer(fn)
+            rows.append({"op": op, "block": block, "elements": n, "ms": ms, "GBps": nbytes / ms / 1e6})
+    return rows
+
+
+def print_table(results, sizes):
+    results = [r for r in results if "GBps" in r]
+    ops = list(dict.fromkeys((r["op"], r["impl"]) for r in results))
+    by_key = {(r["op"], r["impl"], r["elements"]): r["GBps"] for r in results}
+    head = f"{'op':<26}{'impl':<10}" + "".join(f"{_fmt_size(n):>10}" for n in sizes)
+    print("effective GB/s (bytes read + written)")
+    print(head)
+    print("-" * len(head))
+    for op, impl in ops:
+        cells = "".join(_fmt_rate(by_key[(op, impl, n)]) if (op, impl, n) in by_key else f"{'-':>10}" for n in sizes)
+        print(f"{op:<26}{impl:<10}{cells}")
+
+
+def _fmt_rate(v):
+    return f"{v:>10.0f}" if v >= 100 else f"{v:>10.3g}"
+
+
+def _fmt_size(n):
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def write_json(path, data):
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

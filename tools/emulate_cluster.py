@@ -1,0 +1,374 @@
+"""Run a torchrun job as two "nodes" joined by a rate-limited link, on one machine.
+
+Each node is a network namespace (tools/netns_link.py) running one torchrun agent
+with --nproc-per-node ranks; the agents meet through c10d rendezvous on the first
+namespace's veth address. gloo is pinned to the veth interface
+(GLOO_SOCKET_IFNAME), so every rank advertises its namespace's veth address: peers
+in the same namespace reach that local address over the namespace's loopback, peers
+in the other namespace over the veth pair, where tc limits the rate and the kernel
+counts the bytes. The record of a run holds the link counters before/after, the
+trainer's metrics (step time, megaq's own inter-node byte accounting) and both
+compared.
+
+    python tools/emulate_cluster.py probe --rate 1gbit            # gloo-only check
+    python tools/emulate_cluster.py run --rate 500mbit -- pretrain_gpt.py ...args
+    python tools/emulate_cluster.py sweep                          # stale namespaces
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from netns_link import EmulatedLink, NetnsError, sweep_stale, why_unavailable  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RDZV_PORT = 29400        # free by construction: the namespaces have nothing else listening
+# Per-frame header bytes that the veth counters include but a collective's payload does
+# not: Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamp option 12 (Linux default).
+FRAME_HEADER_BYTES = 14 + 20 + 20 + 12
+
+
+class _Terminated(BaseException):
+    """SIGTERM/SIGHUP turned into an exception so every `finally` and `with` runs."""
+
+
+def _raise_terminated(signum, _frame):
+    raise _Terminated(f"received signal {signum}")
+
+
+def install_signal_cleanup() -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_terminated)
+    # Ctrl-C -> KeyboardInterrupt even when started with SIGINT ignored (a background
+    # job of a non-interactive shell inherits SIG_IGN and Python would keep it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# ---------------------------------------------------------------------- launching
+def torchrun_command(link: EmulatedLink, node: int, nproc: int, run_id: str,
+                     script_argv: list[str]) -> list[str]:
+    return link.exec_prefix(node) + [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addr[0]}:{RDZV_PORT}",
+        "--rdzv-id", run_id,
+        # Who hosts the rendezvous store: torchrun guesses by comparing the endpoint
+        # with the machine's hostname, which resolves outside the namespaces; say it.
+        "--rdzv-conf", f"is_host={1 if node == 0 else 0}",
+        # The address this agent advertises (workers' MASTER_ADDR when it is node 0,
+        # and the sort key that makes namespace a node 0); the hostname would not work.
+        "--local-addr", link.addr[node],
+        "--max-restarts", "0", "--monitor-interval", "0.5",
+        *script_argv,
+    ]
+
+
+def node_env(link: EmulatedLink, node: int) -> dict:
+    env = dict(os.environ)
+    env.update(
+        # gloo binds its listening socket to this interface's address and advertises
+        # it; without it gloo resolves the hostname (127.0.0.1 here: unreachable from
+        # the other namespace) and the cross-node connections fail.
+        GLOO_SOCKET_IFNAME=link.dev[node],
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        PYTHONUNBUFFERED="1",
+        EMULATED_NODE=str(node),
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def launch(link: EmulatedLink, nproc: int, script_argv: list[str], log_dir: str,
+           timeout: float, on_poll=None) -> dict:
+    """Run both torchrun agents to completion; raise with the logs' tails on failure."""
+    run_id = secrets.token_hex(4)
+    procs, logs = [], []
+    t0 = time.perf_counter()
+    try:
+        for node in (0, 1):
+            log = os.path.join(log_dir, f"node{node}.log")
+            logs.append(log)
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(
+                    torchrun_command(link, node, nproc, run_id, script_argv), cwd=REPO,
+                    env=node_env(link, node), stdout=f, stderr=subprocess.STDOUT,
+                    start_new_session=True))   # own process group: killed as a whole
+        deadline = t0 + timeout
+        while any(p.poll() is None for p in procs):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"emulated cluster job ran past {timeout:.0f} s")
+            if any(p.returncode not in (None, 0) for p in procs):
+                break    # one node failed: do not wait for the other's timeout
+            if on_poll is not None:
+                on_poll()
+            time.sleep(0.002)
+    finally:
+        for p in procs:
+            _kill_group(p)
+    wall = time.perf_counter() - t0
+    rcs = [p.returncode for p in procs]
+    if any(rcs):
+        tails = "\n".join(f"--- node {i} (rc {rc}) {log}:\n{_tail(log)}"
+                          for i, (rc, log) in enumerate(zip(rcs, logs)))
+        raise RuntimeError(f"emulated cluster job failed (exit codes {rcs}):\n{tails}")
+    return {"wall_s": wall, "logs": logs}
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    if p.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+# ---------------------------------------------------------------------- measuring
+def run_measured(script_argv: list[str], *, rate: str, delay: str = "0ms", mtu: int = 1500,
+                 nproc: int = 2, metrics_file: str, timeout: float = 600,
+                 warmup: int = 1, log_dir: str | None = None) -> dict:
+    """Build a fresh link, run the job on it, return one record (see summarize)."""
+    log_dir = log_dir or tempfile.mkdtemp(prefix="emulated_cluster_")
+    if os.path.exists(metrics_file):
+        os.remove(metrics_file)   # the trainer appends; never mix runs
+    with EmulatedLink(rate=rate, delay=delay, mtu=mtu) as link:
+        before = [link.counters(n) for n in (0, 1)]
+        lo_before = [link.counters(n, "lo") for n in (0, 1)]
+        sampler = IterationSampler(link, metrics_file)
+        job = launch(link, nproc, script_argv, log_dir, timeout, on_poll=sampler.poll)
+        sampler.poll()
+        after = [link.counters(n) for n in (0, 1)]
+        lo_after = [link.counters(n, "lo") for n in (0, 1)]
+        ip_s = [link.ip_s_link(n) for n in (0, 1)]
+        shaping = dict(link.shaping)
+    veth = [a - b for a, b in zip(after, before)]
+    lo = [a - b for a, b in zip(lo_after, lo_before)]
+    with open(metrics_file) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    rec = summarize(lines, veth, lo, warmup)
+    rec.update(steady_window(lines, sampler.samples, before, warmup))
+    rec.update(rate=rate, rate_bits=shaping["rate_bits"], shaping=shaping, nproc_per_node=nproc,
+               wall_s=round(job["wall_s"], 2), logs=job["logs"], ip_s_link_after=ip_s,
+               command=script_argv)
+    return rec
+
+
+class IterationSampler:
+    """Link counters at the moment each metrics line appears (polled every 10 ms).
+
+    The trainer writes a line right after an iteration's last collective, so the
+    counter difference between two lines is that iteration's traffic (plus at most
+    one poll interval of the next iteration's start).
+    """
+
+    def __init__(self, link: EmulatedLink, metrics_file: str):
+        self.link, self.path, self.samples, self._size = link, metrics_file, [], -1
+
+    def poll(self) -> None:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return
+        if size == self._size:
+            return
+        self._size = size
+        counters = [self.link.counters(n) for n in (0, 1)]
+        with open(self.path) as f:
+            complete = f.read().count("\n")
+        if not self.samples or complete > self.samples[-1][0]:
+            self.samples.append((complete, counters))
+
+
+def steady_window(lines: list[dict], samples: list, before: list, warmup: int) -> dict:
+    """Link bytes vs accounting over the training iterations after the warm-up ones,
+    and the traffic before the first line (rendezvous, gloo connections, set-up)."""
+    train_idx = [i for i, x in enumerate(lines) if x.get("type", "train") == "train"]
+    at = {n: c for n, c in samples}          # line count -> counters then
+    out = {}
+    first_line = train_idx[0] + 1
+    if first_line in at:
+        link = sum((a - b).tx_bytes for a, b in zip(at[first_line], before))
+        out["link_bytes_to_first_iteration"] = link
+    if len(train_idx) > warmup and warmup >= 1:
+        start_line, end_line = train_idx[warmup - 1] + 1, train_idx[-1] + 1
+        if start_line in at and end_line in at:
+            link = sum((a - b).tx_bytes for a, b in zip(at[end_line], at[start_line]))
+            acc, iters = 0.0, 0
+            prev = lines[train_idx[warmup - 1]]["iteration"]
+            for i in train_idx[warmup:]:
+                x = lines[i]
+                acc += _inter_node_bytes(x) * (x["iteration"] - prev)
+                iters += x["iteration"] - prev
+                prev = x["iteration"]
+            out.update(steady_iterations=iters, steady_link_bytes_per_iteration=link / iters,
+                       steady_accounted_per_iteration=acc / iters,
+                       steady_link_over_accounted=round(link / acc, 4) if acc else None)
+    return out
+
+
+def _inter_node_bytes(line: dict) -> float:
+    """All nodes' inter-node bytes of one iteration (the file holds the per-node mean)."""
+    return sum(v.get("inter_node", 0) for v in line.get("comm", {}).values()) * line.get("nodes", 2)
+
+
+def summarize(lines: list[dict], veth: list, lo: list, warmup: int) -> dict:
+    """Step time and bytes: link counters vs megaq's accounting over the whole run.
+
+    megaq's metrics give bytes sent per node per iteration (averaged over nodes), so
+    the run's total inter-node payload is sum(inter_node over phases) x nodes x the
+    iterations each line covers. The link total is what both veth ends transmitted.
+    """
+    train = [x for x in lines if x.get("type", "train") == "train" and "elapsed_ms" in x]
+    if not train:
+        raise RuntimeError("the job wrote no training lines to its metrics file")
+    accounted, prev_it = 0.0, 0
+    per_phase: dict[str, float] = {}
+    for x in train:
+        iters = x["iteration"] - prev_it
+        prev_it = x["iteration"]
+        for phase, links in x.get("comm", {}).items():
+            b = links.get("inter_node", 0) * x.get("nodes", 2) * iters
+            per_phase[phase] = per_phase.get(phase, 0.0) + b
+            accounted += b
+    steady = train[warmup:] or train[-1:]
+    step_ms = statistics.median(x["elapsed_ms"] for x in steady)
+    iters_total = train[-1]["iteration"]
+    link_bytes = sum(v.tx_bytes for v in veth)
+    packets = sum(v.tx_packets for v in veth)
+    headers = packets * FRAME_HEADER_BYTES
+    return {
+        "iterations": iters_total,
+        "step_ms": round(step_ms, 1),
+        "step_ms_all": [round(x["elapsed_ms"], 1) for x in train],
+        "loss_last": train[-1].get("lm_loss"),
+        "link_bytes": link_bytes,
+        "link_bytes_per_direction": [v.tx_bytes for v in veth],
+        "link_packets": packets,
+        "link_header_bytes": headers,
+        "link_payload_bytes": link_bytes - headers,
+        "loopback_bytes": [v.tx_bytes for v in lo],
+        "accounted_inter_node_bytes": int(accounted),
+        "accounted_by_phase": {k: int(v) for k, v in sorted(per_phase.items())},
+        "accounted_per_iteration": int(accounted / max(1, iters_total)),
+        "link_over_accounted": round(link_bytes / accounted, 4) if accounted else None,
+        "payload_over_accounted": round((link_bytes - headers) / accounted, 4) if accounted else None,
+    }
+
+
+# ---------------------------------------------------------------------- CLI
+def _print_record(rec: dict) -> None:
+    mb = 1e6
+    print(f"rate {rec['rate']}: step {rec['step_ms']:.1f} ms (median after warm-up; all "
+          f"{rec['step_ms_all']}), wall {rec['wall_s']:.1f} s")
+    print(f"  link bytes (veth tx, both ends) {rec['link_bytes'] / mb:.2f} MB in "
+          f"{rec['link_packets']} frames ({rec['link_header_bytes'] / mb:.2f} MB of headers); "
+          f"megaq inter_node accounting {rec['accounted_inter_node_bytes'] / mb:.2f} MB; "
+          f"link/accounted {rec['link_over_accounted']}, payload/accounted "
+          f"{rec['payload_over_accounted']}")
+    if "steady_link_over_accounted" in rec:
+        print(f"  steady iterations ({rec['steady_iterations']} after warm-up): link "
+              f"{rec['steady_link_bytes_per_iteration'] / mb:.2f} MB/iteration vs accounted "
+              f"{rec['steady_accounted_per_iteration'] / mb:.2f} MB/iteration: "
+              f"{rec['steady_link_over_accounted']}")
+    if "link_bytes_to_first_iteration" in rec:
+        print(f"  link bytes up to the end of iteration 1 (set-up + iteration 1): "
+              f"{rec['link_bytes_to_first_iteration'] / mb:.2f} MB")
+    print(f"  loopback bytes per node {[round(b / mb, 2) for b in rec['loopback_bytes']]} MB "
+          f"(in-node traffic stays off the link)")
+    if rec["shaping"].get("note"):
+        print(f"  note: {rec['shaping']['note']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "probe"):
+        p = sub.add_parser(name)
+        p.add_argument("--rate", default="1gbit", help="link rate per direction, e.g. 200mbit, 1gbit")
+        p.add_argument("--delay", default="0ms", help="one-way delay (needs sch_netem), e.g. 0.5ms")
+        p.add_argument("--mtu", type=int, default=1500)
+        p.add_argument("--nproc-per-node", type=int, default=2)
+        p.add_argument("--timeout", type=float, default=600)
+        p.add_argument("--warmup", type=int, default=1, help="iterations left out of the step time")
+        p.add_argument("--json", default=None, help="write the run's record here")
+    sub.choices["probe"].add_argument("--numel", type=int, default=1 << 20)
+    sub.choices["probe"].add_argument("--iters", type=int, default=3)
+    sub.choices["run"].add_argument("script", nargs=argparse.REMAINDER,
+                                    help="-- script.py args (must write --metrics-file)")
+    sw = sub.add_parser("sweep", help="delete namespaces left by dead runs")
+    sw.add_argument("--owner", type=int, default=None, help="delete this owner pid's namespaces")
+    sub.add_parser("check", help="say whether this machine can build the link")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "sweep":
+        removed = sweep_stale(args.owner)
+        print(f"removed {len(removed)} namespace(s){': ' + ' '.join(removed) if removed else ''}")
+        return 0
+    reason = why_unavailable()
+    if args.cmd == "check":
+        print(reason or "ok: network namespaces, veth and tc are available")
+        return 1 if reason else 0
+    if reason:
+        print(f"emulate_cluster: cannot build the emulated link: {reason}", file=sys.stderr)
+        return 2
+    install_signal_cleanup()
+    sweep_stale()   # leftovers of killed runs (never a live run's namespaces)
+    with tempfile.TemporaryDirectory(prefix="emulated_cluster_") as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        if args.cmd == "probe":
+            script = [os.path.join(REPO, "tools", "netns_gloo_probe.py"), "--numel", str(args.numel),
+                      "--iters", str(args.iters), "--metrics-file", metrics]
+        else:
+            script = [a for a in args.script if a != "--"]
+            if not script:
+                ap.error("run needs a script after --, e.g. -- pretrain_gpt.py --mock-data ...")
+            if "--metrics-file" in script:
+                metrics = script[script.index("--metrics-file") + 1]
+            else:
+                script += ["--metrics-file", metrics]
+        try:
+            rec = run_measured(script, rate=args.rate, delay=args.delay, mtu=args.mtu,
+                               nproc=args.nproc_per_node, metrics_file=metrics,
+                               timeout=args.timeout, warmup=args.warmup, log_dir=tmp)
+        except (NetnsError, RuntimeError, TimeoutError) as e:
+            print(f"emulate_cluster: {e}", file=sys.stderr)
+            return 1
+        except (KeyboardInterrupt, _Terminated) as e:
+            print(f"emulate_cluster: interrupted ({str(e) or 'SIGINT'}); namespaces removed",
+                  file=sys.stderr)
+            return 130
+        _print_record(rec)
+        if args.json:
+            tmp_json = args.json + ".tmp"
+            with open(tmp_json, "w") as f:
+                json.dump(rec, f, indent=1)
+            os.replace(tmp_json, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

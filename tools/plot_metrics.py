@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Plot one or more metrics files (pretrain_gpt.py --metrics-file) as PNG curves.
+
+    python tools/plot_metrics.py run1.jsonl run2.jsonl --output curves.png [--labels a b]
+
+Panels: training loss (with validation loss as markers), learning rate, grad norm,
+throughput (tokens/s), and cross-node bytes per node per iteration. One line per file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def read(path: str) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{n}: not JSON ({e.msg}); pass a file written "
+                                 f"by pretrain_gpt.py --metrics-file")
+    return out
+
+
+def series(records, key, kind="train"):
+    pts = [(r["iteration"], r[key]) for r in records
+           if r.get("type", "train") == kind and r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", help="metrics .jsonl files")
+    p.add_argument("--output", "-o", default="metrics.png", help="PNG to write")
+    p.add_argument("--labels", nargs="*", default=None, help="legend label per file")
+    args = p.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.files):
+        print("error: --labels needs one label per file", file=sys.stderr)
+        return 2
+    for f in args.files:
+        if not os.path.isfile(f):
+            print(f"error: {f}: no such metrics file", file=sys.stderr)
+            return 2
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(lab, read(f)) for lab, f in zip(args.labels or args.files, args.files)]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    ax_loss, ax_val, ax_lr, ax_gn, ax_tp, ax_comm = axes.flat
+    for label, recs in runs:
+        x, y = series(recs, "lm_loss")
+        ax_loss.plot(x, y, label=label)
+        vx, vy = series(recs, "val_loss", "validation")
+        if vx:
+            ax_val.plot(vx, vy, "o-", label=label)
+            ax_loss.plot(vx, vy, "o", color=ax_loss.lines[-1].get_color(), alpha=0.6)
+        ax_lr.plot(*series(recs, "lr"), label=label)
+        ax_gn.plot(*series(recs, "grad_norm"), label=label)
+        ax_tp.plot(*series(recs, "tokens_per_s"), label=label)
+        cx = [r["iteration"] for r in recs if r.get("type", "train") == "train" and "comm" in r]
+        cy = [sum(v.get("inter_node", 0) for v in r["comm"].values()) / 2**20
+              for r in recs if r.get("type", "train") == "train" and "comm" in r]
+        ax_comm.plot(cx, cy, label=label)
+    for ax, title in ((ax_loss, "lm loss (train; o = validation)"), (ax_val, "validation loss"),
+                      (ax_lr, "learning rate"), (ax_gn, "grad norm"),
+                      (ax_tp, "throughput (tokens/s)"),
+                      (ax_comm, "inter-node MiB per node per iteration")):
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".{os.path.basename(args.output)}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

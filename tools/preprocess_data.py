@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Tokenize jsonl into Megatron-LM's indexed dataset (.bin/.idx), Megatron's CLI.
+
+  python tools/preprocess_data.py --input corpus.jsonl[.gz] --json-keys text \
+      --output-prefix out/corpus --tokenizer-type SentencePieceTokenizer \
+      --tokenizer-model tok.model --append-eod --workers 8
+
+Writes out/corpus_text_document.bin/.idx (readable by Megatron-LM's IndexedDataset);
+train with --data-path out/corpus_text_document. See docs/DATA.md.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megaq.data.errors import DataError, run_cli  # noqa: E402
+from megaq.data.preprocess import preprocess  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="jsonl file, one JSON object per line (.gz ok)")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize")
+    g.add_argument("--split-sentences", action="store_true", help="not supported (Megatron flag)")
+    g.add_argument("--keep-newlines", action="store_true", help="accepted; newlines are always kept")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   help="SentencePieceTokenizer (or GPTSentencePieceTokenizer)")
+    g.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    g.add_argument("--append-eod", action="store_true", help="append the <EOD> id to each document")
+    g.add_argument("--dtype", default="auto", choices=["auto", "uint16", "int32", "int64"],
+                   help="token dtype in .bin; auto = uint16 below 65,500 ids else int32 (Megatron)")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX_{key}_document.bin/.idx")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="encode the input in this many contiguous parts and merge them")
+    g.add_argument("--log-interval", type=int, default=1000, help="progress every N documents")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.split_sentences:
+        raise DataError("--split-sentences is not supported (documents are kept whole); drop it")
+    preprocess(a.input, a.output_prefix, a.tokenizer_model, a.json_keys, a.tokenizer_type,
+               a.append_eod, a.workers, a.partitions, a.log_interval, a.dtype)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
