@@ -90,8 +90,10 @@ def _check_topology_matches(args, topo) -> None:
 def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
     """Train; returns the final TrainState. Raises ArgumentsError / CheckpointError /
     DataError / TrainingDiverged with one-line messages (the CLI prints them)."""
+    import time
     from megaq.arguments import parse_args
 
+    t_start = time.perf_counter()
     if topo is None:
         from megaq.parallel.topology import ranks_per_node_from_env
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -147,6 +149,9 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
                           flops_per_iteration=flops_per_iteration(config, args),
                           zero_model_bytes=int(_zero_model_bytes(engine)))
     trainer = Trainer(parts, state)
+    if rank0:
+        print(f" setup (process groups, data, model, engine, checkpoint) took "
+              f"{time.perf_counter() - t_start:.1f} s; training", flush=True)
     state = trainer.train()
     if args.eval_iters and data.valid is not None and state.iteration not in state.val_losses:
         trainer.evaluate(state.iteration, where="on validation set")

@@ -1,7 +1,7 @@
 """Triton kernels for the packed blockwise format (kernels/format.py).
 
 Same signatures and bit-identical results as kernels/reference.py. Two kernels do all
-the work, one Triton program per quantization block:
+the work, one Triton program per NB consecutive quantization blocks:
 
 - _quantize_kernel: quantize one block of a (possibly reordered) fp32/bf16/fp16 input,
   optionally with error feedback (residual read, added, and rewritten).
@@ -47,70 +47,85 @@ __all__ = [
 ]
 
 
+# Every tile below is [NB, BLOCK_P2]: NB consecutive quantization blocks handled by one
+# program (more bytes in flight per thread), each padded to the power of two BLOCK_P2
+# (lanes >= BLOCK are masked off; with a power-of-two BLOCK there is no mask at all).
+
+
 @triton.jit
-def _quantize_block(x, QMAX: tl.constexpr, TINY: tl.constexpr):
-    """fp32 block -> (q as int32, scale): the rule documented in reference.py."""
-    absmax = tl.max(tl.abs(x), axis=0)
+def _quantize_tile(x, QMAX: tl.constexpr, TINY: tl.constexpr):
+    """fp32 [NB, P2] -> (q int32 [NB, P2], scale fp32 [NB]): the rule in reference.py."""
+    absmax = tl.max(tl.abs(x), axis=1)
     is_zero = absmax < TINY
-    qmax = tl.full([], QMAX, tl.float32)
+    qmax = tl.full(absmax.shape, QMAX, tl.float32)
     safe = tl.where(is_zero, 1.0, absmax)
     scale = tl.where(is_zero, 0.0, tl.math.div_rn(safe, qmax))
     inv = tl.where(is_zero, 0.0, tl.math.div_rn(qmax, safe))
-    y = x * inv
+    y = x * inv[:, None]
     q = (y + tl.where(y < 0, -0.5, 0.5)).to(tl.int32)  # float -> int truncates toward zero
     return q, scale
 
 
 @triton.jit
-def _load_lanes(ptr, N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
-    """Load N lanes from ptr, of which N * BLOCK / BLOCK_P2 are real (unmasked when
-    BLOCK is a power of two, so the loads vectorize)."""
-    if BLOCK == BLOCK_P2:
-        return tl.load(ptr + tl.arange(0, N))
-    else:
-        return tl.load(ptr + tl.arange(0, N), mask=tl.arange(0, N) < (N * BLOCK) // BLOCK_P2, other=0)
+def _tile_offsets(NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
+    return tl.arange(0, NB)[:, None] * STRIDE + tl.arange(0, W)[None, :]
 
 
 @triton.jit
-def _store_lanes(ptr, val, N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
-    if BLOCK == BLOCK_P2:
-        tl.store(ptr + tl.arange(0, N), val)
+def _load_tile(ptr, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
+    """[NB, W] tile of rows STRIDE apart; lanes >= STRIDE (padding) read as 0."""
+    if W == STRIDE:
+        return tl.load(ptr + _tile_offsets(NB, W, STRIDE))
     else:
-        tl.store(ptr + tl.arange(0, N), val, mask=tl.arange(0, N) < (N * BLOCK) // BLOCK_P2)
+        mask = (tl.arange(0, W) < STRIDE)[None, :] & (tl.arange(0, NB) < NB)[:, None]
+        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), mask=mask, other=0)
 
 
 @triton.jit
-def _store_block(ptr, scale_ptr, q, scale, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
-    """Write one block's payload at ptr and its fp32 scale as 4 little-endian bytes."""
+def _store_tile(ptr, val, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
+    if W == STRIDE:
+        tl.store(ptr + _tile_offsets(NB, W, STRIDE), val)
+    else:
+        mask = (tl.arange(0, W) < STRIDE)[None, :] & (tl.arange(0, NB) < NB)[:, None]
+        tl.store(ptr + _tile_offsets(NB, W, STRIDE), val, mask=mask)
+
+
+@triton.jit
+def _store_blocks(ptr, scale_ptr, q, scale, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_P2: tl.constexpr):
+    """Write NB consecutive blocks' payloads at ptr and their fp32 scales (4 bytes each,
+    little-endian) at scale_ptr."""
     if BITS == 8:
-        _store_lanes(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), BLOCK_P2, BLOCK, BLOCK_P2)
+        _store_tile(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2, BLOCK)
     else:
-        lo, hi = tl.split(tl.reshape(q, [BLOCK_P2 // 2, 2]))
+        lo, hi = tl.split(tl.reshape(q, [NB, BLOCK_P2 // 2, 2]))
         byte = (lo & 0xF) | (hi << 4)
-        _store_lanes(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), BLOCK_P2 // 2, BLOCK, BLOCK_P2)
+        _store_tile(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2)
     bits = scale.to(tl.uint32, bitcast=True)
     shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
-    tl.store(scale_ptr + tl.arange(0, 4), ((bits >> shifts) & 0xFF).to(tl.uint8))
+    _store_tile(scale_ptr, ((bits[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8), NB, 4, 4)
 
 
 @triton.jit
-def _load_block(ptr, scale_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
-    """Read one block back as fp32 (q * scale)."""
+def _load_blocks(ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_P2: tl.constexpr):
+    """Read NB consecutive blocks back as fp32 [NB, BLOCK_P2] (q * scale)."""
     if BITS == 8:
-        raw = _load_lanes(ptr, BLOCK_P2, BLOCK, BLOCK_P2)
+        raw = _load_tile(ptr, NB, BLOCK_P2, BLOCK)
         q = raw.to(tl.int8, bitcast=True).to(tl.float32)
     else:
-        raw = _load_lanes(ptr, BLOCK_P2 // 2, BLOCK, BLOCK_P2)
+        raw = _load_tile(ptr, NB, BLOCK_P2 // 2, BLOCK // 2)
         raw = raw.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended byte
         lo = (raw << 28) >> 28
         hi = raw >> 4
-        q = tl.reshape(tl.join(lo, hi), [BLOCK_P2]).to(tl.float32)
-    b0 = tl.load(scale_ptr).to(tl.uint32)
-    b1 = tl.load(scale_ptr + 1).to(tl.uint32)
-    b2 = tl.load(scale_ptr + 2).to(tl.uint32)
-    b3 = tl.load(scale_ptr + 3).to(tl.uint32)
+        q = tl.reshape(tl.join(lo, hi), [NB, BLOCK_P2]).to(tl.float32)
+    sp = scale_ptr + tl.arange(0, NB) * 4
+    b0 = tl.load(sp).to(tl.uint32)
+    b1 = tl.load(sp + 1).to(tl.uint32)
+    b2 = tl.load(sp + 2).to(tl.uint32)
+    b3 = tl.load(sp + 3).to(tl.uint32)
     scale = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
-    return q * scale
+    return q * scale[:, None]
 
 
 @triton.jit
@@ -128,79 +143,83 @@ def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
 @triton.jit
 def _quantize_kernel(
     x_ptr, res_ptr, out_ptr,
-    m, chunk_blocks, row_blocks, row_bytes, payload_bytes,
-    BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
+    m, chunk_blocks, row_groups, row_bytes, payload_bytes,
+    NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
     QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr,
 ):
-    # Output block b of row `row` reads source block ((b // cb) * m + row) * cb + b % cb:
-    # with chunk_blocks == row_blocks (k = 1) that is plain row-major quantization.
+    # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
+    # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
+    # blocks are consecutive). With k = 1 (cb = blocks per row) this is plain row-major.
     pid = tl.program_id(0).to(tl.int64)
-    row = pid // row_blocks
-    b = pid % row_blocks
+    row = pid // row_groups
+    b = (pid % row_groups) * NB
     src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
     x_blk = x_ptr + src * BLOCK
-    x = _load_lanes(x_blk, BLOCK_P2, BLOCK, BLOCK_P2).to(tl.float32)
+    x = _load_tile(x_blk, NB, BLOCK_P2, BLOCK).to(tl.float32)
     if HAS_RES:
         r_blk = res_ptr + src * BLOCK
-        x = x + _load_lanes(r_blk, BLOCK_P2, BLOCK, BLOCK_P2)
-    q, scale = _quantize_block(x, QMAX, TINY)
+        x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
+    q, scale = _quantize_tile(x, QMAX, TINY)
     row_ptr = out_ptr + row * row_bytes
-    _store_block(row_ptr + b * (BLOCK * BITS // 8), row_ptr + payload_bytes + b * 4, q, scale, BITS, BLOCK, BLOCK_P2)
+    _store_blocks(row_ptr + b * (BLOCK * BITS // 8), row_ptr + payload_bytes + b * 4, q, scale,
+                  NB, BITS, BLOCK, BLOCK_P2)
     if HAS_RES:
-        _store_lanes(r_blk, x - q.to(tl.float32) * scale, BLOCK_P2, BLOCK, BLOCK_P2)
+        _store_tile(r_blk, x - q.to(tl.float32) * scale[:, None], NB, BLOCK_P2, BLOCK)
 
 
 @triton.jit
 def _dequant_reduce_kernel(
     in_ptr, out_ptr,
     in_row_bytes, in_payload_bytes, in_rows_per_out, in_blocks_per_out,
-    out_row_blocks, out_row_bytes, out_payload_bytes, factor,
-    N_SUM: tl.constexpr, BITS_IN: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
+    out_row_groups, out_row_bytes, out_payload_bytes, factor,
+    NB: tl.constexpr, N_SUM: tl.constexpr, BITS_IN: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr, QMAX_OUT: tl.constexpr, TINY: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr,
 ):
-    # Output block (orow, ob) sums input rows orow * in_rows_per_out + r, r < N_SUM, at
-    # block orow * in_blocks_per_out + ob of each row. The row loop is unrolled so all
-    # N_SUM loads are in flight at once. Summing from row 0 instead of from +0.0 is
-    # bit-identical to the reference: q * scale is never -0.0.
+    # Output blocks (orow, ob .. ob + NB - 1) sum input rows orow * in_rows_per_out + r,
+    # r < N_SUM, at blocks orow * in_blocks_per_out + ob .. of each row. The row loop is
+    # unrolled so all N_SUM loads are in flight at once. Summing from row 0 instead of
+    # from +0.0 is bit-identical to the reference: q * scale is never -0.0.
     pid = tl.program_id(0).to(tl.int64)
-    orow = pid // out_row_blocks
-    ob = pid % out_row_blocks
+    orow = pid // out_row_groups
+    ob = (pid % out_row_groups) * NB
     in_blk = orow * in_blocks_per_out + ob
     row_ptr = in_ptr + orow * in_rows_per_out * in_row_bytes
-    acc = _load_block(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
-                      BITS_IN, BLOCK, BLOCK_P2)
+    acc = _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
+                       NB, BITS_IN, BLOCK, BLOCK_P2)
     for r in tl.static_range(1, N_SUM):
         row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
-        acc = acc + _load_block(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
-                                BITS_IN, BLOCK, BLOCK_P2)
+        acc = acc + _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
+                                 NB, BITS_IN, BLOCK, BLOCK_P2)
     if BITS_OUT != 0:
         if BLOCK != BLOCK_P2:  # padding lanes must not touch the absmax
-            acc = tl.where(tl.arange(0, BLOCK_P2) < BLOCK, acc, 0.0)
-        q, scale = _quantize_block(acc, QMAX_OUT, TINY)
+            acc = tl.where((tl.arange(0, BLOCK_P2) < BLOCK)[None, :], acc, 0.0)
+        q, scale = _quantize_tile(acc, QMAX_OUT, TINY)
         row_ptr = out_ptr + orow * out_row_bytes
-        _store_block(
-            row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
-            q, scale, BITS_OUT, BLOCK, BLOCK_P2,
-        )
+        _store_blocks(row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
+                      q, scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
     else:
         if HAS_FACTOR:
             acc = acc * factor
-        o = out_ptr + (orow * out_row_blocks + ob) * BLOCK
+        o = out_ptr + (orow * out_row_groups * NB + ob) * BLOCK
         if ACCUMULATE:
-            acc = _load_lanes(o, BLOCK_P2, BLOCK, BLOCK_P2) + acc
-        _store_lanes(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), BLOCK_P2, BLOCK, BLOCK_P2)
+            acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
+        _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
 
 
-# Benchmark-only override of the warps per program (tools/bench_kernels.py sweeps it);
-# None means the default below.
+# Launch shape: warps per program and blocks per program (NB). The defaults come from
+# the sweep in tools/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
+NB_OVERRIDE = None
 
 
-def _launch_opts(block: int) -> dict:
+def _launch_opts(block: int, *block_counts: int) -> dict:
+    """Constexprs and launch options; NB is the largest candidate dividing every count."""
     p2 = triton.next_power_of_2(block)
     warps = WARPS_OVERRIDE or (4 if p2 <= 2048 else 8)
-    return dict(BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
+    want = NB_OVERRIDE or 1
+    nb = next(c for c in (want, 4, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
+    return dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
 
 
 def _interpreting() -> bool:
@@ -211,11 +230,12 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block):
     """Quantize rows x [rows, k*S] where output row j block b reads chunk (b//cb)*m + j."""
     P = packed_len(k * S, bits, block)
     out = torch.empty((rows, P), dtype=torch.uint8, device=x.device)
-    row_blocks = k * S // block
+    row_blocks, chunk_blocks = k * S // block, S // block
+    opts = _launch_opts(block, row_blocks, chunk_blocks)
     res = residual if residual is not None else x
-    _quantize_kernel[(rows * row_blocks,)](
-        x, res, out, m, S // block, row_blocks, P, k * S * bits // 8,
-        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, **_launch_opts(block),
+    _quantize_kernel[(rows * row_blocks // opts["NB"],)](
+        x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8,
+        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, **opts,
     )
     return out
 
@@ -224,12 +244,12 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
                            out_row_len, bits_out, block, factor=None, accumulate=False):
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
-    _dequant_reduce_kernel[(out_rows * out_row_blocks,)](
+    opts = _launch_opts(block, out_row_blocks, in_blocks_per_out or out_row_blocks)
+    _dequant_reduce_kernel[(out_rows * out_row_blocks // opts["NB"],)](
         recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
-        out_row_blocks, out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
+        out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
         N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
-        HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
-        **_launch_opts(block),
+        HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), **opts,
     )
     return out
 

@@ -6,13 +6,16 @@
 # 1. sets up the environment (scripts/setup_env.sh);
 # 2. builds the built-in corpus (Python stdlib text) + SentencePiece tokenizer if missing;
 # 3. trains a small Llama-style model (RoPE, RMSNorm, SwiGLU, GQA, untied, no biases) with
-#    TP=2 x PP=2 x DP=4 on 16 ranks posing as 2 nodes of 8 (--gpus-per-node 8), ZeRO-3
+#    TP=2 x PP=2 x DP=4 on 16 ranks posing as nodes of 4 (--gpus-per-node 4), ZeRO-3
 #    with all of ZeRO++ on (qwZ int8 weights, hpZ over the 2 in-node DP ranks, qgZ int4
-#    gradients): every DP group has 2 ranks on each node, so all three cross a node;
+#    gradients). Megatron's rank order (rank = tp + 2 (dp + 4 pp)) puts each pipeline
+#    stage on 8 consecutive ranks, so with nodes of 8 every DP group would sit inside one
+#    node; with nodes of 4 every DP group spans 2 nodes with 2 ranks on each, and qwZ,
+#    hpZ and qgZ all cross a node boundary (the two stages' groups use nodes 0-1 / 2-3);
 # 4. saves a checkpoint, writes the metrics file and a loss-curve PNG, samples text.
 #
 # CPU ranks over gloo unless 16+ GPUs are visible (then NCCL + bf16). Knobs (env):
-#   DEMO_DIR (default <repo>/demo)  DEMO_ITERS (default 120)  DEMO_DEVICE=cpu|gpu
+#   DEMO_DIR (default <repo>/demo)  DEMO_ITERS (default 100)  DEMO_DEVICE=cpu|gpu
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
@@ -20,7 +23,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 start=$(date +%s)
 DEMO_DIR="${DEMO_DIR:-$repo/demo}"
-ITERS="${DEMO_ITERS:-120}"
+ITERS="${DEMO_ITERS:-100}"
 NPROC=16
 mkdir -p "$DEMO_DIR"
 
@@ -57,11 +60,11 @@ then
 fi
 
 rm -f "$DEMO_DIR/metrics.jsonl"
-echo "[demo] training: TP=2 x PP=2 x DP=4 on $NPROC $device ranks posing as 2 nodes of 8"
+echo "[demo] training: TP=2 x PP=2 x DP=4 on $NPROC $device ranks posing as 4 nodes of 4"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
 set +e
 torchrun --standalone --nnodes 1 --nproc_per_node "$NPROC" pretrain_gpt.py \
-  --distributed-backend "$backend" --gpus-per-node 8 \
+  --distributed-backend "$backend" --gpus-per-node 4 \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
   --group-query-attention --num-query-groups 2 \
@@ -74,8 +77,8 @@ torchrun --standalone --nnodes 1 --nproc_per_node "$NPROC" pretrain_gpt.py \
   --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 "${precision[@]}" \
   --zero-stage 3 "${zeropp[@]}" \
   --demo-corpus --split 98,2,0 \
-  --log-interval 10 --eval-interval 40 --eval-iters 2 \
-  --save "$DEMO_DIR/checkpoints" --save-interval 60 \
+  --log-interval 10 --eval-interval 25 --eval-iters 2 \
+  --save "$DEMO_DIR/checkpoints" --save-interval 50 \
   --metrics-file "$DEMO_DIR/metrics.jsonl" 2>&1 | tee "$DEMO_DIR/train.log"
 status=${PIPESTATUS[0]}
 set -e

@@ -6,7 +6,6 @@ second) is built once per test session, with a small jsonl corpus next to it.
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -78,13 +77,9 @@ def tiny_dataset(tiny_corpus, tiny_tokenizer):
     return stats.outputs["text"]
 
 
-def files_under(path):
-    return sorted(os.listdir(path))
-
-
 def token_stream(indexed, doc_order):
     return np.concatenate([np.asarray(indexed[int(d)], dtype=np.int64) for d in doc_order])
 
 
 __all__ = ["tiny_corpus", "tiny_tokenizer", "tiny_dataset", "write_jsonl", "run_tool", "quiet",
-           "REPO", "TINY_VOCAB", "files_under", "token_stream", "sys"]
+           "REPO", "TINY_VOCAB", "token_stream"]

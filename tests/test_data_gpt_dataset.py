@@ -77,6 +77,13 @@ def test_one_rank_builds_others_load_after_barrier(tmp_path, tiny_dataset):
     loaded = build([tiny_dataset], tmp_path, build=False, barrier=lambda: calls.append(2))
     assert calls == [1, 2]
     assert np.array_equal(loaded[0][5]["tokens"], built[0][5]["tokens"])
+    # Blended: the loading rank learns each dataset's sample count from the blend index.
+    blend = ["0.5", tiny_dataset, "0.5", tiny_dataset]
+    with pytest.raises(DataError, match="blending index cache missing"):
+        build(blend, tmp_path / "b", build=False)
+    built = build(blend, tmp_path / "b")[0]
+    loaded = build(blend, tmp_path / "b", build=False)[0]
+    assert all(np.array_equal(loaded[i]["tokens"], built[i]["tokens"]) for i in (0, 1, 299))
 
 
 def _build_in_child(prefix, cache, q):

@@ -246,11 +246,13 @@ def test_dequant_reduce_adds_into_out():
 
 
 def test_ops_dispatch(tq, monkeypatch):
-    x = torch.randn(128)
-    assert ops.backend_for(x) is ref
+    assert ops.backend_for(torch.randn(4)) is ref  # CPU tensors take the reference
+    x = torch.randn(128, device=DEV)
     monkeypatch.setenv("MEGAQ_KERNELS", "triton")
     assert ops.backend_for(x).__name__.endswith("quant")
     assert torch.equal(ops.quantize(x, 8, 64), ref.quantize(x, 8, 64))
+    monkeypatch.setenv("MEGAQ_KERNELS", "torch")
+    assert ops.backend_for(x) is ref
     monkeypatch.setenv("MEGAQ_KERNELS", "bogus")
     with pytest.raises(ValueError, match="MEGAQ_KERNELS"):
         ops.quantize(x, 8, 64)

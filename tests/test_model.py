@@ -218,3 +218,47 @@ def test_num_flops_matches_megatron_closed_forms():
     expected = 12 * B * s * L * h * h * (
         (1 + 8 / 32 + s / h) * 1.0 + (14336 / h) * 1.5 + V / (2 * L * h))
     assert abs(num_flops(c, B * s, tp_size=8) / expected - 1) < 1e-12
+
+
+def _two_stages_vs_whole(topo):
+    """A pipeline split (same process, TP ranks) computes what the whole model does."""
+    out = {}
+    for family in ("gpt2", "llama"):
+        cfg = _config(family, True)  # sequence parallel: stages exchange [s/tp, b, h]
+        ids, labels, weights = _batch()
+        whole = GPTModel(cfg, topo.tp)
+        first = GPTModel(cfg, topo.tp, post_process=False, layer_end=1)
+        last = GPTModel(cfg, topo.tp, pre_process=False, layer_start=1)
+        (whole(ids, labels=labels) * weights).sum().backward()
+        hidden = first(ids)
+        received = hidden.detach().requires_grad_()  # what a pipeline engine hands over
+        loss = last(hidden_states=received, labels=labels)
+        (loss * weights).sum().backward()
+        hidden.backward(received.grad)
+        errs = {"loss": _rel(loss.detach(), whole(ids, labels=labels).detach())}
+        whole_grads = {n: p.grad for n, p in whole.named_parameters()}
+        for stage in (first, last):
+            for name, p in stage.named_parameters():
+                if getattr(p, "shared_embedding", False):
+                    continue  # each copy holds part of the tied gradient: summed below
+                errs[name] = _rel(p.grad, whole_grads[stage.global_param_name(name)])
+        if cfg.tie_embeddings:  # the embedding-group all-reduce of the two copies
+            emb = first.embedding.word_embeddings.weight
+            errs["tied sum"] = _rel(emb.grad + last.output_layer.weight.grad,
+                                    whole_grads["embedding.word_embeddings.weight"])
+        out[family] = errs
+    return out
+
+
+def test_pipeline_stage_split_matches_whole_model_under_tp_sp():
+    for per_family in run_on_ranks(_two_stages_vs_whole, 2, tp=2):
+        for family, errs in per_family.items():
+            assert max(errs.values()) < TOL, (family, errs)
+
+
+def test_explicit_position_ids_equal_default_positions():
+    ids, labels, _ = _batch()
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    for family in ("gpt2", "llama"):
+        model = GPTModel(_config(family, False))
+        torch.testing.assert_close(model(ids, labels=labels, position_ids=pos), model(ids, labels=labels))

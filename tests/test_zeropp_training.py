@@ -18,7 +18,9 @@ from megaq.parallel.pipeline import build_model_chunks, get_forward_backward_fun
 from megaq.zero import ZeroConfig, build_engine
 from megaq.zero.zeropp import ZeroPPConfig, rails_of, volume
 
-from zero_harness import BETAS, EPS, LR, MBS, SEQ, WD, microbatches, model_config
+from zero_harness import BETAS, EPS, MBS, SEQ, WD, model_config
+
+LR = 1e-2
 
 BLOCK = 64
 # Untied embeddings: every unit is gathered once in forward and once in backward, so
@@ -28,9 +30,9 @@ MODEL = dict(params_dtype=torch.bfloat16, hidden_size=32, num_attention_heads=4,
 ZPP = dict(quantized_weights=True, quantized_gradients=True, block_size=BLOCK,
            gather_dtype=torch.bfloat16)
 # Loss margin over the first steps: at these tiny sizes the int8/int4 noise moves
-# the loss by well under 1%; 2% still fails on a wrong shard, a missing 1/DP or a
+# the loss by < 0.1% (measured 7e-4 at most); 0.5% still fails on a wrong shard or a
 # stale weight (those move it by >10% or blow it up).
-MARGIN = 0.02
+MARGIN = 0.005
 
 
 def _train(topo, zero_kw, steps, load_at=None, account=False):
@@ -47,7 +49,7 @@ def _train(topo, zero_kw, steps, load_at=None, account=False):
 
     def one_step(step):
         engine.zero_grad()
-        mbs = microbatches(step, topo.dp_rank, topo.dp.size, 1, cfg.vocab_size)
+        mbs = _microbatch(step, topo.dp_rank, topo.dp.size, cfg.vocab_size)
         out = fb(chunks, mbs, 1, topo, tensor_shape=shape)
         engine.finish_grad_sync()
         if hasattr(engine.gatherer, "memory_bytes"):  # hpZ copies live until the step
@@ -71,6 +73,18 @@ def _train(topo, zero_kw, steps, load_at=None, account=False):
     units = [p.shard_numel for p in engine.partitions if p.sharded]
     return {"losses": losses, "traffic": traffic, "units": units, "mem": mem,
             "rails": (rails_of(topo).k, rails_of(topo).m)}
+
+
+def _microbatch(step, dp_rank, dp, vocab):
+    """Learnable tokens (arithmetic sequences mod vocab, a few strides), so the loss
+    falls fast and a wrong weight or gradient shard shows in the curve."""
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = dp * MBS
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    stride = torch.randint(1, 4, (rows, 1), generator=g)
+    data = (start + stride * torch.arange(SEQ + 1)) % vocab
+    mine = data[dp_rank * MBS:(dp_rank + 1) * MBS]
+    return [{"tokens": mine[:, :-1], "labels": mine[:, 1:], "loss_mask": torch.ones(MBS, SEQ)}]
 
 
 def _mean_loss(topo, step_losses) -> float:
@@ -148,12 +162,19 @@ def test_zeropp_training_tp2_dp4_tracks_zero3():
 
 
 def test_hpz_refreshed_after_load_full_state():
-    zpp = dict(ZPP, hpz_partition_size=4)
+    # hpZ is numerically transparent (backward gathers the very bytes forward used), so
+    # a run with hpZ that is snapshotted, moved on one step and rewound by
+    # load_full_state must repeat, to the bit, a plain run that never stopped (plain =
+    # the engine's own gatherer, untouched by ZeRO++'s caches). A stale hpZ copy (or
+    # qwZ packed shard) after the load would change the losses from the rewind on.
+    qgz = dict(quantized_gradients=True, block_size=BLOCK, gather_dtype=torch.bfloat16)
+    full = dict(ZPP, hpz_partition_size=4)
     res = run_on_ranks(_scenarios, 8, ranks_per_node=4, hpz_size=4, args=({
-        "straight": (zpp, 4, None, False),
-        "reloaded": (zpp, 4, 2, False),
+        "plain": (qgz, 4, None, False),
+        "hpz_reloaded": (dict(qgz, hpz_partition_size=4), 4, 2, False),
+        "full": (full, 4, None, False),
+        "full_reloaded": (full, 4, 2, False),
     },))
-    a, b = res[0]["straight"]["losses"], res[0]["reloaded"]["losses"]
-    # Same weights, same data, same deterministic quantization: equal to fp32 rounding.
-    for x, y in zip(a, b):
-        assert abs(x - y) <= 1e-6 * abs(x), (a, b)
+    r = res[0]
+    assert r["hpz_reloaded"]["losses"] == r["plain"]["losses"], r
+    assert r["full_reloaded"]["losses"] == r["full"]["losses"], r

@@ -32,7 +32,10 @@ def parse_args(argv=None):
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="element counts (default 16M 64M 256M 1G)")
     p.add_argument("--block", type=int, default=None, help="quantization block (default: the kernels' default)")
     p.add_argument("--sweep-blocks", type=int, nargs="*", default=[],
-                   help="also time quantize/dequantize at 64M (or the first size) for these block sizes")
+                   help="also time the Triton kernels for these block sizes x --sweep-warps")
+    p.add_argument("--sweep-warps", type=int, nargs="*", default=[4, 8])
+    p.add_argument("--sweep-size", type=int, default=None, help="elements for the sweep (default 256M)")
+    p.add_argument("--skip-table", action="store_true", help="only run the sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd baselines")
     p.add_argument("--out", default=None, help="write results as JSON here")
@@ -68,7 +71,7 @@ def main(argv=None):
         return compiled[name]
 
     results = []
-    for n in sizes:
+    for n in ([] if args.skip_table else sizes):
         try:
             results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline)
         except torch.OutOfMemoryError:
@@ -76,9 +79,9 @@ def main(argv=None):
         if device == "cuda":
             torch.cuda.empty_cache()
     sweep = []
-    for b in args.sweep_blocks:
-        n = 64 << 20 if device == "cuda" else sizes[0]
-        sweep += bench_block(torch, quant, packed_len, n, b, device, timer)
+    if args.sweep_blocks:
+        n = args.sweep_size or (256 << 20 if device == "cuda" else sizes[0])
+        sweep = bench_tuning(torch, quant, packed_len, n, args.sweep_blocks, args.sweep_warps, device, timer)
 
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
@@ -92,15 +95,21 @@ def main(argv=None):
     }
     print_table(results, sizes)
     if sweep:
-        print("\nblock sweep (triton, GB/s):")
-        for r in sweep:
-            print(f"  {r['op']:<14} block {r['block']:>6}: {r['GBps']:8.0f}")
+        print(f"\ntuning sweep (triton GB/s at {_fmt_size(sweep[0]['elements'])} elements): block x warps")
+        configs = list(dict.fromkeys((r["block"], r["warps"]) for r in sweep))
+        print(f"{'op':<26}" + "".join(f"{f'{b}x{w}':>10}" for b, w in configs))
+        by_key = {(r["op"], r["block"], r["warps"]): r["GBps"] for r in sweep}
+        for op in dict.fromkeys(r["op"] for r in sweep):
+            print(f"{op:<26}" + "".join(_fmt_rate(by_key[(op, b, w)]) for b, w in configs))
     if args.out:
         write_json(args.out, {"meta": meta, "results": results, "block_sweep": sweep})
 
 
 class Timer:
-    """Median milliseconds per call over `iters` calls after warm-up."""
+    """Milliseconds per call. On CUDA the call is captured in a CUDA graph and replayed
+    back to back (median over several batches of replays), so Python and launch
+    overhead stay out of the figure, as in a C++ benchmark; eager timing is the
+    fallback when capture fails."""
 
     def __init__(self, device, iters):
         self.device, self.iters = device, iters
@@ -108,24 +117,40 @@ class Timer:
     def __call__(self, fn):
         import torch
 
-        for _ in range(2):
-            fn()
         if self.device != "cuda":
+            fn()
             times = []
             for _ in range(max(1, self.iters // 5)):
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
             return sorted(times)[len(times) // 2]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        except Exception as exc:  # capture unsupported for this callable: time it eagerly
+            print(f"# graph capture failed ({type(exc).__name__}); timing eagerly", file=sys.stderr)
+            graph, run = None, fn
         torch.cuda.synchronize()
+        reps = 5
         times = []
-        for _ in range(self.iters):
+        for _ in range(max(3, self.iters // reps)):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(reps):
+                run()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / reps)
+        del graph
         return sorted(times)[len(times) // 2]
 
 
@@ -214,16 +239,32 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
-def bench_block(torch, quant, packed_len, n, block, device, timer):
+def bench_tuning(torch, quant, packed_len, n, blocks, warps_list, device, timer):
+    """Triton GB/s per (block, warps per program) for the main kernels at n elements."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
+    k, m = K_NODES, M_RANKS
     rows = []
-    for bits in (8, 4):
-        nbytes = 2 * n + packed_len(n, bits, block)
-        packed = quant.quantize(x, bits, block)
-        for op, fn in ((f"quantize{bits}", lambda: quant.quantize(x, bits, block)),
-                       (f"dequantize{bits}", lambda: quant.dequantize(packed, n, bits, block, torch.bfloat16))):
-            ms = timer(fn)
-            rows.append({"op": op, "block": block, "elements": n, "ms": ms, "GBps": nbytes / ms / 1e6})
+    for block in blocks:
+        S = n // (k * m)
+        recv = quant.reorder_quantize(x, k, m, 4, block)
+        cases = []
+        for bits in (8, 4):
+            nbytes = 2 * n + packed_len(n, bits, block)
+            packed = quant.quantize(x, bits, block)
+            cases.append((f"quantize{bits}", nbytes, lambda bits=bits: quant.quantize(x, bits, block)))
+            cases.append((f"dequantize{bits}", nbytes,
+                          lambda bits=bits, packed=packed: quant.dequantize(packed, n, bits, block, torch.bfloat16)))
+        cases.append(("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
+                      lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block)))
+        for warps in warps_list:
+            quant.WARPS_OVERRIDE = warps
+            try:
+                for op, nbytes, fn in cases:
+                    ms = timer(fn)
+                    rows.append({"op": op, "block": block, "warps": warps, "elements": n, "ms": ms,
+                                 "GBps": nbytes / ms / 1e6})
+            finally:
+                quant.WARPS_OVERRIDE = None
     return rows
 
 

@@ -139,12 +139,16 @@ def _kill_group(p: subprocess.Popen) -> None:
             continue
 
 
-def _tail(path: str, n: int = 30) -> str:
+def _tail(path: str, n: int = 25) -> str:
+    """The first error-looking lines (the cause) and the last lines (torchrun's summary)."""
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
+            lines = [x for x in f.readlines() if not x.startswith("[W")]   # c10d warnings
     except OSError as e:
         return f"(no log: {e})"
+    cause = [x for x in lines if any(k in x for k in ("Error", "error:", "Traceback", "Abort",
+                                                        "terminate called"))][:8]
+    return "".join(cause + ["...\n"] + lines[-n:])
 
 
 # ---------------------------------------------------------------------- measuring
@@ -171,6 +175,7 @@ def run_measured(script_argv: list[str], *, rate: str, delay: str = "0ms", mtu: 
         lines = [json.loads(x) for x in f if x.strip()]
     rec = summarize(lines, veth, lo, warmup)
     rec.update(steady_window(lines, sampler.samples, before, warmup))
+    rec["seconds_to_first_iteration"] = round(sampler.first_line_s or float("nan"), 2)
     rec.update(rate=rate, rate_bits=shaping["rate_bits"], shaping=shaping, nproc_per_node=nproc,
                wall_s=round(job["wall_s"], 2), logs=job["logs"], ip_s_link_after=ip_s,
                command=script_argv)
@@ -187,6 +192,7 @@ class IterationSampler:
 
     def __init__(self, link: EmulatedLink, metrics_file: str):
         self.link, self.path, self.samples, self._size = link, metrics_file, [], -1
+        self.t0, self.first_line_s = time.perf_counter(), None
 
     def poll(self) -> None:
         try:
@@ -201,6 +207,8 @@ class IterationSampler:
             complete = f.read().count("\n")
         if not self.samples or complete > self.samples[-1][0]:
             self.samples.append((complete, counters))
+            if self.first_line_s is None and complete:
+                self.first_line_s = time.perf_counter() - self.t0
 
 
 def steady_window(lines: list[dict], samples: list, before: list, warmup: int) -> dict:

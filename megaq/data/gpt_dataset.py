@@ -90,6 +90,9 @@ class GPTDataset:
         self.cache_dir = cache_dir
         self._doc_range = doc_range
         self._seed = seed
+        # Checked on every rank (not only the builder) so all ranks fail alike, before
+        # any barrier, instead of the others waiting for a builder that raised.
+        check_enough_tokens(indexed.sequence_lengths, doc_range, seq_length)
         if build:
             self.build_indices()
 
@@ -145,16 +148,21 @@ class GPTDataset:
         return {"tokens": tokens.astype(np.int64)}
 
 
+def check_enough_tokens(sequence_lengths, doc_range, seq_length: int) -> int:
+    lo, hi = doc_range
+    tokens = int(np.asarray(sequence_lengths[lo:hi], dtype=np.int64).sum())
+    if tokens <= seq_length:
+        raise DataError(f"split documents {lo}..{hi} hold {tokens} tokens, fewer than one "
+                        f"sample of {seq_length + 1}; use more data or a smaller --seq-length")
+    return tokens
+
+
 def build_sample_indices(sequence_lengths: np.ndarray, doc_range: tuple[int, int],
                          num_samples: int, seq_length: int, seed: int):
     """-> (doc_idx int32 [E*D], sample_idx int64 [N+1, 2], shuffle_idx int64 [N])."""
     lo, hi = doc_range
     docs = np.arange(lo, hi, dtype=np.int32)
-    lengths = np.asarray(sequence_lengths[lo:hi], dtype=np.int64)
-    tokens_per_epoch = int(lengths.sum())
-    if tokens_per_epoch <= seq_length:
-        raise DataError(f"split documents {lo}..{hi} hold {tokens_per_epoch} tokens, fewer than "
-                        f"one sample of {seq_length + 1}; use more data or a smaller --seq-length")
+    tokens_per_epoch = check_enough_tokens(sequence_lengths, doc_range, seq_length)
     # Fewest epochs whose tokens give num_samples samples of seq_length (+1 shared token).
     num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
     rng = np.random.RandomState(seed)
@@ -240,6 +248,8 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, seed
             ds = GPTDataset(indexed[0], name, ranges[0], n, seq_length, seed, cache_dir, build)
             plans.append((None, [ds]))
             continue
+        for ix, r in zip(indexed, ranges):  # fail on every rank, before the barrier
+            check_enough_tokens(ix.sequence_lengths, r, seq_length)
         blend = BlendedDataset(weights, n, name, cache_dir, seed, prefixes, build)
         counts = blend.counts() if build else None
         parts = ([GPTDataset(ix, name, r, int(c), seq_length, seed, cache_dir, build)

@@ -11,6 +11,7 @@ The preprocessing tool writes one sequence per document, so sequences == documen
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -185,15 +186,14 @@ class IndexedDatasetWriter:
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
         self.num_tokens += int(flat.size)
 
-    def append_files(self, prefix: str) -> None:
-        """Append another written dataset (used to merge partitions)."""
-        other = IndexedDataset(prefix)
-        if np.dtype(other.dtype) != self.dtype:
-            raise DataError(f"{prefix}: dtype {np.dtype(other.dtype)} differs from {self.dtype}")
-        with open(bin_path(prefix), "rb") as f:
-            while chunk := f.read(1 << 24):
-                self._bin.write(chunk)
-        self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
+    def append_writer(self, other: "IndexedDatasetWriter") -> None:
+        """Append everything another (unfinished) writer holds; used to merge partitions."""
+        if other.dtype != self.dtype:
+            raise ValueError(f"dtype {other.dtype} differs from {self.dtype}")
+        other._bin.close()
+        with open(other._bin_tmp, "rb") as f:
+            shutil.copyfileobj(f, self._bin, 1 << 24)
+        self._lengths.extend(other._lengths)
         self.num_tokens += other.num_tokens
 
     @property

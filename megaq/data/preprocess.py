@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megaq.data.errors import DataError
-from megaq.data.fsutil import remove_quietly
 from megaq.data.indexed import IndexedDatasetWriter, resolve_dtype
 from megaq.data.tokenizer import build_tokenizer
 
@@ -204,35 +203,34 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_model: str,
         raise DataError(f"{input_path}: empty input (0 bytes); give a jsonl file with one "
                         "JSON object per line")
 
+    t0 = time.perf_counter()  # the clock includes starting the workers
     enc_args = (input_path, list(json_keys), tokenizer_type, tokenizer_model, append_eod, np_dtype)
-    pool = None
-    if workers > 1:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(enc_args,))
-    encode = ChunkEncoder(*enc_args) if pool is None else None
-    writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), np_dtype)
-               for k in json_keys}
     stats = PreprocessStats(empty=dict.fromkeys(json_keys, 0), tokens=dict.fromkeys(json_keys, 0))
-    t0 = time.perf_counter()
+    writers = {}
+    pool = None
     try:
+        if workers > 1:
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(enc_args,))
+        encode = ChunkEncoder(*enc_args) if pool is None else None
+        for k in json_keys:
+            writers[k] = IndexedDatasetWriter(output_prefix_for(output_prefix, k), np_dtype)
         ranges = _partition_ranges(input_path, partitions)
         for start, stop in ranges:
-            sinks = writers if len(ranges) == 1 else {
-                k: IndexedDatasetWriter(f"{output_prefix_for(output_prefix, k)}.part{start}",
-                                        np_dtype) for k in json_keys}
-            try:
-                _encode_range(input_path, start, stop, pool, encode, sinks, stats, t0,
+            if len(ranges) == 1:
+                _encode_range(input_path, start, stop, pool, encode, writers, stats, t0,
                               log_interval, log)
-                if sinks is not writers:
-                    for k, w in sinks.items():
-                        w.finish()
-                        w.commit()
-                        writers[k].append_files(w.prefix)
+                continue
+            parts = {k: IndexedDatasetWriter(f"{w.prefix}.part{start}", np_dtype)
+                     for k, w in writers.items()}  # temp names only; merged, then deleted
+            try:
+                _encode_range(input_path, start, stop, pool, encode, parts, stats, t0,
+                              log_interval, log)
+                for k, part in parts.items():
+                    writers[k].append_writer(part)
             finally:
-                if sinks is not writers:
-                    for w in sinks.values():
-                        w.abort()
-                        remove_quietly(w.prefix + ".bin", w.prefix + ".idx")
+                for part in parts.values():
+                    part.abort()
         if stats.documents == 0:
             raise DataError(f"{input_path}: empty input: no JSON documents found; give one "
                             "JSON object per line")

@@ -249,9 +249,10 @@ class TPRngTracker:
     split over TP (attention heads, sequence-parallel chunks) draw from the
     ``model-parallel-rng`` stream, seeded ``seed + 2718 + tp_rank`` (masks differ).
 
-    A stream holds the CPU generator state and, when CUDA is available, the CUDA one;
-    ``fork()`` swaps them into the default generators and stores the advanced state
-    back on exit. Nested forks of the stream already active are no-ops.
+    A stream holds the CPU generator state and, once CUDA is in use in this process,
+    the CUDA one (created lazily from the stream's seed, so CPU ranks on a GPU host
+    never touch the GPU); ``fork()`` swaps them into the default generators and stores
+    the advanced states back on exit. Nested forks of the active stream are no-ops.
     """
 
     def __init__(self):
@@ -268,13 +269,8 @@ class TPRngTracker:
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
             raise ValueError(f"RNG stream {name!r} already exists; reset the tracker first")
-        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
-        if torch.cuda.is_available():  # dropout on GPU tensors draws from the CUDA generator
-            saved = torch.cuda.get_rng_state()
-            torch.cuda.manual_seed(seed)
-            state["cuda"] = torch.cuda.get_rng_state()
-            torch.cuda.set_rng_state(saved)
-        self.states[name] = state
+        self.states[name] = {"seed": torch.tensor(seed, dtype=torch.int64),
+                             "cpu": torch.Generator().manual_seed(seed).get_state()}
 
     def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """A copy of every stream (for checkpoints and activation recomputation)."""
@@ -282,6 +278,10 @@ class TPRngTracker:
 
     def set_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
         self.states = {n: {k: v.clone() for k, v in s.items()} for n, s in states.items()}
+
+    @staticmethod
+    def _cuda_in_use() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
@@ -292,9 +292,12 @@ class TPRngTracker:
             raise RuntimeError(f"RNG stream {name!r} is not seeded; call "
                                f"megaq.parallel.tensor_parallel.model_parallel_manual_seed(seed, tp_rank)")
         stream = self.states[name]
-        use_cuda = "cuda" in stream
+        use_cuda = self._cuda_in_use()
         saved_cpu = torch.get_rng_state()
         saved_cuda = torch.cuda.get_rng_state() if use_cuda else None
+        if use_cuda and "cuda" not in stream:  # dropout on GPU tensors draws from CUDA's generator
+            torch.cuda.manual_seed(int(stream["seed"]))
+            stream["cuda"] = torch.cuda.get_rng_state()
         torch.set_rng_state(stream["cpu"])
         if use_cuda:
             torch.cuda.set_rng_state(stream["cuda"])

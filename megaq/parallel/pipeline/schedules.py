@@ -11,7 +11,9 @@ All schedules share one signature and return the unscaled, detached per-micro-ba
 losses (tensors, nothing is synchronised to the host) on the last pipeline stage and
 an empty list elsewhere. ``microbatches`` is a list or iterator of dicts with ``tokens``
 (needed on the first stage), ``labels`` and ``loss_mask`` (needed on the last stage) and
-optionally ``position_ids``; other ranks may pass None.
+optionally ``position_ids`` (passed to every chunk of a rank that has micro-batches:
+with RoPE and custom positions, give every stage its micro-batches); other ranks may
+pass None.
 
 Data-parallel engines act through autograd (module forward hooks, parameter grad hooks)
 since backward is a plain ``torch.autograd.backward(output, grad)``. For engines that
@@ -38,25 +40,31 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
 
 
 class _Microbatches:
-    """Micro-batch i on demand from a list or an iterator (read in order, kept until used)."""
+    """Micro-batch i on demand from a list or an iterator (read in order, kept for the step).
+
+    Every chunk that runs micro-batch i on this rank sees the same dict (the first
+    chunk reads tokens, the last labels/mask, any chunk position_ids).
+    """
 
     def __init__(self, source: Iterable | None):
         self._it = None if source is None else iter(source)
-        self._seen: dict[int, dict] = {}
-        self._next = 0
+        self._seen: list[dict] = []
+
+    @property
+    def available(self) -> bool:
+        return self._it is not None
 
     def get(self, i: int) -> dict:
         if self._it is None:
             raise PipelineConfigError("this pipeline stage needs micro-batches (tokens on the "
                                       "first stage, labels and loss_mask on the last); got None")
-        while self._next <= i:
+        while len(self._seen) <= i:
             try:
-                self._seen[self._next] = next(self._it)
+                self._seen.append(next(self._it))
             except StopIteration:
-                raise PipelineConfigError(f"micro-batch source ran out after {self._next} "
+                raise PipelineConfigError(f"micro-batch source ran out after {len(self._seen)} "
                                           f"micro-batches; the step needs {i + 1}") from None
-            self._next += 1
-        return self._seen.pop(i)
+        return self._seen[i]
 
 
 class _Runner:
@@ -85,7 +93,7 @@ class _Runner:
         self.forwards_done[chunk] += 1
         model = self.chunks[chunk]
         needs_data = self.is_first(chunk) or self.is_last(chunk)
-        batch = self.data.get(mb_id) if needs_data else {}
+        batch = self.data.get(mb_id) if needs_data or self.data.available else {}
         kwargs = {}
         if "position_ids" in batch:
             kwargs["position_ids"] = batch["position_ids"]

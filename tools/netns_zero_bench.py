@@ -1,0 +1,213 @@
+"""ZeRO-3 vs ZeRO++ step time over an emulated two-node link, at several link rates.
+
+For each rate, the same small Llama-style model and batch run as four configurations
+(ZeRO-3, qwZ, qwZ + hpZ, full ZeRO++ = qwZ + hpZ + qgZ), each on a freshly built link
+(tools/emulate_cluster.py). Per run: median step time after warm-up, bytes over the
+link (veth counters) per iteration vs megaq's own inter-node accounting, the share of
+the step the link is busy, and the speedup over ZeRO-3 at the same rate. Writes a JSON
+record, a PNG (step time against link rate) and prints a markdown table.
+
+    python tools/netns_zero_bench.py --rates 150mbit,400mbit,1gbit \
+        --out docs/results/emulated_cluster.json --plot docs/results/emulated_cluster.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import emulate_cluster as emu  # noqa: E402
+from netns_link import rate_to_bits, why_unavailable  # noqa: E402
+
+CONFIGS = {   # name -> ZeRO flags (DeepSpeed's names, as pretrain_gpt.py takes them)
+    "ZeRO-3": [],
+    "qwZ": ["--zero-quantized-weights"],
+    "qwZ+hpZ": ["--zero-quantized-weights", "--zero-hpz-partition-size", "2"],
+    "ZeRO++": ["--zero-quantized-weights", "--zero-hpz-partition-size", "2",
+               "--zero-quantized-gradients"],
+}
+
+
+def model_args(layers: int, hidden: int, seq: int, micro: int, nproc: int, iters: int) -> list[str]:
+    """A small Llama-style model (RMSNorm, SwiGLU, RoPE, untied embeddings) on mock data."""
+    dp = 2 * nproc
+    return ["pretrain_gpt.py", "--mock-data", "--vocab-size", "4096",
+            "--num-layers", str(layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(max(1, hidden // 64)),
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+            "--micro-batch-size", str(micro), "--global-batch-size", str(micro * dp),
+            "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", "1",
+            "--eval-iters", "0", "--zero-stage", "3", "--seed", "1234"]
+
+
+def wire_expectation(rec: dict, config: str) -> float | None:
+    """megaq's accounting adjusted for how gloo runs a reduce-scatter.
+
+    megaq charges a reduce-scatter as one ring pass (what NCCL does). gloo has no
+    native reduce-scatter for flat tensors: it all-reduces the whole buffer and keeps
+    its chunk, two ring passes, so on gloo the plain-ZeRO gradient phase moves twice
+    the accounted bytes (measured per collective by `emulate_cluster.py probe`). qgZ
+    uses all-to-all, which gloo runs as accounted.
+    """
+    acc = rec.get("steady_accounted_per_iteration")
+    if acc is None:
+        return None
+    grad = rec["last_line_by_phase"].get("grad_reduce", 0.0)
+    return acc + (grad if "--zero-quantized-gradients" not in CONFIGS[config] else 0.0)
+
+
+def one_run(config: str, rate: str, base: list[str], nproc: int, timeout: float,
+            warmup: int, tmp: str) -> dict:
+    metrics = os.path.join(tmp, f"{config}_{rate}.jsonl")
+    argv = base + CONFIGS[config] + ["--metrics-file", metrics]
+    load_before = os.getloadavg()[0]
+    for attempt in (1, 2):   # one retry: a run can die of the shared machine's hiccups
+        try:
+            rec = emu.run_measured(argv, rate=rate, nproc=nproc, metrics_file=metrics,
+                                   timeout=timeout, warmup=warmup,
+                                   log_dir=tempfile.mkdtemp(dir=tmp))
+            break
+        except (RuntimeError, TimeoutError) as e:
+            print(f"  {config} @ {rate}: attempt {attempt} failed: {str(e)[-2000:]}", flush=True)
+            if attempt == 2:
+                return {"config": config, "rate": rate, "error": str(e)[-4000:]}
+    with open(metrics) as f:
+        last = [json.loads(x) for x in f if x.strip()][-1]
+    rec["last_line_by_phase"] = {p: v.get("inter_node", 0) * last.get("nodes", 2)
+                                 for p, v in last.get("comm", {}).items()}
+    rec["zero_model_bytes"] = last.get("zero_model_bytes")
+    rec.update(config=config, loadavg_1min=[round(load_before, 1), round(os.getloadavg()[0], 1)])
+    exp = wire_expectation(rec, config)
+    if exp:
+        rec["steady_link_over_gloo_expectation"] = round(rec["steady_link_bytes_per_iteration"] / exp, 4)
+    # share of the step during which the busier direction of the link is transmitting
+    per_dir = max(rec["link_bytes_per_direction"])
+    total = sum(rec["link_bytes_per_direction"]) or 1
+    busy_s = rec["steady_link_bytes_per_iteration"] * per_dir / total / (rate_to_bits(rate) / 8)
+    rec["link_busy_share"] = round(busy_s / (rec["step_ms"] / 1e3), 3)
+    for k in ("logs", "ip_s_link_after", "command"):
+        rec.pop(k, None)
+    return rec
+
+
+def table(records: list[dict]) -> str:
+    base = {r["rate"]: r["step_ms"] for r in records if r["config"] == "ZeRO-3" and "step_ms" in r}
+    rows = ["| link rate | config | step ms | speedup vs ZeRO-3 | link MB/iter | megaq inter-node "
+            "MB/iter | link / megaq | link / (megaq, gloo RS = 2 passes) | link busy share |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            rows.append(f"| {r['rate']} | {r['config']} | failed | | | | | | |")
+            continue
+        sp = base.get(r["rate"])
+        rows.append(
+            f"| {r['rate']} | {r['config']} | {r['step_ms']:.0f} | "
+            f"{(sp / r['step_ms']) if sp else float('nan'):.2f}x | "
+            f"{r['steady_link_bytes_per_iteration'] / 1e6:.2f} | "
+            f"{r['steady_accounted_per_iteration'] / 1e6:.2f} | {r['steady_link_over_accounted']:.3f} | "
+            f"{r.get('steady_link_over_gloo_expectation', float('nan')):.3f} | "
+            f"{r['link_busy_share']:.0%} |")
+    return "\n".join(rows)
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for config in CONFIGS:
+        pts = sorted((r["rate_bits"] / 1e6, r["step_ms"]) for r in records
+                     if r["config"] == config and "step_ms" in r)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=config)
+    ax.set_xscale("log")
+    ax.set_xlabel("emulated inter-node link rate per direction (Mbit/s)")
+    ax.set_ylabel("step time (ms, median after warm-up)")
+    ax.set_title("2 emulated nodes x 2 ranks (gloo, CPU): ZeRO-3 vs ZeRO++")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="150mbit,400mbit,1gbit")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--nproc-per-node", type=int, default=2)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--train-iters", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--plot", default=None, help="PNG path")
+    args = ap.parse_args(argv)
+    reason = why_unavailable()
+    if reason:
+        print(f"netns_zero_bench: cannot build the emulated link: {reason}", file=sys.stderr)
+        return 2
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown config(s) {bad}: choose from {', '.join(CONFIGS)}")
+    rates = [r for r in args.rates.split(",") if r]
+    for r in rates:
+        rate_to_bits(r)   # fail early on a typo
+    emu.install_signal_cleanup()
+    emu.sweep_stale()
+    base = model_args(args.num_layers, args.hidden_size, args.seq_length, args.micro_batch_size,
+                      args.nproc_per_node, args.train_iters)
+    t0 = time.time()
+    records = []
+    with tempfile.TemporaryDirectory(prefix="netns_zero_bench_") as tmp:
+        for rate in rates:
+            for config in configs:
+                rec = one_run(config, rate, base, args.nproc_per_node, args.timeout,
+                              args.warmup, tmp)
+                records.append(rec)
+                if "error" not in rec:
+                    print(f"{rate:>8} {config:<8} step {rec['step_ms']:8.1f} ms  link "
+                          f"{rec['steady_link_bytes_per_iteration'] / 1e6:7.2f} MB/it  megaq "
+                          f"{rec['steady_accounted_per_iteration'] / 1e6:7.2f} MB/it  "
+                          f"ratio {rec['steady_link_over_accounted']:.3f}  busy "
+                          f"{rec['link_busy_share']:.0%}  load {rec['loadavg_1min']}", flush=True)
+    print()
+    print(table(records))
+    result = {
+        "what": "ZeRO-3 vs ZeRO++ over an emulated 2-node link (network namespaces, tc tbf)",
+        "command": "scripts/emulate_cluster.sh bench " + " ".join(argv if argv is not None
+                                                                    else sys.argv[1:]),
+        "model_args": base, "configs": {c: CONFIGS[c] for c in configs},
+        "machine": {"host": platform.node(), "kernel": platform.release(),
+                    "cpus": os.cpu_count(), "python": platform.python_version()},
+        "bench_wall_s": round(time.time() - t0, 1),
+        "records": records, "table_markdown": table(records),
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+        print(f"results: {args.out}")
+    if args.plot:
+        plot(records, args.plot)
+        print(f"plot: {args.plot}")
+    print(f"benchmark wall time {result['bench_wall_s']:.0f} s")
+    return 0 if all("error" not in r for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
