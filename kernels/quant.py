@@ -129,6 +129,43 @@ def _load_blocks(ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
+def _load_pairs(ptr, scale_ptr, NB: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+    """Read NB int4 blocks as (even, odd) fp32 halves [NB, BLOCK_P2 // 2]: the nibbles
+    of each byte, with no interleaving (no layout shuffle through shared memory)."""
+    raw = _load_tile(ptr, NB, BLOCK_P2 // 2, BLOCK // 2)
+    raw = raw.to(tl.int8, bitcast=True).to(tl.int32)
+    sp = scale_ptr + tl.arange(0, NB) * 4
+    b0 = tl.load(sp).to(tl.uint32)
+    b1 = tl.load(sp + 1).to(tl.uint32)
+    b2 = tl.load(sp + 2).to(tl.uint32)
+    b3 = tl.load(sp + 3).to(tl.uint32)
+    scale = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)[:, None]
+    return ((raw << 28) >> 28).to(tl.float32) * scale, (raw >> 4).to(tl.float32) * scale
+
+
+@triton.jit
+def _store_pairs_int4(ptr, scale_ptr, even, odd, NB: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
+                      TINY: tl.constexpr):
+    """Quantize (even, odd) fp32 halves of NB blocks to int4 and write them: the same
+    rule as _quantize_tile, with the block absmax taken over both halves."""
+    absmax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
+    is_zero = absmax < TINY
+    qmax = tl.full(absmax.shape, 7, tl.float32)
+    safe = tl.where(is_zero, 1.0, absmax)
+    scale = tl.where(is_zero, 0.0, tl.math.div_rn(safe, qmax))
+    inv = tl.where(is_zero, 0.0, tl.math.div_rn(qmax, safe))[:, None]
+    ye = even * inv
+    yo = odd * inv
+    qe = (ye + tl.where(ye < 0, -0.5, 0.5)).to(tl.int32)
+    qo = (yo + tl.where(yo < 0, -0.5, 0.5)).to(tl.int32)
+    byte = (qe & 0xF) | (qo << 4)
+    _store_tile(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2)
+    bits = scale.to(tl.uint32, bitcast=True)
+    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+    _store_tile(scale_ptr, ((bits[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8), NB, 4, 4)
+
+
+@triton.jit
 def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
     """fp32 -> DTYPE, round to nearest even. Under the Triton interpreter bf16 is rounded
     by hand: the interpreter truncates fp32 -> bf16, the GPU and torch round to even."""
@@ -185,6 +222,20 @@ def _dequant_reduce_kernel(
     ob = (pid % out_row_groups) * NB
     in_blk = orow * in_blocks_per_out + ob
     row_ptr = in_ptr + orow * in_rows_per_out * in_row_bytes
+    if BITS_IN == 4 and BITS_OUT == 4:
+        # int4 -> int4 (the qgZ hop) stays in the (even, odd) nibble domain throughout
+        even, odd = _load_pairs(row_ptr + in_blk * (BLOCK // 2), row_ptr + in_payload_bytes + in_blk * 4,
+                                NB, BLOCK, BLOCK_P2)
+        for r in tl.static_range(1, N_SUM):
+            row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
+            e, o = _load_pairs(row_ptr + in_blk * (BLOCK // 2), row_ptr + in_payload_bytes + in_blk * 4,
+                               NB, BLOCK, BLOCK_P2)
+            even = even + e
+            odd = odd + o
+        row_ptr = out_ptr + orow * out_row_bytes
+        _store_pairs_int4(row_ptr + ob * (BLOCK // 2), row_ptr + out_payload_bytes + ob * 4, even, odd,
+                          NB, BLOCK, BLOCK_P2, TINY)
+        return
     acc = _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
                        NB, BITS_IN, BLOCK, BLOCK_P2)
     for r in tl.static_range(1, N_SUM):
@@ -213,12 +264,15 @@ WARPS_OVERRIDE = None
 NB_OVERRIDE = None
 
 
-def _launch_opts(block: int, *block_counts: int) -> dict:
-    """Constexprs and launch options; NB is the largest candidate dividing every count."""
+def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: int) -> dict:
+    """Constexprs and launch options. NB (blocks per program) is the largest of
+    {nb_default, 2, 1} dividing every count; warps give about `per_thread` elements per
+    thread. H200 sweep at 256M elements (docs/PERFORMANCE.md): quantize is fastest with
+    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread."""
     p2 = triton.next_power_of_2(block)
-    warps = WARPS_OVERRIDE or (4 if p2 <= 2048 else 8)
-    want = NB_OVERRIDE or 1
-    nb = next(c for c in (want, 4, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
+    want = NB_OVERRIDE or nb_default
+    nb = next(c for c in (want, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
+    warps = WARPS_OVERRIDE or max(1, min(16, p2 * nb // (32 * per_thread)))
     return dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
 
 
@@ -231,7 +285,7 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block):
     P = packed_len(k * S, bits, block)
     out = torch.empty((rows, P), dtype=torch.uint8, device=x.device)
     row_blocks, chunk_blocks = k * S // block, S // block
-    opts = _launch_opts(block, row_blocks, chunk_blocks)
+    opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
     res = residual if residual is not None else x
     _quantize_kernel[(rows * row_blocks // opts["NB"],)](
         x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8,
@@ -244,7 +298,7 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
                            out_row_len, bits_out, block, factor=None, accumulate=False):
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
-    opts = _launch_opts(block, out_row_blocks, in_blocks_per_out or out_row_blocks)
+    opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
     _dequant_reduce_kernel[(out_rows * out_row_blocks // opts["NB"],)](
         recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
         out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),

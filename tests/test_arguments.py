@@ -85,7 +85,7 @@ def test_cli_refusal_is_one_line_and_nonzero():
     # The real entry point, as a user runs it: exit status 2, one "error:" line on stderr.
     r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + BASE
                        + ["--global-batch-size", "3"], capture_output=True, text=True,
-                       env={**os.environ, "WORLD_SIZE": "1"}, timeout=120)
+                       env={**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, timeout=120)
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: --global-batch-size 3")

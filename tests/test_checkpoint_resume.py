@@ -129,7 +129,7 @@ def test_killed_during_save_resumes_from_previous(tmp_path):
         "pretrain_gpt.main(sys.argv[2:], hooks={'_checkpoint_fault': fault})\n")
     argv = model_argv(str(tmp_path), 4, ["--save", str(ck), "--save-interval", "2"])
     r = subprocess.run([sys.executable, "-c", code, str(ck)] + argv, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+                       text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"})
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert ckpt.read_tracker(str(ck)) == 2  # the save at 4 never completed
     assert os.path.isdir(ck / ".iter_0000004.tmp") and not os.path.exists(ck / "iter_0000004")

@@ -9,7 +9,8 @@ q = 2^(bits-1) - 1 (127 for int8, 7 for int4) rounds each element to within half
 step, absmax/(2q), and never returns a value above the block's absmax.
 
 * qwZ: |gathered - exact| <= M (1/254 + 2^-8) per element, M = absmax of its block
-  (half an int8 step, then one bf16 rounding, unit roundoff 2^-8, of a value <= M).
+  (half an int8 step, then one bf16 rounding, unit roundoff 2^-8, of a value <= M);
+  with the int4-weights option 1/14 replaces 1/254.
 * qgZ, one call: for my shard element p in block b,
       |result - exact| <= (1/n) sum_r M_r(b) (1/(2 q_intra) + 1/(2 q_inter)),
   M_r(b) = absmax of rank r's gradient on block b of my chunk: hop 1 errs by at
@@ -170,7 +171,8 @@ def _protocol_worker(topo, cases):
         for u, S in enumerate(SHARDS):
             # qwZ: every element of the gathered unit against the exact bf16 gather
             err = (fwd[u].double() - exact_w[u].double()).abs()
-            bound = _block_absmax(exact_w[u].reshape(n, S)).reshape(-1) * (1 / 254 + 2 ** -8)
+            q = QMAX[cfg.weight_bits] if cfg is not None else 127
+            bound = _block_absmax(exact_w[u].reshape(n, S)).reshape(-1) * (1 / (2 * q) + 2 ** -8)
             rec["w_ratio"] = max(rec["w_ratio"], float((err / (bound * (1 + SLACK) + 1e-30)).max()))
             rec["w_max_err"] = max(rec["w_max_err"], float(err.max()))
             # qgZ: my shard against an exact fp64 reduce-scatter
@@ -235,9 +237,11 @@ def _cases(hpz):
     return {
         "zero3": None,
         "qwz": dict(quantized_weights=True),
+        "qwz4": dict(quantized_weights=True, weight_bits=4),
         "hpz": dict(hpz_size=hpz),
         "qgz": dict(quantized_gradients=True),
         "qgz8": dict(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=8),
+        "qgz84": dict(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4),
         "all": dict(ALL_ON, hpz_size=hpz),
     }
 
@@ -328,8 +332,8 @@ def _order_worker(topo):
 def test_qgz_pipelines_the_two_hops_over_chunks():
     events = run_on_ranks(_order_worker, 8, ranks_per_node=4)[0]
     pos = {e: i for i, e in enumerate(events)}
-    chunks = S_CHUNKS = 4
-    assert sum(1 for e in events if e[0] == "issue") == 2 * S_CHUNKS
+    chunks = 4  # _order_worker's shard is 4 * CHUNK
+    assert sum(1 for e in events if e[0] == "issue") == 2 * chunks
     for i in range(chunks - 1):
         # chunk i+1's in-node hop is in flight before chunk i's cross-node hop is awaited
         assert pos[("issue", "intra", i + 1)] < pos[("wait", "inter", i)], events

@@ -85,13 +85,19 @@ def _reference_name(chunk, name: str) -> str:
 
 
 def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = STEPS,
-               account: bool = False, clip: float = CLIP):
+               account: bool = False, clip: float = CLIP, start_step: int = 0, load=None):
     """Runs on every rank; returns what the test compares against the reference."""
     cfg = model_config(**model_kw)
     torch.manual_seed(0)
     chunks = build_model_chunks(cfg, topo)
     zcfg = ZeroConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **zero_kw)
     engine = build_engine(chunks, topo, zcfg)
+    invalidations = []
+    if engine.gatherer is not None:  # count the seam's invalidation calls
+        inner = engine.gatherer.invalidate
+        engine.gatherer.invalidate = lambda *a: (invalidations.append(1), inner(*a))[1]
+    if load is not None:
+        engine.load_full_state(load)
     peak = [0]
 
     def track(*_):  # runs after the engine's pre-hook: current site gathered + prefetches
@@ -101,7 +107,7 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
     fb = get_forward_backward_func(topo.layout.pp, 1)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, norms, mem, traffic = [], [], [], None
-    for step in range(steps):
+    for step in range(start_step, steps):
         if account and step == 0:
             comm.STATS.reset()
         engine.zero_grad()
@@ -126,7 +132,8 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
             "tp_rank": topo.tp_rank, "tp": topo.tp.size, "traffic": traffic,
             "M": engine.zero_model_bytes, "numel": sum(p.numel() for c in chunks for p in c.parameters()),
             "last_stage": topo.is_last_stage, "peak_gathered": peak[0],
-            "gather_bound": gather_bound(engine)}
+            "gather_bound": gather_bound(engine), "invalidations": len(invalidations),
+            "step_count": engine.step_count}
 
 
 def gather_bound(engine) -> int:

@@ -31,9 +31,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="element counts (default 16M 64M 256M 1G)")
     p.add_argument("--block", type=int, default=None, help="quantization block (default: the kernels' default)")
-    p.add_argument("--sweep-blocks", type=int, nargs="*", default=[],
-                   help="also time the Triton kernels for these block sizes x --sweep-warps")
-    p.add_argument("--sweep-warps", type=int, nargs="*", default=[4, 8])
+    p.add_argument("--sweep", nargs="*", default=[], metavar="BLOCKxWARPSxNB",
+                   help="also time the Triton kernels for these launch shapes, e.g. 4096x8x2 "
+                        "(block size, warps per program, blocks per program)")
     p.add_argument("--sweep-size", type=int, default=None, help="elements for the sweep (default 256M)")
     p.add_argument("--skip-table", action="store_true", help="only run the sweep")
     p.add_argument("--iters", type=int, default=20)
@@ -70,19 +70,6 @@ def main(argv=None):
             compiled[name] = torch.compile(fn, dynamic=True)
         return compiled[name]
 
-    results = []
-    for n in ([] if args.skip_table else sizes):
-        try:
-            results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline)
-        except torch.OutOfMemoryError:
-            print(f"# {n} elements: out of memory, skipped", file=sys.stderr)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    sweep = []
-    if args.sweep_blocks:
-        n = args.sweep_size or (256 << 20 if device == "cuda" else sizes[0])
-        sweep = bench_tuning(torch, quant, packed_len, n, args.sweep_blocks, args.sweep_warps, device, timer)
-
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__,
@@ -91,16 +78,34 @@ def main(argv=None):
         "k_nodes": K_NODES,
         "m_ranks": M_RANKS,
         "iters": args.iters,
+        "timing": "CUDA graph replays back to back (copy: eager back to back), median of batches",
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
     }
+    results = []
+    for n in ([] if args.skip_table else sizes):
+        try:
+            results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline)
+        except torch.OutOfMemoryError:
+            print(f"# {n} elements: out of memory, skipped", file=sys.stderr)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if args.out:  # partial results survive a timeout
+            write_json(args.out, {"meta": meta, "results": results, "block_sweep": [], "partial": True})
+    sweep = []
+    if args.sweep:
+        n = args.sweep_size or (256 << 20 if device == "cuda" else sizes[0])
+        shapes = [tuple(int(v) for v in c.lower().split("x")) for c in args.sweep]
+        sweep = bench_tuning(torch, quant, packed_len, n, shapes, device, timer)
+
     print_table(results, sizes)
     if sweep:
-        print(f"\ntuning sweep (triton GB/s at {_fmt_size(sweep[0]['elements'])} elements): block x warps")
-        configs = list(dict.fromkeys((r["block"], r["warps"]) for r in sweep))
-        print(f"{'op':<26}" + "".join(f"{f'{b}x{w}':>10}" for b, w in configs))
-        by_key = {(r["op"], r["block"], r["warps"]): r["GBps"] for r in sweep}
-        for op in dict.fromkeys(r["op"] for r in sweep):
-            print(f"{op:<26}" + "".join(_fmt_rate(by_key[(op, b, w)]) for b, w in configs))
+        print(f"\ntuning sweep (triton GB/s at {_fmt_size(sweep[0]['elements'])} elements)")
+        shapes = list(dict.fromkeys(r["shape"] for r in sweep))
+        by_key = {(r["op"], r["shape"]): r["GBps"] for r in sweep}
+        ops = list(dict.fromkeys(r["op"] for r in sweep))
+        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:13]:>14}" for op in ops))
+        for sh in shapes:
+            print(f"{sh:<20}" + "".join(f"{by_key[(op, sh)]:>14.0f}" for op in ops))
     if args.out:
         write_json(args.out, {"meta": meta, "results": results, "block_sweep": sweep})
 
@@ -114,7 +119,7 @@ class Timer:
     def __init__(self, device, iters):
         self.device, self.iters = device, iters
 
-    def __call__(self, fn):
+    def __call__(self, fn, graph=True):
         import torch
 
         if self.device != "cuda":
@@ -132,12 +137,15 @@ class Timer:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         try:
+            if not graph:
+                raise RuntimeError("graph not wanted")
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 fn()
             run = graph.replay
         except Exception as exc:  # capture unsupported for this callable: time it eagerly
-            print(f"# graph capture failed ({type(exc).__name__}); timing eagerly", file=sys.stderr)
+            if graph is not False:
+                print(f"# graph capture failed ({type(exc).__name__}); timing eagerly", file=sys.stderr)
             graph, run = None, fn
         torch.cuda.synchronize()
         reps = 5
@@ -159,11 +167,11 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     rows = []
 
-    def add(op, impl, nbytes, fn):
+    def add(op, impl, nbytes, fn, graph=True):
         if fn is None:
             return
         try:
-            ms = timer(fn)
+            ms = timer(fn, graph)
         except Exception as exc:  # a torch.compile failure must not lose the other numbers
             if impl != "compiled":
                 raise
@@ -173,7 +181,9 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
 
     check_identical(torch, quant, reference, x, n, block, rows)
     dst = torch.empty_like(x)
-    add("copy_bf16", "torch", 4 * n, lambda: dst.copy_(x))
+    # eager, back to back: a D2D memcpy captured in a CUDA graph runs on the copy engines
+    # (~2.6 TB/s on the H200), while the eager one runs as a kernel at full speed
+    add("copy_bf16", "torch", 4 * n, lambda: dst.copy_(x), graph=False)
     del dst
 
     for bits in (8, 4):
@@ -239,32 +249,31 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
-def bench_tuning(torch, quant, packed_len, n, blocks, warps_list, device, timer):
-    """Triton GB/s per (block, warps per program) for the main kernels at n elements."""
+def bench_tuning(torch, quant, packed_len, n, shapes, device, timer):
+    """Triton GB/s per launch shape (block, warps per program, blocks per program)."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
+    S = n // (k * m)
     rows = []
-    for block in blocks:
-        S = n // (k * m)
-        recv = quant.reorder_quantize(x, k, m, 4, block)
-        cases = []
-        for bits in (8, 4):
-            nbytes = 2 * n + packed_len(n, bits, block)
-            packed = quant.quantize(x, bits, block)
-            cases.append((f"quantize{bits}", nbytes, lambda bits=bits: quant.quantize(x, bits, block)))
-            cases.append((f"dequantize{bits}", nbytes,
-                          lambda bits=bits, packed=packed: quant.dequantize(packed, n, bits, block, torch.bfloat16)))
-        cases.append(("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
-                      lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block)))
-        for warps in warps_list:
-            quant.WARPS_OVERRIDE = warps
-            try:
-                for op, nbytes, fn in cases:
-                    ms = timer(fn)
-                    rows.append({"op": op, "block": block, "warps": warps, "elements": n, "ms": ms,
-                                 "GBps": nbytes / ms / 1e6})
-            finally:
-                quant.WARPS_OVERRIDE = None
+    for block, warps, nb in shapes:
+        quant.WARPS_OVERRIDE, quant.NB_OVERRIDE = warps, nb
+        try:
+            recv = quant.reorder_quantize(x, k, m, 4, block)
+            cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
+                     ("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
+                      lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block))]
+            for bits in (8, 4):
+                nbytes = 2 * n + packed_len(n, bits, block)
+                packed = quant.quantize(x, bits, block)
+                cases.append((f"quantize{bits}", nbytes, lambda bits=bits: quant.quantize(x, bits, block)))
+                cases.append((f"dequantize{bits}", nbytes, lambda bits=bits, packed=packed:
+                              quant.dequantize(packed, n, bits, block, torch.bfloat16)))
+            for op, nbytes, fn in cases:
+                ms = timer(fn)
+                rows.append({"op": op, "shape": f"{block}x{warps}x{nb}", "elements": n, "ms": ms,
+                             "GBps": nbytes / ms / 1e6})
+        finally:
+            quant.WARPS_OVERRIDE = quant.NB_OVERRIDE = None
     return rows
 
 

@@ -12,15 +12,19 @@ not the pipeline). Activations are real tensors moved by the real p2p path and t
 real schedules (megaq.parallel.pipeline), so every wait the schedule causes is real.
 
 Per rank the schedule's StepTimer records the seconds spent inside forward/backward
-(compute) and inside the batched p2p calls (waiting for a neighbour + transfer). The
-step is timed between two barriers. The measured bubble of a rank is
+(compute) and inside the batched p2p calls (waiting for a neighbour + transfer). All
+ranks enter the schedule together (after a barrier); the step time is the longest
+rank's time in the schedule (later stages return earlier, but the next step's forward
+cannot reach them sooner). The measured bubble of a rank is
 
     bubble = 1 - compute / step_time
 
 i.e. the fraction of the step the rank was not computing, averaged over ranks (the
-first stage's is also shown; "compute s" is the mean measured compute per rank next to
+worst rank's is also shown; "compute s" is the mean measured compute per rank next to
 the nominal layers x (fwd + bwd) x m / p, which shows how much the sleeps overshoot on
-a loaded machine). Theory for m micro-batches, p stages and v virtual
+a loaded machine; "p2p share" is the mean fraction of the step spent inside p2p calls,
+the rest of the bubble being the tail after a later stage has finished its last
+backward). Theory for m micro-batches, p stages and v virtual
 chunks per stage with forward+backward cost balanced over stages:
 
     1F1B:        (p - 1) / (m + p - 1)
@@ -30,7 +34,7 @@ The model's total cost is fixed (--layers layers), so interleaving splits the sa
 per-stage work into v chunks. Each layout runs one warm-up step and reports the
 median of --steps timed steps.
 
-    python tools/bench_pipeline.py [--fwd-ms 4 --bwd-ms 8 --layers 8 --steps 3]
+    python tools/bench_pipeline.py [--fwd-ms 25 --bwd-ms 50 --layers 8 --steps 2]
         [--out bench_pipeline.json]
 """
 
@@ -128,18 +132,19 @@ def _give_middle_stages_an_embedding_group():
 def run_layout(p, v, m, args):
     cfg = SimpleNamespace(num_layers=args.layers, fwd_s=args.fwd_ms / 1e3, bwd_s=args.bwd_ms / 1e3)
     per_rank = run_on_ranks(_measure, p, pp=p, args=(cfg, v if v > 1 else None, m, args.steps))
-    bubbles, first, walls, p2p, compute = [], [], [], [], []
+    bubbles, worst, walls, p2p, compute = [], [], [], [], []
     for s in range(args.steps):
-        b = [1 - r[s]["compute"] / r[s]["wall"] for r in per_rank]
+        step = max(r[s]["wall"] for r in per_rank)
+        b = [1 - r[s]["compute"] / step for r in per_rank]
         bubbles.append(sum(b) / len(b))
-        first.append(b[0])
-        walls.append(max(r[s]["wall"] for r in per_rank))
-        p2p.append(sum(r[s]["p2p"] / r[s]["wall"] for r in per_rank) / len(per_rank))
+        worst.append(max(b))
+        walls.append(step)
+        p2p.append(sum(r[s]["p2p"] / step for r in per_rank) / len(per_rank))
         compute.append(sum(r[s]["compute"] for r in per_rank) / len(per_rank))
     theory = (p - 1) / (v * m + p - 1)
     nominal = m * args.layers / p * (args.fwd_ms + args.bwd_ms) / 1e3  # busy time per stage
     return dict(pp=p, vp=v, microbatches=m, theory=theory,
-                measured=statistics.median(bubbles), measured_first_stage=statistics.median(first),
+                measured=statistics.median(bubbles), measured_worst_rank=statistics.median(worst),
                 p2p_fraction=statistics.median(p2p), step_s=statistics.median(walls),
                 compute_s=statistics.median(compute), nominal_compute_s=nominal)
 
@@ -149,21 +154,21 @@ LAYOUTS = [(2, 1, 4), (2, 1, 8), (4, 1, 4), (4, 1, 8), (4, 1, 16), (2, 2, 4), (4
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fwd-ms", type=float, default=4.0, help="forward cost per layer (ms)")
-    ap.add_argument("--bwd-ms", type=float, default=8.0, help="backward cost per layer (ms)")
+    ap.add_argument("--fwd-ms", type=float, default=25.0, help="forward cost per layer (ms)")
+    ap.add_argument("--bwd-ms", type=float, default=50.0, help="backward cost per layer (ms)")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="bench_pipeline.json")
     args = ap.parse_args(argv)
     _give_middle_stages_an_embedding_group()
     results = []
-    print(f"{'pp':>3} {'vp':>3} {'m':>4} {'theory':>8} {'measured':>9} {'1st stage':>10} "
+    print(f"{'pp':>3} {'vp':>3} {'m':>4} {'theory':>8} {'measured':>9} {'worst rank':>10} "
           f"{'p2p share':>10} {'step s':>8} {'compute s':>10} {'nominal s':>10}")
     for p, v, m in LAYOUTS:
         r = run_layout(p, v, m, args)
         results.append(r)
         print(f"{p:>3} {v:>3} {m:>4} {r['theory']:>8.3f} {r['measured']:>9.3f} "
-              f"{r['measured_first_stage']:>10.3f} {r['p2p_fraction']:>10.3f} "
+              f"{r['measured_worst_rank']:>10.3f} {r['p2p_fraction']:>10.3f} "
               f"{r['step_s']:>8.3f} {r['compute_s']:>10.3f} {r['nominal_compute_s']:>10.3f}",
               flush=True)
     meta = dict(command="python tools/bench_pipeline.py " + " ".join(argv or sys.argv[1:]),

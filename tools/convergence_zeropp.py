@@ -9,7 +9,9 @@ gap to ZeRO-3, the cross-node bytes per step, a PNG of the curves and a JSON fil
     python tools/convergence_zeropp.py --iters 20 --out /tmp/cz   # smoke run
 
 Configurations: zero3 (plain), zeropp (qwZ int8 + hpZ + qgZ int4, DeepSpeed's
-switches), zeropp_ef (the same + --zero-gradient-error-feedback).
+switches), zeropp_ef (the same + --zero-gradient-error-feedback). ``NAME@SEED`` runs
+a configuration with another seed (model init and data order): e.g. ``zero3@1235``
+measures the seed-to-seed noise that the ZeRO++ gaps should be compared with.
 """
 
 from __future__ import annotations
@@ -63,12 +65,18 @@ def _rank_main(topo, argv, metrics):
     return {"losses": dict(state.losses), "val": dict(state.val_losses)}
 
 
+def _split(name: str) -> tuple[str, int | None]:
+    base, _, seed = name.partition("@")
+    return base, (int(seed) if seed else None)
+
+
 def run_config(name: str, a, workdir: str) -> dict:
     from megaq.parallel.launch import run_on_ranks
 
     hpz = a.world // 2
-    extra = [x.format(hpz=hpz) for x in CONFIGS[name]]
-    argv = model_argv(a) + extra
+    base, seed = _split(name)
+    extra = [x.format(hpz=hpz) for x in CONFIGS[base]]
+    argv = model_argv(a) + extra + (["--seed", str(seed)] if seed is not None else [])
     metrics = os.path.join(workdir, f"{name}.jsonl")
     t0 = time.time()
     res = run_on_ranks(_rank_main, a.world, ranks_per_node=a.world // 2,
@@ -143,7 +151,7 @@ def main(argv=None) -> dict:
         p.error("--world must be even and >= 4 (2 nodes of at least 2 ranks)")
     names = a.configs.split(",")
     for n in names:
-        if n not in CONFIGS:
+        if _split(n)[0] not in CONFIGS:
             p.error(f"unknown config {n!r}; choose from {', '.join(CONFIGS)}")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     results = {}

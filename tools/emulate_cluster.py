@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netns_link import EmulatedLink, NetnsError, sweep_stale, why_unavailable  # noqa: E402
+from netns_measure import IterationSampler, Segment, plan_segments, whole_run, window  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RDZV_PORT = 29400        # free by construction: the namespaces have nothing else listening
-# Per-frame header bytes that the veth counters include but a collective's payload does
-# not: Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamp option 12 (Linux default).
-FRAME_HEADER_BYTES = 14 + 20 + 20 + 12
 
 
 class _Terminated(BaseException):
@@ -152,17 +149,30 @@ def _tail(path: str, n: int = 25) -> str:
 
 
 # ---------------------------------------------------------------------- measuring
-def run_measured(script_argv: list[str], *, rate: str, delay: str = "0ms", mtu: int = 1500,
-                 nproc: int = 2, metrics_file: str, timeout: float = 600,
-                 warmup: int = 1, log_dir: str | None = None) -> dict:
-    """Build a fresh link, run the job on it, return one record (see summarize)."""
+def run_measured(script_argv: list[str], *, rate: str | list[str], delay: str = "0ms",
+                 mtu: int = 1500, nproc: int = 2, metrics_file: str, timeout: float = 600,
+                 warmup: int = 1, iters_per_rate: int | None = None, settle: int = 1,
+                 log_dir: str | None = None) -> dict:
+    """Build a fresh link, run the job on it, return one record.
+
+    `rate` may be a list: the job then runs `warmup` iterations plus `iters_per_rate`
+    per rate (its --train-iters must match), and the link's rate is switched in place
+    between segments, so one launch measures every rate. record["segments"] holds one
+    window per rate (netns_measure.window); the record's top level holds the first.
+    """
+    rates = [rate] if isinstance(rate, str) else list(rate)
+    segments = None
+    if len(rates) > 1:
+        if not iters_per_rate:
+            raise ValueError("several rates need iters_per_rate")
+        segments = plan_segments(rates, iters_per_rate, warmup, settle)
     log_dir = log_dir or tempfile.mkdtemp(prefix="emulated_cluster_")
     if os.path.exists(metrics_file):
         os.remove(metrics_file)   # the trainer appends; never mix runs
-    with EmulatedLink(rate=rate, delay=delay, mtu=mtu) as link:
+    with EmulatedLink(rate=rates[0], delay=delay, mtu=mtu) as link:
         before = [link.counters(n) for n in (0, 1)]
         lo_before = [link.counters(n, "lo") for n in (0, 1)]
-        sampler = IterationSampler(link, metrics_file)
+        sampler = IterationSampler(link, metrics_file, segments)
         job = launch(link, nproc, script_argv, log_dir, timeout, on_poll=sampler.poll)
         sampler.poll()
         after = [link.counters(n) for n in (0, 1)]
@@ -173,138 +183,44 @@ def run_measured(script_argv: list[str], *, rate: str, delay: str = "0ms", mtu: 
     lo = [a - b for a, b in zip(lo_after, lo_before)]
     with open(metrics_file) as f:
         lines = [json.loads(x) for x in f if x.strip()]
-    rec = summarize(lines, veth, lo, warmup)
-    rec.update(steady_window(lines, sampler.samples, before, warmup))
-    rec["seconds_to_first_iteration"] = round(sampler.first_line_s or float("nan"), 2)
-    rec.update(rate=rate, rate_bits=shaping["rate_bits"], shaping=shaping, nproc_per_node=nproc,
-               wall_s=round(job["wall_s"], 2), logs=job["logs"], ip_s_link_after=ip_s,
-               command=script_argv)
-    return rec
-
-
-class IterationSampler:
-    """Link counters at the moment each metrics line appears (polled every 10 ms).
-
-    The trainer writes a line right after an iteration's last collective, so the
-    counter difference between two lines is that iteration's traffic (plus at most
-    one poll interval of the next iteration's start).
-    """
-
-    def __init__(self, link: EmulatedLink, metrics_file: str):
-        self.link, self.path, self.samples, self._size = link, metrics_file, [], -1
-        self.t0, self.first_line_s = time.perf_counter(), None
-
-    def poll(self) -> None:
-        try:
-            size = os.path.getsize(self.path)
-        except OSError:
-            return
-        if size == self._size:
-            return
-        self._size = size
-        counters = [self.link.counters(n) for n in (0, 1)]
-        with open(self.path) as f:
-            complete = f.read().count("\n")
-        if not self.samples or complete > self.samples[-1][0]:
-            self.samples.append((complete, counters))
-            if self.first_line_s is None and complete:
-                self.first_line_s = time.perf_counter() - self.t0
-
-
-def steady_window(lines: list[dict], samples: list, before: list, warmup: int) -> dict:
-    """Link bytes vs accounting over the training iterations after the warm-up ones,
-    and the traffic before the first line (rendezvous, gloo connections, set-up)."""
-    train_idx = [i for i, x in enumerate(lines) if x.get("type", "train") == "train"]
-    at = {n: c for n, c in samples}          # line count -> counters then
-    out = {}
-    first_line = train_idx[0] + 1
-    if first_line in at:
-        link = sum((a - b).tx_bytes for a, b in zip(at[first_line], before))
-        out["link_bytes_to_first_iteration"] = link
-    if len(train_idx) > warmup and warmup >= 1:
-        start_line, end_line = train_idx[warmup - 1] + 1, train_idx[-1] + 1
-        if start_line in at and end_line in at:
-            link = sum((a - b).tx_bytes for a, b in zip(at[end_line], at[start_line]))
-            acc, iters = 0.0, 0
-            prev = lines[train_idx[warmup - 1]]["iteration"]
-            for i in train_idx[warmup:]:
-                x = lines[i]
-                acc += _inter_node_bytes(x) * (x["iteration"] - prev)
-                iters += x["iteration"] - prev
-                prev = x["iteration"]
-            out.update(steady_iterations=iters, steady_link_bytes_per_iteration=link / iters,
-                       steady_accounted_per_iteration=acc / iters,
-                       steady_link_over_accounted=round(link / acc, 4) if acc else None)
-    return out
-
-
-def _inter_node_bytes(line: dict) -> float:
-    """All nodes' inter-node bytes of one iteration (the file holds the per-node mean)."""
-    return sum(v.get("inter_node", 0) for v in line.get("comm", {}).values()) * line.get("nodes", 2)
-
-
-def summarize(lines: list[dict], veth: list, lo: list, warmup: int) -> dict:
-    """Step time and bytes: link counters vs megaq's accounting over the whole run.
-
-    megaq's metrics give bytes sent per node per iteration (averaged over nodes), so
-    the run's total inter-node payload is sum(inter_node over phases) x nodes x the
-    iterations each line covers. The link total is what both veth ends transmitted.
-    """
-    train = [x for x in lines if x.get("type", "train") == "train" and "elapsed_ms" in x]
-    if not train:
+    lines = [x for x in lines if x.get("type", "train") == "train" and "elapsed_ms" in x]
+    if not lines:
         raise RuntimeError("the job wrote no training lines to its metrics file")
-    accounted, prev_it = 0.0, 0
-    per_phase: dict[str, float] = {}
-    for x in train:
-        iters = x["iteration"] - prev_it
-        prev_it = x["iteration"]
-        for phase, links in x.get("comm", {}).items():
-            b = links.get("inter_node", 0) * x.get("nodes", 2) * iters
-            per_phase[phase] = per_phase.get(phase, 0.0) + b
-            accounted += b
-    steady = train[warmup:] or train[-1:]
-    step_ms = statistics.median(x["elapsed_ms"] for x in steady)
-    iters_total = train[-1]["iteration"]
-    link_bytes = sum(v.tx_bytes for v in veth)
-    packets = sum(v.tx_packets for v in veth)
-    headers = packets * FRAME_HEADER_BYTES
-    return {
-        "iterations": iters_total,
-        "step_ms": round(step_ms, 1),
-        "step_ms_all": [round(x["elapsed_ms"], 1) for x in train],
-        "loss_last": train[-1].get("lm_loss"),
-        "link_bytes": link_bytes,
-        "link_bytes_per_direction": [v.tx_bytes for v in veth],
-        "link_packets": packets,
-        "link_header_bytes": headers,
-        "link_payload_bytes": link_bytes - headers,
-        "loopback_bytes": [v.tx_bytes for v in lo],
-        "accounted_inter_node_bytes": int(accounted),
-        "accounted_by_phase": {k: int(v) for k, v in sorted(per_phase.items())},
-        "accounted_per_iteration": int(accounted / max(1, iters_total)),
-        "link_over_accounted": round(link_bytes / accounted, 4) if accounted else None,
-        "payload_over_accounted": round((link_bytes - headers) / accounted, 4) if accounted else None,
-    }
+    if segments is None:
+        last = lines[-1]["iteration"]
+        segments = [Segment(rates[0], 1, min(warmup + 1, last), last)]
+    elif lines[-1]["iteration"] != segments[-1].last:
+        raise RuntimeError(f"the job ran {lines[-1]['iteration']} iterations but the rate "
+                           f"schedule needs --train-iters {segments[-1].last}")
+    windows = [window(lines, sampler.samples, before, seg) for seg in segments]
+    rec = dict(windows[0])
+    rec.update(whole_run(lines, veth, lo))
+    first = sampler.samples.get(1)
+    rec.update(
+        segments=windows, shaping=shaping, nproc_per_node=nproc,
+        seconds_to_first_iteration=round(sampler.first_line_s or float("nan"), 2),
+        link_bytes_to_first_iteration=(sum((a - b).tx_bytes for a, b in zip(first, before))
+                                       if first else None),
+        rate_changes=sampler.rate_changes, wall_s=round(job["wall_s"], 2), logs=job["logs"],
+        ip_s_link_after=ip_s, command=script_argv)
+    return rec
 
 
 # ---------------------------------------------------------------------- CLI
 def _print_record(rec: dict) -> None:
     mb = 1e6
-    print(f"rate {rec['rate']}: step {rec['step_ms']:.1f} ms (median after warm-up; all "
-          f"{rec['step_ms_all']}), wall {rec['wall_s']:.1f} s")
-    print(f"  link bytes (veth tx, both ends) {rec['link_bytes'] / mb:.2f} MB in "
-          f"{rec['link_packets']} frames ({rec['link_header_bytes'] / mb:.2f} MB of headers); "
-          f"megaq inter_node accounting {rec['accounted_inter_node_bytes'] / mb:.2f} MB; "
-          f"link/accounted {rec['link_over_accounted']}, payload/accounted "
-          f"{rec['payload_over_accounted']}")
-    if "steady_link_over_accounted" in rec:
-        print(f"  steady iterations ({rec['steady_iterations']} after warm-up): link "
-              f"{rec['steady_link_bytes_per_iteration'] / mb:.2f} MB/iteration vs accounted "
-              f"{rec['steady_accounted_per_iteration'] / mb:.2f} MB/iteration: "
-              f"{rec['steady_link_over_accounted']}")
-    if "link_bytes_to_first_iteration" in rec:
-        print(f"  link bytes up to the end of iteration 1 (set-up + iteration 1): "
-              f"{rec['link_bytes_to_first_iteration'] / mb:.2f} MB")
+    for w in rec["segments"]:
+        line = (f"rate {w['rate']}: step {w['step_ms']:.1f} ms (median of iterations "
+                f"{w['iterations_timed'][0]}..{w['iterations_timed'][1]}: {w['step_ms_all']})")
+        if "steady_link_bytes_per_iteration" in w:
+            line += (f"; link {w['steady_link_bytes_per_iteration'] / mb:.2f} MB/iteration vs megaq "
+                     f"{w['steady_accounted_per_iteration'] / mb:.2f} MB/iteration "
+                     f"(ratio {w['steady_link_over_accounted']}), link busy {w['link_busy_share']:.0%}")
+        print(line)
+    print(f"  whole run: link (veth tx, both ends) {rec['link_bytes'] / mb:.2f} MB in "
+          f"{rec['link_packets']} frames ({rec['link_header_bytes'] / mb:.2f} MB headers); megaq "
+          f"{rec['accounted_inter_node_bytes'] / mb:.2f} MB; set-up + iteration 1 on the link "
+          f"{(rec['link_bytes_to_first_iteration'] or 0) / mb:.2f} MB; wall {rec['wall_s']:.1f} s")
     print(f"  loopback bytes per node {[round(b / mb, 2) for b in rec['loopback_bytes']]} MB "
           f"(in-node traffic stays off the link)")
     if rec["shaping"].get("note"):
@@ -316,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("run", "probe"):
         p = sub.add_parser(name)
-        p.add_argument("--rate", default="1gbit", help="link rate per direction, e.g. 200mbit, 1gbit")
+        p.add_argument("--rate", default="1gbit",
+                       help="link rate per direction, e.g. 200mbit or 1gbit; a comma list "
+                            "switches the rate in place every --iters-per-rate iterations")
+        p.add_argument("--iters-per-rate", type=int, default=None)
         p.add_argument("--delay", default="0ms", help="one-way delay (needs sch_netem), e.g. 0.5ms")
         p.add_argument("--mtu", type=int, default=1500)
         p.add_argument("--nproc-per-node", type=int, default=2)
@@ -325,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", default=None, help="write the run's record here")
     sub.choices["probe"].add_argument("--numel", type=int, default=1 << 20)
     sub.choices["probe"].add_argument("--iters", type=int, default=3)
+    sub.choices["probe"].add_argument("--ops", default="all_gather,reduce_scatter",
+                                      help="collectives per iteration: all_gather, "
+                                           "reduce_scatter, all_reduce, all_to_all")
     sub.choices["run"].add_argument("script", nargs=argparse.REMAINDER,
                                     help="-- script.py args (must write --metrics-file)")
     sw = sub.add_parser("sweep", help="delete namespaces left by dead runs")
@@ -349,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics = os.path.join(tmp, "metrics.jsonl")
         if args.cmd == "probe":
             script = [os.path.join(REPO, "tools", "netns_gloo_probe.py"), "--numel", str(args.numel),
-                      "--iters", str(args.iters), "--metrics-file", metrics]
+                      "--iters", str(args.iters), "--ops", args.ops, "--metrics-file", metrics]
         else:
             script = [a for a in args.script if a != "--"]
             if not script:
@@ -359,10 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 script += ["--metrics-file", metrics]
         try:
-            rec = run_measured(script, rate=args.rate, delay=args.delay, mtu=args.mtu,
+            rates = [r for r in args.rate.split(",") if r]
+            rec = run_measured(script, rate=rates, delay=args.delay, mtu=args.mtu,
                                nproc=args.nproc_per_node, metrics_file=metrics,
-                               timeout=args.timeout, warmup=args.warmup, log_dir=tmp)
-        except (NetnsError, RuntimeError, TimeoutError) as e:
+                               timeout=args.timeout, warmup=args.warmup,
+                               iters_per_rate=args.iters_per_rate, log_dir=tmp)
+        except (NetnsError, RuntimeError, TimeoutError, ValueError) as e:
             print(f"emulate_cluster: {e}", file=sys.stderr)
             return 1
         except (KeyboardInterrupt, _Terminated) as e:

@@ -171,11 +171,7 @@ class EmulatedLink:
         Kernels built without sch_netem (some VM kernels) get the rate only, and the
         record says so instead of pretending.
         """
-        rate_bytes = self.rate_bits / 8
-        # burst: enough tokens for ~1 ms at line rate (timer granularity) and a few
-        # 64 KiB GSO super-packets, so tbf does not throttle below the nominal rate.
-        burst = int(max(4 * 65536, rate_bytes * 1e-3))
-        tbf = ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst), "latency", "100ms"]
+        tbf, burst = self._tbf()
         netem_ok = self.delay_ms > 0 and qdisc_supported(ns, dev, "netem", "delay", "1ms")
         if netem_ok:
             _checked(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:",
@@ -189,6 +185,24 @@ class EmulatedLink:
                 "delay_ms_applied": self.delay_ms if netem_ok else 0.0,
                 "note": "" if netem_ok or self.delay_ms == 0 else
                 "kernel lacks sch_netem: delay not applied, rate limit only"}
+
+    def _tbf(self) -> tuple[list[str], int]:
+        rate_bytes = self.rate_bits / 8
+        # burst: enough tokens for ~1 ms at line rate (timer granularity) and a few
+        # 64 KiB GSO super-packets, so tbf does not throttle below the nominal rate.
+        burst = int(max(4 * 65536, rate_bytes * 1e-3))
+        return ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst),
+                "latency", "100ms"], burst
+
+    def set_rate(self, rate: str) -> None:
+        """Change the link's rate in place (both directions), e.g. between iterations."""
+        self.rate, self.rate_bits = rate, rate_to_bits(rate)
+        tbf, burst = self._tbf()
+        where = (["parent", "1:1", "handle", "10:"] if self.shaping.get("delay_ms_applied")
+                 else ["root", "handle", "1:"])
+        for ns, dev in zip(self.ns, self.dev):
+            _checked(["tc", "-n", ns, "qdisc", "change", "dev", dev, *where, *tbf])
+        self.shaping.update(rate_bits=self.rate_bits, burst_bytes=burst)
 
     def destroy(self) -> None:
         for ns in self.ns:

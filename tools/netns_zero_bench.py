@@ -60,48 +60,46 @@ def wire_expectation(rec: dict, config: str) -> float | None:
     acc = rec.get("steady_accounted_per_iteration")
     if acc is None:
         return None
-    grad = rec["last_line_by_phase"].get("grad_reduce", 0.0)
+    grad = rec["accounted_by_phase_per_iteration"].get("grad_reduce", 0.0)
     return acc + (grad if "--zero-quantized-gradients" not in CONFIGS[config] else 0.0)
 
 
-def one_run(config: str, rate: str, base: list[str], nproc: int, timeout: float,
-            warmup: int, tmp: str) -> dict:
-    metrics = os.path.join(tmp, f"{config}_{rate}.jsonl")
+def one_config(config: str, rates: list[str], base: list[str], args, tmp: str) -> list[dict]:
+    """One launch of `config`; the link's rate is switched in place between segments."""
+    metrics = os.path.join(tmp, f"{config}.jsonl")
     argv = base + CONFIGS[config] + ["--metrics-file", metrics]
     load_before = os.getloadavg()[0]
     for attempt in (1, 2):   # one retry: a run can die of the shared machine's hiccups
         try:
-            rec = emu.run_measured(argv, rate=rate, nproc=nproc, metrics_file=metrics,
-                                   timeout=timeout, warmup=warmup,
-                                   log_dir=tempfile.mkdtemp(dir=tmp))
+            rec = emu.run_measured(argv, rate=rates, nproc=args.nproc_per_node,
+                                   metrics_file=metrics, timeout=args.timeout,
+                                   warmup=args.warmup, iters_per_rate=args.iters_per_rate,
+                                   settle=args.settle, log_dir=tempfile.mkdtemp(dir=tmp))
             break
         except (RuntimeError, TimeoutError) as e:
-            print(f"  {config} @ {rate}: attempt {attempt} failed: {str(e)[-2000:]}", flush=True)
+            print(f"  {config}: attempt {attempt} failed: {str(e)[-3000:]}", flush=True)
             if attempt == 2:
-                return {"config": config, "rate": rate, "error": str(e)[-4000:]}
-    with open(metrics) as f:
-        last = [json.loads(x) for x in f if x.strip()][-1]
-    rec["last_line_by_phase"] = {p: v.get("inter_node", 0) * last.get("nodes", 2)
-                                 for p, v in last.get("comm", {}).items()}
-    rec["zero_model_bytes"] = last.get("zero_model_bytes")
-    rec.update(config=config, loadavg_1min=[round(load_before, 1), round(os.getloadavg()[0], 1)])
-    exp = wire_expectation(rec, config)
-    if exp:
-        rec["steady_link_over_gloo_expectation"] = round(rec["steady_link_bytes_per_iteration"] / exp, 4)
-    # share of the step during which the busier direction of the link is transmitting
-    per_dir = max(rec["link_bytes_per_direction"])
-    total = sum(rec["link_bytes_per_direction"]) or 1
-    busy_s = rec["steady_link_bytes_per_iteration"] * per_dir / total / (rate_to_bits(rate) / 8)
-    rec["link_busy_share"] = round(busy_s / (rec["step_ms"] / 1e3), 3)
-    for k in ("logs", "ip_s_link_after", "command"):
-        rec.pop(k, None)
-    return rec
+                return [{"config": config, "rate": r, "error": str(e)[-4000:]} for r in rates]
+    loads = [round(load_before, 1), round(os.getloadavg()[0], 1)]
+    out = []
+    for w in rec["segments"]:
+        w = dict(w, config=config, loadavg_1min_before_after_run=loads,
+                 run_wall_s=rec["wall_s"], seconds_to_first_iteration=rec["seconds_to_first_iteration"],
+                 run_link_over_accounted=rec["link_over_accounted"],
+                 loopback_bytes_run=rec["loopback_bytes"], shaping_mtu=rec["shaping"]["mtu"])
+        exp = wire_expectation(w, config)
+        if exp and "steady_link_bytes_per_iteration" in w:
+            w["steady_link_over_gloo_expectation"] = round(w["steady_link_bytes_per_iteration"] / exp, 4)
+        out.append(w)
+    return out
 
 
 def table(records: list[dict]) -> str:
     base = {r["rate"]: r["step_ms"] for r in records if r["config"] == "ZeRO-3" and "step_ms" in r}
+    nan = float("nan")
     rows = ["| link rate | config | step ms | speedup vs ZeRO-3 | link MB/iter | megaq inter-node "
-            "MB/iter | link / megaq | link / (megaq, gloo RS = 2 passes) | link busy share |",
+            "MB/iter | link / megaq | link / (megaq with gloo's 2-pass reduce-scatter) | "
+            "link busy share |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
@@ -110,11 +108,12 @@ def table(records: list[dict]) -> str:
         sp = base.get(r["rate"])
         rows.append(
             f"| {r['rate']} | {r['config']} | {r['step_ms']:.0f} | "
-            f"{(sp / r['step_ms']) if sp else float('nan'):.2f}x | "
-            f"{r['steady_link_bytes_per_iteration'] / 1e6:.2f} | "
-            f"{r['steady_accounted_per_iteration'] / 1e6:.2f} | {r['steady_link_over_accounted']:.3f} | "
-            f"{r.get('steady_link_over_gloo_expectation', float('nan')):.3f} | "
-            f"{r['link_busy_share']:.0%} |")
+            f"{(sp / r['step_ms']) if sp else nan:.2f}x | "
+            f"{r.get('steady_link_bytes_per_iteration', nan) / 1e6:.2f} | "
+            f"{r['steady_accounted_per_iteration'] / 1e6:.2f} | "
+            f"{r.get('steady_link_over_accounted') or nan:.3f} | "
+            f"{r.get('steady_link_over_gloo_expectation', nan):.3f} | "
+            f"{r.get('link_busy_share', nan):.0%} |")
     return "\n".join(rows)
 
 
@@ -124,11 +123,19 @@ def plot(records: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for config in CONFIGS:
-        pts = sorted((r["rate_bits"] / 1e6, r["step_ms"]) for r in records
-                     if r["config"] == config and "step_ms" in r)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=config)
+        rs = sorted((r for r in records if r["config"] == config and "step_ms" in r),
+                    key=lambda r: r["rate_bits"])
+        if rs:
+            x = [r["rate_bits"] / 1e6 for r in rs]
+            y = [r["step_ms"] for r in rs]
+            # bars: the spread of the timed iterations (the machine is shared and noisy)
+            lo = [r["step_ms"] - min(r["step_ms_all"]) for r in rs]
+            hi = [max(r["step_ms_all"]) - r["step_ms"] for r in rs]
+            ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=config)
     ax.set_xscale("log")
+    ticks = sorted({r["rate_bits"] / 1e6 for r in records if "rate_bits" in r})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("emulated inter-node link rate per direction (Mbit/s)")
     ax.set_ylabel("step time (ms, median after warm-up)")
     ax.set_title("2 emulated nodes x 2 ranks (gloo, CPU): ZeRO-3 vs ZeRO++")
@@ -149,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--seq-length", type=int, default=128)
     ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--train-iters", type=int, default=4)
+    ap.add_argument("--iters-per-rate", type=int, default=3)
+    ap.add_argument("--settle", type=int, default=1,
+                    help="iterations after each rate change left out of the timing")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=None, help="JSON results path")
@@ -168,22 +177,23 @@ def main(argv: list[str] | None = None) -> int:
         rate_to_bits(r)   # fail early on a typo
     emu.install_signal_cleanup()
     emu.sweep_stale()
+    iters = args.warmup + args.iters_per_rate * len(rates)
     base = model_args(args.num_layers, args.hidden_size, args.seq_length, args.micro_batch_size,
-                      args.nproc_per_node, args.train_iters)
+                      args.nproc_per_node, iters)
     t0 = time.time()
     records = []
     with tempfile.TemporaryDirectory(prefix="netns_zero_bench_") as tmp:
-        for rate in rates:
-            for config in configs:
-                rec = one_run(config, rate, base, args.nproc_per_node, args.timeout,
-                              args.warmup, tmp)
+        for config in configs:
+            for rec in one_config(config, rates, base, args, tmp):
                 records.append(rec)
                 if "error" not in rec:
-                    print(f"{rate:>8} {config:<8} step {rec['step_ms']:8.1f} ms  link "
-                          f"{rec['steady_link_bytes_per_iteration'] / 1e6:7.2f} MB/it  megaq "
-                          f"{rec['steady_accounted_per_iteration'] / 1e6:7.2f} MB/it  "
-                          f"ratio {rec['steady_link_over_accounted']:.3f}  busy "
-                          f"{rec['link_busy_share']:.0%}  load {rec['loadavg_1min']}", flush=True)
+                    print(f"{rec['rate']:>8} {config:<8} step {rec['step_ms']:8.1f} ms  link "
+                          f"{rec.get('steady_link_bytes_per_iteration', float('nan')) / 1e6:7.2f} "
+                          f"MB/it  megaq {rec['steady_accounted_per_iteration'] / 1e6:7.2f} MB/it  "
+                          f"ratio {rec.get('steady_link_over_accounted')}  busy "
+                          f"{rec.get('link_busy_share', float('nan')):.0%}  load "
+                          f"{rec['loadavg_1min_before_after_run']}", flush=True)
+    records.sort(key=lambda r: (rate_to_bits(r["rate"]), list(CONFIGS).index(r["config"])))
     print()
     print(table(records))
     result = {

@@ -16,12 +16,17 @@ from megaq.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLin
                                             get_rng_tracker)
 
 
-def core_attention(q, k, v, dropout_p: float) -> torch.Tensor:
+def core_attention(q, k, v, dropout_p: float, repeat_kv: bool = False) -> torch.Tensor:
     """Causal SDPA on [b, heads, s, d] (k, v may have fewer heads: GQA).
 
-    The heads are split over TP, so the dropout mask comes from the model-parallel
-    RNG stream (independent per TP rank).
+    GQA either through SDPA's enable_gqa or (repeat_kv=True) by repeating the k/v
+    heads first; both reach the flash kernel on CUDA (GPTConfig.attention_repeat_kv,
+    docs/MODEL.md says which measured faster). The heads are split over TP, so the
+    dropout mask comes from the model-parallel RNG stream (independent per TP rank).
     """
+    if repeat_kv and k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                               enable_gqa=k.shape[1] != q.shape[1])
@@ -42,6 +47,7 @@ class SelfAttention(nn.Module):
         self.groups_per_rank = config.num_query_groups // tp
         self.heads_per_rank = config.num_attention_heads // tp
         self.attention_dropout = config.attention_dropout
+        self.repeat_kv = config.attention_repeat_kv
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_query_groups * self.head_dim
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
@@ -62,6 +68,7 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        out = core_attention(q, k, v, self.attention_dropout if self.training else 0.0)
+        out = core_attention(q, k, v, self.attention_dropout if self.training else 0.0,
+                             self.repeat_kv)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.linear_proj(out)

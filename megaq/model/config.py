@@ -35,6 +35,9 @@ class GPTConfig:
     recompute_activations: bool = False
     params_dtype: torch.dtype = field(default=torch.float32)
     seed: int = 1234
+    # ---- speed knobs (no effect on the math beyond rounding; see docs/MODEL.md) ----
+    compile_blocks: bool = False       # torch.compile each block's forward (hooks stay eager)
+    attention_repeat_kv: bool = False  # GQA by repeating k/v heads instead of enable_gqa
 
     def __post_init__(self):
         h, heads = self.hidden_size, self.num_attention_heads

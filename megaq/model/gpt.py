@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megaq.kernels.fused_cross_entropy import cross_entropy as fused_cross_entropy
 from megaq.model.attention import SelfAttention
 from megaq.model.config import GPTConfig
 from megaq.model.init import ParamInit
@@ -152,6 +153,8 @@ class GPTModel(nn.Module):
         if tied and pre_process != post_process:  # the two halves of a tied pair live apart
             copy = self.embedding.word_embeddings.weight if pre_process else self.output_layer.weight
             copy.shared_embedding = True
+        if config.compile_blocks:
+            compile_blocks(self)
 
     def global_param_name(self, name: str) -> str:
         """'layers.0.mlp...' on a stage starting at layer 4 -> 'layers.4.mlp...' (a name
@@ -185,5 +188,24 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, head_weight)  # [s, b, V_padded/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size)
+        if self.tp_group.size == 1:
+            # whole vocabulary here: the fused kernel (Triton on CUDA) reads the bf16
+            # logits without an fp32 copy; same math as the vocab-parallel path
+            loss = fused_cross_entropy(logits, labels.t(), self.config.vocab_size)
+        else:
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size)
         return loss.t()
+
+
+def compile_blocks(model: GPTModel, **compile_kwargs) -> GPTModel:
+    """torch.compile each transformer block's forward in place (GPTConfig.compile_blocks
+    calls it; entry points may call it directly). Only `forward` is compiled, not the
+    module call, so forward hooks (the ZeRO engine's gathers and releases) stay eager
+    and every block reuses one compiled graph. Inside the compiled region the fused
+    ops trace their torch references, which inductor fuses itself."""
+    compile_kwargs.setdefault("dynamic", False)
+    for layer in model.layers:
+        if not getattr(layer, "_megaq_compiled", False):
+            layer.forward = torch.compile(layer.forward, **compile_kwargs)
+            layer._megaq_compiled = True
+    return model

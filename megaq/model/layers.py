@@ -5,15 +5,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaq.kernels.fused_rmsnorm import rms_norm
+from megaq.kernels.fused_rope import apply_rotary as _apply_rotary
 from megaq.model.config import GPTConfig
 from megaq.parallel.tensor_parallel import set_tp_attributes
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with fp32 math whatever the activation dtype; the fused Triton kernel
+    on CUDA, the torch reference elsewhere (kernels.fused_rmsnorm). Same parameter
+    name (`weight`) as torch.nn.RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 def build_norm(config: GPTConfig) -> nn.Module:
     """LayerNorm or RMSNorm over the hidden dim. Replicated over TP; under sequence
     parallelism each rank normalises only its sequence chunk, so its grads are partial."""
-    cls = nn.LayerNorm if config.normalization == "LayerNorm" else nn.RMSNorm
-    norm = cls(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    if config.normalization == "LayerNorm":
+        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    else:
+        norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
     for p in norm.parameters():
         set_tp_attributes(p, False, sequence_parallel=config.sequence_parallel)
     return norm
@@ -38,12 +59,8 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos_sin) -> torch.Tensor:
-    """x: [s, b, heads, d]."""
+    """x: [s, b, heads, d] (any strides with a unit last stride); returns a new tensor.
+    Triton on CUDA, the torch reference elsewhere (kernels.fused_rope)."""
     cos, sin = cos_sin
-    return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
+    return _apply_rotary(x, cos, sin)

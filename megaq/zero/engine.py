@@ -52,7 +52,7 @@ from megaq.zero import state as state_io
 from megaq.zero.collectives import Handle, make_gatherer, make_reducer, start_allreduce_mean
 from megaq.zero.config import ZeroConfig
 from megaq.zero.optimizer import ShardedAdamW
-from megaq.zero.units import Site, Unit, all_partitions, build_sites, check_all_params_trainable
+from megaq.zero.units import Site, Unit, all_partitions, build_sites, check_params
 
 FWD, BWD = "weight_gather_fwd", "weight_gather_bwd"
 
@@ -72,7 +72,7 @@ class ZeroEngine:
     def __init__(self, model_chunks: list[nn.Module], topo, cfg: ZeroConfig):
         if isinstance(model_chunks, nn.Module):
             model_chunks = [model_chunks]
-        check_all_params_trainable(model_chunks)
+        check_params(model_chunks, cfg)
         self.chunks, self.topo, self.cfg = list(model_chunks), topo, cfg
         self.stage3 = cfg.stage == 3
         self.gatherer = make_gatherer(topo, cfg) if self.stage3 else None

@@ -54,6 +54,7 @@ class FlatPartition:
         self.name, self.dtype, self.sharded = name, dtype, sharded
         self.world, self.rank = (world, rank) if sharded else (1, 0)
         self.shared_embedding = shared_embedding
+        self.block_size = block_size
         self.device = named_params[0][1].device
         # decay first, then no-decay; inside each, TP-split before TP-replicated
         order = sorted(named_params, key=lambda np_: (not wants_weight_decay(*np_),

@@ -167,9 +167,13 @@ def param_names(sites: list[Site]) -> list[str]:
     return [slot.name for part in all_partitions(sites) for slot in part.slots]
 
 
-def check_all_params_trainable(model_chunks: list[nn.Module]) -> None:
+def check_params(model_chunks: list[nn.Module], cfg: ZeroConfig) -> None:
     for chunk in model_chunks:
         for n, p in chunk.named_parameters():
+            if p.dtype != cfg.gather_dtype:
+                raise ValueError(f"parameter {n} is {p.dtype} but the engine's gather_dtype is "
+                                 f"{cfg.gather_dtype}; build the model in the gather dtype "
+                                 f"(params_dtype, --bf16) or set gather_dtype={p.dtype}")
             if not p.requires_grad:
                 raise ValueError(f"parameter {n} has requires_grad=False; the ZeRO engine trains "
                                  f"every parameter: remove frozen parameters or set requires_grad")

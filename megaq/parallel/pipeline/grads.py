@@ -39,9 +39,16 @@ def _allreduce_grads(params, group, phase: str) -> None:
         offset += g.numel()
 
 
+def _embedding_group(topo):
+    """My embedding group, or None where there is nothing to tie (PP = 1, middle stages)."""
+    group = getattr(topo, "embedding", None)
+    return None if group is None or group.size == 1 else group
+
+
 def sync_shared_embedding_grads(model_chunks, topo) -> None:
     """All-reduce .grad of `shared_embedding` params over the embedding group."""
-    if topo.embedding.size == 1:
+    group = _embedding_group(topo)
+    if group is None:
         return
     params = list(_params(model_chunks, "shared_embedding"))
     if not params:
@@ -51,7 +58,7 @@ def sync_shared_embedding_grads(model_chunks, topo) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _allreduce_grads(params, topo.embedding, "embedding")
+    _allreduce_grads(params, group, "embedding")
 
 
 def sync_shared_embedding_weights(model_chunks, topo) -> None:
@@ -60,12 +67,12 @@ def sync_shared_embedding_weights(model_chunks, topo) -> None:
     They are initialised identically by construction (seeded on the full shape); this is
     for safety at start-up and after loading a checkpoint that stores only one copy.
     """
-    if topo.embedding.size == 1:
+    group = _embedding_group(topo)
+    if group is None:
         return
-    params = list(_params(model_chunks, "shared_embedding"))
     with torch.no_grad():
-        for p in params:
-            comm.broadcast(p.data, 0, topo.embedding, "embedding")
+        for p in _params(model_chunks, "shared_embedding"):
+            comm.broadcast(p.data, 0, group, "embedding")
 
 
 def allreduce_sequence_parallel_grads(model_chunks, topo) -> None:

@@ -34,7 +34,7 @@ def forward_backward_pipelining_with_interleaving(
         raise PipelineConfigError("the interleaved schedule needs --pipeline-model-parallel-size "
                                   "> 1; use forward_backward_no_pipelining for PP=1")
     runner, p2p, pp_rank, pp = _setup(model_chunks, microbatches, num_microbatches, topo,
-                                      tensor_shape, dtype, forward_only, no_sync, timer, "many")
+                                      tensor_shape, dtype, forward_only, no_sync, timer, False)
     vp, m = len(model_chunks), num_microbatches
     total = m * vp
     first_rank, last_rank = pp_rank == 0, pp_rank == pp - 1

@@ -130,16 +130,13 @@ class _Runner:
 
 
 def _setup(model_chunks, microbatches, num_microbatches, topo, tensor_shape, dtype,
-           forward_only, no_sync, timer, vp_expected: str):
+           forward_only, no_sync, timer, one_chunk: bool):
     pp_size = 1 if topo is None else topo.layout.pp
     pp_rank = 0 if topo is None else topo.pp_rank
     vp = len(model_chunks)
-    if vp_expected == "one" and vp != 1:
+    if one_chunk and vp != 1:
         raise PipelineConfigError(f"this schedule runs one model chunk per rank, got {vp}; "
                                   f"use the interleaved schedule for virtual pipeline stages")
-    if vp_expected == "one" and pp_size > 1 and tensor_shape is None:
-        raise PipelineConfigError("pipeline schedules need tensor_shape ([s/tp, b, h] under "
-                                  "sequence parallelism); see pipeline_tensor_shape()")
     check_num_microbatches(num_microbatches, pp_size, vp)
     runner = _Runner(model_chunks, microbatches, num_microbatches, pp_rank, pp_size,
                      forward_only, no_sync, timer)
@@ -163,7 +160,7 @@ def forward_backward_no_pipelining(model_chunks, microbatches, num_microbatches:
         raise PipelineConfigError(f"forward_backward_no_pipelining needs PP=1 "
                                   f"(got {topo.layout.pp}); use get_forward_backward_func")
     runner, _, _, _ = _setup(model_chunks, microbatches, num_microbatches, None, tensor_shape,
-                             dtype, forward_only, no_sync, timer, "one")
+                             dtype, forward_only, no_sync, timer, True)
     for _ in range(num_microbatches):
         out = runner.forward(0, None)
         if not forward_only:
@@ -180,7 +177,7 @@ def forward_backward_pipelining_without_interleaving(
     backward, then drains the remaining backwards. Stage p holds at most pp-p micro-batches'
     activations (the first stage: pp), instead of all of them."""
     runner, p2p, pp_rank, pp_size = _setup(model_chunks, microbatches, num_microbatches, topo,
-                                           tensor_shape, dtype, forward_only, no_sync, timer, "one")
+                                           tensor_shape, dtype, forward_only, no_sync, timer, True)
     first, last = runner.is_first(0), runner.is_last(0)
     m = num_microbatches
     warmup = m if forward_only else min(pp_size - pp_rank - 1, m)

@@ -1,0 +1,163 @@
+"""Fused model kernels (kernels/fused_*.py): Triton (interpreter on CPU) vs the torch
+references, forward and backward, on tiny shapes with awkward sizes (non-power-of-2
+widths, strided inputs, vocab padding).
+
+Tolerances: fp32 inputs -> both sides compute in fp32 with different reduction
+orders, so relative error ~1e-6; we allow 1e-5. bf16 inputs -> the Triton kernels
+keep fp32 inside and round once while the references round intermediates to bf16
+(silu, the rotated halves), so the two differ by a few bf16 ulps: 2e-2 relative
+norm error (bf16 has 8 bits of mantissa, one ulp ~ 4e-3).
+"""
+
+import pytest
+import torch
+
+from megaq.kernels import fused_cross_entropy as fce
+from megaq.kernels import fused_rmsnorm as frn
+from megaq.kernels import fused_rope as frp
+from megaq.kernels import fused_swiglu as fsw
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_both(fn_fused, fn_ref, inputs, grad_out_like=None, seed=0):
+    """Forward both on cloned leaves; backward with the same random grad; return outs, grads."""
+    results = []
+    g = torch.Generator().manual_seed(seed)
+    dout = None
+    for fn in (fn_fused, fn_ref):
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        out = fn(*leaves)
+        if dout is None:
+            dout = torch.randn(out.shape, generator=g).to(out.dtype)
+        out.backward(dout)
+        results.append((out.detach(), [t.grad for t in leaves if t.is_floating_point()]))
+    return results
+
+
+# The interpreter evaluates both sides of tl.where, so exp(-inf - -inf) warns there
+# (the NaN lane is discarded); the compiled kernel never sees it.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_reference(dtype):
+    x = torch.randn(3, 5, 40).to(dtype)  # 15 rows, width 40 (not a power of two)
+    w = (1 + 0.1 * torch.randn(40)).to(dtype)
+    (yf, gf), (yr, gr) = run_both(lambda a, b: frn.rms_norm(a, b, 1e-5),
+                                  lambda a, b: frn.rms_norm_reference(a, b, 1e-5), [x, w])
+    assert yf.dtype == dtype and yf.shape == x.shape
+    assert rel(yf, yr) < TOL[dtype]
+    assert rel(gf[0], gr[0]) < TOL[dtype]
+    assert rel(gf[1], gr[1]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("per_batch_positions", [False, True])
+def test_rope_matches_reference_on_strided_input(per_batch_positions):
+    s, b, heads, d = 6, 2, 3, 8
+    base = torch.randn(s, b, heads, 2 * d)
+    x = base[..., :d]  # a strided view, like k and v sliced out of the fused QKV output
+    pos = torch.randint(0, 50, (s, b if per_batch_positions else 1)).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = pos[..., None] * inv
+    emb = torch.cat([freqs, freqs], -1).unsqueeze(2)
+    cos, sin = emb.cos(), emb.sin()
+    (yf, gf), (yr, gr) = run_both(lambda t: frp.apply_rotary(t, cos, sin),
+                                  lambda t: frp.apply_rotary_reference(t, cos, sin), [x])
+    assert rel(yf, yr) < 1e-5
+    assert rel(gf[0], gr[0]) < 1e-5
+
+
+def test_rope_bf16():
+    s, b, heads, d = 4, 2, 2, 8
+    x = torch.randn(s, b, heads, d).bfloat16()
+    freqs = torch.arange(s).float()[:, None, None] * torch.rand(d // 2)
+    emb = torch.cat([freqs, freqs], -1).unsqueeze(2)
+    (yf, gf), (yr, gr) = run_both(lambda t: frp.apply_rotary(t, emb.cos(), emb.sin()),
+                                  lambda t: frp.apply_rotary_reference(t, emb.cos(), emb.sin()), [x])
+    assert rel(yf, yr) < TOL[torch.bfloat16] and rel(gf[0], gr[0]) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_reference(dtype):
+    y = torch.randn(4, 3, 2 * 37).to(dtype)  # f = 37: masked tail
+    (of, gf), (orf, gr) = run_both(fsw.swiglu, fsw.swiglu_reference, [y])
+    assert of.shape == (4, 3, 37)
+    assert rel(of, orf) < TOL[dtype]
+    assert rel(gf[0], gr[0]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_matches_reference_and_ignores_padding(dtype):
+    s, b, V, V_pad = 5, 3, 100, 128
+    logits = (3 * torch.randn(s, b, V_pad)).to(dtype)
+    logits[..., V:] = 50.0  # padded columns would dominate the softmax if counted
+    labels = torch.randint(0, V, (s, b))
+    (lf, gf), (lr, gr) = run_both(lambda t: fce.cross_entropy(t, labels, V),
+                                  lambda t: fce.cross_entropy_reference(t, labels, V), [logits])
+    assert lf.dtype == torch.float32 and lf.shape == (s, b)
+    assert rel(lf, lr) < 1e-5  # fp32 math on both sides from identical inputs
+    assert rel(gf[0][..., :V], gr[0][..., :V]) < TOL[dtype]
+    assert gf[0].dtype == dtype
+    assert torch.all(gf[0][..., V:] == 0)
+    # against the plain definition on the unpadded logits
+    plain = torch.nn.functional.cross_entropy(logits[..., :V].float().reshape(-1, V),
+                                              labels.reshape(-1), reduction="none")
+    assert rel(lf.reshape(-1), plain) < 1e-5
+
+
+def test_cross_entropy_large_vocab_streams_chunks(monkeypatch):
+    """V larger than one block: the online max / sum must combine chunks, and padding
+    that is not a whole block must still be excluded."""
+    from megaq.kernels import fused_cross_entropy_triton as k
+
+    monkeypatch.setattr(k, "FWD_BLOCK", 16)
+    monkeypatch.setattr(k, "BWD_BLOCK", 32)
+    logits = torch.randn(4, 70) * 5
+    logits[0, 3] = 40.0  # a max in the first chunk, then much smaller values
+    labels = torch.tensor([3, 66, 0, 17])
+    (lf, gf), (lr, gr) = run_both(lambda t: fce.cross_entropy(t, labels, 67),
+                                  lambda t: fce.cross_entropy_reference(t, labels, 67), [logits])
+    assert rel(lf, lr) < 1e-5 and rel(gf[0][:, :67], gr[0][:, :67]) < 1e-5
+    assert torch.all(gf[0][:, 67:] == 0)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="odd"):
+        fsw.swiglu(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="vocab_size"):
+        fce.cross_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), 9)
+    with pytest.raises(ValueError, match="rotary tables"):
+        frp.apply_rotary(torch.randn(2, 1, 1, 4), torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
+
+
+def test_model_with_triton_kernels_matches_references(monkeypatch):
+    """The whole Llama-style model (RMSNorm, RoPE, SwiGLU, fused CE) on the Triton
+    kernels equals the model on the references: loss and every weight gradient."""
+    from megaq.model import GPTConfig, GPTModel
+
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                          vocab_size=50, make_vocab_size_divisible_by=16, seq_length=8)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, 1)
+    out = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("MEGAQ_KERNELS", backend)
+        model = GPTModel(cfg)
+        loss = model(ids, labels=labels)
+        loss.mean().backward()
+        out[backend] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert rel(out["triton"][0], out["torch"][0]) < 1e-5
+    for name, g in out["torch"][1].items():
+        assert rel(out["triton"][1][name], g) < 1e-4, name  # fp32; grads pass through 2 layers

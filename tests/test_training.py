@@ -1,0 +1,104 @@
+"""The training loop: Megatron log lines, non-finite steps skipped and counted, a run
+that keeps diverging stopped, metrics and TensorBoard outputs."""
+
+import json
+import math
+import os
+
+import pytest
+
+import pretrain_gpt
+from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
+from megaq.parallel.launch import run_on_ranks
+
+
+def argv(tmp, iters, extra=()):
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", str(iters), "--lr", "1e-2", "--mock-data", "--vocab-size", "64",
+            "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--data-cache-path", os.path.join(tmp, "cache"), *extra]
+
+
+def test_training_log_line_fields_in_megatron_order():
+    line = training_log_line(iteration=5, train_iters=100, consumed_samples=40, elapsed_ms=812.3,
+                             tflops_per_gpu=1.5, lr=3e-4, global_batch_size=8, lm_loss=9.87,
+                             loss_scale=1.0, grad_norm=1.234, skipped=0, nan=1)
+    fields = [f.strip() for f in line.split("|") if f.strip()]
+    names = [f.split(":")[0] if ":" in f else f.split()[0] for f in fields]
+    assert names == ["iteration", "consumed samples", "elapsed time per iteration (ms)",
+                     "throughput per GPU (TFLOP/s/GPU)", "learning rate", "global batch size",
+                     "lm loss", "loss scale", "grad norm", "number of skipped iterations",
+                     "number of nan iterations"]
+    assert fields[0].split() == ["iteration", "5/", "100"]
+    assert "lm loss: 9.870000E+00" in line and "learning rate: 3.000000E-04" in line
+    v = validation_log_line(100, 2.0)
+    assert v.strip().startswith("validation loss at iteration 100 | lm loss value: 2.000000E+00 |")
+    assert f"lm loss PPL: {math.exp(2.0):.6E}" in v
+
+
+def _with_nan_at_iteration(topo, args, bad_iterations):
+    # Make the loss of chosen iterations non-finite on every rank (process-local patch in
+    # the forked rank), as a fp overflow would.
+    from megaq import training
+    real = training.Trainer.train_step
+
+    def patched(self, batches):
+        loss, norm, applied = real(self, batches) if self.state.iteration + 1 not in bad_iterations \
+            else _nan_step(self, batches)
+        return loss, norm, applied
+
+    def _nan_step(self, batches):
+        self.p.engine.zero_grad()
+        self._run_schedule(batches, forward_only=False)
+        self.p.engine.finish_grad_sync()
+        self.p.engine.skip_step()
+        return float("nan"), float("nan"), False
+
+    training.Trainer.train_step = patched
+    try:
+        s = pretrain_gpt.main(args, topo=topo)
+        return {"losses": s.losses, "skipped": s.skipped_total, "nan": s.nan_total}
+    except training.TrainingDiverged as e:
+        return {"diverged": str(e)}
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path):
+    metrics = str(tmp_path / "m.jsonl")
+    out = run_on_ranks(_with_nan_at_iteration, 2,
+                       args=(argv(str(tmp_path), 4, ["--metrics-file", metrics]), {2}))
+    r = out[0]
+    assert r["skipped"] == 1 and r["nan"] == 1
+    assert math.isnan(r["losses"][2]) and all(math.isfinite(r["losses"][i]) for i in (1, 3, 4))
+    rows = [json.loads(x) for x in open(metrics)]
+    assert rows[1]["iteration"] == 2 and rows[1]["lm_loss"] is None
+    assert rows[1]["nan_iterations"] == 1 and rows[2]["nan_iterations"] == 0
+    # the skipped update did not advance the LR schedule: iteration 3 uses step 2's lr
+    assert rows[2]["lr"] == rows[1]["lr"]
+
+
+def test_many_nonfinite_in_a_row_stop_the_run(tmp_path):
+    out = run_on_ranks(_with_nan_at_iteration, 1, args=(
+        argv(str(tmp_path), 10, ["--max-consecutive-skipped-iters", "3"]), {2, 3, 4, 5}))
+    msg = out[0]["diverged"]
+    assert "stopping at iteration 4: 3 iterations in a row had a non-finite loss" in msg
+    assert "--max-consecutive-skipped-iters" in msg
+
+
+def test_tensorboard_optional(tmp_path, capsys):
+    tb = TensorBoard(str(tmp_path / "tb"))
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+        has_tb = True
+    except Exception:  # noqa: BLE001
+        has_tb = False
+    if has_tb:
+        assert tb.writer is not None
+        tb.scalars({"lm loss": 1.0}, 1)
+        tb.close()
+        assert os.listdir(tmp_path / "tb")
+    else:
+        assert tb.writer is None
+        err = capsys.readouterr().err
+        assert err.count("WARNING: --tensorboard-dir") == 1 and "pip install tensorboard" in err
+        tb.scalars({"lm loss": 1.0}, 1)  # a no-op, never an error

@@ -1,0 +1,560 @@
+"""One-GPU training-step benchmark: megaq against a plain PyTorch loop, same run.
+
+In one process on one GPU, on identical random token batches (seq 2048, vocab 32000),
+for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
+
+  megaq-s0        GPTModel (bf16 weights and activations, fused Triton kernels) +
+                  megaq.zero.build_engine(stage 0) at DP=1: fp32 master weights and
+                  grads, torch fused AdamW (apex FusedAdam when importable)
+  megaq-s0-comp   the same with megaq.model.gpt.compile_blocks (torch.compile per block)
+  megaq-s3-comp   the compiled model under the ZeRO-3 engine (stage 3) at DP=1
+  ref-eager       a nanoGPT-style Llama written here: fp32 weights, bf16 autocast,
+                  SDPA, torch fused AdamW
+  ref-comp        the same under torch.compile
+
+Every step clips the global grad norm to 1.0 and has no host synchronisation.
+Reports tokens/s, model TFLOP/s with 6 x non-embedding params + 12 x layers x hidden
+x seq FLOPs per token (recompute not counted), MFU against 989 TFLOP/s, peak memory.
+A second table times the ZeRO++ kernels (megaq.kernels.ops) on the 1.3B model's real
+parameter sizes as a fraction of the measured megaq step. Optional extras: CUDA
+checks of the fused kernels (--check), kernel and GQA micro-benchmarks (--micro),
+profiler tables (--profile SIZE:VARIANT).
+
+    python tools/bench_train.py --out docs/results/bench_train_h200.json --check --micro
+    python tools/bench_train.py --sizes 125M --variants megaq-s0 ref-eager --steps 3   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+SEQ, VOCAB = 2048, 32000
+# name: (layers, hidden, heads, micro-batch)
+SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 16), "1.3B": (24, 2048, 16, 8)}
+VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp"]
+
+
+def ffn_size(h: int) -> int:
+    return (int(4 * h * 2 / 3) // 64) * 64  # Megatron's SwiGLU default, used by both models
+
+
+# ----------------------------------------------------------------- reference model
+class RefRMSNorm(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5)
+
+
+def ref_rope(x, cos, sin):  # x [B, T, nh, d]; cos/sin [T, 1, d]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RefBlock(nn.Module):
+    def __init__(self, h, nh):
+        super().__init__()
+        self.nh, self.d = nh, h // nh
+        self.norm1, self.norm2 = RefRMSNorm(h), RefRMSNorm(h)
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.proj = nn.Linear(h, h, bias=False)
+        self.fc1 = nn.Linear(h, 2 * ffn_size(h), bias=False)
+        self.fc2 = nn.Linear(ffn_size(h), h, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.nh, self.d).unbind(2)
+        q, k = ref_rope(q, cos, sin), ref_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        gate, up = self.fc1(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+class RefLlama(nn.Module):
+    """nanoGPT-style Llama: batch-first, untied head, RoPE, RMSNorm, SwiGLU."""
+
+    def __init__(self, layers, h, nh):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, h)
+        self.blocks = nn.ModuleList(RefBlock(h, nh) for _ in range(layers))
+        self.norm = RefRMSNorm(h)
+        self.head = nn.Linear(h, VOCAB, bias=False)
+        d = h // nh
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.arange(SEQ).float()[:, None] * inv
+        emb = torch.cat([freqs, freqs], -1)[:, None, :]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+# ----------------------------------------------------------------- builders
+def megaq_config(size, **kw):
+    from megaq.model import GPTConfig
+
+    L, h, nh, _ = SIZES[size]
+    return GPTConfig.llama(num_layers=L, hidden_size=h, num_attention_heads=nh, vocab_size=VOCAB,
+                           seq_length=SEQ, params_dtype=torch.bfloat16, **kw)
+
+
+def nonembedding_params(size) -> int:
+    cfg = megaq_config(size)
+    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.kv_channels
+    kv = cfg.num_query_groups * cfg.kv_channels
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.ffn_hidden_size + 2 * h
+    return cfg.num_layers * per_layer + h
+
+
+def flops_per_token(size) -> float:
+    L, h, _, _ = SIZES[size]
+    return 6.0 * nonembedding_params(size) + 12.0 * L * h * SEQ
+
+
+_CPU_MODELS: dict = {}
+_PARAM_SIZES: dict = {}  # size -> (per-parameter numels, per-site numels) for the ZeRO++ table
+
+
+def cpu_megaq_model(size):
+    """Built once per size on the CPU (the deterministic init draws on the full shapes)."""
+    from megaq.model import GPTModel
+
+    if size not in _CPU_MODELS:
+        _CPU_MODELS.clear()
+        model = _CPU_MODELS[size] = GPTModel(megaq_config(size))
+        per_site = [sum(p.numel() for p in blk.parameters()) for blk in model.layers]
+        per_site += [model.embedding.word_embeddings.weight.numel(),
+                     model.output_layer.weight.numel() + model.final_norm.weight.numel()]
+        _PARAM_SIZES[size] = ([p.numel() for p in model.parameters()], per_site)
+    return _CPU_MODELS[size]
+
+
+def build_megaq(size, stage, compiled, dev):
+    import copy
+
+    from megaq.model.gpt import compile_blocks
+    from megaq.parallel.topology import Layout, build_topology
+    from megaq.zero import ZeroConfig, build_engine
+
+    model = copy.deepcopy(cpu_megaq_model(size)).to(dev)
+    if compiled:
+        compile_blocks(model)
+    topo = build_topology(Layout(world_size=1), 0)
+    engine = build_engine([model], topo, ZeroConfig(stage=stage, gather_dtype=torch.bfloat16,
+                                                    lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
+
+    def fwd_bwd(ids, labels):
+        engine.zero_grad()
+        loss = model(ids, labels=labels).mean()
+        loss.backward()
+        return loss
+
+    def opt_step():
+        engine.finish_grad_sync()
+        engine.clip_grad_norm(1.0)
+        engine.step(3e-4)
+
+    return (model, engine), fwd_bwd, opt_step, getattr(engine.optimizer, "kind", "?")
+
+
+def build_ref(size, compiled, dev):
+    L, h, nh, _ = SIZES[size]
+    model = RefLlama(L, h, nh).to(dev)
+    run = torch.compile(model) if compiled else model
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), fused=True)
+
+    def fwd_bwd(ids, labels):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(ids, labels)
+        loss.backward()
+        return loss
+
+    def opt_step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return (model, opt), fwd_bwd, opt_step, "torch fused AdamW"
+
+
+def build(size, variant, dev):
+    if variant.startswith("megaq"):
+        return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev)
+    return build_ref(size, variant.endswith("comp"), dev)
+
+
+# ----------------------------------------------------------------- timing
+def make_batches(size, dev, n=4):
+    mb = SIZES[size][3]
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, VOCAB, (n, mb, SEQ + 1), generator=g)
+    return [(d[:, :-1].contiguous().to(dev), d[:, 1:].contiguous().to(dev)) for d in data]
+
+
+def time_variant(size, variant, dev, steps, warmup):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.time()
+    keep, fwd_bwd, opt_step, opt_kind = build(size, variant, dev)
+    batches = make_batches(size, dev)
+    for i in range(warmup):
+        fwd_bwd(*batches[i % len(batches)])
+        opt_step()
+    torch.cuda.synchronize()
+    setup_s = time.time() - t0
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(steps)]
+    losses = []
+    for i in range(steps):
+        ev[i][0].record()
+        losses.append(fwd_bwd(*batches[i % len(batches)]).detach())
+        ev[i][1].record()
+        opt_step()
+        ev[i][2].record()
+    torch.cuda.synchronize()
+    step_ms = sorted(e[0].elapsed_time(e[2]) for e in ev)[steps // 2]
+    fb_ms = sorted(e[0].elapsed_time(e[1]) for e in ev)[steps // 2]
+    opt_ms = sorted(e[1].elapsed_time(e[2]) for e in ev)[steps // 2]
+    tokens = SIZES[size][3] * SEQ
+    tps = tokens / (step_ms / 1e3)
+    tflops = tps * flops_per_token(size) / 1e12
+    res = dict(size=size, variant=variant, micro_batch=SIZES[size][3], seq=SEQ,
+               step_ms=step_ms, fwd_bwd_ms=fb_ms, optimizer_ms=opt_ms, tokens_per_s=tps,
+               tflops=tflops, mfu=tflops / PEAK_TFLOPS,
+               peak_mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
+               setup_s=setup_s, optimizer=opt_kind,
+               loss_first=float(losses[0]), loss_last=float(losses[-1]))
+    del keep, fwd_bwd, opt_step, batches, losses
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return res
+
+
+def profile_variant(size, variant, dev, out_dir):
+    from torch.profiler import ProfilerActivity, profile
+
+    keep, fwd_bwd, opt_step, _ = build(size, variant, dev)
+    batches = make_batches(size, dev)
+    for i in range(3):
+        fwd_bwd(*batches[i % 4])
+        opt_step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(2):
+            fwd_bwd(*batches[i % 4])
+            opt_step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    path = os.path.join(out_dir, f"profile_{size}_{variant}.txt")
+    with open(path + ".tmp", "w") as f:
+        f.write(table)
+    os.replace(path + ".tmp", path)
+    print(f"profile {size} {variant} -> {path}\n{table[:6000]}")
+    del keep, fwd_bwd, opt_step
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------- extras
+def bench_ms(fn, reps=20):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=reps * 10, return_mode="median")
+
+
+def check_fused_kernels(dev):
+    """Triton vs reference on CUDA at the 1.3B model's shapes (fp32 reference math)."""
+    from megaq.kernels import fused_cross_entropy as fce
+    from megaq.kernels import fused_rmsnorm as frn
+    from megaq.kernels import fused_rope as frp
+    from megaq.kernels import fused_swiglu as fsw
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    s, b, h, nh, d, f = SEQ, 8, 2048, 16, 128, ffn_size(2048)
+    out = {}
+    x = torch.randn(s, b, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(h, device=dev)).bfloat16().requires_grad_()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    emb = torch.cat([torch.arange(s, device=dev).float()[:, None] * inv] * 2, -1)[:, None, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    qk = torch.randn(s, b, nh, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(s, b, 2 * f, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    logits = (2 * torch.randn(s * b // 4, VOCAB, device=dev)).bfloat16().requires_grad_()
+    labels = torch.randint(0, VOCAB, (s * b // 4,), device=dev)
+    cases = {
+        "rmsnorm": (lambda: frn.rms_norm(x, w, 1e-5),
+                    lambda: frn.rms_norm_reference(x.float(), w.float(), 1e-5), [x, w]),
+        "rope": (lambda: frp.apply_rotary(qk, cos, sin),
+                 lambda: frp.apply_rotary_reference(qk.float(), cos, sin), [qk]),
+        "swiglu": (lambda: fsw.swiglu(y), lambda: fsw.swiglu_reference(y.float()), [y]),
+        "cross_entropy": (lambda: fce.cross_entropy(logits, labels),
+                          lambda: fce.cross_entropy_reference(logits.float(), labels), [logits]),
+    }
+    for name, (fused, ref, leaves) in cases.items():
+        o_f = fused()
+        g = torch.randn_like(o_f)
+        gf = torch.autograd.grad(o_f, leaves, g)
+        o_r = ref()
+        gr = torch.autograd.grad(o_r, leaves, g.to(o_r.dtype))
+        errs = [rel(o_f, o_r)] + [rel(a, c) for a, c in zip(gf, gr)]
+        ok = all(math.isfinite(e) and e < 1e-2 for e in errs)  # bf16 output vs fp32 reference
+        out[name] = {"rel_err_out_and_grads": errs, "ok": ok}
+        print(f"check {name:14s} {'ok ' if ok else 'BAD'} rel errors {['%.2e' % e for e in errs]}")
+    return out
+
+
+def micro_benchmarks(dev):
+    """Fused kernels vs their eager references (fwd+bwd), and GQA through SDPA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megaq.kernels import fused_cross_entropy as fce
+    from megaq.kernels import fused_rmsnorm as frn
+    from megaq.kernels import fused_rope as frp
+    from megaq.kernels import fused_swiglu as fsw
+
+    s, b, h, nh, d, f = SEQ, 8, 2048, 16, 128, ffn_size(2048)
+    res = {}
+    x = torch.randn(s, b, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    emb = torch.cat([torch.arange(s, device=dev).float()[:, None] * inv] * 2, -1)[:, None, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    qk = torch.randn(s, b, nh, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(s, b, 2 * f, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.randn(s * b, VOCAB, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (s * b,), device=dev)
+    comp_ref = {}
+    ops = {
+        "rmsnorm [16384x2048]": (lambda: frn.rms_norm(x, w, 1e-5), frn.rms_norm_reference, (x, w, 1e-5)),
+        "rope q [2048x8x16x128]": (lambda: frp.apply_rotary(qk, cos, sin), frp.apply_rotary_reference,
+                                   (qk, cos, sin)),
+        "swiglu [16384x10880]": (lambda: fsw.swiglu(y), fsw.swiglu_reference, (y,)),
+        "cross_entropy [16384x32000]": (lambda: fce.cross_entropy(logits, labels),
+                                        fce.cross_entropy_reference, (logits, labels)),
+    }
+    for name, (fused, ref, args) in ops.items():
+        def fb(fn):
+            out = fn()
+            out.backward(torch.ones_like(out))
+        comp_ref[name] = torch.compile(ref)
+        row = {"triton_ms": bench_ms(lambda: fb(fused)),
+               "eager_ref_ms": bench_ms(lambda: fb(lambda: ref(*args))),
+               "compiled_ref_ms": bench_ms(lambda: fb(lambda: comp_ref[name](*args)))}
+        res[name] = row
+        print(f"micro {name:28s} fwd+bwd triton {row['triton_ms']:.3f} ms  eager ref "
+              f"{row['eager_ref_ms']:.3f}  compiled ref {row['compiled_ref_ms']:.3f}")
+    # GQA: 16 query heads, 4 kv groups, head dim 128 (a 1.3B-shaped layer), fwd+bwd
+    q = torch.randn(b, nh, s, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    kv = [torch.randn(b, 4, s, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    full = [torch.randn(b, nh, s, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+
+    def attn(kind):
+        if kind == "enable_gqa":
+            o = F.scaled_dot_product_attention(q, kv[0], kv[1], is_causal=True, enable_gqa=True)
+        elif kind == "repeat_interleave":
+            o = F.scaled_dot_product_attention(q, kv[0].repeat_interleave(4, 1),
+                                               kv[1].repeat_interleave(4, 1), is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, full[0], full[1], is_causal=True)
+        o.backward(torch.ones_like(o))
+
+    gqa = {}
+    for kind in ("enable_gqa", "repeat_interleave", "mha"):
+        gqa[kind] = {"auto_ms": bench_ms(lambda: attn(kind))}
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                gqa[kind]["flash_only_ms"] = bench_ms(lambda: attn(kind))
+        except RuntimeError as e:
+            gqa[kind]["flash_only_ms"] = None
+            gqa[kind]["flash_error"] = str(e).splitlines()[0][:200]
+        print(f"gqa {kind:18s} any backend {gqa[kind]['auto_ms']:.3f} ms  flash only "
+              f"{gqa[kind]['flash_only_ms']}")
+    res["gqa_sdpa_fwd_bwd"] = gqa
+    return res
+
+
+def zeropp_kernel_table(dev, step_ms):
+    """ZeRO++ kernels on the 1.3B model's parameters, one rank's work per step."""
+    try:
+        from megaq.kernels import ops
+        from megaq.zero import ZeroConfig
+        for name in ("quantize", "dequantize", "reorder_quantize", "dequant_reduce_quantize",
+                     "dequant_reduce"):
+            getattr(ops, name)
+    except (ImportError, AttributeError) as e:
+        print(f"ZeRO++ kernel table skipped: the kernels are not there yet ({e})")
+        return None
+    block = ZeroConfig().block_size
+    k_nodes, m_ranks = 2, 4  # qgZ over 2 nodes x 4 ranks
+    n = k_nodes * m_ranks
+    if "1.3B" not in _PARAM_SIZES:
+        cpu_megaq_model("1.3B")
+    sizes, layer_sizes = _PARAM_SIZES["1.3B"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = [torch.randn(-(-s // block) * block, device=dev, generator=g).bfloat16() for s in sizes]
+    packed = [ops.quantize(wt, 8, block) for wt in weights]
+    grads = [torch.randn(-(-s // (n * block)) * n * block, device=dev, generator=g).bfloat16()
+             for s in layer_sizes]
+
+    def quant_all():
+        for wt in weights:
+            ops.quantize(wt, 8, block)
+
+    def dequant_all():
+        for p, wt in zip(packed, weights):
+            ops.dequantize(p, wt.numel(), 8, block, torch.bfloat16)
+
+    def grad_path():
+        for gr in grads:
+            S = gr.numel() // n
+            rq = ops.reorder_quantize(gr, k_nodes, m_ranks, 4, block)   # [m, packed(k S)]
+            drq = ops.dequant_reduce_quantize(rq, k_nodes, S, 4, 4, block)  # [k, packed(S)]
+            ops.dequant_reduce(drq, S, 4, block, 1.0 / n)
+
+    rows = {}
+    for name, fn in (("quantize int8, all weights", quant_all),
+                     ("dequantize int8, all weights", dequant_all),
+                     ("qgZ grad path (reorder_quantize -> dequant_reduce_quantize -> "
+                      "dequant_reduce), all grads", grad_path)):
+        ms = bench_ms(fn, reps=5)
+        rows[name] = {"ms": ms, "fraction_of_step": ms / step_ms}
+    total = sum(r["ms"] for r in rows.values())
+    rows["total"] = {"ms": total, "fraction_of_step": total / step_ms}
+    return {"block": block, "params": sum(sizes), "k_nodes": k_nodes, "m_ranks": m_ranks,
+            "step_ms": step_ms, "rows": rows}
+
+
+# ----------------------------------------------------------------- report
+def print_tables(results, zpp):
+    print("\n| size | variant | micro-batch | step ms (fwd+bwd / opt) | tokens/s | TFLOP/s | MFU | "
+          "peak GiB | vs ref-comp |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ref = next((x for x in results if x["size"] == r["size"] and x["variant"] == "ref-comp"), None)
+        rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        print(f"| {r['size']} | {r['variant']} | {r['micro_batch']} | {r['step_ms']:.1f} "
+              f"({r['fwd_bwd_ms']:.1f} / {r['optimizer_ms']:.1f}) | {r['tokens_per_s'] / 1e3:.1f}K | "
+              f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | {rel} |")
+    if zpp:
+        print(f"\nZeRO++ kernels, 1.3B ({zpp['params'] / 1e9:.2f}B params, block {zpp['block']}, "
+              f"qgZ k={zpp['k_nodes']} x m={zpp['m_ranks']}), step {zpp['step_ms']:.1f} ms")
+        print("| kernel work per step | ms | fraction of step |\n|---|---|---|")
+        for name, r in zpp["rows"].items():
+            print(f"| {name} | {r['ms']:.2f} | {100 * r['fraction_of_step']:.2f}% |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=["1.3B", "350M", "125M"], choices=list(SIZES))
+    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=None, help="JSON results (written after every variant)")
+    p.add_argument("--check", action="store_true", help="check the fused kernels on CUDA first")
+    p.add_argument("--micro", action="store_true", help="kernel and GQA micro-benchmarks")
+    p.add_argument("--no-zeropp", action="store_true", help="skip the ZeRO++ kernel table")
+    p.add_argument("--profile", nargs="*", default=[], metavar="SIZE:VARIANT")
+    p.add_argument("--micro-batch", nargs="*", default=[], metavar="SIZE:MB",
+                   help="override a size's micro-batch, e.g. 1.3B:16")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_train.py needs a CUDA GPU (it times training steps on one device)")
+    for item in args.micro_batch:
+        size, mb = item.split(":")
+        L, h, nh, _ = SIZES[size]
+        SIZES[size] = (L, h, nh, int(mb))
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "peak_tflops": PEAK_TFLOPS, "seq": SEQ, "vocab": VOCAB,
+              "flops_per_token": "6 x non-embedding params + 12 x layers x hidden x seq",
+              "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+              "results": []}
+
+    def save():
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(report, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
+
+    if args.check:
+        report["kernel_checks"] = check_fused_kernels(dev)
+        save()
+    if args.micro:
+        report["micro"] = micro_benchmarks(dev)
+        save()
+    for size in args.sizes:
+        for variant in args.variants:
+            try:
+                r = time_variant(size, variant, dev, args.steps, args.warmup)
+            except Exception as e:  # noqa: BLE001 - report the failure, keep measuring the rest
+                r = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
+                print(f"FAILED {size} {variant}: {r['error']}")
+                gc.collect()
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+                report.setdefault("failures", []).append(r)
+                save()
+                continue
+            report["results"].append(r)
+            print(f"{size} {variant}: {r['tokens_per_s'] / 1e3:.1f}K tok/s, {100 * r['mfu']:.1f}% MFU, "
+                  f"step {r['step_ms']:.1f} ms (fwd+bwd {r['fwd_bwd_ms']:.1f}, opt {r['optimizer_ms']:.1f}), "
+                  f"peak {r['peak_mem_gib']:.1f} GiB, setup {r['setup_s']:.0f} s, "
+                  f"loss {r['loss_first']:.3f}->{r['loss_last']:.3f}", flush=True)
+            save()
+    zpp = None
+    megaq_13 = [r for r in report["results"] if r["size"] == "1.3B" and r["variant"].startswith("megaq")]
+    if not args.no_zeropp and megaq_13:
+        try:
+            zpp = zeropp_kernel_table(dev, min(r["step_ms"] for r in megaq_13))
+        except Exception as e:  # noqa: BLE001 - keep the step table
+            print(f"ZeRO++ kernel table failed: {type(e).__name__}: {e}")
+            zpp = {"error": f"{type(e).__name__}: {e}"[:500]}
+        report["zeropp_kernels"] = zpp
+        save()
+        zpp = zpp if zpp and "rows" in zpp else None
+    for item in args.profile:
+        size, variant = item.split(":")
+        profile_variant(size, variant, dev, os.path.dirname(os.path.abspath(args.out or ".")))
+    print_tables(report["results"], zpp)
+    save()
+
+
+if __name__ == "__main__":
+    main()
