@@ -152,10 +152,7 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
     if rank0:
         print(f" setup (process groups, data, model, engine, checkpoint) took "
               f"{time.perf_counter() - t_start:.1f} s; training", flush=True)
-    state = trainer.train()
-    if args.eval_iters and data.valid is not None and state.iteration not in state.val_losses:
-        trainer.evaluate(state.iteration, where="on validation set")
-    return state
+    return trainer.train()
 
 
 class Data:
@@ -249,11 +246,14 @@ def cli(argv=None) -> int:
     from megaq.arguments import ArgumentsError
     from megaq.checkpoint import CheckpointError
     from megaq.data.errors import DataError
+    from megaq.parallel.pipeline import PipelineConfigError
     from megaq.parallel.topology import LayoutError
     from megaq.training import TrainingDiverged
+    from megaq.zero import ZeroConfigError
     try:
         main(argv)
-    except (ArgumentsError, CheckpointError, DataError, LayoutError, TrainingDiverged) as e:
+    except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
+            TrainingDiverged, ZeroConfigError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

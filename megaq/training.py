@@ -115,14 +115,15 @@ class Trainer:
         return loss, grad_norm, True
 
     # ---------------------------------------------------------------- evaluation
-    def evaluate(self, iteration: int, where: str = "") -> float | None:
+    def evaluate(self, iteration: int, where: str = "", final: bool = False) -> float | None:
         a, vb = self.args, self.p.valid_batches
         if vb is None or a.eval_iters == 0:
             return None
         # Each evaluation reads the next eval_iters global batches of the validation
         # split (as Megatron's persistent validation iterator), a pure function of the
-        # number of evaluations so far, so resumed runs see the same batches.
-        n_evals = iteration // a.eval_interval
+        # number of evaluations so far, so resumed runs see the same batches. The final
+        # evaluation (end of training, off the interval) reads the batches after those.
+        n_evals = iteration // a.eval_interval + (1 if final else 0)
         start = max(0, n_evals - 1) * a.eval_iters * a.global_batch_size
         with SetAside(), torch.no_grad():
             for c in self.p.model_chunks:
@@ -202,6 +203,8 @@ class Trainer:
                 last_saved = s.iteration
         if a.save and s.iteration != last_saved and s.iteration > 0:
             self.save()
+        if a.eval_iters and s.iteration not in s.val_losses:
+            self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()
         self.tb.close()
         return s

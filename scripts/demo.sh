@@ -94,10 +94,12 @@ first, last = tr[0], tr[-1]
 print(f"[demo] lm loss {first['lm_loss']:.3f} (iteration {first['iteration']}) -> "
       f"{last['lm_loss']:.3f} (iteration {last['iteration']})"
       + (f"; validation loss {va[0]['val_loss']:.3f} -> {va[-1]['val_loss']:.3f}" if va else ""))
-inter = {k: v["inter_node"] for k, v in last["comm"].items() if v["inter_node"]}
-print(f"[demo] cross-node bytes per node per iteration: "
-      + ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in sorted(inter.items()))
-      + f" (M = {last['zero_model_bytes'] / 2**10:.0f} KiB per DP group)")
+c = last["comm"]
+z = lambda k: c.get(k, {}).get("inter_node", 0) / 2**10
+print(f"[demo] cross-node KiB per node per iteration: weight_gather_fwd {z('weight_gather_fwd'):.0f} "
+      f"(qwZ), weight_gather_bwd {z('weight_gather_bwd'):.0f} (hpZ keeps it in-node), "
+      f"grad_reduce {z('grad_reduce'):.0f} (qgZ), pp {z('pp'):.0f}; "
+      f"M = {last['zero_model_bytes'] / 2**10:.0f} KiB (fp32) per DP group")
 PYEOF
 echo "[demo] sample from the checkpoint (consolidated from TP=2 x PP=2 onto one process):"
 python tools/generate.py --load "$DEMO_DIR/checkpoints" --prompt "def " --max-new-tokens 60

@@ -3,7 +3,7 @@
 Runs (each a few iterations of a tiny model on mock data, fp32 on CPU):
   A: DP=4 (4 ranks as 2 nodes of 2), 4 iterations, checkpoints at 2 and 4, metrics file;
   B: same layout, resumed from A's iteration-2 checkpoint   -> losses 3..4 identical to A;
-  C: DP=2 (2 ranks), resumed from the same checkpoint       -> loss 3 equals A's (reshard);
+  C: DP=2 (2 ranks) + hpZ + qgZ, resumed from the same checkpoint -> loss 3 equals A's;
   D: TP=2 x DP=2 with dropout and eval: uninterrupted vs resumed, bit-identical
      (exercises the TP RNG tracker and the per-rank RNG files).
 """
@@ -70,15 +70,19 @@ def test_exact_resume_same_layout(run_a, tmp_path):
     assert [b[i] for i in (3, 4)] == [a[i] for i in (3, 4)]  # bit-identical (fp32, same order)
 
 
-def test_dp_reshard_4_to_2(run_a, tmp_path):
+def test_dp_reshard_4_to_2_with_other_zeropp_switches(run_a, tmp_path):
     tmp, out_a = run_a
     copy_checkpoint(os.path.join(tmp, "ck"), 2, str(tmp_path / "ck"))
+    # DP=2 on one node, and ZeRO++ switches the saving run did not have: hpZ (exact
+    # copies) and qgZ (quantizes iteration 3's gradients, after its loss is computed).
     argv = model_argv(str(tmp_path), 3, ["--load", str(tmp_path / "ck"),
-                                         "--untie-embeddings-and-output-weights"])
-    out_c = run_on_ranks(_train, 2, args=(argv,))
-    # Same global batch, same weights and moments, summed over 2 ranks x 4 micro-batches
-    # instead of 4 x 2: only the reduction order differs, so fp32 rounding (~1e-7 relative
-    # per op, a few hundred ops deep) bounds the difference well below 1e-5.
+                                         "--untie-embeddings-and-output-weights",
+                                         "--zero-hpz-partition-size", "2",
+                                         "--zero-quantized-gradients"])
+    out_c = run_on_ranks(_train, 2, hpz_size=2, args=(argv,))
+    # Same global batch, same weights, summed over 2 ranks x 4 micro-batches instead of
+    # 4 x 2: only the reduction order differs, so fp32 rounding (~1e-7 relative per op,
+    # a few hundred ops deep) bounds the difference well below 1e-5.
     assert out_c[0]["losses"][3] == pytest.approx(out_a[0]["losses"][3], rel=1e-5)
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from data_fixtures import tiny_corpus, tiny_dataset, tiny_tokenizer  # noqa: F401
 from megaq.data.iterator import BatchIterator, global_micro_batch_order
 
 SEQ = 8
@@ -77,3 +78,31 @@ def test_eod_mask_and_layout_errors():
         BatchIterator(IndexDataset(8), 6, 2, 0, 2)
     with pytest.raises(ValueError, match="empty"):
         BatchIterator(None, 4, 2, 0, 2)
+
+
+def _rank_reads(topo, prefix, cache):
+    """What the training job does: rank 0 builds the index cache, everyone loads after a
+    barrier, each DP rank iterates its slice."""
+    from megaq.data.gpt_dataset import build_train_valid_test_datasets
+    from megaq.parallel import comm
+
+    train = build_train_valid_test_datasets([prefix], "98,2,0", 16, 3, (64, 0, 0), cache,
+                                            build=topo.rank == 0,
+                                            barrier=lambda: comm.barrier(topo.world))[0]
+    it = BatchIterator(train, 8, 2, topo.dp_rank, topo.layout.dp)
+    return [[m["tokens"].tolist() for m in step] for step in it]
+
+
+def test_ranks_build_once_and_together_read_the_single_process_batches(tmp_path, tiny_dataset):
+    from megaq.data.gpt_dataset import build_train_valid_test_datasets
+    from megaq.parallel.launch import run_on_ranks
+
+    cache = str(tmp_path / "cache")
+    per_rank = run_on_ranks(_rank_reads, 2, args=(tiny_dataset, cache))
+    train = build_train_valid_test_datasets([tiny_dataset], "98,2,0", 16, 3, (64, 0, 0),
+                                            cache, build=False)[0]  # reuses rank 0's cache
+    single = [[m["tokens"].tolist() for m in step] for step in BatchIterator(train, 8, 2, 0, 1)]
+    assert len(single) == len(per_rank[0]) == 64 // 8
+    for step, want in enumerate(single):
+        got = [per_rank[d][step][k] for d, k in global_micro_batch_order(2, 2)]
+        assert got == want

@@ -73,14 +73,18 @@ def test_interrupted_run_removes_its_namespaces(tmp_path):
     while not _ours(p.pid) and time.time() < deadline and p.poll() is None:
         time.sleep(0.1)
     assert _ours(p.pid), "the driver never built its namespaces"
-    time.sleep(2)   # let torchrun start inside them
+    time.sleep(3)   # let torchrun start inside them
+    inside = set()
+    for ns in _ours(p.pid):
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        inside.update(int(x) for x in pids.split())
+    assert inside, "nothing was running inside the namespaces"
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 130, out
     assert not _ours(p.pid), f"namespaces left behind: {_ours(p.pid)}"
-    # nothing keeps running inside a deleted namespace
-    left = subprocess.run(["pgrep", "-f", f"emulated_cluster_.*metrics"], capture_output=True, text=True)
-    assert not [x for x in left.stdout.split() if x], left.stdout
+    # nothing that ran inside the namespaces survives them
+    assert not [pid for pid in inside if netns_link._alive(pid)], out
 
 
 def test_stale_sweep_removes_namespaces_of_dead_owners():

@@ -14,6 +14,9 @@ def test_megatron_rank_order_tp2_pp2_dp2():
     assert lay.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert lay.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert lay.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # PP=4: middle stages get one-member groups, so every rank is in exactly one.
+    lay4 = Layout(world_size=8, tp=2, pp=4)
+    assert lay4.embedding_groups() == [[0, 6], [2], [4], [1, 7], [3], [5]]
     assert lay.coords(6) == (0, 1, 1)
     # This DP group sits on one node: intra is the whole group, inter is per rank.
     assert lay.intra_groups([0, 2]) == [[0, 2]]
@@ -97,7 +100,8 @@ def _membership(topo):
 
 
 @pytest.mark.parametrize("tp, pp, hpz, order", [(1, 1, 2, "tp-dp-pp"), (2, 1, 2, "tp-dp-pp"),
-                                               (2, 2, 1, "tp-dp-pp"), (1, 2, 2, "tp-pp-dp")])
+                                               (2, 2, 1, "tp-dp-pp"), (1, 2, 2, "tp-pp-dp"),
+                                               (1, 4, 1, "tp-dp-pp")])
 def test_built_groups_match_layout(tp, pp, hpz, order):
     lay = Layout(world_size=8, tp=tp, pp=pp, ranks_per_node=4, hpz_size=hpz, order=order)
     got = run_on_ranks(_membership, 8, tp=tp, pp=pp, ranks_per_node=4, hpz_size=hpz, order=order)
@@ -107,8 +111,7 @@ def test_built_groups_match_layout(tp, pp, hpz, order):
             "tp": next(g for g in lay.tp_groups() if rank in g),
             "dp": dp,
             "pp": next(g for g in lay.pp_groups() if rank in g),
-            "embedding": next(g for g in lay.embedding_groups() if rank in g)
-            if lay.pp > 1 else [rank],
+            "embedding": next(g for g in lay.embedding_groups() if rank in g),
             "intra": next(g for g in lay.intra_groups(dp) if rank in g),
             "inter": next(g for g in lay.inter_groups(dp) if rank in g),
             "hpz": next(g for g in lay.hpz_groups(dp) if rank in g),

@@ -91,11 +91,14 @@ def test_tp2_pp2_dp2():
 
 def test_pp2_dp4():
     recompute = {"recompute_activations": True}  # forwards re-run inside backward
+    four = {"num_layers": 4}  # interleaved 1F1B: two model chunks per stage
     scen = [(recompute, {"block_size": BLOCK}, 2),
-            (UNTIED, {"block_size": BLOCK, "grad_sync": "last_microbatch"}, 3)]
-    a, b = _run(1, 2, scen)
+            (UNTIED, {"block_size": BLOCK, "grad_sync": "last_microbatch"}, 3),
+            (four, {"block_size": BLOCK}, 2, H.STEPS, False, H.CLIP, 0, None, 2)]
+    a, b, c = _run(1, 2, scen)
     _check(a, recompute, 4, 2)
     _check(b, UNTIED, 4, 3)
+    _check(c, four, 4, 2)
 
 
 def test_full_state_reshards_to_another_dp_size():

@@ -118,6 +118,11 @@ def test_single_rank_engine_matches_torch_adamw(stage):
     ref, model = _Chunk(), _Chunk()
     engine = build_engine([model], topo, ZeroConfig(stage=stage, block_size=4, weight_decay=0.1,
                                                     lr=1e-2))
+    launched_in_backward = []
+    if stage == 3:  # gradient reductions start during backward, as each unit is ready
+        inner = engine.reducer.start_reduce
+        engine.reducer.start_reduce = lambda *a: (launched_in_backward.append(engine._in_backward),
+                                                  inner(*a))[1]
     named = list(ref.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for n, p in named if wants_weight_decay(n, p)],
                               "weight_decay": 0.1},
@@ -143,3 +148,5 @@ def test_single_rank_engine_matches_torch_adamw(stage):
     for n, p in ref.named_parameters():
         assert torch.allclose(state[n]["param"], p.detach(), rtol=1e-5, atol=1e-7), n
     assert engine.memory_report()["gathered"] == 0
+    if stage == 3:  # 4 units x 2 micro-batches x 3 steps, none deferred to finish_grad_sync
+        assert launched_in_backward == [True] * 24

@@ -85,11 +85,12 @@ def _reference_name(chunk, name: str) -> str:
 
 
 def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = STEPS,
-               account: bool = False, clip: float = CLIP, start_step: int = 0, load=None):
+               account: bool = False, clip: float = CLIP, start_step: int = 0, load=None,
+               vp: int = 1):
     """Runs on every rank; returns what the test compares against the reference."""
     cfg = model_config(**model_kw)
     torch.manual_seed(0)
-    chunks = build_model_chunks(cfg, topo)
+    chunks = build_model_chunks(cfg, topo, vp)
     zcfg = ZeroConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **zero_kw)
     engine = build_engine(chunks, topo, zcfg)
     invalidations = []
@@ -104,7 +105,7 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
         peak[0] = max(peak[0], engine.live_gathered_bytes())
     for site in engine.sites:
         site.modules[0].register_forward_pre_hook(track)
-    fb = get_forward_backward_func(topo.layout.pp, 1)
+    fb = get_forward_backward_func(topo.layout.pp, vp)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, norms, mem, traffic = [], [], [], None
     for step in range(start_step, steps):
@@ -123,11 +124,13 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
         norms.append(float(norm))
         mem.append(engine.memory_report())
     full = engine.full_state()
-    chunk = chunks[0]
     meta = {}
-    for name, p in chunk.named_parameters():
-        meta[name] = (_reference_name(chunk, name), bool(getattr(p, "tensor_model_parallel", False)),
-                      getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
+    for c, chunk in enumerate(chunks):
+        prefix = f"chunk{c}." if len(chunks) > 1 else ""  # engine.full_state's naming
+        for name, p in chunk.named_parameters():
+            meta[prefix + name] = (_reference_name(chunk, name),
+                                   bool(getattr(p, "tensor_model_parallel", False)),
+                                   getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
     return {"losses": losses, "norms": norms, "mem": mem, "state": full, "meta": meta,
             "tp_rank": topo.tp_rank, "tp": topo.tp.size, "traffic": traffic,
             "M": engine.zero_model_bytes, "numel": sum(p.numel() for c in chunks for p in c.parameters()),

@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-table", action="store_true", help="only run the sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd baselines")
+    p.add_argument("--compile-ops", nargs="*", default=None,
+                   help="only these ops get a torch.compile'd baseline (default: all), e.g. quantize8")
     p.add_argument("--out", default=None, help="write results as JSON here")
     return p.parse_args(argv)
 
@@ -63,12 +65,12 @@ def main(argv=None):
     timer = Timer(device, args.iters)
     compiled = {}
 
-    def baseline(name, fn):
-        if not use_compile:
+    def baseline(op, fn):
+        if not use_compile or (args.compile_ops is not None and op not in args.compile_ops):
             return None
-        if name not in compiled:
-            compiled[name] = torch.compile(fn, dynamic=True)
-        return compiled[name]
+        if fn not in compiled:
+            compiled[fn] = torch.compile(fn, dynamic=True)
+        return compiled[fn]
 
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
@@ -191,13 +193,13 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
         q_bytes = 2 * n + P
         add(f"quantize{bits}", "triton", q_bytes, lambda: quant.quantize(x, bits, block))
         add(f"quantize{bits}", "eager", q_bytes, lambda: reference.quantize(x, bits, block))
-        comp = baseline("quantize", reference.quantize)
+        comp = baseline(f"quantize{bits}", reference.quantize)
         add(f"quantize{bits}", "compiled", q_bytes, comp and (lambda: comp(x, bits, block)))
         packed = quant.quantize(x, bits, block)
         args = (packed, n, bits, block, torch.bfloat16)
         add(f"dequantize{bits}", "triton", q_bytes, lambda: quant.dequantize(*args))
         add(f"dequantize{bits}", "eager", q_bytes, lambda: reference.dequantize(*args))
-        comp = baseline("dequantize", reference.dequantize)
+        comp = baseline(f"dequantize{bits}", reference.dequantize)
         add(f"dequantize{bits}", "compiled", q_bytes, comp and (lambda: comp(*args)))
         del packed
 
@@ -206,7 +208,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     r_bytes = 2 * n + m * packed_len(k * S, 4, block)
     add("reorder_quantize4", "triton", r_bytes, lambda: quant.reorder_quantize(x, k, m, 4, block))
     add("reorder_quantize4", "eager", r_bytes, lambda: reference.reorder_quantize(x, k, m, 4, block))
-    comp = baseline("reorder_quantize", reference.reorder_quantize)
+    comp = baseline("reorder_quantize4", reference.reorder_quantize)
     add("reorder_quantize4", "compiled", r_bytes, comp and (lambda: comp(x, k, m, 4, block)))
 
     # in-node hop: m received rows of k*S elements each -> k requantized chunks of S
@@ -215,7 +217,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     add("dequant_reduce_quantize4", "triton", drq_bytes, lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block))
     add("dequant_reduce_quantize4", "eager", drq_bytes,
         lambda: reference.dequant_reduce_quantize(recv, k, S, 4, 4, block))
-    comp = baseline("dequant_reduce_quantize", reference.dequant_reduce_quantize)
+    comp = baseline("dequant_reduce_quantize4", reference.dequant_reduce_quantize)
     add("dequant_reduce_quantize4", "compiled", drq_bytes, comp and (lambda: comp(recv, k, S, 4, 4, block)))
     del recv
 
@@ -225,7 +227,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     dr_bytes = fin.numel() + 4 * L
     add("dequant_reduce4", "triton", dr_bytes, lambda: quant.dequant_reduce(fin, L, 4, block, 0.125))
     add("dequant_reduce4", "eager", dr_bytes, lambda: reference.dequant_reduce(fin, L, 4, block, 0.125))
-    comp = baseline("dequant_reduce", reference.dequant_reduce)
+    comp = baseline("dequant_reduce4", reference.dequant_reduce)
     add("dequant_reduce4", "compiled", dr_bytes, comp and (lambda: comp(fin, L, 4, block, 0.125)))
     return rows
 

@@ -112,23 +112,6 @@ def _measure(topo, cfg, vp, m, steps):
     return rows
 
 
-def _give_middle_stages_an_embedding_group():
-    """Workaround until topology.py does it: with PP >= 3, Layout.embedding_groups leaves
-    middle-stage ranks in no group and build_topology fails; add one-member groups."""
-    from megaq.parallel.topology import Layout
-    original = Layout.embedding_groups
-    if getattr(original, "_with_middle_stages", False):
-        return
-
-    def with_middle_stages(self):
-        groups = original(self)
-        covered = {r for g in groups for r in g}
-        return groups + [[r] for r in range(self.world_size) if r not in covered]
-
-    with_middle_stages._with_middle_stages = True
-    Layout.embedding_groups = with_middle_stages
-
-
 def run_layout(p, v, m, args):
     cfg = SimpleNamespace(num_layers=args.layers, fwd_s=args.fwd_ms / 1e3, bwd_s=args.bwd_ms / 1e3)
     per_rank = run_on_ranks(_measure, p, pp=p, args=(cfg, v if v > 1 else None, m, args.steps))
@@ -160,7 +143,6 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="bench_pipeline.json")
     args = ap.parse_args(argv)
-    _give_middle_stages_an_embedding_group()
     results = []
     print(f"{'pp':>3} {'vp':>3} {'m':>4} {'theory':>8} {'measured':>9} {'worst rank':>10} "
           f"{'p2p share':>10} {'step s':>8} {'compute s':>10} {'nominal s':>10}")

@@ -111,7 +111,7 @@ class RefLlama(nn.Module):
         for blk in self.blocks:
             x = blk(x, self.cos, self.sin)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 # ----------------------------------------------------------------- builders

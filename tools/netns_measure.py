@@ -10,6 +10,7 @@ two lines are the traffic of the iterations in between.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -53,7 +54,7 @@ class IterationSampler:
 
     def __init__(self, link: EmulatedLink, metrics_file: str, segments: list[Segment] | None = None):
         self.link, self.path, self.segments = link, metrics_file, segments or []
-        self.samples: dict[int, list] = {}   # complete line count -> counters of both ends
+        self.samples: dict[int, list] = {}   # training iteration -> counters of both ends
         self._size, self.t0, self.first_line_s = -1, time.perf_counter(), None
         self.rate_changes: list[tuple[int, str, float]] = []
 
@@ -66,17 +67,30 @@ class IterationSampler:
             return
         self._size = size
         counters = [self.link.counters(n) for n in (0, 1)]   # read first: least delay
-        with open(self.path) as f:
-            complete = f.read().count("\n")
-        if complete and complete not in self.samples:
-            self.samples[complete] = counters
+        it = last_train_iteration(self.path)
+        if it and it not in self.samples:
+            self.samples[it] = counters
             if self.first_line_s is None:
                 self.first_line_s = time.perf_counter() - self.t0
             for seg in self.segments[1:]:
-                if complete == seg.first - 1 and self.link.rate != seg.rate:
+                if it == seg.first - 1 and self.link.rate != seg.rate:
                     t = time.perf_counter()
                     self.link.set_rate(seg.rate)
-                    self.rate_changes.append((complete, seg.rate, round(time.perf_counter() - t, 4)))
+                    self.rate_changes.append((it, seg.rate, round(time.perf_counter() - t, 4)))
+
+
+def last_train_iteration(path: str) -> int | None:
+    """Iteration number of the last complete training line (validation lines skipped)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    for raw in reversed(data[: data.rfind(b"\n") + 1].splitlines()):
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if line.get("type", "train") == "train" and "iteration" in line:
+            return int(line["iteration"])
+    return None
 
 
 def inter_node_bytes(line: dict) -> float:

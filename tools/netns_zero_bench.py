@@ -184,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     with tempfile.TemporaryDirectory(prefix="netns_zero_bench_") as tmp:
         for config in configs:
-            for rec in one_config(config, rates, base, args, tmp):
+            try:
+                recs = one_config(config, rates, base, args, tmp)
+            except (KeyboardInterrupt, emu._Terminated) as e:
+                print(f"netns_zero_bench: interrupted ({str(e) or 'SIGINT'}); namespaces removed",
+                      file=sys.stderr)
+                return 130
+            for rec in recs:
                 records.append(rec)
                 if "error" not in rec:
                     print(f"{rec['rate']:>8} {config:<8} step {rec['step_ms']:8.1f} ms  link "

@@ -30,7 +30,8 @@ def parse_args(argv=None):
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
                    help="SentencePieceTokenizer (or GPTSentencePieceTokenizer)")
     g.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
-    g.add_argument("--append-eod", action="store_true", help="append the <EOD> id to each document")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document id (<EOD>, else </s>) to each document")
     g.add_argument("--dtype", default="auto", choices=["auto", "uint16", "int32", "int64"],
                    help="token dtype in .bin; auto = uint16 below 65,500 ids else int32 (Megatron)")
     g = p.add_argument_group("output data")

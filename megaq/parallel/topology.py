@@ -90,8 +90,13 @@ class Layout:
                 for d in range(self.dp) for t in range(self.tp)]
 
     def embedding_groups(self) -> list[list[int]]:
-        """First and last pipeline stage of each PP group (tied embeddings)."""
-        return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.pp_groups()]
+        """First and last stage of each PP group (tied embeddings); every middle stage
+        gets a group of its own, so each rank belongs to exactly one."""
+        out = []
+        for g in self.pp_groups():
+            out.append([g[0], g[-1]] if len(g) > 1 else [g[0]])
+            out.extend([r] for r in g[1:-1])
+        return out
 
     def intra_groups(self, dp_group: list[int]) -> list[list[int]]:
         """Split one DP group by node (node order, rank order inside a node)."""

@@ -78,6 +78,7 @@ class ZeroEngine:
         self.gatherer = make_gatherer(topo, cfg) if self.stage3 else None
         self.reducer = make_reducer(topo, cfg) if self.stage3 else None
         self.sites: list[Site] = build_sites(self.chunks, topo, cfg)
+        self._site_index = {id(s): i for i, s in enumerate(self.sites)}
         self.partitions = all_partitions(self.sites)
         self.optimizer = ShardedAdamW(self.partitions, cfg, topo)
         self._state_of = {id(st.part): st for st in self.optimizer.states}
@@ -122,7 +123,7 @@ class ZeroEngine:
         self._hooks.clear()
 
     def _neighbours(self, site: Site, step: int) -> list[Site]:
-        i = self.sites.index(site)
+        i = self._site_index[id(site)]
         out = []
         for k in range(1, self.cfg.prefetch + 1):
             j = i + step * k
@@ -339,7 +340,10 @@ class ZeroEngine:
         state_io.load_full_state(self, sd)
         self._norm = None
         if self.gatherer is not None:
-            self.gatherer.invalidate()
+            self.gatherer.invalidate()  # hpZ / qwZ copies of the old weights are stale
+        reset = getattr(self.reducer, "reset_error_feedback", None)
+        if reset is not None:  # qgZ residuals belong to the old trajectory
+            reset()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes on this rank: params (model shards + live gathered), grads, optimizer."""

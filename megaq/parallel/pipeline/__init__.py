@@ -30,7 +30,10 @@ from megaq.parallel.pipeline.split import (PipelineConfigError, build_model_chun
 def get_forward_backward_func(pp_size: int, vp_size: int | None = 1):
     """The schedule for a layout: no pipelining, 1F1B, or interleaved 1F1B."""
     vp_size = vp_size or 1
-    check_layer_split(pp_size * vp_size, pp_size, vp_size)  # refuses vp > 1 with PP = 1
+    if vp_size > 1 and pp_size == 1:
+        raise PipelineConfigError(
+            "virtual pipeline stages need --pipeline-model-parallel-size > 1; "
+            "drop --num-layers-per-virtual-pipeline-stage or raise the PP size")
     if pp_size == 1:
         return forward_backward_no_pipelining
     if vp_size == 1:
