@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
 
     if args.load:
         loaded = ckpt.load_checkpoint(args.load, args=args, topo=topo, engine=engine,
-                                      lr_schedule=schedule, load_rng=not args.no_load_rng,
+                                      lr_schedule=schedule, model_chunks=chunks,
+                                      load_rng=not args.no_load_rng,
                                       load_optim=not args.no_load_optim)
         if loaded is None:
             if rank0:

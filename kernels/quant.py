@@ -27,7 +27,6 @@ except ImportError:  # pragma: no cover - very old Triton
 from .format import (
     DEFAULT_BLOCK,
     QMAX,
-    SCALE_BYTES,
     TINY,
     check_float_input,
     check_format,
@@ -284,6 +283,8 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block):
     """Quantize rows x [rows, k*S] where output row j block b reads chunk (b//cb)*m + j."""
     P = packed_len(k * S, bits, block)
     out = torch.empty((rows, P), dtype=torch.uint8, device=x.device)
+    if rows == 0:  # empty leading dimensions: nothing to launch
+        return out
     row_blocks, chunk_blocks = k * S // block, S // block
     opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
     res = residual if residual is not None else x
@@ -325,6 +326,8 @@ def dequantize(
     lead = packed.shape[:-1]
     flat = packed.contiguous().reshape(-1, packed.shape[-1])
     out = torch.empty((flat.shape[0], L), dtype=dtype, device=packed.device)
+    if flat.shape[0] == 0:
+        return out.reshape(*lead, L)
     _dequant_reduce_launch(flat, out, flat.shape[0], 1, L, bits, 1, 0, L, 0, block)
     return out.reshape(*lead, L)
 

@@ -18,7 +18,6 @@ import torch
 from .format import (
     DEFAULT_BLOCK,
     QMAX,
-    SCALE_BYTES,
     TINY,
     check_float_input,
     check_format,

@@ -310,6 +310,9 @@ def validate_args(args: argparse.Namespace, world_size: int,
             and not args.tokenizer_model):
         _fail(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH "
               f"(the SentencePiece .model used to preprocess --data-path)")
+    if args.data_path and args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
+        _fail("--tokenizer-type NullTokenizer needs --vocab-size N (the ids in --data-path "
+              "are below N)")
     if args.data_path and len(args.data_path) > 1 and len(args.data_path) % 2:
         _fail("--data-path with several datasets takes pairs: weight prefix weight prefix ...")
     try:

@@ -205,9 +205,11 @@ def save_checkpoint(root: str, iteration: int, *, args, topo, engine, lr_schedul
 
 
 # ------------------------------------------------------------------------------ load
-def _check_architecture(saved: dict, args, path: str) -> None:
+def _check_architecture(saved: dict, args, path: str, ignore=()) -> None:
     diffs = []
     for name in ARCHITECTURE_ARGS:
+        if name in ignore:
+            continue
         if name in saved and hasattr(args, name) and saved[name] != getattr(args, name):
             diffs.append(f"--{name.replace('_', '-')} {getattr(args, name)} (checkpoint: {saved[name]})")
     if diffs:
@@ -236,12 +238,14 @@ def checkpoint_layout(ckpt_dir: str) -> tuple[int, int]:
     return max(tps) + 1, max(pps) + 1
 
 
-def load_checkpoint(root: str, *, args, topo, engine, lr_schedule,
+def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=None,
                     load_rng: bool = True, load_optim: bool = True) -> dict | None:
     """Load the newest checkpoint under `root` into engine / schedule / RNG.
 
     Returns {"iteration", "consumed_samples", "extra"} or None when `root` holds no
-    checkpoint yet (a fresh run; lets job scripts always pass --load).
+    checkpoint yet (a fresh run; lets job scripts always pass --load). A different DP
+    size or ZeRO++ setting loads directly (full states are DP-independent); a different
+    TP or PP size is resharded when `model_chunks` (this rank's) are given, else refused.
     """
     iteration = read_tracker(root)
     if iteration is None:
@@ -250,25 +254,38 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule,
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"{os.path.join(root, TRACKER_FILE)} names iteration {iteration} but "
                               f"{ckpt} does not exist; point it at an existing iter_* directory")
-    path = model_file(ckpt, topo.tp_rank, topo.pp_rank)
+    saved_tp, saved_pp = checkpoint_layout(ckpt)
+    same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+    # Common args/metadata live in every mp_rank file; read this rank's, or (new
+    # TP/PP layout) the first one.
+    path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
     if not os.path.isfile(path):
-        tp, pp = checkpoint_layout(ckpt)
-        _check_layout({"tp": tp, "pp": pp}, topo, ckpt)
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - corrupted file / foreign pickle
         raise CheckpointError(f"{path} cannot be read safely ({type(e).__name__}: "
                               f"{str(e).splitlines()[0]}); it is damaged or not a megaq checkpoint")
-    _check_architecture(sd["args"], args, path)
-    _check_layout(sd["layout"], topo, ckpt)
-
-    state = sd["model_optim"]
+    _check_architecture(sd["args"], args, path, ignore=() if same_mp else ("padded_vocab_size",))
+    if same_mp:
+        state = sd["model_optim"]
+    elif model_chunks is None:
+        _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
+    else:
+        state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks, args)
     if not load_optim:
         state = engine_weights_only(state)
     engine.load_full_state(state)
     lr_schedule.load_state_dict(sd["lr_scheduler"])
 
+    if load_rng and not same_mp:
+        # The TP/PP coordinates changed: no rank's streams map onto ours (the TP tracker's
+        # streams are per TP rank); keep the fresh seeding of this run.
+        load_rng = False
+        if topo.rank == 0:
+            print(f" note: {ckpt} was saved with TP={saved_tp}, PP={saved_pp}; weights and "
+                  f"optimizer state resharded to TP={topo.layout.tp}, PP={topo.layout.pp}; "
+                  f"RNG streams start fresh", flush=True)
     if load_rng:
         saved_layout = sd["layout"]
         same = (saved_layout["world_size"] == topo.layout.world_size
@@ -288,6 +305,108 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule,
                                   f"(or pass --no-load-rng)")
     return {"iteration": int(sd["iteration"]), "consumed_samples": int(sd["consumed_samples"]),
             "extra": sd.get("extra", {}), "path": ckpt}
+
+
+# ------------------------------------------------------------- TP / PP resharding
+def local_to_global_name(name: str, chunk_ranges: list[tuple[int, int]]) -> str:
+    """'chunk1.layers.0.x' on a rank whose chunk 1 starts at layer 6 -> 'layers.6.x'."""
+    chunk = 0
+    if name.startswith("chunk") and name.split(".", 1)[0][5:].isdigit():
+        head, name = name.split(".", 1)
+        chunk = int(head[5:])
+    if name.startswith("layers."):
+        _, idx, rest = name.split(".", 2)
+        name = f"layers.{chunk_ranges[chunk][0] + int(idx)}.{rest}"
+    return name
+
+
+def global_to_local_names(model_chunks, ranges) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """{global name: (name as engine.full_state() keys it, parameter)} for this rank."""
+    out = {}
+    for c, chunk in enumerate(model_chunks):
+        for name, p in chunk.named_parameters():
+            key = f"chunk{c}.{name}" if len(model_chunks) > 1 else name
+            out[local_to_global_name(key, ranges)] = (key, p)
+    return out
+
+
+def concat_tp_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of tensor_parallel.shard_of: the full tensor from every TP rank's shard."""
+    blocks = [list(x.chunk(stride, dim=dim)) for x in parts]  # [rank][block]
+    return torch.cat([torch.cat([blocks[r][b] for r in range(len(parts))], dim=dim)
+                      for b in range(stride)], dim=dim)
+
+
+def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
+    """(saved args, {global name: [per old TP rank {param, exp_avg, exp_avg_sq}]})."""
+    from megaq.parallel.pipeline.split import stage_layer_ranges
+    entries: dict[str, list] = {}
+    args = None
+    step = 0
+    for p in range(pp):
+        for t in range(tp):
+            path = model_file(ckpt_dir, t, p)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+            args = args or sd["args"]
+            step = int(sd["model_optim"]["step"])
+            vp = args.get("virtual_pipeline_model_parallel_size") or 1
+            ranges = stage_layer_ranges(args["num_layers"], pp, vp, p)
+            for name, entry in sd["model_optim"]["params"].items():
+                g = local_to_global_name(name, ranges)
+                entries.setdefault(g, [None] * tp)[t] = entry
+    return args, {"step": step, "params": entries}
+
+
+def _fit_rows(full: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
+    """Vocab padding differs between TP sizes: drop or add (zero) padding rows."""
+    have = full.shape[dim]
+    if have == size:
+        return full
+    if have > size:
+        return full.narrow(dim, 0, size)
+    pad_shape = list(full.shape)
+    pad_shape[dim] = size - have
+    return torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+
+
+def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks, args) -> dict:
+    """This rank's engine.full_state()-shaped dict from a checkpoint of another TP x PP
+    layout: stages stitched by global layer index, TP shards concatenated along each
+    parameter's partition dimension and re-split for this rank (weights and both AdamW
+    moments alike). Every rank reads every shard file: memory of one full model."""
+    from megaq.parallel.pipeline.split import stage_layer_ranges
+    from megaq.parallel.tensor_parallel import shard_of
+    _, saved = read_all_stages(ckpt_dir, saved_layout["tp"], saved_layout["pp"])
+    vp = len(model_chunks)
+    ranges = stage_layer_ranges(args.num_layers, topo.layout.pp, vp, topo.pp_rank)
+    tp, tp_rank = topo.layout.tp, topo.tp_rank
+    params = {}
+    for g, (key, p) in global_to_local_names(model_chunks, ranges).items():
+        src = g
+        if src not in saved["params"] and g == "output_layer.weight":
+            src = "embedding.word_embeddings.weight"  # tied head copy of a new last stage
+        if src not in saved["params"]:
+            raise CheckpointError(f"{ckpt_dir} has no parameter {g}; it is not a checkpoint of "
+                                  f"this model")
+        parts = saved["params"][src]
+        entry = {}
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            shards = [x[k] for x in parts]
+            if getattr(p, "tensor_model_parallel", False):
+                dim, stride = p.partition_dim, p.partition_stride
+                full = concat_tp_shards(shards, dim, stride)
+                if stride == 1:
+                    full = _fit_rows(full, dim, p.shape[dim] * tp, g)
+                entry[k] = shard_of(full, dim, tp_rank, tp, stride)
+            else:
+                entry[k] = shards[0]
+            if entry[k].shape != p.shape:
+                raise CheckpointError(f"cannot reshard {g}: checkpoint gives {tuple(entry[k].shape)}, "
+                                      f"this rank holds {tuple(p.shape)}")
+        params[key] = entry
+    return {"step": saved["step"], "params": params}
 
 
 def engine_weights_only(state: dict) -> dict:

@@ -161,7 +161,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------- loop
     def train(self) -> TrainState:
-        a, s, topo = self.args, self.state, self.topo
+        a, s = self.args, self.state
         batches = self.p.train_batches(s.consumed_samples)
         interval = {"t0": time.perf_counter(), "iters": 0, "loss": 0.0, "counted": 0,
                     "skipped": 0, "nan": 0}
@@ -196,11 +196,13 @@ class Trainer:
                 self._log(interval, lr, grad_norm)
                 interval.update(t0=time.perf_counter(), iters=0, loss=0.0, counted=0,
                                 skipped=0, nan=0)
+            t_aside = time.perf_counter()  # evaluation and saving are not training time
             if a.eval_iters and s.iteration % a.eval_interval == 0:
                 self.evaluate(s.iteration)
             if a.save and a.save_interval and s.iteration % a.save_interval == 0:
                 self.save()
                 last_saved = s.iteration
+            interval["t0"] += time.perf_counter() - t_aside
         if a.save and s.iteration != last_saved and s.iteration > 0:
             self.save()
         if a.eval_iters and s.iteration not in s.val_losses:

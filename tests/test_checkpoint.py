@@ -6,6 +6,7 @@ real training loop in tests/test_checkpoint_resume.py.
 
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -123,7 +124,8 @@ def test_refuses_other_tp_pp(tmp_path):
     args, topo, engine, sched = setup(tmp_path)
     save(tmp_path, 1, args, topo, engine, sched)
     d = tmp_path / "iter_0000001"
-    os.rename(d / "mp_rank_00_000", d / "mp_rank_00_001")  # as if saved with PP=2 (stage 1)
+    shutil.copytree(d / "mp_rank_00_000", d / "mp_rank_00_001")  # as if saved with PP=2
+    # Without the model chunks to reshard into, a TP/PP change is refused.
     with pytest.raises(ckpt.CheckpointError, match="--pipeline-model-parallel-size 2"):
         load(tmp_path, args, topo, engine, sched)
 

@@ -44,7 +44,7 @@ def test_concurrent_first_use_builds_once_and_reuses(tmp_path):
     tok = build_tokenizer("SentencePieceTokenizer", model)
     ix = IndexedDataset(prefix)
     files = stdlib_files(SMALL["max_bytes"])
-    assert len(ix) == len(files) == manifest["documents"] and tok.vocab_size == 400
+    assert len(ix) == len(files) == manifest["documents"] and tok.vocab_size == 400 + 3  # + Megatron's <CLS> <SEP> <MASK>
     for i in (0, len(ix) - 1):
         doc = np.asarray(ix[i]).tolist()
         assert doc[-1] == tok.eod and tok.detokenize(doc[:-1]) == files[i][1]

@@ -14,7 +14,8 @@ from megaq.data.tokenizer_training import train_sentencepiece
 def test_wrapper_ids_and_round_trip(tiny_tokenizer, tiny_corpus):
     tok = build_tokenizer("SentencePieceTokenizer", tiny_tokenizer)
     sp = spm.SentencePieceProcessor(model_file=tiny_tokenizer)
-    assert tok.vocab_size == TINY_VOCAB == sp.get_piece_size()
+    # Megatron's SentencePieceTokenizer appends <CLS>, <SEP>, <MASK> (the model lacks them).
+    assert sp.get_piece_size() == TINY_VOCAB and tok.vocab_size == TINY_VOCAB + 3
     assert sp.id_to_piece(tok.eod) == "<EOD>"   # the user-defined end-of-document piece
     assert sp.id_to_piece(tok.pad) == "<pad>"
     assert tok.eod != tok.pad
@@ -28,11 +29,25 @@ def test_wrapper_ids_and_round_trip(tiny_tokenizer, tiny_corpus):
     assert sp.unk_id() not in tok.tokenize(odd)
 
 
-def test_eod_falls_back_to_eos_without_eod_piece(tmp_path, tiny_corpus):
+def test_model_without_eod_piece_megatron_ids(tmp_path, tiny_corpus):
+    """Megatron-LM's rules: SentencePieceTokenizer appends <CLS>, <SEP>, <EOD>, <MASK> after
+    the model's pieces (eod = pieces + 2); GPTSentencePieceTokenizer uses </s>."""
+    from megaq.data.indexed import IndexedDataset
+    from megaq.data.preprocess import preprocess
+
     model = train_sentencepiece([tiny_corpus[0]], str(tmp_path / "t"), 400,
                                 user_defined_symbols=(), log=quiet)
-    tok = build_tokenizer("GPTSentencePieceTokenizer", model)
-    assert tok.eod == spm.SentencePieceProcessor(model_file=model).eos_id() == 2
+    n = spm.SentencePieceProcessor(model_file=model).get_piece_size()
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    assert (tok.cls, tok.sep, tok.eod, tok.mask, tok.vocab_size) == (n, n + 1, n + 2, n + 3, n + 4)
+    assert (tok.pad, tok.bos, tok.eos) == (3, 1, 2)  # the model's own pieces
+    assert tok.detokenize(tok.tokenize("a b") + [tok.eod]) == "a b<EOD>"
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", model)
+    assert (gpt.eod, gpt.pad, gpt.vocab_size) == (2, 3, n)
+    # --append-eod writes the appended id, as Megatron's preprocess_data.py does.
+    src = write_jsonl(str(tmp_path / "d.jsonl"), ["some text"])
+    out = preprocess(src, str(tmp_path / "o"), model, append_eod=True, log=quiet).outputs["text"]
+    assert IndexedDataset(out)[0].tolist()[-1] == n + 2
 
 
 def test_train_tool_text_files_unigram_and_special_tokens(tmp_path, capsys, tiny_corpus):

@@ -127,7 +127,7 @@ def test_triton_quantize_dequantize_bit_identical(tq, bits, block):
         x[1, 2, block:2 * block] *= 1e-3
         a, b = ref.quantize(x, bits, block), tq.quantize(x, bits, block)
         assert torch.equal(a, b), (dtype, (a != b).sum())
-        for out_dtype in DTYPES:
+        for out_dtype in {dtype, torch.float32}:  # into its own dtype, and fp32
             da = ref.dequantize(a, x.shape[-1], bits, block, out_dtype)
             db = tq.dequantize(a, x.shape[-1], bits, block, out_dtype)
             assert db.dtype == out_dtype and torch.equal(da, db), (dtype, out_dtype)

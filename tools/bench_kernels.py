@@ -186,7 +186,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     # eager, back to back: a D2D memcpy captured in a CUDA graph runs on the copy engines
     # (~2.6 TB/s on the H200), while the eager one runs as a kernel at full speed
     add("copy_bf16", "torch", 4 * n, lambda: dst.copy_(x), graph=False)
-    del dst
+    dst = None  # free before the next allocations
 
     for bits in (8, 4):
         P = packed_len(n, bits, block)
@@ -219,7 +219,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
         lambda: reference.dequant_reduce_quantize(recv, k, S, 4, 4, block))
     comp = baseline("dequant_reduce_quantize4", reference.dequant_reduce_quantize)
     add("dequant_reduce_quantize4", "compiled", drq_bytes, comp and (lambda: comp(recv, k, S, 4, 4, block)))
-    del recv
+    recv = None
 
     # final hop: k rows of n/k elements -> fp32 sum
     L = n // k

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaq import checkpoint as ckpt  # noqa: E402
 from megaq.parallel.comm import Group  # noqa: E402
-from megaq.parallel.pipeline.split import stage_layer_ranges  # noqa: E402
 from megaq.parallel.tensor_parallel import shard_of  # noqa: E402
 
 
@@ -36,35 +35,11 @@ def _fake_tp_group(rank: int, size: int) -> Group:
     return Group(ranks=list(range(size)), nodes=[0] * size, pg=None, rank_index=rank)
 
 
-def _local_to_global(name: str, chunk_ranges: list[tuple[int, int]]) -> str:
-    chunk = 0
-    if name.startswith("chunk"):
-        head, name = name.split(".", 1)
-        chunk = int(head[len("chunk"):])
-    if name.startswith("layers."):
-        _, idx, rest = name.split(".", 2)
-        name = f"layers.{chunk_ranges[chunk][0] + int(idx)}.{rest}"
-    return name
-
-
 def load_consolidated(ckpt_dir: str):
-    """-> (args namespace, {global param name: full tensor}) from an iter_* directory."""
+    """-> (args namespace, {global name: [per TP rank full-state entry]}, TP size)."""
     tp, pp = ckpt.checkpoint_layout(ckpt_dir)
-    shards: dict[str, list] = {}
-    args = None
-    for p in range(pp):
-        for t in range(tp):
-            path = ckpt.model_file(ckpt_dir, t, p)
-            if not os.path.isfile(path):
-                raise GenerateError(f"{path} is missing; the checkpoint is incomplete")
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-            args = args or SimpleNamespace(**sd["args"])
-            vp = args.virtual_pipeline_model_parallel_size or 1
-            ranges = stage_layer_ranges(args.num_layers, pp, vp, p)
-            for name, entry in sd["model_optim"]["params"].items():
-                g = _local_to_global(name, ranges)
-                shards.setdefault(g, [None] * tp)[t] = entry["param"]
-    return args, shards, tp
+    args, saved = ckpt.read_all_stages(ckpt_dir, tp, pp)
+    return SimpleNamespace(**args), saved["params"], tp
 
 
 def build_model(args, tp_ckpt: int):
@@ -89,14 +64,12 @@ def consolidate_into(model, tp_views, shards: dict, tp: int) -> None:
     views = [dict(v.named_parameters()) for v in tp_views] if tp_views else None
     with torch.no_grad():
         for name, param in own.items():
-            parts = shards[name]
+            parts = [x["param"] for x in shards[name]]
             if tp == 1 or not getattr(views[0][name], "tensor_model_parallel", False):
                 full = parts[0]
             else:
                 dim, stride = views[0][name].partition_dim, views[0][name].partition_stride
-                blocks = [list(x.chunk(stride, dim=dim)) for x in parts]  # [rank][block]
-                full = torch.cat([torch.cat([blocks[r][b] for r in range(tp)], dim=dim)
-                                  for b in range(stride)], dim=dim)
+                full = ckpt.concat_tp_shards(parts, dim, stride)
                 for r in range(tp):
                     if not torch.equal(shard_of(full, dim, r, tp, stride), parts[r]):
                         raise GenerateError(f"cannot consolidate {name} from TP={tp} shards "

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 PREFIX = "mqemu"             # namespace names: mqemu<pid>x<tag>a / ...b
-_NS_RE = re.compile(rf"^{PREFIX}(\d+)x([0-9a-f]+)([ab])$")
+_NS_RE = re.compile(rf"^{PREFIX}(\d+)x([0-9a-f]+)([abp])$")   # p: availability probe
 SUBNET = "10.77.0"           # private addresses that exist only inside our namespaces
 
 
@@ -47,11 +47,22 @@ def why_unavailable() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` not found: install iproute2 (apt-get install -y iproute2)"
-    probe = f"{PREFIX}probe{os.getpid()}x{secrets.token_hex(2)}"
-    p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if p.returncode:
-        return f"`ip netns add` is not permitted here: {p.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    # Try the real thing on a throw-away namespace: some containers allow namespaces
+    # but not veth pairs or tbf.
+    probe = f"{PREFIX}{os.getpid()}x{secrets.token_hex(2)}p"
+    steps = [(["ip", "netns", "add", probe], "`ip netns add` is not permitted here"),
+             (["ip", "-n", probe, "link", "add", "mqprobe0", "type", "veth", "peer", "name",
+               "mqprobe1"], "veth pairs cannot be created here"),
+             (["tc", "-n", probe, "qdisc", "add", "dev", "mqprobe0", "root", "tbf", "rate",
+               "1mbit", "burst", "32kb", "latency", "50ms"],
+              "tc cannot add a tbf qdisc here (kernel without CONFIG_NET_SCH_TBF?)")]
+    try:
+        for cmd, why in steps:
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode:
+                return f"{why}: {p.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
@@ -63,7 +74,10 @@ def rate_to_bits(rate: str) -> float:
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
     if m.group(3) == "bps":   # tc's bytes-per-second spelling
         scale *= 8
-    return float(m.group(1)) * scale
+    bits = float(m.group(1)) * scale
+    if bits < 8000:
+        raise ValueError(f"link rate {rate!r} is below 8 kbit/s: pick a rate such as 100mbit")
+    return bits
 
 
 def delay_to_ms(delay: str) -> float:
@@ -84,7 +98,7 @@ def qdisc_supported(netns: str, dev: str, kind: str, *params: str) -> bool:
 
 @dataclass
 class LinkCounters:
-    """Kernel byte/packet counters of one interface (from /sys/class/net/IF/statistics)."""
+    """Kernel byte/packet counters of one interface (what `ip -s link` shows)."""
 
     tx_bytes: int
     rx_bytes: int

@@ -125,8 +125,15 @@ def ensure_builtin_corpus(cache_dir: str | None = None, vocab_size: int = DEFAUL
     result = (os.path.join(dest, "corpus_text_document"), os.path.join(dest, "tokenizer.model"))
     if os.path.exists(os.path.join(dest, "manifest.json")):
         return result
-    os.makedirs(cache_dir, exist_ok=True)
-    with FileLock(os.path.join(cache_dir, ".builtin.lock")):
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        probe = os.path.join(cache_dir, ".builtin.lock")
+        open(probe, "a").close()
+    except OSError as e:
+        from megaq.data.errors import DataError
+        raise DataError(f"{cache_dir}: cannot write the built-in corpus cache ({e.strerror}); "
+                        "pass another cache_dir or set MEGAQ_DATA_CACHE") from None
+    with FileLock(probe):
         if not os.path.exists(os.path.join(dest, "manifest.json")):
             shutil.rmtree(dest, ignore_errors=True)  # an incomplete copy from elsewhere
             log(f"[builtin] building corpus and tokenizer in {dest}")

@@ -1,10 +1,23 @@
-"""SentencePiece tokenizer wrapper with the ids the training loop needs.
+"""SentencePiece tokenizer wrapper with Megatron-LM's ids.
 
-`eod` (end of document, appended by `--append-eod` and used as a separator) is the
-id of the piece `<EOD>` when the model has one (tools/train_tokenizer.py adds it by
-default, and Megatron-LM's SentencePieceTokenizer resolves `<EOD>` to the same id),
-otherwise the model's `</s>` (eos) id. `pad` is the model's pad id, or `eod` when the
-model has none. `vocab_size` is the number of pieces in the model.
+Megatron-LM has two SentencePiece tokenizer types, and megaq reproduces both, so that
+files and checkpoints made with Megatron agree on every id and on the vocab size:
+
+- `SentencePieceTokenizer`: the model's pieces, then Megatron's special tokens
+  `<CLS>`, `<SEP>`, `<EOD>`, `<MASK>` and the pad / bos / eos pieces, each taking
+  the model's own id when the model has that piece and otherwise the next id after
+  the model's vocabulary. `eod` is `<EOD>`; `vocab_size` counts the appended tokens.
+  A model from tools/train_tokenizer.py has `<EOD>`, `<pad>`, `<s>`, `</s>`, so only
+  `<CLS>`, `<SEP>`, `<MASK>` are appended (vocab_size = pieces + 3) and eod is a real
+  piece. For a model without them (e.g. Llama's), eod lies past the model's pieces,
+  exactly where Megatron's preprocess_data.py puts it.
+- `GPTSentencePieceTokenizer`: the model's pieces only; `eod` is the model's `</s>`;
+  `pad` is the model's pad id, or eod when it has none.
+
+`tokenize` is SentencePiece's own encoding. (Megatron's SentencePieceTokenizer also
+turns literal special-token strings such as "</s>" inside the text into their ids;
+megaq encodes such text as text, like SentencePiece. User-defined symbols such as
+`<EOD>` are matched by SentencePiece itself, so both agree on them.)
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ EOD_PIECE = "<EOD>"
 class SentencePieceTokenizer:
     """`tokenize(text) -> list[int]`, `detokenize(ids) -> str`, plus vocab_size/eod/pad."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, megatron_specials: bool = True):
         import sentencepiece as spm
 
         self.model_path = model_path
@@ -39,18 +52,46 @@ class SentencePieceTokenizer:
         except (OSError, RuntimeError) as e:
             raise DataError(f"{model_path}: not a valid SentencePiece model ({e}); "
                             "pass the .model file written by tools/train_tokenizer.py") from None
-        self.vocab_size = int(self.sp.get_piece_size())
-        if self.vocab_size == 0:
+        n = int(self.sp.get_piece_size())
+        if n == 0:
             raise DataError(f"{model_path}: SentencePiece model has an empty vocabulary; retrain it")
-        eod = self.sp.piece_to_id(EOD_PIECE)
-        if eod == self.sp.unk_id() or self.sp.id_to_piece(eod) != EOD_PIECE:
-            eod = self.sp.eos_id()
-        if eod < 0:
-            raise DataError(f"{model_path}: model has neither an '{EOD_PIECE}' piece nor an eos id; "
-                            "retrain with tools/train_tokenizer.py (adds <EOD>)")
-        self.eod = int(eod)
-        pad = self.sp.pad_id()
-        self.pad = int(pad) if pad >= 0 else self.eod
+        self._appended: dict[str, int] = {}  # Megatron specials the model lacks -> id >= n
+        if megatron_specials:
+            self._init_megatron_specials()
+        else:
+            eos = self.sp.eos_id()
+            if eos < 0:
+                raise DataError(f"{model_path}: model has no eos id, which "
+                                "GPTSentencePieceTokenizer uses as eod; use --tokenizer-type "
+                                "SentencePieceTokenizer")
+            self.eod = int(eos)
+            self.pad = int(self.sp.pad_id()) if self.sp.pad_id() >= 0 else self.eod
+        self.vocab_size = n + len(self._appended)
+        self._appended_by_id = {i: t for t, i in self._appended.items()}
+
+    def _piece_id(self, piece: str) -> int | None:
+        i = self.sp.piece_to_id(piece)
+        return i if self.sp.id_to_piece(i) == piece else None
+
+    def _special(self, piece: str) -> int:
+        """Megatron's _add_special_token: the model's id, else the next id after it."""
+        i = self._piece_id(piece)
+        if i is None:
+            i = self._appended.setdefault(piece, self.sp.get_piece_size() + len(self._appended))
+        return i
+
+    def _model_piece_or(self, model_id: int, fallback: str) -> int:
+        return self._special(self.sp.id_to_piece(model_id) if model_id >= 0 else fallback)
+
+    def _init_megatron_specials(self) -> None:
+        # Same order as Megatron-LM's _SentencePieceTokenizer._initalize: ids must match.
+        self.cls = self._special("<CLS>")
+        self.sep = self._special("<SEP>")
+        self.eod = self._special(EOD_PIECE)
+        self.mask = self._special("<MASK>")
+        self.pad = self._model_piece_or(self.sp.pad_id(), "<PAD>")
+        self.bos = self._model_piece_or(self.sp.bos_id(), "<BOS>")
+        self.eos = self._model_piece_or(self.sp.eos_id(), "<EOS>")
 
     def tokenize(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -61,7 +102,19 @@ class SentencePieceTokenizer:
         return self.sp.encode(texts, num_threads=1)
 
     def detokenize(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        if not self._appended_by_id or not any(i in self._appended_by_id for i in ids):
+            return self.sp.decode(ids)
+        out, run = [], []
+        for i in ids:  # appended specials are not model pieces: splice in their text
+            if i in self._appended_by_id:
+                out.append(self.sp.decode(run))
+                out.append(self._appended_by_id[i])
+                run = []
+            else:
+                run.append(i)
+        out.append(self.sp.decode(run))
+        return "".join(out)
 
     def __repr__(self):
         return (f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
@@ -73,4 +126,5 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str) -> SentencePieceT
     if tokenizer_type not in SUPPORTED_TYPES:
         raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
                         f"use one of {', '.join(SUPPORTED_TYPES)}")
-    return SentencePieceTokenizer(tokenizer_model)
+    return SentencePieceTokenizer(tokenizer_model,
+                                  megatron_specials=tokenizer_type == "SentencePieceTokenizer")

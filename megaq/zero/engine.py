@@ -346,7 +346,8 @@ class ZeroEngine:
             reset()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes on this rank: params (model shards + live gathered), grads, optimizer."""
+        """Bytes on this rank: params (model shards + live gathered), grads, optimizer,
+        and whatever the ZeRO++ seams report holding (``zeropp``, itemised too)."""
         def nb(t):
             return t.numel() * t.element_size()
         shards = sum(nb(p.shard) for p in self.partitions)
@@ -356,7 +357,13 @@ class ZeroEngine:
             + sum(nb(t) for t in self._full_grads.values())
         rep = {"params": shards + gathered, "gathered": gathered, "grads": grads,
                "optimizer": opt["optimizer"]}
-        rep["total"] = rep["params"] + rep["grads"] + rep["optimizer"]
+        # ZeRO++ state (hpZ secondary shards, qwZ packed shards, qgZ residuals), itemised
+        zeropp = {}
+        for seam in (self.gatherer, self.reducer):
+            zeropp.update(getattr(seam, "memory_bytes", dict)())
+        rep.update(zeropp)
+        rep["zeropp"] = sum(zeropp.values())
+        rep["total"] = rep["params"] + rep["grads"] + rep["optimizer"] + rep["zeropp"]
         return rep
 
 

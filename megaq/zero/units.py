@@ -141,7 +141,11 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
                 if u not in head.borrowed:
                     head.borrowed.append(u)
         orphans = [(name_of[id(p)], p) for p in chunk.parameters() if id(p) not in owner]
-        if orphans and chunk_sites:
+        if orphans and not chunk_sites:
+            raise ValueError(f"model chunk {c} has parameters ({orphans[0][0]}, ...) but none of "
+                             f"embedding / layers / final_norm / output_layer; the engine needs "
+                             f"GPTModel's layout to place its hooks")
+        if orphans:
             site = chunk_sites[0]
             unit = Unit(site.name + ".extra", [FlatPartition(
                 site.name + ".extra", orphans, cfg.gather_dtype, dp.size, dp.rank,
@@ -161,10 +165,6 @@ def all_partitions(sites: list[Site]) -> list[FlatPartition]:
                     seen.add(id(p))
                     out.append(p)
     return out
-
-
-def param_names(sites: list[Site]) -> list[str]:
-    return [slot.name for part in all_partitions(sites) for slot in part.slots]
 
 
 def check_params(model_chunks: list[nn.Module], cfg: ZeroConfig) -> None:
