@@ -299,6 +299,12 @@ class ZeroEngine:
         self._full_grads.clear()
         self._grad_bufs.clear()
         self._norm = None
+        # A step that died mid-forward/backward (exception) must not leak state into this one.
+        self._in_backward = False
+        self._bwd_started.clear()
+        self._site_remaining.clear()
+        if self.stage3:
+            self._release_all()
 
     def grad_norm(self) -> torch.Tensor:
         if self._norm is None:
