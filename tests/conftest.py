@@ -6,6 +6,3 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-# Import once in the parent: forked ranks inherit it instead of each paying a few
-# seconds the first time they hit a custom autograd Function or checkpoint.
-import torch._dynamo  # noqa: E402,F401

@@ -224,7 +224,7 @@ def make_batches(size, dev, n=4):
     return [(d[:, :-1].contiguous().to(dev), d[:, 1:].contiguous().to(dev)) for d in data]
 
 
-def time_variant(size, variant, dev, steps, warmup):
+def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -245,6 +245,9 @@ def time_variant(size, variant, dev, steps, warmup):
         opt_step()
         ev[i][2].record()
     torch.cuda.synchronize()
+    profile = None
+    if profile_dir is not None:
+        profile = profile_steps(size, variant, fwd_bwd, opt_step, batches, profile_dir)
     step_ms = sorted(e[0].elapsed_time(e[2]) for e in ev)[steps // 2]
     fb_ms = sorted(e[0].elapsed_time(e[1]) for e in ev)[steps // 2]
     opt_ms = sorted(e[1].elapsed_time(e[2]) for e in ev)[steps // 2]
@@ -256,8 +259,10 @@ def time_variant(size, variant, dev, steps, warmup):
                tflops=tflops, mfu=tflops / PEAK_TFLOPS,
                mfu_with_head=tps * flops_per_token(size, True) / 1e12 / PEAK_TFLOPS,
                peak_mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
-               setup_s=setup_s, optimizer=opt_kind,
+               setup_s=setup_s, optimizer=opt_kind, base_mem_gib=base / 2**30,
                loss_first=float(losses[0]), loss_last=float(losses[-1]))
+    if profile:
+        res["profile_ms_per_step_by_kind"] = profile
     del keep, fwd_bwd, opt_step, batches, losses
     gc.collect()
     torch._dynamo.reset()
@@ -265,18 +270,13 @@ def time_variant(size, variant, dev, steps, warmup):
     return res
 
 
-def profile_variant(size, variant, dev, out_dir):
+def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
+    """Profile two more steps of an already warmed-up variant; top kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    keep, fwd_bwd, opt_step, _ = build(size, variant, dev)
-    batches = make_batches(size, dev)
-    for i in range(3):
-        fwd_bwd(*batches[i % 4])
-        opt_step()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(2):
-            fwd_bwd(*batches[i % 4])
+            fwd_bwd(*batches[i % len(batches)])
             opt_step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
@@ -284,11 +284,30 @@ def profile_variant(size, variant, dev, out_dir):
     with open(path + ".tmp", "w") as f:
         f.write(table)
     os.replace(path + ".tmp", path)
-    print(f"profile {size} {variant} -> {path}\n{table[:2500]}")
-    del keep, fwd_bwd, opt_step
-    gc.collect()
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    cats = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        cats[kernel_category(evt.key)] = cats.get(kernel_category(evt.key), 0.0) + us / 2e3  # ms/step
+    summary = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1]))
+    print(f"profile {size} {variant} -> {path}\n  GPU ms per step by kind: {summary}")
+    return cats
+
+
+def kernel_category(name: str) -> str:
+    n = name.lower()
+    if any(t in n for t in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
+        return "matmul"
+    if any(t in n for t in ("flash", "fmha", "cudnn", "attention", "sdpa")):
+        return "attention"
+    if any(t in n for t in ("adam", "multi_tensor", "foreach")):
+        return "optimizer"
+    if n.startswith("triton_") or "_kernel" in n and "triton" in n:
+        return "inductor triton"
+    if n.startswith("_"):
+        return "megaq triton"
+    if any(t in n for t in ("elementwise", "vectorized", "reduce", "copy", "fill", "cat")):
+        return "torch elementwise/copy/reduce"
+    return "other"
 
 
 # ----------------------------------------------------------------- extras
@@ -511,7 +530,8 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="check the fused kernels on CUDA first")
     p.add_argument("--micro", action="store_true", help="kernel and GQA micro-benchmarks")
     p.add_argument("--no-zeropp", action="store_true", help="skip the ZeRO++ kernel table")
-    p.add_argument("--profile", nargs="*", default=[], metavar="SIZE:VARIANT")
+    p.add_argument("--profile", nargs="*", default=[], metavar="SIZE:VARIANT",
+                   help="also profile two steps of these variants (table next to --out)")
     p.add_argument("--micro-batch", nargs="*", default=[], metavar="SIZE:MB",
                    help="override a size's micro-batch, e.g. 1.3B:16")
     args = p.parse_args(argv)
@@ -546,7 +566,9 @@ def main(argv=None):
     for size in args.sizes:
         for variant in args.variants:
             try:
-                r = time_variant(size, variant, dev, args.steps, args.warmup)
+                prof_dir = (os.path.dirname(os.path.abspath(args.out or "."))
+                            if f"{size}:{variant}" in args.profile else None)
+                r = time_variant(size, variant, dev, args.steps, args.warmup, prof_dir)
             except Exception as e:  # noqa: BLE001 - report the failure, keep measuring the rest
                 r = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"FAILED {size} {variant}: {r['error']}")
@@ -573,9 +595,6 @@ def main(argv=None):
         report["zeropp_kernels"] = zpp
         save()
         zpp = zpp if zpp and "rows" in zpp else None
-    for item in args.profile:
-        size, variant = item.split(":")
-        profile_variant(size, variant, dev, os.path.dirname(os.path.abspath(args.out or ".")))
     print_tables(report["results"], zpp)
     save()
 

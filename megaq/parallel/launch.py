@@ -65,6 +65,9 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
     """
     layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, hpz_size=hpz_size, order=order)
     Layout(world_size=world_size, **layout_kw)  # validate before forking
+    # torch.optim, checkpointing and custom autograd Functions import torch._dynamo lazily
+    # (seconds of CPU); importing it once here lets every forked rank inherit it.
+    import torch._dynamo  # noqa: F401
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
