@@ -29,6 +29,18 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentsError(f"{message} (see --help)")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default when it has a meaningful one (not None / False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default is not None
+                and action.default is not False and action.default is not argparse.SUPPRESS
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
 ARCHITECTURE_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
     "group_query_attention", "num_query_groups", "kv_channels", "max_position_embeddings",
@@ -40,7 +52,7 @@ ARCHITECTURE_ARGS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py",
+    p = _Parser(prog="pretrain_gpt.py", formatter_class=_HelpFormatter,
                 description="Pretrain a GPT / Llama-style model with TP, PP and ZeRO-3 / ZeRO++ "
                             "data parallelism (Megatron-LM compatible flags).")
 
@@ -50,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="MLP width (default 4 x hidden, or Megatron's 2/3 of that rounded to 64 "
                         "with --swiglu)")
-    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True,
+                   help="attention (query) heads")
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention (needs --num-query-groups)")
     g.add_argument("--num-query-groups", type=int, default=None, help="KV heads for GQA")
@@ -60,25 +73,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="positions of the learned embedding table (default --seq-length)")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
-                   default="learned_absolute")
+                   default="learned_absolute",
+                   help="learned absolute positions (GPT-2) or rotary (Llama)")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="norm layer type")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5,
+                   help="epsilon of the norm layers")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (Llama style)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer instead of reusing the word embedding")
     g.add_argument("--disable-bias-linear", action="store_true",
                    help="no biases in linear layers (Llama style)")
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.1,
+                   help="dropout on attention probabilities")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="dropout on the residual branches")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="std of the normal weight initialisation")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this x TP")
     g.add_argument("--recompute-activations", action="store_true",
                    help="recompute each layer's activations in backward (not counted in TFLOP/s)")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP: ranks splitting each layer")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP: pipeline stages")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved 1F1B: layers per model chunk")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -106,29 +128,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="qgZ: carry the quantization residual into the next step")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, required=True,
+                   help="samples per micro-batch per DP rank")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step (default micro-batch x DP); must be a multiple of "
                         "micro-batch x DP (the quotient is the gradient accumulation count)")
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--train-iters", type=int, required=True,
+                   help="optimizer steps to train for (in total, across resumes)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of weights, dropout and data order")
     g.add_argument("--bf16", action="store_true", help="bf16 weights/activations (fp32 master)")
     g.add_argument("--fp16", action="store_true", help="not supported (no loss scaling): use --bf16")
     g.add_argument("--max-consecutive-skipped-iters", type=int, default=10,
                    help="stop when this many iterations in a row had a non-finite loss or grad")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and exit when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit after this many minutes of training (job time limits)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM / SIGUSR1 (any rank): finish the iteration, save, exit")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--lr", type=float, required=True, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--min-lr", type=float, default=0.0,
+                   help="learning rate at the end of the decay")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear",
+                   help="decay after warm-up")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warm-up steps from 0 to --lr")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW weight decay (not on biases and norms)")
+    g.add_argument("--adam-beta1", type=float, default=0.9,
+                   help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999,
+                   help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8,
+                   help="AdamW epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0 = off)")
 
     g = p.add_argument_group("data")
@@ -143,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "if missing")
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
                    choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                            "NullTokenizer"])
+                            "NullTokenizer"],
+                   help="tokenizer of --data-path (NullTokenizer: ids as they are, needs --vocab-size)")
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocab of the NullTokenizer / --mock-data (default 1024)")
@@ -158,11 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load weights only (fresh AdamW moments)")
 
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--log-interval", type=int, default=100,
+                   help="iterations per log line / metrics line")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="iterations between evaluations on the validation split")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="validation batches per evaluation (0 = no evaluation)")
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard scalars here (needs tensorboard installed)")
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON object per logged iteration (and per evaluation)")
     return p
@@ -333,6 +375,10 @@ def validate_args(args: argparse.Namespace, world_size: int,
         _fail("--eval-interval must be >= 1 (use --eval-iters 0 to turn evaluation off)")
     if args.eval_iters < 0:
         _fail("--eval-iters must be >= 0")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        _fail("--exit-interval must be >= 1")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        _fail("--exit-duration-in-mins must be > 0")
     if args.max_consecutive_skipped_iters < 1:
         _fail("--max-consecutive-skipped-iters must be >= 1")
     args.params_dtype = "bf16" if args.bf16 else "fp32"

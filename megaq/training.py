@@ -7,6 +7,11 @@ one per iteration (a small all-reduce of the step's loss, whose finiteness and t
 grad norm's decide whether the update is applied on every rank alike); the comm
 counters are gathered once per logged iteration.
 
+Early exit (Megatron's flags): --exit-interval N, --exit-duration-in-mins M, and
+--exit-signal-handler (SIGTERM / SIGUSR1 on any rank); the stop vote rides on the
+per-iteration loss all-reduce, so all ranks stop after the same iteration, save a
+checkpoint (with --save) and return normally.
+
 A non-finite loss or grad norm skips the update (the LR schedule does not advance)
 and is counted; ``--max-consecutive-skipped-iters`` in a row stop the run with a
 :class:`TrainingDiverged` error.
@@ -15,6 +20,7 @@ and is counted; ``--max-consecutive-skipped-iters`` in a row stop the run with a
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +47,7 @@ class TrainState:
     losses: dict = field(default_factory=dict)       # iteration -> lm loss (every iteration)
     grad_norms: dict = field(default_factory=dict)
     val_losses: dict = field(default_factory=dict)   # iteration -> validation loss
+    exit_reason: str | None = None                   # set when stopped before --train-iters
 
 
 @dataclass
@@ -80,10 +87,24 @@ class Trainer:
         self.device = next(parts.model_chunks[0].parameters()).device
         # reduce the loss over the ranks that hold it: last stage, all TP x DP ranks
         self._loss_divisor = self.topo.layout.tp * self.topo.layout.dp
+        self._t_start = time.time()
+        self._signal_received: str | None = None
+        self._stop_agreed = False
+        if a.exit_signal_handler:
+            self._install_signal_handler()
 
     # ------------------------------------------------------------------ one step
+    def _on_device(self, batches: list) -> list:
+        """The iterator yields CPU tensors; copy them to the model's device (async)."""
+        if self.device.type == "cpu":
+            return batches
+        return [None if mb is None else
+                {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                 for k, v in mb.items()} for mb in batches]
+
     def _run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
         a = self.args
+        batches = self._on_device(batches)
         losses = self.forward_backward(
             self.p.model_chunks, batches, a.num_micro_batches, self.topo,
             tensor_shape=self.tensor_shape, dtype=_dtype(a), forward_only=forward_only,
@@ -93,10 +114,30 @@ class Trainer:
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _global_mean(self, local_sum: torch.Tensor, micro_batches: int) -> float:
-        """Mean micro-batch loss over the global batch, on every rank (one host sync)."""
-        t = local_sum.reshape(1).clone()
+        """Mean micro-batch loss over the global batch, on every rank (one host sync).
+
+        The same all-reduce carries this rank's "please stop" vote (a signal arrived, or
+        --exit-duration-in-mins passed), so every rank agrees on stopping for free."""
+        t = torch.stack([local_sum.reshape(()).double(),
+                         torch.tensor(float(self._stop_vote()), dtype=torch.float64,
+                                      device=local_sum.device)])
         comm.all_reduce(t, self.topo.world, "dp_misc")
-        return t.item() / (self._loss_divisor * micro_batches)
+        loss_sum, votes = t.tolist()
+        self._stop_agreed = self._stop_agreed or votes > 0
+        return loss_sum / (self._loss_divisor * micro_batches)
+
+    def _stop_vote(self) -> bool:
+        a = self.args
+        if self._signal_received is not None:
+            return True
+        return bool(a.exit_duration_in_mins
+                     and time.time() - self._t_start > a.exit_duration_in_mins * 60)
+
+    def _install_signal_handler(self) -> None:
+        def handler(signum, frame):  # noqa: ARG001 - signal API
+            self._signal_received = signal.Signals(signum).name
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, handler)
 
     def train_step(self, batches) -> tuple[float, float, bool]:
         """Returns (loss, grad_norm, applied)."""
@@ -192,7 +233,8 @@ class Trainer:
                         f"{grad_norm}); lower --lr, check the data, or raise "
                         f"--max-consecutive-skipped-iters")
 
-            if s.iteration % a.log_interval == 0 or s.iteration == a.train_iters:
+            reason = self._exit_reason()
+            if s.iteration % a.log_interval == 0 or s.iteration == a.train_iters or reason:
                 self._log(interval, lr, grad_norm)
                 interval.update(t0=time.perf_counter(), iters=0, loss=0.0, counted=0,
                                 skipped=0, nan=0)
@@ -203,13 +245,30 @@ class Trainer:
                 self.save()
                 last_saved = s.iteration
             interval["t0"] += time.perf_counter() - t_aside
+            if reason:
+                if a.save and s.iteration != last_saved:
+                    self.save()
+                    last_saved = s.iteration
+                if self.rank0:
+                    print(f" exiting program at iteration {s.iteration}: {reason}", flush=True)
+                s.exit_reason = reason
+                break
         if a.save and s.iteration != last_saved and s.iteration > 0:
             self.save()
-        if a.eval_iters and s.iteration not in s.val_losses:
+        if a.eval_iters and s.iteration not in s.val_losses and s.exit_reason is None:
             self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()
         self.tb.close()
         return s
+
+    def _exit_reason(self) -> str | None:
+        a, s = self.args, self.state
+        if a.exit_interval and s.iteration % a.exit_interval == 0:
+            return f"--exit-interval {a.exit_interval}"
+        if self._stop_agreed:
+            return ("a rank received a signal (--exit-signal-handler) or --exit-duration-in-mins "
+                    f"{a.exit_duration_in_mins} passed")
+        return None
 
     def _log(self, interval: dict, lr: float, grad_norm: float) -> None:
         a, s, topo = self.args, self.state, self.topo

@@ -33,8 +33,9 @@ class DictEngine:
     """Stands in for the ZeRO engine: full_state() is a dict of tensors by name."""
 
     def __init__(self, value: float):
-        self.state = {"weights": {"w": torch.full((3, 2), value)},
-                      "optimizer": {"w": {"exp_avg": torch.full((3, 2), value / 2)}}}
+        self.state = {"step": 3, "params": {"w": {"param": torch.full((3, 2), value),
+                                                  "exp_avg": torch.full((3, 2), value / 2),
+                                                  "exp_avg_sq": torch.full((3, 2), value / 4)}}}
         self.loaded = None
 
     def full_state(self):
@@ -76,7 +77,7 @@ def test_layout_and_roundtrip(tmp_path):
     sched2 = LRSchedule.from_args(args)
     got = load(tmp_path, args, topo, fresh, sched2)
     assert got["iteration"] == 3 and got["consumed_samples"] == 12
-    assert torch.equal(fresh.loaded["weights"]["w"], engine.state["weights"]["w"])
+    assert torch.equal(fresh.loaded["params"]["w"]["param"], engine.state["params"]["w"]["param"])
     assert sched2.num_steps == 3
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
     # files are plain tensors/containers: loadable without unpickling arbitrary objects
@@ -102,7 +103,7 @@ def test_crash_during_save_keeps_previous(tmp_path, stage):
     fresh = DictEngine(0.0)
     got = load(tmp_path, args, topo, fresh, LRSchedule.from_args(args))
     assert got["iteration"] == 2
-    assert torch.equal(fresh.loaded["weights"]["w"], torch.full((3, 2), 1.0))
+    assert torch.equal(fresh.loaded["params"]["w"]["param"], torch.full((3, 2), 1.0))
     # the next save cleans up the debris and completes
     save(tmp_path, 4, args, topo, DictEngine(9.0), sched)
     assert load(tmp_path, args, topo, fresh, LRSchedule.from_args(args))["iteration"] == 4
@@ -138,3 +139,14 @@ def test_bad_tracker_and_missing_dir(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
     with pytest.raises(ckpt.CheckpointError, match="iter_0000007 does not exist"):
         load(tmp_path, args, topo, engine, sched)
+
+
+def test_no_load_optim_keeps_weights_resets_adam(tmp_path):
+    args, topo, engine, sched = setup(tmp_path, value=2.0)
+    save(tmp_path, 1, args, topo, engine, sched)
+    fresh = DictEngine(0.0)
+    ckpt.load_checkpoint(tmp_path, args=args, topo=topo, engine=fresh, lr_schedule=sched,
+                         load_optim=False)
+    w = fresh.loaded["params"]["w"]
+    assert fresh.loaded["step"] == 0 and torch.equal(w["param"], torch.full((3, 2), 2.0))
+    assert not w["exp_avg"].any() and not w["exp_avg_sq"].any()

@@ -102,3 +102,27 @@ def test_tensorboard_optional(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("WARNING: --tensorboard-dir") == 1 and "pip install tensorboard" in err
         tb.scalars({"lm loss": 1.0}, 1)  # a no-op, never an error
+
+
+def _signal_rank1_at_iteration_2(topo, args):
+    import signal as sig
+    from megaq import training
+    real = training.Trainer.train_step
+
+    def patched(self, batches):
+        if topo.rank == 1 and self.state.iteration + 1 == 2:
+            os.kill(os.getpid(), sig.SIGTERM)  # e.g. slurm preempting one node
+        return real(self, batches)
+
+    training.Trainer.train_step = patched
+    s = pretrain_gpt.main(args, topo=topo)
+    return {"iteration": s.iteration, "reason": s.exit_reason}
+
+
+def test_signal_on_one_rank_stops_all_after_a_save(tmp_path):
+    from megaq import checkpoint as ckpt
+    out = run_on_ranks(_signal_rank1_at_iteration_2, 2, args=(argv(str(tmp_path), 6, [
+        "--exit-signal-handler", "--save", str(tmp_path / "ck"), "--save-interval", "5"]),))
+    assert [r["iteration"] for r in out] == [2, 2]
+    assert "signal" in out[0]["reason"]
+    assert ckpt.read_tracker(str(tmp_path / "ck")) == 2

@@ -167,7 +167,7 @@ def plot(records: list[dict], path: str) -> None:
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("emulated inter-node link rate per direction (Mbit/s)")
-    ax.set_ylabel("step time (ms, median after warm-up)")
+    ax.set_ylabel("step time (ms): median, bars min..max")
     ax.set_title("2 emulated nodes x 2 ranks (gloo, CPU): ZeRO-3 vs ZeRO++")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

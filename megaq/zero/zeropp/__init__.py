@@ -17,12 +17,12 @@ from .config import ZeroPPConfig, padded
 from . import volume
 from .grads import QuantizedGradReducer, chunk_bounds
 from .rails import RailOrderError, Rails, rails_of
-from .weights import ZeroPPWeightGatherer, qwz_gather_bytes
+from .weights import ZeroPPWeightGatherer
 
 __all__ = [
     "ZeroPPConfig", "ZeroPPWeightGatherer", "QuantizedGradReducer", "RailOrderError", "Rails",
     "make_gatherer", "make_reducer", "zeropp_config", "rails_of", "padded",
-    "chunk_bounds", "qwz_gather_bytes", "volume",
+    "chunk_bounds", "volume",
 ]
 
 

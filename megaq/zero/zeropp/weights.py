@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from megaq.kernels import ops
-from megaq.kernels.format import packed_len
 from megaq.parallel import comm
 
 from .config import ZeroPPConfig, padded
@@ -161,7 +160,3 @@ def unit_buffers(unit):
     key = getattr(unit, "name", None)
     return (id(unit) if key is None else key), unit.shard, unit.full
 
-
-def qwz_gather_bytes(S: int, n: int, cfg: ZeroPPConfig) -> int:
-    """Size of the gathered packed buffer for one unit (the ring model's full tensor)."""
-    return n * packed_len(padded(S, cfg.block), cfg.weight_bits, cfg.block)
