@@ -65,26 +65,28 @@ def seed_everything(args, topo) -> None:
 
 
 def _init_distributed(args):
+    from megaq.arguments import rank_order
     from megaq.parallel.launch import init_from_env
     from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
     rank, world = init_from_env(args.distributed_backend)
     rpn = ranks_per_node_from_env(world, rank, args.gpus_per_node)
     layout = Layout(world_size=world, tp=args.tensor_model_parallel_size,
                     pp=args.pipeline_model_parallel_size, ranks_per_node=rpn,
-                    hpz_size=args.zero_hpz_partition_size)
+                    hpz_size=args.zero_hpz_partition_size, order=rank_order(args))
     return build_topology(layout, rank)
 
 
 def _check_topology_matches(args, topo) -> None:
-    from megaq.arguments import ArgumentsError
+    from megaq.arguments import ArgumentsError, rank_order
     lay = topo.layout
     want = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.zero_hpz_partition_size)
-    if (lay.tp, lay.pp, lay.hpz_size) != want or (
+            args.zero_hpz_partition_size, rank_order(args))
+    if (lay.tp, lay.pp, lay.hpz_size, lay.order) != want or (
             args.gpus_per_node and args.gpus_per_node != lay.ranks_per_node):
         raise ArgumentsError(f"the given topology (TP={lay.tp}, PP={lay.pp}, hpZ={lay.hpz_size}, "
-                             f"{lay.ranks_per_node} ranks per node) does not match the flags "
-                             f"(TP, PP, hpZ = {want}, --gpus-per-node {args.gpus_per_node})")
+                             f"order {lay.order}, {lay.ranks_per_node} ranks per node) does not "
+                             f"match the flags (TP, PP, hpZ, order = {want}, --gpus-per-node "
+                             f"{args.gpus_per_node})")
 
 
 def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
@@ -136,6 +138,11 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
             if rank0:
                 print(f" no checkpoint found in {args.load}: starting from scratch", flush=True)
         else:
+            if loaded["consumed_samples"] % args.global_batch_size:
+                raise ckpt.CheckpointError(
+                    f"{loaded['path']} consumed {loaded['consumed_samples']} samples, not a multiple "
+                    f"of --global-batch-size {args.global_batch_size}; resume with a global batch "
+                    f"size dividing it (e.g. the checkpoint's {loaded['args_global_batch_size']})")
             state.iteration = loaded["iteration"]
             state.consumed_samples = loaded["consumed_samples"]
             state.skipped_total = loaded["extra"].get("skipped_total", 0)

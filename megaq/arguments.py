@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="ranks per node for the node map (default: from torchrun/slurm); a "
                         "smaller value makes one machine pose as several nodes")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="rank order TP fastest, then PP, then DP (Megatron's flag); the "
+                        "default order puts DP before PP, which keeps a pipeline stage's DP "
+                        "groups on as few nodes as possible")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
 
@@ -221,6 +225,11 @@ def default_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_order(args) -> str:
+    """The topology's rank order named by --use-tp-pp-dp-mapping."""
+    return "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-dp-pp"
+
+
 def parse_args(argv: list[str] | None = None, world_size: int | None = None,
                ranks_per_node: int | None = None) -> argparse.Namespace:
     """Parse and validate. `world_size` defaults to torch.distributed's / $WORLD_SIZE."""
@@ -252,7 +261,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     rpn = args.gpus_per_node or ranks_per_node
     try:
         layout = Layout(world_size=world_size, tp=tp, pp=pp, ranks_per_node=rpn,
-                        hpz_size=args.zero_hpz_partition_size)
+                        hpz_size=args.zero_hpz_partition_size, order=rank_order(args))
         check_model_fits_tp(tp, args.num_attention_heads,
                             args.num_query_groups if args.group_query_attention else None)
     except LayoutError as e:

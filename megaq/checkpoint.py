@@ -304,7 +304,8 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=
             raise CheckpointError(f"{rpath} is missing; the checkpoint is incomplete "
                                   f"(or pass --no-load-rng)")
     return {"iteration": int(sd["iteration"]), "consumed_samples": int(sd["consumed_samples"]),
-            "extra": sd.get("extra", {}), "path": ckpt}
+            "extra": sd.get("extra", {}), "path": ckpt,
+            "args_global_batch_size": sd["args"].get("global_batch_size")}
 
 
 # ------------------------------------------------------------- TP / PP resharding

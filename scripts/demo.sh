@@ -6,12 +6,13 @@
 # 1. sets up the environment (scripts/setup_env.sh);
 # 2. builds the built-in corpus (Python stdlib text) + SentencePiece tokenizer if missing;
 # 3. trains a small Llama-style model (RoPE, RMSNorm, SwiGLU, GQA, untied, no biases) with
-#    TP=2 x PP=2 x DP=4 on 16 ranks posing as nodes of 4 (--gpus-per-node 4), ZeRO-3
+#    TP=2 x PP=2 x DP=4 on 16 ranks posing as 2 nodes of 8 (--gpus-per-node 8), ZeRO-3
 #    with all of ZeRO++ on (qwZ int8 weights, hpZ over the 2 in-node DP ranks, qgZ int4
-#    gradients). Megatron's rank order (rank = tp + 2 (dp + 4 pp)) puts each pipeline
-#    stage on 8 consecutive ranks, so with nodes of 8 every DP group would sit inside one
-#    node; with nodes of 4 every DP group spans 2 nodes with 2 ranks on each, and qwZ,
-#    hpZ and qgZ all cross a node boundary (the two stages' groups use nodes 0-1 / 2-3);
+#    gradients). Megatron's default rank order (rank = tp + 2 (dp + 4 pp)) would put each
+#    pipeline stage on 8 consecutive ranks, i.e. every DP group inside one node; with
+#    --use-tp-pp-dp-mapping (rank = tp + 2 (pp + 2 dp)) every DP group (e.g. ranks
+#    0, 4, 8, 12) spans both nodes with 2 ranks on each, so qwZ, hpZ and qgZ all cross
+#    the node boundary;
 # 4. saves a checkpoint, writes the metrics file and a loss-curve PNG, samples text.
 #
 # CPU ranks over gloo unless 16+ GPUs are visible (then NCCL + bf16). Knobs (env):
@@ -39,32 +40,14 @@ else
   export OMP_NUM_THREADS=1
 fi
 
-# ZeRO++ on, unless this checkout's engine does not provide it yet (then ZeRO-3, said loudly).
 zeropp=(--zero-quantized-weights --zero-hpz-partition-size 2 --zero-quantized-gradients)
-if ! python - <<'PYEOF' 2>/dev/null
-# Probe: build the engine with qwZ + qgZ around a tiny model on a one-rank topology.
-from megaq.model import GPTConfig, GPTModel
-from megaq.parallel.comm import Group
-from megaq.parallel.topology import Layout, Topology
-from megaq.zero import ZeroConfig, build_engine
-g = Group(ranks=[0], nodes=[0], pg=None, rank_index=0)
-topo = Topology(layout=Layout(1), rank=0, tp=g, dp=g, pp=g, embedding=g, intra=g, inter=g,
-                hpz=g, world=g)
-build_engine([GPTModel(GPTConfig())], topo,
-             ZeroConfig(stage=3, quantized_weights=True, quantized_gradients=True))
-PYEOF
-then
-  echo "[demo] NOTE: this checkout's ZeRO engine does not provide the ZeRO++ switches yet:"
-  echo "[demo]       falling back to plain ZeRO-3 (no qwZ / hpZ / qgZ)"
-  zeropp=()
-fi
 
 rm -f "$DEMO_DIR/metrics.jsonl"
-echo "[demo] training: TP=2 x PP=2 x DP=4 on $NPROC $device ranks posing as 4 nodes of 4"
+echo "[demo] training: TP=2 x PP=2 x DP=4 on $NPROC $device ranks posing as 2 nodes of 8"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
 set +e
 torchrun --standalone --nnodes 1 --nproc_per_node "$NPROC" pretrain_gpt.py \
-  --distributed-backend "$backend" --gpus-per-node 4 \
+  --distributed-backend "$backend" --gpus-per-node 8 --use-tp-pp-dp-mapping \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
   --group-query-attention --num-query-groups 2 \

@@ -5,7 +5,6 @@ import json
 import math
 import os
 
-import pytest
 
 import pretrain_gpt
 from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
@@ -126,3 +125,26 @@ def test_signal_on_one_rank_stops_all_after_a_save(tmp_path):
     assert [r["iteration"] for r in out] == [2, 2]
     assert "signal" in out[0]["reason"]
     assert ckpt.read_tracker(str(tmp_path / "ck")) == 2
+
+
+def test_plot_metrics_writes_png(tmp_path):
+    import importlib.util
+    from megaq.metrics import MetricsWriter
+    paths = []
+    for run in range(2):  # two files -> two curves per panel
+        w = MetricsWriter(str(tmp_path / f"m{run}.jsonl"))
+        for it in (1, 2, 3):
+            w.write({"type": "train", "iteration": it, "lm_loss": 5.0 - it - run, "lr": 1e-3,
+                     "grad_norm": 1.0, "tokens_per_s": 100.0,
+                     "comm": {"grad_reduce": {"intra_node": 1.0, "inter_node": 2.0}}})
+        w.write({"type": "validation", "iteration": 3, "val_loss": 2.5, "val_ppl": 12.2})
+        w.close()
+        paths.append(str(tmp_path / f"m{run}.jsonl"))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("plot_metrics",
+                                                  os.path.join(repo, "tools", "plot_metrics.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "curves.png"
+    assert mod.main(paths + ["--output", str(out), "--labels", "a", "b"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

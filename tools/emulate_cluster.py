@@ -198,7 +198,8 @@ def run_measured(script_argv: list[str], *, rate: str | list[str], delay: str = 
     first = sampler.samples.get(1)
     rec.update(
         segments=windows, shaping=shaping, nproc_per_node=nproc,
-        seconds_to_first_iteration=round(sampler.first_line_s or float("nan"), 2),
+        seconds_to_first_iteration=(round(sampler.first_line_s, 2)
+                                    if sampler.first_line_s is not None else None),
         link_bytes_to_first_iteration=(sum((a - b).tx_bytes for a, b in zip(first, before))
                                        if first else None),
         rate_changes=sampler.rate_changes, wall_s=round(job["wall_s"], 2), logs=job["logs"],
@@ -213,9 +214,10 @@ def _print_record(rec: dict) -> None:
         line = (f"rate {w['rate']}: step {w['step_ms']:.1f} ms (median of iterations "
                 f"{w['iterations_timed'][0]}..{w['iterations_timed'][1]}: {w['step_ms_all']})")
         if "steady_link_bytes_per_iteration" in w:
-            line += (f"; link {w['steady_link_bytes_per_iteration'] / mb:.2f} MB/iteration vs megaq "
-                     f"{w['steady_accounted_per_iteration'] / mb:.2f} MB/iteration "
-                     f"(ratio {w['steady_link_over_accounted']}), link busy {w['link_busy_share']:.0%}")
+            line += (f"; link {w['steady_link_bytes_per_iteration'] / mb:.2f} MB/iteration "
+                     f"vs megaq {w['steady_accounted_per_iteration'] / mb:.2f} MB/iteration "
+                     f"(ratio {w['steady_link_over_accounted']}), "
+                     f"link busy {w['link_busy_share']:.0%}")
         print(line)
     print(f"  whole run: link (veth tx, both ends) {rec['link_bytes'] / mb:.2f} MB in "
           f"{rec['link_packets']} frames ({rec['link_header_bytes'] / mb:.2f} MB headers); megaq "
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="emulated_cluster_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         if args.cmd == "probe":
-            script = [os.path.join(REPO, "tools", "netns_gloo_probe.py"), "--numel", str(args.numel),
+            script = [os.path.join(REPO, "tools", "netns_gloo_probe.py"),
+                      "--numel", str(args.numel),
                       "--iters", str(args.iters), "--ops", args.ops, "--metrics-file", metrics]
         else:
             script = [a for a in args.script if a != "--"]

@@ -300,19 +300,20 @@ def transport_lines(log_dir: str, per_node: int) -> dict:
     dev_of = {bus.lower().lstrip("0") or "0": int(dev)
               for dev, bus in (m.groups() for m in map(BUS.search, text) if m)}
 
-    def device(tag: str) -> int:
+    def device(tag: str) -> int | None:
         t = tag.lower().lstrip("0") or "0"
-        return dev_of[t] if t in dev_of else int(tag)
+        return dev_of[t] if t in dev_of else int(tag) if tag.isdigit() else None
 
     lines, checked, wrong = [], 0, []
     for line in text:
         mt = CHANNEL.search(line)
-        if mt or ("NET/" in line and ("Using" in line or "Socket" in line)):
+        if mt or "Using network" in line or ("NET/" in line and ("Using" in line or "Socket" in line)):
             lines.append(line.rstrip())
-        if not mt:
+        a, b = (device(mt.group(3)), device(mt.group(5))) if mt else (None, None)
+        if a is None or b is None:
             continue
         via = mt.group(7)
-        cross = device(mt.group(3)) // per_node != device(mt.group(5)) // per_node
+        cross = a // per_node != b // per_node
         checked += 1
         if cross != via.startswith("NET"):
             wrong.append(line.strip())
@@ -457,16 +458,19 @@ def worker(plan_path: str) -> int:
     split = plan.get("split_hosts")
     if split:  # each half of the host is its own "host" to NCCL: NET between halves
         os.environ["NCCL_HOSTID"] = f"megaq-half{local // split}"
-    sys.path.insert(0, REPO)
+    # appended, not prepended: the installed megaq (or the driver's shim, which maps
+    # megaq.kernels) must win over <repo>/megaq; the repo is only there for pretrain_gpt
+    sys.path.append(REPO)
     import torch
     import pretrain_gpt
     from megaq.parallel.launch import init_from_env
     device = plan["device"]
     init_from_env("nccl" if device == "cuda" else "gloo")
     rank = int(os.environ.get("RANK", "0"))
-    if device == "cuda":
-        pretrain_gpt.build_data = _device_batches(pretrain_gpt.build_data,
-                                                  torch.device("cuda", torch.cuda.current_device()))
+    # (also on cpu, where the move is a no-op, so the CPU smoke test runs this path)
+    pretrain_gpt.build_data = _device_batches(
+        pretrain_gpt.build_data,
+        torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"))
     import gc
     results = []
     for e in plan["entries"]:

@@ -15,7 +15,6 @@ Usage (under torchrun): python tools/netns_gloo_probe.py --numel 1000000 --iters
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -54,7 +53,8 @@ def run_op(op: str, world, rank: int, shard, full, reduced) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=int, default=1 << 20, help="fp32 elements gathered per collective")
+    ap.add_argument("--numel", type=int, default=1 << 20,
+                    help="fp32 elements gathered per collective")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--ops", default="all_gather,reduce_scatter",
                     help="comma list of all_gather, reduce_scatter, all_reduce, all_to_all")

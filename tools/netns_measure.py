@@ -52,7 +52,8 @@ class IterationSampler:
     """Counters at the moment each metrics line appears; switches the link's rate when
     a segment ends. poll() is called every ~2 ms by the launcher."""
 
-    def __init__(self, link: EmulatedLink, metrics_file: str, segments: list[Segment] | None = None):
+    def __init__(self, link: EmulatedLink, metrics_file: str,
+                 segments: list[Segment] | None = None):
         self.link, self.path, self.segments = link, metrics_file, segments or []
         self.samples: dict[int, list] = {}   # training iteration -> counters of both ends
         self._size, self.t0, self.first_line_s = -1, time.perf_counter(), None
@@ -99,7 +100,8 @@ def inter_node_bytes(line: dict) -> float:
 
 
 def by_phase(line: dict) -> dict[str, float]:
-    return {p: v.get("inter_node", 0) * line.get("nodes", 2) for p, v in line.get("comm", {}).items()}
+    nodes = line.get("nodes", 2)
+    return {p: v.get("inter_node", 0) * nodes for p, v in line.get("comm", {}).items()}
 
 
 def window(lines: list[dict], samples: dict, before: list, seg: Segment) -> dict:
@@ -113,7 +115,8 @@ def window(lines: list[dict], samples: dict, before: list, seg: Segment) -> dict
            "step_ms": round(statistics.median(x["elapsed_ms"] for x in timed), 1),
            "step_ms_all": [round(x["elapsed_ms"], 1) for x in timed],
            "loss_last": timed[-1].get("lm_loss"),
-           "accounted_by_phase_per_iteration": {k: int(v) for k, v in sorted(by_phase(timed[-1]).items())}}
+           "accounted_by_phase_per_iteration": {
+               k: int(v) for k, v in sorted(by_phase(timed[-1]).items())}}
     acc = sum(inter_node_bytes(x) for x in timed) / len(timed)
     start = samples.get(seg.timed_first - 1, before if seg.timed_first == 1 else None)
     end = samples.get(seg.last)

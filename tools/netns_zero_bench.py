@@ -1,13 +1,15 @@
 """ZeRO-3 vs ZeRO++ step time over an emulated two-node link, at several link rates.
 
-For each rate, the same small Llama-style model and batch run as four configurations
-(ZeRO-3, qwZ, qwZ + hpZ, full ZeRO++ = qwZ + hpZ + qgZ), each on a freshly built link
-(tools/emulate_cluster.py). Per run: median step time after warm-up, bytes over the
-link (veth counters) per iteration vs megaq's own inter-node accounting, the share of
-the step the link is busy, and the speedup over ZeRO-3 at the same rate. Writes a JSON
-record, a PNG (step time against link rate) and prints a markdown table.
+The same small Llama-style model and batch run as four configurations (ZeRO-3, qwZ,
+qwZ + hpZ, full ZeRO++ = qwZ + hpZ + qgZ). Each configuration is one launch on a
+freshly built link (tools/emulate_cluster.py) whose rate is switched in place through
+the rate schedule; `--repeats` passes go over the configurations in alternating order.
+Per (config, rate): median step time over the timed iterations of all passes, bytes
+over the link (veth counters) per iteration vs megaq's own inter-node accounting, the
+share of the step the link is busy, and the speedup over ZeRO-3 at the same rate.
+Writes a JSON record, a PNG (step time against link rate) and prints a markdown table.
 
-    python tools/netns_zero_bench.py --rates 250mbit,1gbit,4gbit \
+    scripts/emulate_cluster.sh bench --rates 250mbit,1gbit,4gbit --repeats 2 \
         --out docs/results/emulated_cluster.json --plot docs/results/emulated_cluster.png
 """
 
@@ -35,7 +37,8 @@ CONFIGS = {   # name -> ZeRO flags (DeepSpeed's names, as pretrain_gpt.py takes 
 }
 
 
-def model_args(layers: int, hidden: int, seq: int, micro: int, nproc: int, iters: int) -> list[str]:
+def model_args(layers: int, hidden: int, seq: int, micro: int, nproc: int,
+               iters: int) -> list[str]:
     """A small Llama-style model (RMSNorm, SwiGLU, RoPE, untied embeddings) on mock data."""
     dp = 2 * nproc
     return ["pretrain_gpt.py", "--mock-data", "--vocab-size", "4096",
@@ -85,12 +88,14 @@ def one_config(config: str, rates: list[str], base: list[str], args, tmp: str) -
     out = []
     for w in rec["segments"]:
         w = dict(w, config=config, loadavg_1min_before_after_run=loads,
-                 run_wall_s=rec["wall_s"], seconds_to_first_iteration=rec["seconds_to_first_iteration"],
+                 run_wall_s=rec["wall_s"],
+                 seconds_to_first_iteration=rec["seconds_to_first_iteration"],
                  run_link_over_accounted=rec["link_over_accounted"],
                  loopback_bytes_run=rec["loopback_bytes"], shaping_mtu=rec["shaping"]["mtu"])
         exp = wire_expectation(w, config)
         if exp and "steady_link_bytes_per_iteration" in w:
-            w["steady_link_over_gloo_expectation"] = round(w["steady_link_bytes_per_iteration"] / exp, 4)
+            w["steady_link_over_gloo_expectation"] = round(
+                w["steady_link_bytes_per_iteration"] / exp, 4)
         out.append(w)
     return out
 
@@ -111,7 +116,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
         steps = [t for r in ok for t in r["step_ms_all"]]
         agg.update(step_ms=round(statistics.median(steps), 1), step_ms_min=min(steps),
                    step_ms_all=steps, step_ms_per_pass=[r["step_ms"] for r in ok],
-                   passes=len(ok), loadavg_1min_per_pass=[r["loadavg_1min_before_after_run"] for r in ok])
+                   passes=len(ok),
+                   loadavg_1min_per_pass=[r["loadavg_1min_before_after_run"] for r in ok])
         for k in ("steady_link_bytes_per_iteration", "steady_link_over_accounted",
                   "steady_link_over_gloo_expectation"):
             vals = [r[k] for r in ok if r.get(k) is not None]
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     iters = args.warmup + args.iters_per_rate * len(rates)
     base = model_args(args.num_layers, args.hidden_size, args.seq_length, args.micro_batch_size,
                       args.nproc_per_node, iters)
-    t0 = time.time()
+    t0, nan = time.time(), float("nan")
     runs = []
     with tempfile.TemporaryDirectory(prefix="netns_zero_bench_") as tmp:
         for rep in range(args.repeats):
@@ -230,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                     if "error" not in rec:
                         print(f"pass {rep + 1} {rec['rate']:>8} {config:<8} step "
                               f"{rec['step_ms']:8.1f} ms {rec['step_ms_all']}  link "
-                              f"{rec.get('steady_link_bytes_per_iteration', float('nan')) / 1e6:6.2f}"
+                              f"{rec.get('steady_link_bytes_per_iteration', nan) / 1e6:6.2f}"
                               f" MB/it  megaq {rec['steady_accounted_per_iteration'] / 1e6:6.2f} "
-                              f"MB/it  busy {rec.get('link_busy_share', float('nan')):.0%}  load "
+                              f"MB/it  busy {rec.get('link_busy_share', nan):.0%}  load "
                               f"{rec['loadavg_1min_before_after_run']}", flush=True)
     records = aggregate(runs)
     records.sort(key=lambda r: (rate_to_bits(r["rate"]), list(CONFIGS).index(r["config"])))
