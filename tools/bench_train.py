@@ -514,6 +514,49 @@ def zeropp_kernel_table(dev, step_ms):
             "step_ms": step_ms, "rows": rows, **rows_floor}
 
 
+def train_check(dev, steps=30):
+    """Does the megaq step learn on the GPU like the reference? A small Llama (4 x 512,
+    seq 512) trains `steps` steps on two fixed batches with the Triton kernels, with
+    the torch references (MEGAQ_KERNELS=torch) and as the plain reference loop; plus
+    SDPA on megaq's [s, b, heads, d]-strided layout against the math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    global SEQ
+    saved_seq, SEQ = SEQ, 512
+    SIZES["check"] = (4, 512, 8, 8)
+    out = {}
+    try:
+        batches = make_batches("check", dev, n=2)
+        for label, variant, env in (("megaq triton", "megaq-s0", "auto"),
+                                    ("megaq torch refs", "megaq-s0", "torch"),
+                                    ("reference", "ref-eager", None)):
+            os.environ["MEGAQ_KERNELS"] = env or "auto"
+            _CPU_MODELS.clear()
+            keep, fwd_bwd, opt_step, _ = build("check", variant, dev)
+            losses = []
+            for i in range(steps):
+                losses.append(fwd_bwd(*batches[i % 2]).detach())
+                opt_step()
+            out[label] = [float(x) for x in losses]
+            print(f"train-check {label:16s} " + " ".join(f"{x:.3f}" for x in out[label][::3]))
+            unhook(keep)
+            del keep, fwd_bwd, opt_step
+            free_gpu()
+    finally:
+        os.environ["MEGAQ_KERNELS"] = "auto"
+        SEQ = saved_seq
+        _CPU_MODELS.clear()
+    s, b, nh, d = 512, 8, 8, 64
+    qkv = torch.randn(s, b, nh, 3, d, device=dev, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        o_ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    out["sdpa_strided_rel_err"] = ((o.float() - o_ref).norm() / o_ref.norm()).item()
+    print(f"train-check sdpa on megaq's strided layout: rel err {out['sdpa_strided_rel_err']:.2e}")
+    return out
+
+
 # ----------------------------------------------------------------- report
 def print_tables(results, zpp):
     print("\n| size | variant | micro-batch | step ms (fwd+bwd / opt) | tokens/s | TFLOP/s | MFU | "
@@ -543,6 +586,8 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="JSON results (written after every variant)")
     p.add_argument("--check", action="store_true", help="check the fused kernels on CUDA first")
     p.add_argument("--micro", action="store_true", help="kernel and GQA micro-benchmarks")
+    p.add_argument("--train-check", action="store_true",
+                   help="first train a small model briefly (megaq Triton / references / plain loop)")
     p.add_argument("--no-zeropp", action="store_true", help="skip the ZeRO++ kernel table")
     p.add_argument("--profile", nargs="*", default=[], metavar="SIZE:VARIANT",
                    help="also profile two steps of these variants (table next to --out)")
@@ -573,6 +618,9 @@ def main(argv=None):
 
     if args.check:
         report["kernel_checks"] = check_fused_kernels(dev)
+        save()
+    if args.train_check:
+        report["train_check"] = train_check(dev)
         save()
     if args.micro:
         report["micro"] = micro_benchmarks(dev)

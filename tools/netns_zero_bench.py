@@ -52,22 +52,6 @@ def model_args(layers: int, hidden: int, seq: int, micro: int, nproc: int,
             "--eval-iters", "0", "--zero-stage", "3", "--seed", "1234"]
 
 
-def wire_expectation(rec: dict, config: str) -> float | None:
-    """megaq's accounting adjusted for how gloo runs a reduce-scatter.
-
-    megaq charges a reduce-scatter as one ring pass (what NCCL does). gloo has no
-    native reduce-scatter for flat tensors: it all-reduces the whole buffer and keeps
-    its chunk, two ring passes, so on gloo the plain-ZeRO gradient phase moves twice
-    the accounted bytes (measured per collective by `emulate_cluster.py probe`). qgZ
-    uses all-to-all, which gloo runs as accounted.
-    """
-    acc = rec.get("steady_accounted_per_iteration")
-    if acc is None:
-        return None
-    grad = rec["accounted_by_phase_per_iteration"].get("grad_reduce", 0.0)
-    return acc + (grad if "--zero-quantized-gradients" not in CONFIGS[config] else 0.0)
-
-
 def one_config(config: str, rates: list[str], base: list[str], args, tmp: str) -> list[dict]:
     """One launch of `config`; the link's rate is switched in place between segments."""
     metrics = os.path.join(tmp, f"{config}.jsonl")
@@ -92,10 +76,6 @@ def one_config(config: str, rates: list[str], base: list[str], args, tmp: str) -
                  seconds_to_first_iteration=rec["seconds_to_first_iteration"],
                  run_link_over_accounted=rec["link_over_accounted"],
                  loopback_bytes_run=rec["loopback_bytes"], shaping_mtu=rec["shaping"]["mtu"])
-        exp = wire_expectation(w, config)
-        if exp and "steady_link_bytes_per_iteration" in w:
-            w["steady_link_over_gloo_expectation"] = round(
-                w["steady_link_bytes_per_iteration"] / exp, 4)
         out.append(w)
     return out
 
@@ -118,8 +98,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
                    step_ms_all=steps, step_ms_per_pass=[r["step_ms"] for r in ok],
                    passes=len(ok),
                    loadavg_1min_per_pass=[r["loadavg_1min_before_after_run"] for r in ok])
-        for k in ("steady_link_bytes_per_iteration", "steady_link_over_accounted",
-                  "steady_link_over_gloo_expectation"):
+        for k in ("steady_link_bytes_per_iteration", "steady_link_over_accounted"):
             vals = [r[k] for r in ok if r.get(k) is not None]
             if vals:
                 agg[k] = round(statistics.mean(vals), 4) if "over" in k else statistics.mean(vals)
@@ -134,12 +113,11 @@ def table(records: list[dict]) -> str:
     base = {r["rate"]: r["step_ms"] for r in records if r["config"] == "ZeRO-3" and "step_ms" in r}
     nan = float("nan")
     rows = ["| link rate | config | step ms | speedup vs ZeRO-3 | link MB/iter | megaq inter-node "
-            "MB/iter | link / megaq | link / (megaq with gloo's 2-pass reduce-scatter) | "
-            "link busy share |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "MB/iter | link / megaq | link busy share |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
-            rows.append(f"| {r['rate']} | {r['config']} | failed | | | | | | |")
+            rows.append(f"| {r['rate']} | {r['config']} | failed | | | | | |")
             continue
         sp = base.get(r["rate"])
         rows.append(
@@ -148,7 +126,6 @@ def table(records: list[dict]) -> str:
             f"{r.get('steady_link_bytes_per_iteration', nan) / 1e6:.2f} | "
             f"{r['steady_accounted_per_iteration'] / 1e6:.2f} | "
             f"{r.get('steady_link_over_accounted') or nan:.3f} | "
-            f"{r.get('steady_link_over_gloo_expectation', nan):.3f} | "
             f"{r.get('link_busy_share', nan):.0%} |")
     return "\n".join(rows)
 

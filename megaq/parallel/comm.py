@@ -83,6 +83,7 @@ class Group:
     nodes: list[int]
     pg: object = None
     rank_index: int = field(default=-1)
+    _backend: str | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False) -> "Group":
@@ -107,9 +108,19 @@ class Group:
     def num_nodes(self) -> int:
         return len(set(self.nodes))
 
+    @property
+    def is_gloo(self) -> bool:
+        if self._backend is None:
+            self._backend = dist.get_backend(self.pg) if self.pg is not None else ""
+        return self._backend == "gloo"
+
+    def ring_order(self) -> list[int]:
+        """Member indices in ring order: node by node, rank order inside a node."""
+        return sorted(range(self.size), key=lambda i: (self.nodes[i], self.ranks[i]))
+
     def ring_successor_is_remote(self) -> bool:
         """In a node-contiguous ring, does my successor live on another node?"""
-        order = sorted(range(self.size), key=lambda i: (self.nodes[i], self.ranks[i]))
+        order = self.ring_order()
         pos = order.index(self.rank_index)
         nxt = order[(pos + 1) % self.size]
         return self.nodes[nxt] != self.nodes[self.rank_index]
@@ -166,7 +177,37 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phas
         output.copy_(input.reshape(output.shape))
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(input))
+    if op == dist.ReduceOp.SUM and group.is_gloo:
+        _ring_reduce_scatter(output, input, group)
+        return _done(async_op)
     return _run(_reduce_scatter_flat, output, input, op=op, group=group.pg, async_op=async_op)
+
+
+def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+    """Ring reduce-scatter from p2p, for gloo.
+
+    gloo runs reduce_scatter as a full all-reduce (two ring passes), so on CPU runs it
+    would move twice what the ring model (NCCL's algorithm) charges, and twice what
+    the same job moves over NCCL. This ring moves exactly the model's bytes: n - 1
+    steps over the node-contiguous ring; at step s the member at ring position p sends
+    its running sum of chunk order[p-s-1] to its successor and adds its own share to
+    chunk order[p-s-2] received from its predecessor, so it ends with chunk order[p]
+    summed over all members. Synchronous (gloo's CPU ops gain nothing from overlap).
+    """
+    n = group.size
+    order = group.ring_order()
+    pos = order.index(group.rank_index)
+    succ, pred = group.ranks[order[(pos + 1) % n]], group.ranks[order[(pos - 1) % n]]
+    chunks = input.reshape(n, -1)
+    send = chunks[order[(pos - 1) % n]].clone()
+    recv = torch.empty_like(send)
+    for s in range(n - 1):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, succ, group=group.pg),
+                                        dist.P2POp(dist.irecv, recv, pred, group=group.pg)])
+        for w in works:
+            w.wait()
+        send, recv = recv.add_(chunks[order[(pos - s - 2) % n]]), send
+    output.copy_(send.reshape(output.shape))
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.SUM,
@@ -197,7 +238,7 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
     n = group.size
     if n == 1:
         return _done(async_op)
-    order = sorted(range(n), key=lambda i: (group.nodes[i], group.ranks[i]))
+    order = group.ring_order()
     start = order.index(src_index)
     chain = order[start:] + order[:start]
     pos = chain.index(group.rank_index)
