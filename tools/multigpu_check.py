@@ -58,9 +58,11 @@ PHASES = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce")
 # bf16: 8-bit mantissa, 2^-9 rounding per op in a different order in every split
 # (CPU: loss 6e-6, norm 1.2e-3). ZeRO++ (int8 weights, int4 gradients, bf16): the
 # tests hold its loss within 0.5% of ZeRO-3 (tests/test_zeropp_training.py MARGIN);
-# int4 gradient noise adds energy to the reduced gradient, so its norm reads ~1-2%
-# high (CPU: loss 3.6e-4, norm 1.6e-2).
-TOL = {"fp32": (1e-4, 1e-4), "bf16": (5e-3, 3e-2), "zeropp": (5e-3, 5e-2)}
+# int4 gradient noise adds energy to the reduced gradient, so its norm reads high:
+# CPU, 2 ranks (one quantizing hop): loss 3.6e-4, norm 1.6e-2; 4 ranks as 2 nodes x 2
+# (two hops, each adding noise): loss 3.5e-4, norm 4.4e-2. 10% on the norm still
+# fails a missed or doubled reduction (a factor of 2 or sqrt(DP)).
+TOL = {"fp32": (1e-4, 1e-4), "bf16": (5e-3, 3e-2), "zeropp": (5e-3, 1e-1)}
 
 MODELS = {
     # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads, 4 KV groups, SwiGLU 5632.
@@ -212,7 +214,7 @@ def numerics(args, env, log_dir) -> dict:
                                                       "--pipeline-model-parallel-size", str(pp)],
                                               "ref_fp32", TOL["fp32"])
     splits = layouts(g, m)  # bf16: the most model-parallel split and plain ZeRO-3 DP=G
-    for tp, pp, dp in dict.fromkeys([splits[0], splits[-1]]):
+    for tp, pp, dp in dict.fromkeys([splits[0], (1, 1, g)]):
         runs[f"tp{tp}_pp{pp}_dp{dp}_bf16"] = (base + ["--tensor-model-parallel-size", str(tp),
                                                       "--pipeline-model-parallel-size", str(pp),
                                                       "--bf16"], "ref_bf16", TOL["bf16"])
