@@ -186,8 +186,10 @@ def launch(plan: dict, nproc: int, env: dict, log_dir: str, name: str, timeout: 
                 p.wait()
     print(f"[multigpu_check] {name}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
     if rc != 0:
-        tail = open(log).read()[-3000:]
-        raise CheckError(f"{name} failed (exit {rc}); end of {log}:\n{tail}")
+        text = open(log, errors="replace").read()
+        first = re.search(r"^(?:\[rank\d+\]: )?\w*(?:Error|Exception)\b.*$", text, re.M)
+        cause = f": {first.group(0).strip()}" if first else ""
+        raise CheckError(f"{name} failed (exit {rc}){cause}; end of {log}:\n{text[-3000:]}")
 
 
 def read_train_lines(path: str) -> list[dict]:
@@ -600,7 +602,8 @@ def main(argv=None) -> int:
         import torch
         record["gpu"] = torch.cuda.get_device_name(0)
         record["torch"] = torch.__version__
-        record["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()
+        record["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     stages = {"numerics": lambda: record.update(numerics=numerics(args, env, log_dir)),
               "bench": lambda: bench(args, env, log_dir, record)}
     for stage in args.stages:  # in the order given; the record is rewritten after each
