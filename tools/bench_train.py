@@ -514,7 +514,7 @@ def zeropp_kernel_table(dev, step_ms):
             "step_ms": step_ms, "rows": rows, **rows_floor}
 
 
-def train_check(dev, steps=30):
+def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
     """Does the megaq step learn on the GPU like the reference? A small Llama (4 x 512,
     seq 512) trains `steps` steps on two fixed batches with the Triton kernels, with
     the torch references (MEGAQ_KERNELS=torch) and as the plain reference loop; plus
@@ -522,8 +522,8 @@ def train_check(dev, steps=30):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     global SEQ
-    saved_seq, SEQ = SEQ, 512
-    SIZES["check"] = (4, 512, 8, 8)
+    saved_seq, SEQ = SEQ, seq
+    SIZES["check"] = shape
     out = {}
     try:
         batches = make_batches("check", dev, n=2)
@@ -546,7 +546,7 @@ def train_check(dev, steps=30):
         os.environ["MEGAQ_KERNELS"] = "auto"
         SEQ = saved_seq
         _CPU_MODELS.clear()
-    s, b, nh, d = 512, 8, 8, 64
+    s, b, nh, d = seq, shape[3], shape[2], shape[1] // shape[2]
     qkv = torch.randn(s, b, nh, 3, d, device=dev, dtype=torch.bfloat16)
     q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -579,7 +579,7 @@ def print_tables(results, zpp):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["1.3B", "350M", "125M"], choices=list(SIZES))
+    p.add_argument("--sizes", nargs="*", default=["1.3B", "350M", "125M"], choices=list(SIZES))
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
