@@ -34,6 +34,7 @@ def model_config(args):
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         sequence_parallel=args.sequence_parallel,
         recompute_activations=args.recompute_activations,
+        compile_blocks=args.compile_blocks, attention_repeat_kv=args.attention_repeat_kv,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32, seed=args.seed)
 
 

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pad the vocab to a multiple of this x TP")
     g.add_argument("--recompute-activations", action="store_true",
                    help="recompute each layer's activations in backward (not counted in TFLOP/s)")
+    g.add_argument("--compile-blocks", action="store_true",
+                   help="torch.compile each transformer block's forward (the ZeRO hooks stay "
+                        "eager); pays off on GPU, costs compile time on CPU")
+    g.add_argument("--attention-repeat-kv", action="store_true",
+                   help="GQA by repeating k/v heads instead of SDPA's enable_gqa")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
