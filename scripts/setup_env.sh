@@ -22,7 +22,8 @@ fi
 missing=$($PY - <<'PYEOF'
 import importlib.util as u
 need = {"triton": "triton", "sentencepiece": "sentencepiece", "numpy": "numpy",
-        "pytest": "pytest", "tqdm": "tqdm", "matplotlib": "matplotlib"}
+        "pytest": "pytest", "tqdm": "tqdm", "matplotlib": "matplotlib",
+        "setuptools": "setuptools"}  # setuptools: the editable install below (3.12+ venvs lack it)
 print(" ".join(p for m, p in need.items() if u.find_spec(m) is None))
 PYEOF
 )
