@@ -53,3 +53,15 @@ def test_tp_pp_dp_mapping_spreads_dp_and_keeps_losses(tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for it in a:
         assert abs(a[it] - b[it]) <= 1e-6 * abs(a[it]), (it, a[it], b[it])
+
+
+def test_pp4_middle_stages_train(tmp_path):
+    # Middle stages read no data: the batch iterator hands them None placeholders.
+    argv = _argv(str(tmp_path), [])
+    i = argv.index("--pipeline-model-parallel-size")
+    argv[i + 1] = "4"
+    argv[argv.index("--num-layers") + 1] = "4"
+    argv[argv.index("--tensor-model-parallel-size") + 1] = "1"
+    out = run_on_ranks(_train, 4, pp=4, ranks_per_node=4, args=(argv,))
+    losses = out[-1]["losses"]
+    assert sorted(losses) == [1, 2, 3] and all(0 < v < 20 for v in losses.values())

@@ -423,29 +423,6 @@ def bench(args, env: dict, log_dir: str, record: dict) -> None:
 
 
 # ----------------------------------------------------------------------- worker
-def _device_batches(build_data, device):
-    """Wrap pretrain_gpt.build_data so every micro-batch tensor lands on `device`
-    (its BatchIterator yields CPU tensors; a no-op once they arrive on the device)."""
-    import torch
-
-    def move(mb):
-        if mb is None:
-            return None
-        return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
-                for k, v in mb.items()}
-
-    def wrap(make):
-        if make is None:
-            return None
-        return lambda consumed: ([move(mb) for mb in step] for step in make(consumed))
-
-    def patched(args, topo):
-        data = build_data(args, topo)
-        data.train, data.valid = wrap(data.train), wrap(data.valid)
-        return data
-    return patched
-
-
 def probe_link(mib: int, device: str, per_node: int) -> dict:
     """Timed all-gather over the world group (through megaq.parallel.comm)."""
     import torch
@@ -488,10 +465,6 @@ def worker(plan_path: str) -> int:
     device = plan["device"]
     init_from_env("nccl" if device == "cuda" else "gloo")
     rank = int(os.environ.get("RANK", "0"))
-    # (also on cpu, where the move is a no-op, so the CPU smoke test runs this path)
-    pretrain_gpt.build_data = _device_batches(
-        pretrain_gpt.build_data,
-        torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"))
     import gc
     results = []
     for e in plan["entries"]:

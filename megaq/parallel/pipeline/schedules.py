@@ -93,7 +93,9 @@ class _Runner:
         self.forwards_done[chunk] += 1
         model = self.chunks[chunk]
         needs_data = self.is_first(chunk) or self.is_last(chunk)
-        batch = self.data.get(mb_id) if needs_data or self.data.available else {}
+        # Stages that need no data may be handed None (the batch iterator's placeholder
+        # for them); they only read the optional position ids.
+        batch = (self.data.get(mb_id) if needs_data or self.data.available else None) or {}
         kwargs = {}
         if "position_ids" in batch:
             kwargs["position_ids"] = batch["position_ids"]
