@@ -1,6 +1,6 @@
 """Triton kernels for the packed blockwise format (kernels/format.py).
 
-Same signatures and bit-identical results as kernels/reference.py. Two kernels do all
+Same signatures and bit-identical results as kernels/reference.py. Three kernels do all
 the work, one Triton program per NB consecutive quantization blocks:
 
 - _quantize_kernel: quantize one block of a (possibly reordered) fp32/bf16/fp16 input,
@@ -8,6 +8,10 @@ the work, one Triton program per NB consecutive quantization blocks:
 - _dequant_reduce_kernel: dequantize one block from each of `n_sum` rows, add them in
   fp32 in row order, then either requantize (the hop between the two all-to-alls) or
   scale / accumulate / cast into a float output (plain dequantize, final reduce).
+- _int4_words_kernel: the same for int4 input with int4 or float output, reading the
+  payload as 32-bit words (used when the block is a multiple of 8 and the buffers are
+  4-byte aligned; it issues ~10% fewer instructions per element, and the qgZ hop is
+  instruction-bound: docs/PERFORMANCE.md, "int4 word kernel").
 
 Every launch passes enable_fp_fusion=False: a fused multiply-add rounds differently
 from the separate multiply and add that torch performs, and bit-identity with the
@@ -164,6 +168,153 @@ def _store_pairs_int4(ptr, scale_ptr, even, odd, NB: tl.constexpr, BLOCK: tl.con
     _store_tile(scale_ptr, ((bits[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8), NB, 4, 4)
 
 
+# int4 through 32-bit words (the default whenever the block is a multiple of 8 and the
+# buffers are 4-byte aligned): each thread loads whole words (16-byte vectors) and keeps
+# the 8 nibbles of a word as 8 separate [NB, W] tiles (element 8j + i is nibble i of word
+# j), so nothing moves between threads until an fp output is interleaved for its store.
+
+
+@triton.jit
+def _nibble_at(we, P: tl.constexpr, BIAS: tl.constexpr):
+    """q * 2^P (exact fp32) for the nibble at bits P..P+3 of w (P <= 16), where w was
+    xored with 0x88888888 so that the nibble holds u = q + 8 in 0..15, and we = w |
+    0x4B000000: the bits we & (0x4B000000 | 0xF << P) = 0x4B000000 | (u << P) are the
+    fp32 2^23 + u * 2^P, and BIAS = 2^23 + 8 * 2^P is subtracted exactly. One LOP3 and
+    one FADD, no shift and no int -> float conversion."""
+    return (we & (0x4B000000 | (0xF << P))).to(tl.float32, bitcast=True) - BIAS
+
+
+@triton.jit
+def _nibble(w, SHIFT: tl.constexpr):
+    """Nibble SHIFT / 4 of int32 words as fp32 q through an int -> float conversion."""
+    return ((w << (28 - SHIFT)) >> 28).to(tl.float32)
+
+
+@triton.jit
+def _load_words(w_ptr, f_ptr, NB: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, MAGIC: tl.constexpr):
+    """NB int4 blocks (W words each) as 8 fp32 tiles [NB, W_P2] (q * scale, nibble i in
+    tile i); padding words read as 0 and dequantize to 0.
+
+    MAGIC: nibble i of a word is read in place (bit position P = 4i for i <= 4, from the
+    word shifted right by 12 for i >= 5, so P <= 16 always) as q * 2^P, and multiplied by
+    scale * 2^-P: the same real product q * scale, hence the same fp32 rounding (scales
+    are 0 or >= TINY / 7, so scale * 2^-16 is a normal number and exact)."""
+    w = _load_tile(w_ptr, NB, W_P2, W)
+    s = tl.load(f_ptr + tl.arange(0, NB))[:, None]
+    if MAGIC:
+        w = w ^ -2004318072  # 0x88888888 as int32: every nibble u = q + 8 (padding: q = 0)
+        hi = (w >> 12) | 0x4B000000  # nibbles 5, 6, 7 at bits 8, 12, 16
+        w = w | 0x4B000000  # the exponent bits of 2^23, set once per word
+        s4 = s * 0.0625
+        s8 = s * 0.00390625
+        s12 = s * 0.000244140625
+        s16 = s * 0.0000152587890625
+        return (_nibble_at(w, 0, 8388616.0) * s, _nibble_at(w, 4, 8388736.0) * s4,
+                _nibble_at(w, 8, 8390656.0) * s8, _nibble_at(w, 12, 8421376.0) * s12,
+                _nibble_at(w, 16, 8912896.0) * s16, _nibble_at(hi, 8, 8390656.0) * s8,
+                _nibble_at(hi, 12, 8421376.0) * s12, _nibble_at(hi, 16, 8912896.0) * s16)
+    else:
+        return (_nibble(w, 0) * s, _nibble(w, 4) * s, _nibble(w, 8) * s, _nibble(w, 12) * s,
+                _nibble(w, 16) * s, _nibble(w, 20) * s, _nibble(w, 24) * s, _nibble(w, 28) * s)
+
+
+@triton.jit
+def _q4(x, inv):
+    """int4 q of x * inv by the rule of _quantize_tile; +-0.5 takes y's sign bit (one
+    LOP3; y = -0.0 gets -0.5 instead of +0.5, and both truncate to q = 0)."""
+    y = x * inv
+    half = ((y.to(tl.uint32, bitcast=True) & 0x80000000) | 0x3F000000).to(tl.float32, bitcast=True)
+    return (y + half).to(tl.int32)
+
+
+@triton.jit
+def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB: tl.constexpr, BLOCK_P2: tl.constexpr):
+    """8 nibble tiles [NB, W_P2] -> [NB, 8 * W_P2] in element order: the join order puts
+    tile 4c + 2b + a at position 4c + 2b + a of each word's 8 lanes."""
+    x = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+    return tl.reshape(x, [NB, BLOCK_P2])
+
+
+@triton.jit
+def _int4_words_kernel(
+    in_ptr, out_ptr,
+    in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
+    out_row_groups, out_row_words, out_payload_words, factor,
+    NB: tl.constexpr, N_SUM: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr, MAGIC: tl.constexpr,
+):
+    # The same indexing and summation order as _dequant_reduce_kernel (int4 input), in
+    # 32-bit words: a block is W = BLOCK // 8 payload words, a scale one word.
+    pid = tl.program_id(0).to(tl.int64)
+    orow = pid // out_row_groups
+    ob = (pid % out_row_groups) * NB
+    in_blk = orow * in_blocks_per_out + ob
+    in_w = in_ptr.to(tl.pointer_type(tl.int32))
+    in_f = in_ptr.to(tl.pointer_type(tl.float32))
+    row = orow * in_rows_per_out * in_row_words
+    a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
+                                                 NB, W, W_P2, MAGIC)
+    for r in tl.static_range(1, N_SUM):
+        row = (orow * in_rows_per_out + r) * in_row_words
+        e0, e1, e2, e3, e4, e5, e6, e7 = _load_words(in_w + row + in_blk * W,
+                                                     in_f + row + in_payload_words + in_blk, NB, W, W_P2, MAGIC)
+        a0 = a0 + e0
+        a1 = a1 + e1
+        a2 = a2 + e2
+        a3 = a3 + e3
+        a4 = a4 + e4
+        a5 = a5 + e5
+        a6 = a6 + e6
+        a7 = a7 + e7
+    if BITS_OUT == 4:
+        # elementwise max over the 8 tiles first: one cross-thread reduction, not 8
+        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
+                          tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
+        absmax = tl.max(amax, axis=1)
+        is_zero = absmax < TINY
+        qmax = tl.full(absmax.shape, 7, tl.float32)
+        safe = tl.where(is_zero, 1.0, absmax)
+        scale = tl.where(is_zero, 0.0, tl.math.div_rn(safe, qmax))
+        inv = tl.where(is_zero, 0.0, tl.math.div_rn(qmax, safe))[:, None]
+        # sum of q_i * 16^i, plus 0x88888888, has nibble u_i = q_i + 8 in 0..15 (no carries;
+        # int32 wrap-around is harmless); xor 0x88888888 turns u_i into q_i's nibble
+        word = (_q4(a0, inv) + _q4(a1, inv) * 16 + _q4(a2, inv) * 256 + _q4(a3, inv) * 4096
+                + _q4(a4, inv) * 65536 + _q4(a5, inv) * 1048576 + _q4(a6, inv) * 16777216
+                + _q4(a7, inv) * 268435456)
+        word = (word + -2004318072) ^ -2004318072
+        out_row = orow * out_row_words
+        _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
+        tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
+    else:
+        o = out_ptr + (orow * out_row_groups * NB + ob) * BLOCK
+        if ACCUMULATE:
+            acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB, BLOCK_P2)
+            if HAS_FACTOR:
+                acc = acc * factor
+            acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
+            _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
+        else:  # scale and cast per nibble tile, then interleave the (narrower) outputs
+            if HAS_FACTOR:
+                a0 = a0 * factor
+                a1 = a1 * factor
+                a2 = a2 * factor
+                a3 = a3 * factor
+                a4 = a4 * factor
+                a5 = a5 * factor
+                a6 = a6 * factor
+                a7 = a7 * factor
+            y = _interleave8(_cast_out(a0, out_ptr.dtype.element_ty, MANUAL_BF16),
+                             _cast_out(a1, out_ptr.dtype.element_ty, MANUAL_BF16),
+                             _cast_out(a2, out_ptr.dtype.element_ty, MANUAL_BF16),
+                             _cast_out(a3, out_ptr.dtype.element_ty, MANUAL_BF16),
+                             _cast_out(a4, out_ptr.dtype.element_ty, MANUAL_BF16),
+                             _cast_out(a5, out_ptr.dtype.element_ty, MANUAL_BF16),
+                             _cast_out(a6, out_ptr.dtype.element_ty, MANUAL_BF16),
+                             _cast_out(a7, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2)
+            _store_tile(o, y, NB, BLOCK_P2, BLOCK)
+
+
 @triton.jit
 def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
     """fp32 -> DTYPE, round to nearest even. Under the Triton interpreter bf16 is rounded
@@ -261,6 +412,13 @@ def _dequant_reduce_kernel(
 # the sweep in tools/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
 NB_OVERRIDE = None
+# The int4 word kernel: elements per thread and blocks per program by default, and the
+# overrides tools/sweep_kernels.py sets (False = the byte kernel; MAGIC False = int -> float
+# conversion instructions instead of the exponent trick in _nibble).
+WORDS_PER_THREAD = 32
+WORDS_NB = 1
+WORDS_OVERRIDE = None
+MAGIC_OVERRIDE = None
 
 
 def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: int) -> dict:
@@ -295,10 +453,32 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block):
     return out
 
 
+def _use_words(recv, out, bits_in, bits_out, block) -> bool:
+    """The 32-bit-word int4 kernel applies to int4 input with int4 or float output, a
+    block that is a multiple of 8 (whole words per block) and 4-byte aligned buffers."""
+    if WORDS_OVERRIDE is not None:
+        want = WORDS_OVERRIDE
+    else:
+        want = True
+    return (want and bits_in == 4 and bits_out in (0, 4) and block % 8 == 0
+            and recv.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0)
+
+
 def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_per_out, in_blocks_per_out,
                            out_row_len, bits_out, block, factor=None, accumulate=False):
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
+    if _use_words(recv, out, bits_in, bits_out, block):
+        opts = _launch_opts(block, WORDS_PER_THREAD, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
+        opts.update(W=block // 8, W_P2=triton.next_power_of_2(block // 8))
+        magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
+        _int4_words_kernel[(out_rows * out_row_blocks // opts["NB"],)](
+            recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
+            out_row_blocks // opts["NB"], out_row_bytes // 4, out_row_len // 8, float(factor or 1.0),
+            N_SUM=n_sum, BITS_OUT=bits_out, HAS_FACTOR=factor is not None, ACCUMULATE=accumulate,
+            MANUAL_BF16=_interpreting(), MAGIC=magic, **opts,
+        )
+        return out
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
     _dequant_reduce_kernel[(out_rows * out_row_blocks // opts["NB"],)](
         recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
