@@ -74,15 +74,19 @@ class GradReducer:
 
     def start_reduce(self, part, full_grad_flat: torch.Tensor, out_accum: torch.Tensor) -> Handle:
         dp = self.topo.dp
+        if dp.size == 1:  # nothing to reduce: accumulate the flat grad directly (no copies)
+            out_accum.add_(full_grad_flat)
+            return Handle(None)
         out = torch.empty(part.shard_numel, dtype=full_grad_flat.dtype, device=full_grad_flat.device)
         work = comm.reduce_scatter(out, full_grad_flat, dp, "grad_reduce", async_op=True)
-        return Handle(work, lambda: out_accum.add_(out.float(), alpha=1.0 / dp.size))
+        # add_ upcasts a bf16 operand element-wise: no fp32 temporary of the shard
+        return Handle(work, lambda: out_accum.add_(out, alpha=1.0 / dp.size))
 
 
 def start_allreduce_mean(flat: torch.Tensor, out_accum: torch.Tensor, group, phase: str) -> Handle:
     """Replicated params: all-reduce `flat`, add flat / group size into the fp32 accumulator."""
     work = comm.all_reduce(flat, group, phase, async_op=True)
-    return Handle(work, lambda: out_accum.add_(flat.float(), alpha=1.0 / group.size))
+    return Handle(work, lambda: out_accum.add_(flat, alpha=1.0 / group.size))
 
 
 def _zeropp(cfg: ZeroConfig, factory: str, what: str):
