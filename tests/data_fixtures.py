@@ -15,7 +15,7 @@ TINY_VOCAB = 384
 
 
 def quiet(_msg):
-    pass
+    """A progress callback that prints nothing (keeps test output readable)."""
 
 
 def write_jsonl(path, docs, key="text"):

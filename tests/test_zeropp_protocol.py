@@ -350,7 +350,7 @@ def test_rail_order_mismatch_is_refused():
     inter = Group([0, 4], [0, 1], rank_index=0)
 
     class Topo:
-        pass
+        """Just the attributes the rail check reads."""
 
     t = Topo()
     t.dp, t.intra, t.inter = dp, intra, inter

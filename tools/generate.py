@@ -27,7 +27,7 @@ from megaq.parallel.tensor_parallel import shard_of  # noqa: E402
 
 
 class GenerateError(RuntimeError):
-    pass
+    """A checkpoint or tokenizer problem; the message names it and the fix."""
 
 
 def _fake_tp_group(rank: int, size: int) -> Group:
@@ -127,7 +127,9 @@ def main(argv=None) -> int:
             raise GenerateError(f"tokenizer model {tok_path!r} not found (the run used mock data, "
                                 f"or the file moved); pass --tokenizer-model")
         from megaq.data.tokenizer import build_tokenizer
-        tok = build_tokenizer("SentencePieceTokenizer", tok_path)
+        # the run's own tokenizer type: its eod/vocab rules differ between types
+        tok = build_tokenizer(getattr(args, "tokenizer_type", None) or "SentencePieceTokenizer",
+                              tok_path)
     except (GenerateError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -262,7 +262,7 @@ def delete_namespace(ns: str) -> None:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
-                pass
+                continue  # already gone: nothing to stop
         deadline = time.time() + 3
         while alive and time.time() < deadline:
             time.sleep(0.05)
