@@ -118,11 +118,12 @@ def test_single_rank_engine_matches_torch_adamw(stage):
     ref, model = _Chunk(), _Chunk()
     engine = build_engine([model], topo, ZeroConfig(stage=stage, block_size=4, weight_decay=0.1,
                                                     lr=1e-2))
-    launched_in_backward = []
-    if stage == 3:  # gradient reductions start during backward, as each unit is ready
-        inner = engine.reducer.start_reduce
-        engine.reducer.start_reduce = lambda *a: (launched_in_backward.append(engine._in_backward),
-                                                  inner(*a))[1]
+    # At DP=1 there is nothing to reduce: each grad goes into the fp32 accumulator during
+    # backward, as its parameter's grad is ready (never deferred to finish_grad_sync).
+    accumulated_in_backward = []
+    inner = engine._accumulate_direct
+    engine._accumulate_direct = lambda *a: (accumulated_in_backward.append(engine._in_backward),
+                                            inner(*a))[1]
     named = list(ref.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for n, p in named if wants_weight_decay(n, p)],
                               "weight_decay": 0.1},
@@ -148,5 +149,111 @@ def test_single_rank_engine_matches_torch_adamw(stage):
     for n, p in ref.named_parameters():
         assert torch.allclose(state[n]["param"], p.detach(), rtol=1e-5, atol=1e-7), n
     assert engine.memory_report()["gathered"] == 0
-    if stage == 3:  # 4 units x 2 micro-batches x 3 steps, none deferred to finish_grad_sync
-        assert launched_in_backward == [True] * 24
+    n_params = len(list(model.parameters()))  # x 2 micro-batches x 3 steps
+    assert accumulated_in_backward == [True] * (n_params * 6)
+
+
+def _forward_with_unused(model, ids, step):
+    """_Chunk's forward, except that layer 1 runs without its first bias in step 1 (one
+    parameter of a unit gets no grad; the partition is laid out decay-first, so that
+    slot lies between written ones) and is skipped in step 2 (a whole unit gets none).
+    Each follows a step that wrote grads there: a stale accumulator would hold nonzeros."""
+    x = model.embedding(ids)
+    for i, layer in enumerate(model.layers):
+        if i == 1 and step == 2:
+            continue
+        if i == 1 and step == 1:
+            x = x + layer[2](layer[1](nn.functional.linear(x, layer[0].weight)))
+        else:
+            x = x + layer(x)
+    return model.output_layer(model.final_norm(x))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_direct_accumulation_at_dp1_matches_the_reduce_path(stage):
+    """At DP=1 grads go straight into the fp32 accumulators and zero_grad only marks them
+    stale (a slot's first write of a step overwrites). The same training as torch AdamW
+    with zero grads for unused parameters, and bit for bit the same as the flat-buffer
+    reduce path, also in steps where a whole unit or one parameter gets no grad (its
+    accumulator must read zero, not the previous step's grad)."""
+    from megaq.zero.partition import wants_weight_decay
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        return [torch.randint(0, 11, (2, 4, 5), generator=g) for _ in range(4)]
+
+    def train(direct: bool):
+        model = _Chunk()
+        engine = build_engine([model], build_topology(Layout(1), 0),
+                              ZeroConfig(stage=stage, block_size=4, weight_decay=0.1, lr=1e-2))
+        assert engine._direct
+        engine._direct = direct
+        norms = []
+        for step, ids in enumerate(batches()):
+            engine.zero_grad()
+            for m in range(2):
+                out = _forward_with_unused(model, ids[m, :, :-1], step)
+                (nn.functional.cross_entropy(out.reshape(-1, 11), ids[m, :, 1:].reshape(-1)) / 2).backward()
+            engine.finish_grad_sync()
+            norms.append(engine.clip_grad_norm(0.1))
+            engine.step(1e-2)
+        return torch.stack(norms), engine.full_state()["params"]
+
+    ref = _Chunk()
+    named = list(ref.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if wants_weight_decay(n, p)],
+                              "weight_decay": 0.1},
+                             {"params": [p for n, p in named if not wants_weight_decay(n, p)],
+                              "weight_decay": 0.0}], lr=1e-2)
+    ref_norms = []
+    for step, ids in enumerate(batches()):
+        opt.zero_grad(set_to_none=True)
+        out = _forward_with_unused(ref, ids[:, :, :-1].reshape(8, 4), step)
+        nn.functional.cross_entropy(out.reshape(-1, 11), ids[:, :, 1:].reshape(-1)).backward()
+        for p in ref.parameters():  # the engine treats an unused parameter's grad as zero
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+        opt.step()
+
+    norms_d, state_d = train(direct=True)
+    norms_r, state_r = train(direct=False)
+    assert torch.allclose(norms_d, torch.stack(ref_norms), rtol=1e-5)
+    for n, p in ref.named_parameters():
+        assert torch.allclose(state_d[n]["param"], p.detach(), rtol=1e-5, atol=1e-7), n
+    assert torch.equal(norms_d, norms_r)
+    for name in state_r:
+        assert torch.equal(state_d[name]["param"], state_r[name]["param"]), name
+
+
+def test_fused_adamw_applies_the_clip_factor_in_its_own_pass():
+    """torch's fused AdamW (CPU build here, CUDA in production) takes the clip factor as
+    grad_scale instead of a separate multiply over the grads: the grads it leaves and
+    the weights it writes equal the foreach path's (multiply, then step). Adam is
+    nearly scale-invariant, so the grads are compared too: a factor silently dropped
+    shows there (coef ~0.1 / norm, far from 1)."""
+    def run(fused: bool):
+        model = _Chunk()
+        engine = build_engine([model], build_topology(Layout(1), 0),
+                              ZeroConfig(stage=3, block_size=4, weight_decay=0.1, lr=1e-2,
+                                         fused_adamw=fused))
+        assert engine.optimizer.kind == ("fused" if fused else "foreach")
+        g = torch.Generator().manual_seed(0)
+        coefs = []
+        for _ in range(3):
+            ids = torch.randint(0, 11, (4, 5), generator=g)
+            engine.zero_grad()
+            out = model(ids[:, :-1])
+            nn.functional.cross_entropy(out.reshape(-1, 11), ids[:, 1:].reshape(-1)).backward()
+            engine.finish_grad_sync()
+            coefs.append(0.1 / engine.clip_grad_norm(0.1))
+            engine.step(1e-2)
+        grads = torch.cat([st.grad for st in engine.optimizer.states])
+        return torch.stack(coefs), grads, engine.full_state()["params"]
+
+    coef_f, grads_f, state_f = run(fused=True)
+    coef_e, grads_e, state_e = run(fused=False)
+    assert (coef_e < 0.5).all()  # clipping is active in every step
+    assert torch.allclose(grads_f, grads_e, rtol=1e-5, atol=1e-9)
+    for name in state_e:
+        assert torch.allclose(state_f[name]["param"], state_e[name]["param"], rtol=1e-5, atol=1e-7), name

@@ -47,6 +47,8 @@ class ZeroConfig:
     #   in finish_grad_sync (one grad reduction per step, full-size grad memory).
     grad_sync: str = "per_microbatch"
     use_apex: bool | None = None  # None: apex FusedAdam when importable
+    # torch's fused AdamW (when apex is not used); None: on CUDA only (CPU: foreach)
+    fused_adamw: bool | None = None
     # ---- ZeRO++ (implemented by megaq.zero.zeropp) ----
     quantized_weights: bool = False     # qwZ: int8 blockwise forward all-gather
     hpz_partition_size: int = 1         # hpZ: secondary in-node shard for backward gathers

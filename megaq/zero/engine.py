@@ -23,7 +23,10 @@ Hooks (stage 3; see units.py for sites and units):
   complete, start its reduction (reduce-scatter, tag 'grad_reduce') into the fp32
   shard accumulator, averaging over DP once; when all of a site's own parameters
   have their grads, release the site's weights. At most ``cfg.reduce_bucket_size``
-  bytes of grad buffers are in flight; older reductions are waited for first;
+  bytes of grad buffers are in flight; older reductions are waited for first. At DP=1
+  with a plain reducer there is nothing to reduce: the grad goes straight into its
+  slice of the fp32 accumulator, and the step's first write overwrites (zero_grad only
+  marks the accumulators stale);
 * an end-of-backward callback flushes partially filled buffers (unused params) and
   releases anything still gathered, so each micro-batch's backward starts clean.
 
@@ -98,6 +101,10 @@ class ZeroEngine:
         self._inflight_bytes = 0
         self._grad_bufs: dict[int, list] = {}      # id(part) -> [flat grad, params seen]
         self._full_grads: dict[int, torch.Tensor] = {}  # last_microbatch: fp32 full grads
+        # DP = 1 and a plain reducer: grads go straight into the fp32 accumulators
+        self._direct = (topo.dp.size == 1 and cfg.grad_sync == "per_microbatch"
+                        and not cfg.quantized_gradients)
+        self._direct_written: dict[int, set[int]] = {}  # id(part) -> ids of slots written
         self._in_backward = False
         self._bwd_started: set[int] = set()
         self._site_remaining: dict[int, int] = {}
@@ -171,7 +178,9 @@ class ZeroEngine:
             comm.all_reduce(grad, self.topo.tp, "tp")  # partial per TP rank under SP
         part = self._part_of[id(param)]
         slot = part.slot_of[id(param)]
-        if self.cfg.grad_sync == "per_microbatch":
+        if self._direct:
+            self._accumulate_direct(part, slot, grad)
+        elif self.cfg.grad_sync == "per_microbatch":
             entry = self._grad_bufs.get(id(part))
             if entry is None:
                 buf = torch.zeros(part.padded_numel, dtype=grad.dtype, device=grad.device)
@@ -195,6 +204,40 @@ class ZeroEngine:
             if left == 0 and self._in_backward:
                 for unit in site.gathered_units:
                     self._release(unit)
+
+    def _accumulate_direct(self, part, slot, grad: torch.Tensor) -> None:
+        """DP = 1 with a plain reducer: nothing to reduce, so add the grad straight into
+        its slice of the fp32 accumulator (no flat grad buffer, no copy into it). On a
+        stale accumulator (zero_grad ran) each slot's first write of the step overwrites
+        (upcasting copy); finish_grad_sync zeroes the slots nobody wrote."""
+        st = self._state_of[id(part)]
+        dst = st.grad[slot.offset:slot.offset + slot.numel]
+        src = grad.reshape(-1)
+        if not st.grad_stale:
+            dst.add_(src)
+            return
+        written = self._direct_written.setdefault(id(part), set())
+        if id(slot) in written:
+            dst.add_(src)
+            return
+        dst.copy_(src)
+        written.add(id(slot))
+        if len(written) == len(part.slots):
+            self._settle_direct(part)
+
+    def _settle_direct(self, part) -> None:
+        """Zero what no grad overwrote in a stale accumulator (unused slots, padding)."""
+        st = self._state_of[id(part)]
+        if not st.grad_stale:
+            return
+        written = self._direct_written.pop(id(part), set())
+        end = 0
+        for slot in sorted(part.slots, key=lambda s: s.offset):
+            if id(slot) in written:
+                st.grad[end:slot.offset].zero_()
+                end = slot.offset + slot.numel
+        st.grad[end:].zero_()
+        st.grad_stale = False
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -254,7 +297,7 @@ class ZeroEngine:
 
     # ================================================================ grads
     def _launch_reduce(self, part, flat: torch.Tensor) -> None:
-        accum = self._state_of[id(part)].grad
+        accum = self._state_of[id(part)].grad_for_add()
         if part.sharded:
             handle = self.reducer.start_reduce(part, flat, accum)
         else:  # stage 0, or params below the persistence threshold
@@ -288,6 +331,10 @@ class ZeroEngine:
             self._wait_oldest_reduce()
         if self.stage3:
             self._release_all()
+        for part in self.partitions:
+            if id(part) in self._direct_written:
+                self._settle_direct(part)
+        self.optimizer.settle_grads()  # partitions that got no grad at all this step
         if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
             for st in self.optimizer.states:
                 if st.part.shared_embedding:
@@ -296,6 +343,7 @@ class ZeroEngine:
     # ================================================================ step
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+        self._direct_written.clear()
         self._full_grads.clear()
         self._grad_bufs.clear()
         self._norm = None

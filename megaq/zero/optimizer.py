@@ -7,7 +7,8 @@ gradient accumulator, ``exp_avg`` and ``exp_avg_sq``. The update runs on *leaf
 tensors that view* these buffers, one per (partition, decay group): at most two per
 partition because partitions are laid out decay-first. The inner optimizer is apex
 FusedAdam (adam_w_mode) when importable on CUDA, else torch.optim.AdamW with
-``fused=True`` on CUDA and ``foreach=True`` elsewhere. After the update the new
+``fused=True`` on CUDA (``ZeroConfig.fused_adamw`` to choose) and ``foreach=True``
+elsewhere; the fused one also applies the clip factor (``scale_grads``). After the update the new
 weights are written back into the gather-dtype shards.
 
 Global grad norm: each rank sums the squares of the gradient elements it *owns*
@@ -44,8 +45,19 @@ class PartitionState:
             self.master = part.initial_master
         part.initial_master = None
         self.grad = torch.zeros_like(self.master)
+        # True after zero_grad() until the step's first write: the buffer's contents are
+        # stale, so that write overwrites instead of adding (no zeroing pass over the
+        # accumulators and no read of zeros: 8 bytes per element per step).
+        self.grad_stale = False
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+
+    def grad_for_add(self) -> torch.Tensor:
+        """The accumulator, zeroed first if it is stale: for writers that add into it."""
+        if self.grad_stale:
+            self.grad.zero_()
+            self.grad_stale = False
+        return self.grad
 
     def write_back(self) -> None:
         if self.master is not self.part.shard:
@@ -73,7 +85,10 @@ class ShardedAdamW:
         if cfg.use_apex and fused_adam is None:
             raise RuntimeError("use_apex=True but apex.optimizers.FusedAdam is not importable on "
                                "CUDA; install apex or leave use_apex unset")
-        self.kind = "apex" if fused_adam else ("fused" if on_cuda else "foreach")
+        fused = on_cuda if cfg.fused_adamw is None else cfg.fused_adamw
+        self.kind = "apex" if fused_adam else ("fused" if fused else "foreach")
+        # the clip factor for the next step, applied inside torch's fused AdamW
+        self._grad_scale: torch.Tensor | None = None
         if not param_groups:
             self.inner = None
             return
@@ -82,20 +97,18 @@ class ShardedAdamW:
                                     adam_w_mode=True)
         else:
             self.inner = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                           fused=on_cuda or None, foreach=None if on_cuda else True)
+                                           fused=fused or None, foreach=None if fused else True)
         self._install_state(0)
 
     def _install_state(self, step: int) -> None:
         """Point the inner optimizer's state at our flat moment buffers."""
-        on_cuda = self.kind != "foreach"
         for leaf, st, a, b in self._leaves:
             state = self.inner.state[leaf]
             state["exp_avg"] = st.exp_avg[a:b]
             state["exp_avg_sq"] = st.exp_avg_sq[a:b]
             if self.kind == "apex":
                 continue
-            state["step"] = (torch.full((), float(step), dtype=torch.float32, device=leaf.device)
-                             if on_cuda else torch.tensor(float(step), dtype=torch.float32))
+            state["step"] = torch.full((), float(step), dtype=torch.float32, device=leaf.device)
         if self.kind == "apex":
             for g in self.inner.param_groups:
                 g["step"] = step
@@ -107,10 +120,18 @@ class ShardedAdamW:
 
     # ------------------------------------------------------------------ grads
     def zero_grad(self) -> None:
+        """Mark every accumulator stale (see PartitionState.grad_stale); nothing runs."""
+        self._grad_scale = None  # a clip factor of a skipped step must not carry over
         for st in self.states:
-            st.grad.zero_()
+            st.grad_stale = True
+
+    def settle_grads(self) -> None:
+        """Zero the accumulators that received nothing this step (unused parameters)."""
+        for st in self.states:
+            st.grad_for_add()
 
     def local_sq_norm(self) -> torch.Tensor:
+        self.settle_grads()
         dev = self.states[0].grad.device if self.states else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=dev)
         for st in self.states:
@@ -127,6 +148,14 @@ class ShardedAdamW:
         return sq.sqrt()
 
     def scale_grads(self, coef: torch.Tensor) -> None:
+        """Multiply every grad by ``coef`` (0-d tensor: no host sync) before the next step.
+        torch's fused AdamW does it inside its own pass, as AMP's unscale (grads divided
+        by ``grad_scale = 1 / coef``), which saves a read and a write of every grad;
+        the other optimizers get a separate in-place multiply."""
+        self.settle_grads()
+        if self.kind == "fused":
+            self._grad_scale = (1.0 / coef).to(torch.float32)
+            return
         for st in self.states:
             st.grad.mul_(coef)
 
@@ -135,9 +164,13 @@ class ShardedAdamW:
         self.step_count += 1
         if self.inner is None:
             return
+        self.settle_grads()
         for g in self.inner.param_groups:
             g["lr"] = lr
+        if self._grad_scale is not None:
+            self.inner.grad_scale, self._grad_scale = self._grad_scale, None
         self.inner.step()
+        self.inner.grad_scale = None  # one step only
         for st in self.states:
             st.write_back()
 
