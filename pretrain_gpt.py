@@ -274,26 +274,37 @@ def cli(argv=None) -> int:
 
 
 def _shut_down_distributed(orderly: bool) -> None:
-    """Tear the process groups down while the interpreter is fully alive.
-
-    After a finished run every rank first meets at a barrier, so no rank closes its
-    sockets while a peer is still in the last collective (only after success: after an
-    error the peers may never arrive). The engine holds ProcessGroup references in
-    reference cycles (through parameter hooks); collecting them here runs gloo's
-    destructors now rather than during interpreter finalization, where joining gloo's
-    worker threads can abort the process (seen once in CI: rank 0 of the emulated
-    two-node test died of SIGABRT, "terminate called without an active exception";
-    not reproduced here in 20 runs, with and without CPU load).
-    """
-    import gc
+    """Tear the process groups down. After a finished run every rank first meets at a
+    barrier, so no rank closes its sockets while a peer is still in the last collective
+    (only after success: after an error the peers may never arrive)."""
     import torch.distributed as dist
     if not dist.is_initialized():
         return
     if orderly:
         dist.barrier()
     dist.destroy_process_group()
-    gc.collect()
+
+
+def _exit_now(code: int):
+    """Leave without Python's interpreter finalization.
+
+    Finalization tears down the interpreter while C++ threads of torch (the autograd
+    engine's, gloo's) can still try to take the GIL; that race aborted finished runs
+    with SIGABRT, "terminate called without an active exception", after the last
+    iteration and the teardown above: seen in CI and in about 1 of 10 local runs of
+    the emulated two-node test (tests/test_emulated_cluster.py), never since this exit.
+    Everything megaq writes is closed by then (metrics file, TensorBoard writer,
+    checkpoints renamed into place); torch.compile's worker pool is stopped first.
+    """
+    try:
+        from torch._inductor.async_compile import shutdown_compile_workers
+        shutdown_compile_workers()
+    except Exception:  # noqa: BLE001 - no pool started, or a torch without this helper
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    _exit_now(cli())

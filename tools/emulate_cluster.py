@@ -79,6 +79,9 @@ def node_env(link: EmulatedLink, node: int) -> dict:
         GLOO_SOCKET_IFNAME=link.dev[node],
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         PYTHONUNBUFFERED="1",
+        # a rank that dies of a signal (SIGABRT from C++, SIGSEGV) prints every
+        # thread's Python stack into the node's log
+        PYTHONFAULTHANDLER="1",
         EMULATED_NODE=str(node),
     )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
@@ -144,8 +147,11 @@ def _tail(path: str, n: int = 25) -> str:
     except OSError as e:
         return f"(no log: {e})"
     cause = [x for x in lines if any(k in x for k in ("Error", "error:", "Traceback", "Abort",
-                                                        "terminate called"))][:8]
-    return "".join(cause + ["...\n"] + lines[-n:])
+                                                        "terminate called", "Fatal Python",
+                                                        "File \""))][:30]
+    # how far the trainer got: its banner, setup and last iteration lines
+    progress = [x for x in lines if x.startswith((" megaq:", " setup", " iteration"))][-3:]
+    return "".join(["progress:\n"] + progress + ["causes:\n"] + cause + ["...\n"] + lines[-n:])
 
 
 # ---------------------------------------------------------------------- measuring
