@@ -11,6 +11,9 @@ Layout under --save DIR::
                                              DP size / ZeRO++ setting can load it)
       rng/rank_{rank:05d}.pt                 every rank's RNG streams: python, numpy, torch
                                              CPU, CUDA, the TP RNG tracker
+      qgz/rank_{rank:05d}.pt                 with --zero-gradient-error-feedback: the rank's
+                                             qgZ residuals (restored when layout and qgZ
+                                             settings match, else they restart from zero)
 
 Every file holds only tensors and plain containers, and is read with
 ``torch.load(weights_only=True)``.
@@ -57,6 +60,14 @@ def model_file(ckpt_dir: str, tp_rank: int, pp_rank: int) -> str:
 
 def rng_file(ckpt_dir: str, rank: int) -> str:
     return os.path.join(ckpt_dir, "rng", f"rank_{rank:05d}.pt")
+
+
+def error_feedback_file(ckpt_dir: str, rank: int) -> str:
+    return os.path.join(ckpt_dir, "qgz", f"rank_{rank:05d}.pt")
+
+
+# what the qgZ residuals depend on besides the layout: a change of these restarts them
+_EF_ARGS = ("zero_quantized_gradients_bits", "zero_quantization_block_size")
 
 
 # ------------------------------------------------------------------------ RNG streams
@@ -172,13 +183,15 @@ def save_checkpoint(root: str, iteration: int, *, args, topo, engine, lr_schedul
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             "args": args_to_dict(args),
-            "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
-                       "dp": layout.dp},
+            "layout": _layout_dict(layout),
             "lr_scheduler": lr_schedule.state_dict(),
             "extra": extra or {},
             "model_optim": full,
         }, model_file(tmp, tp_rank, pp_rank))
     _save_file(rng_state(), rng_file(tmp, rank))
+    residuals = engine.error_feedback_state()
+    if residuals:
+        _save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
     if fault is not None:
         fault("files_written")
     _barrier(topo)  # every rank's files are on disk
@@ -202,6 +215,11 @@ def save_checkpoint(root: str, iteration: int, *, args, topo, engine, lr_schedul
         _write_tracker(root, iteration)
     _barrier(topo)
     return final
+
+
+def _layout_dict(layout) -> dict:
+    return {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+            "ranks_per_node": layout.ranks_per_node, "order": layout.order}
 
 
 # ------------------------------------------------------------------------------ load
@@ -276,6 +294,8 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=
     if not load_optim:
         state = engine_weights_only(state)
     engine.load_full_state(state)
+    if load_optim:
+        _load_error_feedback(ckpt, sd, args, topo, engine)
     lr_schedule.load_state_dict(sd["lr_scheduler"])
 
     if load_rng and not same_mp:
@@ -306,6 +326,29 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=
     return {"iteration": int(sd["iteration"]), "consumed_samples": int(sd["consumed_samples"]),
             "extra": sd.get("extra", {}), "path": ckpt,
             "args_global_batch_size": sd["args"].get("global_batch_size")}
+
+
+def _load_error_feedback(ckpt: str, sd: dict, args, topo, engine) -> None:
+    """Restore this rank's qgZ error-feedback residuals when this run uses them and
+    they still mean the same thing: same layout (each residual is one rank's own
+    quantization error) and the same qgZ bits and block. Otherwise they restart from
+    zero, as after any weight load, and rank 0 says why."""
+    if not (getattr(args, "zero_quantized_gradients", False)
+            and getattr(args, "zero_gradient_error_feedback", False)):
+        return
+    path = error_feedback_file(ckpt, topo.rank)
+    if sd["layout"] != _layout_dict(topo.layout):
+        reason = f"the layout changed ({sd['layout']} -> {_layout_dict(topo.layout)})"
+    elif any(sd["args"].get(k) != getattr(args, k, None) for k in _EF_ARGS):
+        reason = "the qgZ bits or block size changed"
+    elif not os.path.isfile(path):
+        reason = "the checkpoint holds none (saved without error feedback, or at DP=1)"
+    else:
+        engine.load_error_feedback_state(torch.load(path, map_location="cpu",
+                                                    weights_only=True)["residuals"])
+        return
+    if topo.rank == 0:
+        print(f" note: qgZ error-feedback residuals start from zero: {reason}", flush=True)
 
 
 # ------------------------------------------------------------- TP / PP resharding

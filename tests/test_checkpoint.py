@@ -44,6 +44,9 @@ class DictEngine:
     def load_full_state(self, sd):
         self.loaded = sd
 
+    def error_feedback_state(self):
+        return {}  # no qgZ error feedback here (tests/test_checkpoint_resume.py has it)
+
 
 def setup(tmp_path, value=1.0):
     args = parse_args(ARGV, world_size=1)

@@ -71,12 +71,17 @@ def test_interrupted_run_removes_its_namespaces(tmp_path):
     p = subprocess.Popen([sys.executable, os.path.join(TOOLS, "emulate_cluster.py"), "probe",
                           "--rate", "100mbit", "--numel", "2000000", "--iters", "50"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 30
+    deadline = time.time() + 120   # the driver imports torch first: slow on a loaded machine
     while not _ours(p.pid) and time.time() < deadline and p.poll() is None:
         time.sleep(0.1)
     assert _ours(p.pid), "the driver never built its namespaces"
-    time.sleep(3)   # let torchrun start inside them
     inside = set()
+    while len(inside) < 2 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.5)   # until torchrun runs inside both namespaces
+        for ns in _ours(p.pid):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+            inside.update(int(x) for x in pids.split())
+    time.sleep(1)   # the agents start their workers
     for ns in _ours(p.pid):
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
         inside.update(int(x) for x in pids.split())

@@ -24,7 +24,7 @@ Hooks (stage 3; see units.py for sites and units):
   shard accumulator, averaging over DP once; when all of a site's own parameters
   have their grads, release the site's weights. At most ``cfg.reduce_bucket_size``
   bytes of grad buffers are in flight; older reductions are waited for first. At DP=1
-  with a plain reducer there is nothing to reduce: the grad goes straight into its
+  there is nothing to reduce: the grad goes straight into its
   slice of the fp32 accumulator, and the step's first write overwrites (zero_grad only
   marks the accumulators stale);
 * an end-of-backward callback flushes partially filled buffers (unused params) and
@@ -101,9 +101,9 @@ class ZeroEngine:
         self._inflight_bytes = 0
         self._grad_bufs: dict[int, list] = {}      # id(part) -> [flat grad, params seen]
         self._full_grads: dict[int, torch.Tensor] = {}  # last_microbatch: fp32 full grads
-        # DP = 1 and a plain reducer: grads go straight into the fp32 accumulators
-        self._direct = (topo.dp.size == 1 and cfg.grad_sync == "per_microbatch"
-                        and not cfg.quantized_gradients)
+        # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
+        # (qgZ too: at DP=1 it has nothing to exchange and adds exactly, residuals unused)
+        self._direct = topo.dp.size == 1 and cfg.grad_sync == "per_microbatch"
         self._direct_written: dict[int, set[int]] = {}  # id(part) -> ids of slots written
         self._in_backward = False
         self._bwd_started: set[int] = set()
@@ -206,7 +206,7 @@ class ZeroEngine:
                     self._release(unit)
 
     def _accumulate_direct(self, part, slot, grad: torch.Tensor) -> None:
-        """DP = 1 with a plain reducer: nothing to reduce, so add the grad straight into
+        """DP = 1: nothing to reduce, so add the grad straight into
         its slice of the fp32 accumulator (no flat grad buffer, no copy into it). On a
         stale accumulator (zero_grad ran) each slot's first write of the step overwrites
         (upcasting copy); finish_grad_sync zeroes the slots nobody wrote."""
@@ -398,6 +398,16 @@ class ZeroEngine:
         reset = getattr(self.reducer, "reset_error_feedback", None)
         if reset is not None:  # qgZ residuals belong to the old trajectory
             reset()
+
+    def error_feedback_state(self) -> dict[str, torch.Tensor]:
+        """qgZ's error-feedback residuals of this rank ({} when there are none)."""
+        get = getattr(self.reducer, "error_feedback_state", None)
+        return get() if get is not None else {}
+
+    def load_error_feedback_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """Restore this rank's residuals (call after load_full_state, which drops them)."""
+        dev = self.partitions[0].device if self.partitions else torch.device("cpu")
+        self.reducer.load_error_feedback_state(sd, dev)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes on this rank: params (model shards + live gathered), grads, optimizer,

@@ -91,6 +91,21 @@ class QuantizedGradReducer:
         self._res1.clear()
         self._res2.clear()
 
+    def error_feedback_state(self) -> dict[str, torch.Tensor]:
+        """This rank's residuals by stable name, ``hop1|<unit>|<chunk>`` / ``hop2|...``
+        (each rank quantizes its own gradient, so each rank saves its own)."""
+        return {f"{hop}|{key}|{i}": t for hop, store in (("hop1", self._res1), ("hop2", self._res2))
+                for (key, i), t in store.items()}
+
+    def load_error_feedback_state(self, sd: dict[str, torch.Tensor], device) -> None:
+        """Restore what error_feedback_state() returned (same layout and qgZ settings)."""
+        self.reset_error_feedback()
+        stores = {"hop1": self._res1, "hop2": self._res2}
+        for name, t in sd.items():
+            hop, rest = name.split("|", 1)
+            key, i = rest.rsplit("|", 1)
+            stores[hop][(key, int(i))] = t.to(device=device, dtype=torch.float32).clone()
+
     # ---------------------------------------------------------------------- protocol
     def start_reduce_flat(self, key, grad: torch.Tensor, out: torch.Tensor) -> _ReduceHandle:
         n, S = self.n, out.numel()
