@@ -185,14 +185,6 @@ def build_megaq(size, stage, compiled, dev):
     return (model, engine), fwd_bwd, opt_step, getattr(engine.optimizer, "kind", "?")
 
 
-def unhook(keep) -> None:
-    """The engine's parameter hooks keep model and engine alive past gc.collect() (seen
-    in a CPU check: every megaq variant stayed resident): remove them before dropping."""
-    for obj in keep:
-        if hasattr(obj, "remove_hooks"):
-            obj.remove_hooks()
-
-
 def free_gpu() -> None:
     gc.collect()
     torch._dynamo.reset()
@@ -278,7 +270,6 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
                loss_first=float(losses[0]), loss_last=float(losses[-1]))
     if profile:
         res["profile_ms_per_step_by_kind"] = profile
-    unhook(keep)
     del keep, fwd_bwd, opt_step, batches, losses
     free_gpu()
     return res
@@ -539,8 +530,7 @@ def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
                 opt_step()
             out[label] = [float(x) for x in losses]
             print(f"train-check {label:16s} " + " ".join(f"{x:.3f}" for x in out[label][::3]))
-            unhook(keep)
-            del keep, fwd_bwd, opt_step
+                    del keep, fwd_bwd, opt_step
             free_gpu()
     finally:
         os.environ["MEGAQ_KERNELS"] = "auto"

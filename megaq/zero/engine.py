@@ -45,6 +45,7 @@ backward is recognised and neither releases weights nor hooks outputs.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import torch
@@ -69,6 +70,20 @@ def _tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors(o)
+
+
+def _weak_hook(method):
+    """`method` called through a weak reference to its object. A parameter's hooks are
+    held where Python's garbage collector cannot see them (autograd's C++ side), so a
+    strong reference there would keep the engine, and through it the model, alive
+    after the user drops both."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        if target is not None:
+            target(*args)
+    return hook
 
 
 class ZeroEngine:
@@ -122,7 +137,8 @@ class ZeroEngine:
                 lambda mod, args, out, site=site: self._post_forward(site, out)))
         for part in self.partitions:
             for slot in part.slots:
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    _weak_hook(self._on_grad)))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
