@@ -1,0 +1,23 @@
+"""Every Python file of the project compiles: tools and scripts that no other test
+imports (GPU benchmarks, device-only checks) would otherwise break unnoticed, as
+tools/bench_train.py once did with an indentation error."""
+
+import glob
+import os
+import py_compile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = sorted(p for pattern in ("*.py", "megaq/**/*.py", "kernels/*.py", "tools/*.py",
+                                 "scripts/*.py", "tests/*.py")
+               for p in glob.glob(os.path.join(REPO, pattern), recursive=True))
+
+
+def test_the_file_list_is_not_empty():
+    assert any(p.endswith(os.path.join("tools", "bench_train.py")) for p in FILES)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: os.path.relpath(p, REPO))
+def test_compiles(path, tmp_path):
+    py_compile.compile(path, cfile=str(tmp_path / "out.pyc"), doraise=True)
