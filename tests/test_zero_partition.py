@@ -121,9 +121,9 @@ def test_single_rank_engine_matches_torch_adamw(stage):
     # At DP=1 there is nothing to reduce: each grad goes into the fp32 accumulator during
     # backward, as its parameter's grad is ready (never deferred to finish_grad_sync).
     accumulated_in_backward = []
-    inner = engine._accumulate_direct
-    engine._accumulate_direct = lambda *a: (accumulated_in_backward.append(engine._in_backward),
-                                            inner(*a))[1]
+    for st in engine.optimizer.states:
+        st.accumulate_slot = (lambda inner: lambda *a: (
+            accumulated_in_backward.append(engine._in_backward), inner(*a))[1])(st.accumulate_slot)
     named = list(ref.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for n, p in named if wants_weight_decay(n, p)],
                               "weight_decay": 0.1},

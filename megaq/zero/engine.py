@@ -119,12 +119,12 @@ class ZeroEngine:
         # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
         # (qgZ too: at DP=1 it has nothing to exchange and adds exactly, residuals unused)
         self._direct = topo.dp.size == 1 and cfg.grad_sync == "per_microbatch"
-        self._direct_written: dict[int, set[int]] = {}  # id(part) -> ids of slots written
         self._in_backward = False
         self._bwd_started: set[int] = set()
         self._site_remaining: dict[int, int] = {}
-        dev = self.partitions[0].device if self.partitions else torch.device("cpu")
-        self._stream = torch.cuda.Stream(dev) if (self.stage3 and dev.type == "cuda") else None
+        self.device = self.partitions[0].device if self.partitions else torch.device("cpu")
+        self._stream = (torch.cuda.Stream(self.device)
+                        if (self.stage3 and self.device.type == "cuda") else None)
         self._hooks = []
         self._register_hooks()
 
@@ -194,8 +194,8 @@ class ZeroEngine:
             comm.all_reduce(grad, self.topo.tp, "tp")  # partial per TP rank under SP
         part = self._part_of[id(param)]
         slot = part.slot_of[id(param)]
-        if self._direct:
-            self._accumulate_direct(part, slot, grad)
+        if self._direct:  # DP = 1: nothing to reduce
+            self._state_of[id(part)].accumulate_slot(slot.offset, grad.reshape(-1))
         elif self.cfg.grad_sync == "per_microbatch":
             entry = self._grad_bufs.get(id(part))
             if entry is None:
@@ -220,40 +220,6 @@ class ZeroEngine:
             if left == 0 and self._in_backward:
                 for unit in site.gathered_units:
                     self._release(unit)
-
-    def _accumulate_direct(self, part, slot, grad: torch.Tensor) -> None:
-        """DP = 1: nothing to reduce, so add the grad straight into
-        its slice of the fp32 accumulator (no flat grad buffer, no copy into it). On a
-        stale accumulator (zero_grad ran) each slot's first write of the step overwrites
-        (upcasting copy); finish_grad_sync zeroes the slots nobody wrote."""
-        st = self._state_of[id(part)]
-        dst = st.grad[slot.offset:slot.offset + slot.numel]
-        src = grad.reshape(-1)
-        if not st.grad_stale:
-            dst.add_(src)
-            return
-        written = self._direct_written.setdefault(id(part), set())
-        if id(slot) in written:
-            dst.add_(src)
-            return
-        dst.copy_(src)
-        written.add(id(slot))
-        if len(written) == len(part.slots):
-            self._settle_direct(part)
-
-    def _settle_direct(self, part) -> None:
-        """Zero what no grad overwrote in a stale accumulator (unused slots, padding)."""
-        st = self._state_of[id(part)]
-        if not st.grad_stale:
-            return
-        written = self._direct_written.pop(id(part), set())
-        end = 0
-        for slot in sorted(part.slots, key=lambda s: s.offset):
-            if id(slot) in written:
-                st.grad[end:slot.offset].zero_()
-                end = slot.offset + slot.numel
-        st.grad[end:].zero_()
-        st.grad_stale = False
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -347,10 +313,7 @@ class ZeroEngine:
             self._wait_oldest_reduce()
         if self.stage3:
             self._release_all()
-        for part in self.partitions:
-            if id(part) in self._direct_written:
-                self._settle_direct(part)
-        self.optimizer.settle_grads()  # partitions that got no grad at all this step
+        self.optimizer.settle_grads()  # zero what no grad reached (unused params, padding)
         if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
             for st in self.optimizer.states:
                 if st.part.shared_embedding:
@@ -359,7 +322,6 @@ class ZeroEngine:
     # ================================================================ step
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
-        self._direct_written.clear()
         self._full_grads.clear()
         self._grad_bufs.clear()
         self._norm = None
@@ -422,8 +384,7 @@ class ZeroEngine:
 
     def load_error_feedback_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Restore this rank's residuals (call after load_full_state, which drops them)."""
-        dev = self.partitions[0].device if self.partitions else torch.device("cpu")
-        self.reducer.load_error_feedback_state(sd, dev)
+        self.reducer.load_error_feedback_state(sd, self.device)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes on this rank: params (model shards + live gathered), grads, optimizer,

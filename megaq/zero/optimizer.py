@@ -45,18 +45,47 @@ class PartitionState:
             self.master = part.initial_master
         part.initial_master = None
         self.grad = torch.zeros_like(self.master)
-        # True after zero_grad() until the step's first write: the buffer's contents are
-        # stale, so that write overwrites instead of adding (no zeroing pass over the
-        # accumulators and no read of zeros: 8 bytes per element per step).
+        # True from zero_grad() until settle(): the accumulator's contents are stale, and
+        # each slot's first write of the step overwrites instead of adding (no zeroing
+        # pass and no read of zeros: 8 bytes per element per step). `_written` holds the
+        # offsets of the slots written while stale.
         self.grad_stale = False
+        self._written: set[int] = set()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
 
+    def mark_stale(self) -> None:
+        self.grad_stale = True
+        self._written.clear()
+
+    def accumulate_slot(self, offset: int, src: torch.Tensor) -> None:
+        """Add a parameter's flat grad into its slice (upcasting): the first write of a
+        step to a stale accumulator copies instead."""
+        dst = self.grad[offset:offset + src.numel()]
+        if self.grad_stale and offset not in self._written:
+            dst.copy_(src)
+            self._written.add(offset)
+        else:
+            dst.add_(src)
+
+    def settle(self) -> None:
+        """End the stale state: zero what no write reached (unused slots, padding)."""
+        if not self.grad_stale:
+            return
+        end = 0
+        for slot in self.part.slots:  # in offset order
+            if slot.offset in self._written:
+                if end < slot.offset:
+                    self.grad[end:slot.offset].zero_()
+                end = slot.offset + slot.numel
+        if end < self.grad.numel():
+            self.grad[end:].zero_()
+        self.grad_stale = False
+        self._written.clear()
+
     def grad_for_add(self) -> torch.Tensor:
-        """The accumulator, zeroed first if it is stale: for writers that add into it."""
-        if self.grad_stale:
-            self.grad.zero_()
-            self.grad_stale = False
+        """The settled accumulator: for writers that add a whole shard into it."""
+        self.settle()
         return self.grad
 
     def write_back(self) -> None:
@@ -123,12 +152,12 @@ class ShardedAdamW:
         """Mark every accumulator stale (see PartitionState.grad_stale); nothing runs."""
         self._grad_scale = None  # a clip factor of a skipped step must not carry over
         for st in self.states:
-            st.grad_stale = True
+            st.mark_stale()
 
     def settle_grads(self) -> None:
-        """Zero the accumulators that received nothing this step (unused parameters)."""
+        """Zero whatever no grad reached this step (unused parameters, padding)."""
         for st in self.states:
-            st.grad_for_add()
+            st.settle()
 
     def local_sq_norm(self) -> torch.Tensor:
         self.settle_grads()
@@ -167,10 +196,9 @@ class ShardedAdamW:
         self.settle_grads()
         for g in self.inner.param_groups:
             g["lr"] = lr
-        if self._grad_scale is not None:
-            self.inner.grad_scale, self._grad_scale = self._grad_scale, None
+        self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it; else None
         self.inner.step()
-        self.inner.grad_scale = None  # one step only
+        self._grad_scale = None
         for st in self.states:
             st.write_back()
 
