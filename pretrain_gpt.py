@@ -52,6 +52,8 @@ def zero_config(args):
               error_feedback=args.zero_gradient_error_feedback)
     if args.zero_quantization_block_size:
         kw["block_size"] = args.zero_quantization_block_size
+    if args.zero_quantized_gradients_chunk:
+        kw["grad_chunk"] = args.zero_quantized_gradients_chunk
     return ZeroConfig(**kw)
 
 

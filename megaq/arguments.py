@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elements per quantization block (default: the engine's)")
     g.add_argument("--zero-gradient-error-feedback", action="store_true",
                    help="qgZ: carry the quantization residual into the next step")
+    g.add_argument("--zero-quantized-gradients-chunk", type=int, default=None,
+                   help="qgZ: elements of each rank's gradient shard per chunk; the two "
+                        "all-to-all hops of consecutive chunks overlap (default 4194304; "
+                        "larger chunks mean fewer, bigger collectives)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True,
@@ -216,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write TensorBoard scalars here (needs tensorboard installed)")
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON object per logged iteration (and per evaluation)")
+    g.add_argument("--log-comm-time", action="store_true",
+                   help="time every collective and log milliseconds per phase (weight_gather_fwd, "
+                        "grad_reduce, ...) per iteration; collectives then run synchronously with a "
+                        "device sync around each, so steps are slower (no overlap): use it to see "
+                        "where communication time goes, not to measure step time")
     return p
 
 
@@ -333,6 +342,9 @@ def validate_args(args: argparse.Namespace, world_size: int,
     if zpp and args.zero_stage != 3:
         _fail("ZeRO++ switches (--zero-quantized-weights, --zero-hpz-partition-size > 1, "
               "--zero-quantized-gradients) need --zero-stage 3")
+    chunk = args.zero_quantized_gradients_chunk
+    if chunk is not None and chunk < 1:
+        _fail(f"--zero-quantized-gradients-chunk {chunk} must be >= 1 element (e.g. 4194304)")
 
     # ---- optimizer / schedule ------------------------------------------------------
     if args.lr < 0 or args.min_lr < 0:

@@ -12,6 +12,10 @@ per node per training iteration: the collective layer's per-rank counters
 (comm.per_node_totals), averaged over the nodes, and divided by the number of
 iterations in the logging interval. Evaluation and checkpoint traffic is excluded
 (the counters are set aside around them), so the numbers describe training steps only.
+
+With --log-comm-time, train lines also carry ``comm_time_ms``: ``{phase: ms}`` per
+iteration, the mean over all ranks of the time spent in that phase's collectives, each
+run synchronously between two device synchronizations (comm.py, "Time per phase").
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class SetAside:
 
     def __enter__(self):
         self.saved = self.stats.snapshot()
+        self.saved_seconds = self.stats.seconds_snapshot()
         return self
 
     def __exit__(self, *exc):
@@ -53,6 +58,8 @@ class SetAside:
         for phase, links in self.saved.items():
             for link, b in links.items():
                 self.stats.add(phase, link, b)
+        for phase, sec in self.saved_seconds.items():
+            self.stats.add_time(phase, sec)
         return False
 
 

@@ -207,6 +207,7 @@ class Trainer:
         interval = {"t0": time.perf_counter(), "iters": 0, "loss": 0.0, "counted": 0,
                     "skipped": 0, "nan": 0}
         comm.STATS.reset()
+        comm.STATS.timing = a.log_comm_time
         last_saved = s.iteration
         while s.iteration < a.train_iters:
             lr = self.p.lr_schedule.get_lr()
@@ -259,6 +260,7 @@ class Trainer:
             self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()
         self.tb.close()
+        comm.STATS.timing = False
         return s
 
     def _exit_reason(self) -> str | None:
@@ -275,6 +277,9 @@ class Trainer:
         iters = interval["iters"]
         elapsed = time.perf_counter() - interval["t0"]
         comm_bytes = comm_per_node_per_iteration(topo.world, iters)  # collective
+        comm_ms = None
+        if comm.STATS.timing:
+            comm_ms = {p: sec * 1000.0 / iters for p, sec in comm.mean_seconds(topo.world).items()}
         comm.STATS.reset()
         elapsed_ms = elapsed * 1000.0 / iters
         tflops = self.p.flops_per_iteration / (elapsed_ms / 1000.0) / topo.layout.world_size / 1e12
@@ -287,6 +292,10 @@ class Trainer:
             elapsed_ms=elapsed_ms, tflops_per_gpu=tflops, lr=lr,
             global_batch_size=a.global_batch_size, lm_loss=loss, loss_scale=1.0,
             grad_norm=grad_norm, skipped=interval["skipped"], nan=interval["nan"]), flush=True)
+        if comm_ms is not None:
+            print(" communication time per iteration (ms, mean over ranks, collectives run "
+                  "synchronously): " + " | ".join(f"{p}: {ms:.2f}" for p, ms in comm_ms.items()),
+                  flush=True)
         record = {
             "type": "train", "iteration": s.iteration, "consumed_samples": s.consumed_samples,
             "lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "elapsed_ms": elapsed_ms,
@@ -296,6 +305,8 @@ class Trainer:
             "nodes": topo.layout.num_nodes, "world_size": topo.layout.world_size,
             "tp": topo.layout.tp, "pp": topo.layout.pp, "dp": topo.layout.dp,
         }
+        if comm_ms is not None:
+            record["comm_time_ms"] = comm_ms
         self.metrics.write(record)
         self.tb.scalars({"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
                          "iteration-time": elapsed_ms / 1000.0, "tokens-per-second": tokens_per_s,

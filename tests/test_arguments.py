@@ -52,12 +52,25 @@ def test_derived_values():
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs --pipeline-model-parallel-size > 1"),
     (["--split", "a,b"], 1, "--split 'a,b' does not parse"),
     (["--zero-stage", "2"], 1, "argument --zero-stage: invalid choice"),
+    (["--zero-quantized-gradients-chunk", "0"], 1, "--zero-quantized-gradients-chunk 0 must be >= 1"),
 ])
 def test_refusals_name_the_flag(extra, world, needle):
     with pytest.raises(ArgumentsError) as e:
         parse(extra, world=world)
     msg = str(e.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_qgz_chunk_reaches_the_zeropp_config():
+    """The flag travels args -> ZeroConfig (pretrain_gpt.zero_config) -> ZeroPPConfig."""
+    import pretrain_gpt
+    from megaq.zero.zeropp import zeropp_config
+    from megaq.zero.zeropp.config import DEFAULT_GRAD_CHUNK
+    a = parse(["--zero-quantized-gradients"], world=1)
+    assert zeropp_config(pretrain_gpt.zero_config(a)).grad_chunk == DEFAULT_GRAD_CHUNK
+    a = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096"], world=1)
+    assert zeropp_config(pretrain_gpt.zero_config(a)).grad_chunk == 4096
+    assert zeropp_config(a).grad_chunk == 4096  # straight from the namespace too
 
 
 def test_data_source_required():
@@ -77,7 +90,8 @@ def test_help_lists_megatron_and_zeropp_flags():
                  "--recompute-activations", "--tensorboard-dir", "--make-vocab-size-divisible-by",
                  "--zero-stage", "--zero-quantized-weights", "--zero-hpz-partition-size",
                  "--zero-quantized-gradients", "--gpus-per-node", "--metrics-file",
-                 "--data-cache-path", "--demo-corpus", "--save-interval", "--load"):
+                 "--data-cache-path", "--demo-corpus", "--save-interval", "--load",
+                 "--zero-quantized-gradients-chunk", "--log-comm-time"):
         assert flag in text, flag
 
 

@@ -119,3 +119,42 @@ def test_single_member_group_is_local_copy():
     out = torch.empty(4)
     comm.all_gather(out, torch.ones(4), g, "x")
     assert torch.equal(out, torch.ones(4)) and comm.STATS.snapshot() == {}
+
+
+def _timed_ops(topo):
+    """Every kind of collective with STATS.timing on: results and bytes as with it off,
+    handles already finished, seconds charged to each op's own phase."""
+    results = {}
+    for timing in (False, True):
+        comm.STATS.reset()
+        comm.STATS.timing = timing
+        try:
+            g = topo.world
+            full = torch.arange(N_ELEM, dtype=torch.float32) + 1000 * topo.rank
+            gathered = torch.empty(N_ELEM)
+            h = comm.all_gather(gathered, full[: N_ELEM // g.size].contiguous(), g, "ag", async_op=True)
+            h.wait()
+            scattered = torch.empty(N_ELEM // g.size)
+            comm.reduce_scatter(scattered, full, g, "rs")
+            reduced = full.clone()
+            comm.all_reduce(reduced, g, "ar")
+            swapped = torch.empty(N_ELEM)
+            comm.all_to_all(swapped, full, g, "a2a", async_op=True).wait()
+            n, r = g.size, topo.rank
+            recv = torch.empty(10)
+            comm.batch_p2p([(torch.full((10,), float(r)), (r + 1) % n)], [(recv, (r - 1) % n)], g, "p2p").wait()
+            seconds = comm.mean_seconds(g)
+        finally:
+            comm.STATS.timing = False
+        results[timing] = {"tensors": [gathered, scattered, reduced, swapped, recv],
+                           "bytes": comm.STATS.snapshot(), "seconds": seconds}
+    return results
+
+
+def test_timing_charges_each_phase_and_changes_nothing_else():
+    for res in run_on_ranks(_timed_ops, 4, ranks_per_node=2):
+        off, on = res[False], res[True]
+        assert all(torch.equal(a, b) for a, b in zip(off["tensors"], on["tensors"]))
+        assert off["bytes"] == on["bytes"] and off["seconds"] == {}
+        assert set(on["seconds"]) == {"ag", "rs", "ar", "a2a", "p2p"}
+        assert all(s > 0 for s in on["seconds"].values())

@@ -40,6 +40,9 @@ def test_layouts_and_variants():
     v = M.bench_variants(4)
     assert list(v) == ["ZeRO-3", "qwZ", "qwZ+hpZ", "ZeRO++"]
     assert v["ZeRO++"] == v["qwZ+hpZ"] + ["--zero-quantized-gradients"]
+    v = M.bench_variants(4, (4096,))
+    assert list(v)[-1] == "ZeRO++ chunk 4096"
+    assert v["ZeRO++ chunk 4096"] == v["ZeRO++"] + ["--zero-quantized-gradients-chunk", "4096"]
 
 
 def test_transport_lines_flag_wrong_channels(tmp_path):
@@ -98,3 +101,8 @@ def test_cpu_mode_two_steps(tmp_path):
     # qgZ: int4 gradients, well under ZeRO-3's fp32 reduce-scatter
     assert inter["ZeRO++"]["grad_reduce"] < 0.3 * inter["ZeRO-3"]["grad_reduce"]
     assert rec["link_probe"] and rec["link_probe"][0]["busbw_GBps"] > 0
+    # --comm-time (default): one more iteration per variant with --log-comm-time gives
+    # milliseconds for each phase that moves bytes, shown in a table above the bytes one
+    for row in rows.values():
+        assert all(row["comm_time_ms"][p] > 0 for p in M.PHASES) and row["comm_timed_step_ms"] > 0
+    assert "| variant | step ms, collectives synchronous |" in r.stdout

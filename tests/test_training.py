@@ -148,3 +148,33 @@ def test_plot_metrics_writes_png(tmp_path):
     out = tmp_path / "curves.png"
     assert mod.main(paths + ["--output", str(out), "--labels", "a", "b"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _train_with_metrics(topo, args):
+    s = pretrain_gpt.main(args, topo=topo)
+    return s.losses
+
+
+def test_log_comm_time_reports_phases_and_keeps_losses(tmp_path, capfd):
+    """--log-comm-time: the metrics file gets milliseconds per phase for every phase that
+    moved bytes, the log shows them, and the losses and bytes equal an untimed run's
+    (4 ranks as 2 nodes x 2, ZeRO-3 with qwZ, hpZ and qgZ: every ZeRO++ path is timed)."""
+    zpp = ["--gpus-per-node", "2", "--zero-stage", "3", "--zero-quantized-weights", "--global-batch-size", "8",
+           "--zero-hpz-partition-size", "2", "--zero-quantized-gradients",
+           "--zero-quantization-block-size", "32"]
+    rows = {}
+    for timed in (False, True):
+        m = str(tmp_path / f"m{int(timed)}.jsonl")
+        extra = zpp + ["--metrics-file", m] + (["--log-comm-time"] if timed else [])
+        losses = run_on_ranks(_train_with_metrics, 4, ranks_per_node=2, hpz_size=2,
+                              args=(argv(str(tmp_path), 2, extra),))[0]
+        rows[timed] = ([json.loads(x) for x in open(m)], losses)
+    (plain, plain_losses), (timed, timed_losses) = rows[False], rows[True]
+    assert timed_losses == plain_losses
+    for a, b in zip(plain, timed):
+        assert a["comm"] == b["comm"] and "comm_time_ms" not in a
+        moved = {p for p, links in b["comm"].items() if sum(links.values()) > 0}
+        assert {"weight_gather_fwd", "weight_gather_bwd", "grad_reduce"} <= moved
+        assert set(b["comm_time_ms"]) >= moved
+        assert all(b["comm_time_ms"][p] > 0 for p in moved)
+    assert "communication time per iteration (ms" in capfd.readouterr().out

@@ -92,10 +92,14 @@ def model_argv(m: dict, seq: int) -> list[str]:
             "--log-interval", "1", "--lr-decay-style", "constant"]
 
 
-def bench_variants(hpz: int) -> dict[str, list[str]]:
+def bench_variants(hpz: int, qgz_chunks: tuple[int, ...] = ()) -> dict[str, list[str]]:
+    """ZeRO-3, qwZ, qwZ+hpZ, ZeRO++, then ZeRO++ with each qgZ chunk size asked for."""
     qw, hp, qg = (["--zero-quantized-weights"], ["--zero-hpz-partition-size", str(hpz)],
                   ["--zero-quantized-gradients"])
-    return {"ZeRO-3": [], "qwZ": qw, "qwZ+hpZ": qw + hp, "ZeRO++": qw + hp + qg}
+    out = {"ZeRO-3": [], "qwZ": qw, "qwZ+hpZ": qw + hp, "ZeRO++": qw + hp + qg}
+    for c in qgz_chunks:
+        out[f"ZeRO++ chunk {c}"] = qw + hp + qg + ["--zero-quantized-gradients-chunk", str(c)]
+    return out
 
 
 def layouts(g: int, m: dict) -> list[tuple[int, int, int]]:
@@ -274,7 +278,10 @@ def numerics(args, env, log_dir) -> dict:
 
 
 # ---------------------------------------------------------------- stages 2 + 3
-def bench_plan(args, log_dir) -> tuple[dict, dict[str, str]]:
+def bench_plan(args, log_dir) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """The bench launch: the split-link probe, then each variant for warmup + steps
+    iterations; with --comm-time each variant once more for warmup + 1 iterations with
+    --log-comm-time (milliseconds per phase; collectives synchronous there)."""
     m = MODELS[args.model]
     per_node = max(1, args.gpus // 2)
     iters = args.warmup + args.steps
@@ -285,14 +292,23 @@ def bench_plan(args, log_dir) -> tuple[dict, dict[str, str]]:
         "--data-cache-path", os.path.join(log_dir, "data")]
     if args.device == "cuda":
         base.append("--bf16")
-    files, entries = {}, [{"probe": "split", "mib": args.probe_mib}]
-    for name, flags in bench_variants(per_node).items():
-        files[name] = os.path.join(log_dir, f"bench_{re.sub(r'[^A-Za-z0-9]+', '_', name)}.jsonl")
-        if os.path.exists(files[name]):
-            os.remove(files[name])
+    files, timed_files, entries = {}, {}, [{"probe": "split", "mib": args.probe_mib}]
+    timed = []  # after every plain run, so the step times are taken first
+    for name, flags in bench_variants(per_node, tuple(args.qgz_chunks)).items():
+        stem = os.path.join(log_dir, f"bench_{re.sub(r'[^A-Za-z0-9]+', '_', name)}")
+        files[name], timed_files[name] = stem + ".jsonl", stem + "_comm_time.jsonl"
+        for f in (files[name], timed_files[name]):
+            if os.path.exists(f):
+                os.remove(f)
         entries.append({"label": name, "argv": base + ["--zero-stage", "3"] + flags
                         + ["--metrics-file", files[name]]})
-    return {"device": args.device, "split_hosts": per_node, "entries": entries}, files
+        if args.comm_time:  # one more iteration after the warm-up, collectives timed
+            argv = base + ["--zero-stage", "3"] + flags + ["--metrics-file", timed_files[name],
+                                                           "--log-comm-time"]
+            argv[argv.index("--train-iters") + 1] = str(args.warmup + 1)
+            timed.append({"label": f"{name} (comm timed)", "argv": argv})
+    plan = {"device": args.device, "split_hosts": per_node, "entries": entries + timed}
+    return plan, files, (timed_files if args.comm_time else {})
 
 
 def nccl_env(log_dir: str) -> dict:
@@ -342,7 +358,7 @@ def transport_lines(log_dir: str, per_node: int) -> dict:
     return {"lines": uniq, "channels_checked": checked, "wrong": wrong}
 
 
-def summarize(files: dict[str, str], warmup: int) -> list[dict]:
+def summarize(files: dict[str, str], warmup: int, timed_files: dict[str, str] | None = None) -> list[dict]:
     rows, base_ms = [], None
     for name, path in files.items():
         recs = read_train_lines(path)
@@ -360,6 +376,11 @@ def summarize(files: dict[str, str], warmup: int) -> list[dict]:
         if name == "ZeRO-3":
             base_ms = ms
         row["speedup_vs_zero3"] = base_ms / ms if base_ms else None
+        timed_path = (timed_files or {}).get(name)
+        timed_recs = read_train_lines(timed_path) if timed_path and os.path.exists(timed_path) else []
+        if timed_recs and "comm_time_ms" in timed_recs[-1]:  # the iteration after the warm-up
+            row["comm_time_ms"] = timed_recs[-1]["comm_time_ms"]
+            row["comm_timed_step_ms"] = timed_recs[-1]["elapsed_ms"]
         rows.append(row)
     return rows
 
@@ -384,13 +405,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def time_table(rows: list[dict]) -> str:
+    """Milliseconds per iteration in each phase's collectives (from --log-comm-time runs)."""
+    head = ("| variant | step ms, collectives synchronous | " + " | ".join(f"{p} ms" for p in PHASES)
+            + " | other phases ms | communication total ms |")
+    out = [head, "|" + "---|" * (4 + len(PHASES))]
+    for r in rows:
+        t = r["comm_time_ms"]
+        other = sum(v for p, v in t.items() if p not in PHASES)
+        out.append(f"| {r['variant']} | {r['comm_timed_step_ms']:.1f} | "
+                   + " | ".join(f"{t.get(p, 0.0):.1f}" for p in PHASES)
+                   + f" | {other:.1f} | {sum(t.values()):.1f} |")
+    return "\n".join(out)
+
+
 def bench(args, env: dict, log_dir: str, record: dict) -> None:
     """Stages 2 + 3: link probes, the 2-"node" bench run, NCCL's transport lines."""
     if args.device == "cuda":  # the same probe without the split: what the halves lose
         probe_plan = {"device": args.device, "entries": [{"probe": "one-host",
                                                           "mib": args.probe_mib}]}
         launch(probe_plan, args.gpus, env, log_dir, "probe_one_host", args.timeout)
-    plan, files = bench_plan(args, log_dir)
+    plan, files, timed_files = bench_plan(args, log_dir)
     failure = None
     try:
         launch(plan, args.gpus, {**env, **nccl_env(log_dir)}, log_dir, "bench", args.timeout)
@@ -405,7 +440,7 @@ def bench(args, env: dict, log_dir: str, record: dict) -> None:
             record["peak_memory"] += [r for r in done if "label" in r]
     finished = {k: v for k, v in files.items() if os.path.exists(v) and read_train_lines(v)}
     if finished:
-        record["bench"] = summarize(finished, args.warmup)
+        record["bench"] = summarize(finished, args.warmup, timed_files)
     if args.device == "cuda":
         tl = transport_lines(log_dir, max(1, args.gpus // 2))
         record["nccl_transport"] = tl
@@ -514,6 +549,12 @@ def parse(argv):
     p.add_argument("--log-dir", default=None, help="logs and metrics (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the JSON record here")
     p.add_argument("--timeout", type=float, default=900, help="seconds per torchrun launch")
+    p.add_argument("--qgz-chunks", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                   help="bench: also run ZeRO++ with each of these qgZ chunk sizes (elements of a "
+                        "rank's shard per chunk, comma-separated, e.g. 4194304,16777216)")
+    p.add_argument("--comm-time", action=argparse.BooleanOptionalAction, default=True,
+                   help="bench: run each variant once more (warmup + 1 iterations) with "
+                        "--log-comm-time and report milliseconds per phase (default: on)")
     a = p.parse_args(argv)
     if a.device == "auto":
         import torch
@@ -600,6 +641,12 @@ def main(argv=None) -> int:
         print("errors: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in record["errors"].items()),
               flush=True)
     if rows:
+        timed_rows = [r for r in rows if "comm_time_ms" in r]
+        if timed_rows:
+            print("\ncommunication time per iteration: one more iteration per variant with "
+                  "--log-comm-time (each collective between two device synchronizations: no "
+                  "overlap, so these steps are slower than the ones below)", flush=True)
+            print(time_table(timed_rows), flush=True)
         print(f"\nZeRO-3 vs ZeRO++: {args.gpus} {args.device} ranks as 2 nodes x {args.gpus // 2}, "
               f"model {args.model}, micro-batch {args.micro_batch_size} x seq {args.seq_length}; "
               f"bytes per node per iteration", flush=True)

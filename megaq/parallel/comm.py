@@ -22,11 +22,21 @@ sends it, as ``intra_node`` or ``inter_node`` depending on where the receiver li
 * send / recv: the bytes sent, charged by the receiver's node.
 
 Counters are per rank; :func:`per_node_totals` sums them over each node.
+
+Time per phase (optional)
+-------------------------
+With ``STATS.timing`` on (``pretrain_gpt.py --log-comm-time``) every collective runs
+synchronously and is timed from a device synchronization before it to one after it,
+so its seconds are charged to its phase without the compute it would otherwise
+overlap. Steps get slower (no overlap), and a collective's time includes waiting for
+peers that arrive later; the figures say where communication time goes, while the
+step time to quote is the one measured with timing off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,20 +48,30 @@ INTRA, INTER = "intra_node", "inter_node"
 
 
 class CommStats:
-    """bytes[phase][link] sent by this rank since the last reset."""
+    """bytes[phase][link] sent by this rank since the last reset, and, while `timing`
+    is on, seconds[phase] spent in synchronous, timed collectives."""
 
-    def __init__(self):
+    def __init__(self, timing: bool = False):
         self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: {INTRA: 0, INTER: 0})
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.timing = timing
 
     def add(self, phase: str, link: str, nbytes: int) -> None:
         if nbytes:
             self.bytes[phase][link] += int(nbytes)
 
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
     def reset(self) -> None:
         self.bytes.clear()
+        self.seconds.clear()
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {p: dict(v) for p, v in self.bytes.items()}
+
+    def seconds_snapshot(self) -> dict[str, float]:
+        return dict(self.seconds)
 
 
 STATS = CommStats()  # this process's counters (one process = one rank)
@@ -159,6 +179,34 @@ def _done(async_op: bool) -> _Handle | None:
     return _Handle() if async_op else None
 
 
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+@contextlib.contextmanager
+def _timed(phase: str, t: torch.Tensor):
+    """Charge the block's wall time to `phase` when STATS.timing is on (device
+    synchronized on both sides, so queued compute is not counted)."""
+    if not STATS.timing:
+        yield
+        return
+    _sync(t)
+    t0 = time.perf_counter()
+    yield
+    _sync(t)
+    STATS.add_time(phase, time.perf_counter() - t0)
+
+
+def _timed_run(phase: str, t: torch.Tensor, fn, *args, async_op: bool, **kw) -> _Handle | None:
+    """_run, synchronous and timed while STATS.timing is on (a finished handle then)."""
+    if not STATS.timing:
+        return _run(fn, *args, async_op=async_op, **kw)
+    with _timed(phase, t):
+        _run(fn, *args, async_op=False, **kw)
+    return _done(async_op)
+
+
 # ---------------------------------------------------------------------- collectives
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
                async_op: bool = False):
@@ -167,7 +215,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
         output.copy_(input.reshape(output.shape))
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(output))
-    return _run(_all_gather_flat, output, input, group=group.pg, async_op=async_op)
+    return _timed_run(phase, output, _all_gather_flat, output, input, group=group.pg, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
@@ -178,9 +226,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phas
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(input))
     if op == dist.ReduceOp.SUM and group.is_gloo:
-        _ring_reduce_scatter(output, input, group)
+        with _timed(phase, input):
+            _ring_reduce_scatter(output, input, group)
         return _done(async_op)
-    return _run(_reduce_scatter_flat, output, input, op=op, group=group.pg, async_op=async_op)
+    return _timed_run(phase, input, _reduce_scatter_flat, output, input, op=op, group=group.pg,
+                      async_op=async_op)
 
 
 def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
@@ -215,7 +265,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.
     if group.size == 1:
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(tensor), passes=2)
-    return _run(dist.all_reduce, tensor, op=op, group=group.pg, async_op=async_op)
+    return _timed_run(phase, tensor, dist.all_reduce, tensor, op=op, group=group.pg, async_op=async_op)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
@@ -229,7 +279,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
     for j in range(n):
         if j != group.rank_index:
             STATS.add(phase, group.link_to(j), chunk)
-    return _run(dist.all_to_all_single, output, input, group=group.pg, async_op=async_op)
+    return _timed_run(phase, input, dist.all_to_all_single, output, input, group=group.pg, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
@@ -244,8 +294,8 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
     pos = chain.index(group.rank_index)
     if pos < n - 1:
         STATS.add(phase, group.link_to(chain[pos + 1]), _nbytes(tensor))
-    return _run(dist.broadcast, tensor, src=group.ranks[src_index], group=group.pg,
-                async_op=async_op)
+    return _timed_run(phase, tensor, dist.broadcast, tensor, src=group.ranks[src_index], group=group.pg,
+                      async_op=async_op)
 
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
@@ -258,6 +308,11 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     for t, j in recvs:
         ops.append(dist.P2POp(dist.irecv, t, group.ranks[j], group=group.pg))
     if not ops:
+        return _Handle()
+    if STATS.timing:
+        with _timed(phase, (sends or recvs)[0][0]):
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
         return _Handle()
     works = dist.batch_isend_irecv(ops)
 
@@ -291,6 +346,20 @@ def per_node_totals(world: Group, stats: CommStats = STATS) -> dict[int, dict[st
             for k, v in links.items():
                 d[k] += v
     return out
+
+
+def mean_seconds(world: Group, stats: CommStats = STATS) -> dict[str, float]:
+    """Collective over `world`: {phase: seconds} averaged over the ranks of `world`."""
+    local = stats.seconds_snapshot()
+    gathered = [local]
+    if world.size > 1:
+        gathered = [None] * world.size
+        dist.all_gather_object(gathered, local, group=world.pg)
+    out: dict[str, float] = defaultdict(float)
+    for snap in gathered:
+        for phase, sec in snap.items():
+            out[phase] += sec / len(gathered)
+    return dict(sorted(out.items()))
 
 
 @contextlib.contextmanager

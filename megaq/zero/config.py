@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megaq.zero.zeropp.config import DEFAULT_GRAD_CHUNK
+
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
 
 
@@ -56,6 +58,7 @@ class ZeroConfig:
     grad_bits_intra: int = 4
     grad_bits_inter: int = 4
     error_feedback: bool = False
+    grad_chunk: int = DEFAULT_GRAD_CHUNK  # qgZ: shard elements per chunk (hops of chunks overlap)
 
     def __post_init__(self):
         if self.stage not in (0, 3):

@@ -25,9 +25,13 @@ from dataclasses import dataclass
 
 from megaq.kernels.format import DEFAULT_BLOCK, QMAX
 
-# Elements of each rank's shard per qgZ chunk: big enough that one chunk's collective
-# dominates its launch cost, small enough that a unit gives several chunks to overlap.
-DEFAULT_GRAD_CHUNK = 1 << 20
+# Elements of each rank's shard per qgZ chunk: big enough that one chunk's collectives
+# outweigh their fixed per-call cost, small enough that a large unit gives several
+# chunks whose hops overlap. Measured on 2 H200s split into 2 "nodes" over NCCL's socket
+# transport (1.1B model, docs/PERFORMANCE.md "Several GPUs"): 2^20 -> 476 ms per step,
+# 2^22 -> 408 ms, 2^24 -> 405 ms. A chunk never exceeds the unit's shard, so a larger
+# value costs no memory beyond the unit's own gradient.
+DEFAULT_GRAD_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class ZeroPPConfig:
             grad_bits_inter=int(z.grad_bits_inter),
             block=int(z.block_size),
             error_feedback=bool(z.error_feedback),
-            grad_chunk=int(getattr(z, "grad_chunk", DEFAULT_GRAD_CHUNK)),
+            grad_chunk=int(z.grad_chunk),
         )
 
     @classmethod
