@@ -106,3 +106,22 @@ def test_cpu_mode_two_steps(tmp_path):
     for row in rows.values():
         assert all(row["comm_time_ms"][p] > 0 for p in M.PHASES) and row["comm_timed_step_ms"] > 0
     assert "| variant | step ms, collectives synchronous |" in r.stdout
+
+
+def test_cpu_mode_resume_stage(tmp_path):
+    """The resume stage on 2 gloo ranks: runs stopped at iteration 2 and resumed from
+    their checkpoints (same layout with ZeRO++ and error feedback; ZeRO-3 resharded
+    onto TP x PP) continue as the runs that never stopped."""
+    out = tmp_path / "resume.json"
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "multigpu_check.sh"),
+                        "--device", "cpu", "--gpus", "2", "--model", "tiny", "--stages", "resume",
+                        "--log-dir", str(tmp_path / "logs"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["errors"] == {}
+    assert set(rec["resume"]) == {"zeropp_resumed", "zero3_resumed_tp1_pp2"}
+    for v in rec["resume"].values():
+        assert v["ok"] and v["iterations"] == [3, 4]
+    # same layout on CPU: the resumed iterations repeat the uninterrupted ones exactly
+    assert rec["resume"]["zeropp_resumed"]["losses"] == rec["resume"]["zeropp_resumed"]["ref_losses"]

@@ -20,7 +20,12 @@ Three stages, each a short pretrain_gpt.py training run started through torchrun
 3. bench: in that same 2-"node" run, ZeRO-3, qwZ, qwZ+hpZ and full ZeRO++ train a
    ~1.1B-parameter Llama-style model (TinyLlama's shape) with small micro-batches;
    step time (median after warm-up), per-phase bytes per node per iteration (the
-   metrics file's `comm`), and each one's speedup over ZeRO-3 of the same run.
+   metrics file's `comm`), each one's speedup over ZeRO-3 of the same run, and (one
+   more iteration each with --log-comm-time) milliseconds per communication phase.
+
+Stage `resume` (between numerics and bench by default): runs stopped at iteration 2
+and resumed from their checkpoints must continue as runs that never stopped (full
+ZeRO++ with error feedback on the same layout; ZeRO-3 resharded onto a TP/PP split).
 
 NVLink multicast stays off in every process: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (and NCCL_MNNVL_ENABLE=0);
@@ -244,37 +249,91 @@ def numerics(args, env, log_dir) -> dict:
     except CheckError as e:  # compare what finished; name the rest
         failure = e
     refs = {k: read_train_lines(mf(k)) for k in ref_runs}
-    out, bad = {}, []
-    for label, (_, ref_name, tol) in runs.items():
-        got = read_train_lines(mf(label)) if os.path.exists(mf(label)) else []
-        ref = refs[ref_name]
+    for ref_name, ref in refs.items():
         if len(ref) != steps:
             raise CheckError(f"{ref_name}: {len(ref)} training lines, expected {steps}")
-        if len(got) != steps:
+    return compare_runs("numerics", {label: (mf(label), ref_name, refs[ref_name], tol)
+                                     for label, (_, ref_name, tol) in runs.items()},
+                        range(1, steps + 1), failure)
+
+
+def compare_runs(stage: str, runs: dict, iterations, failure: Exception | None) -> dict:
+    """runs: {label: (metrics file, reference name, reference lines, (tol loss, tol norm))}.
+    Each run's loss and grad norm at `iterations` against its reference's, relative;
+    CheckError naming every run out of tolerance or unfinished (after printing all)."""
+    out, bad, want = {}, [], list(iterations)
+    for label, (path, ref_name, ref_lines, tol) in runs.items():
+        got = {r["iteration"]: r for r in (read_train_lines(path) if os.path.exists(path) else [])}
+        ref = {r["iteration"]: r for r in ref_lines}
+        if any(i not in got for i in want):
             out[label] = {"reference": ref_name, "ok": False, "error": "did not finish"}
-            print(f"[numerics] {label:22s} did not finish", flush=True)
+            print(f"[{stage}] {label:22s} did not finish", flush=True)
             bad.append(label)
             continue
-        err_loss = max(abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"]) for a, b in zip(got, ref))
-        err_norm = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"])
-                       for a, b in zip(got, ref))
+        pairs = [(got[i], ref[i]) for i in want]
+        err_loss = max(abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"]) for a, b in pairs)
+        err_norm = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in pairs)
         ok = err_loss <= tol[0] and err_norm <= tol[1]
-        out[label] = {"reference": ref_name, "rel_err_loss": err_loss, "rel_err_grad_norm": err_norm,
-                      "tolerance": {"loss": tol[0], "grad_norm": tol[1]}, "ok": ok,
-                      "losses": [r["lm_loss"] for r in got],
-                      "ref_losses": [r["lm_loss"] for r in ref],
-                      "grad_norms": [r["grad_norm"] for r in got],
-                      "ref_grad_norms": [r["grad_norm"] for r in ref]}
-        print(f"[numerics] {label:22s} vs {ref_name}: rel. err loss {err_loss:.1e} "
+        out[label] = {"reference": ref_name, "iterations": want, "rel_err_loss": err_loss,
+                      "rel_err_grad_norm": err_norm, "tolerance": {"loss": tol[0], "grad_norm": tol[1]},
+                      "ok": ok, "losses": [a["lm_loss"] for a, _ in pairs],
+                      "ref_losses": [b["lm_loss"] for _, b in pairs],
+                      "grad_norms": [a["grad_norm"] for a, _ in pairs],
+                      "ref_grad_norms": [b["grad_norm"] for _, b in pairs]}
+        print(f"[{stage}] {label:22s} vs {ref_name}: rel. err loss {err_loss:.1e} "
               f"(tol {tol[0]:.0e}), grad norm {err_norm:.1e} (tol {tol[1]:.0e}) "
               f"{'ok' if ok else 'FAIL'}", flush=True)
         if not ok:
             bad.append(label)
     if bad:
         why = f"; {str(failure).splitlines()[0]}" if failure else ""
-        raise CheckError(f"numerics out of tolerance or not finished: {', '.join(bad)}{why}",
-                         out)
+        raise CheckError(f"{stage} out of tolerance or not finished: {', '.join(bad)}{why}", out)
     return out
+
+
+# ---------------------------------------------------------------- resume stage
+def resume(args, env, log_dir) -> dict:
+    """A run stopped at iteration 2 (--exit-interval saves on the way out) and resumed
+    from that checkpoint must continue as the run that never stopped: with full ZeRO++
+    and qgZ error feedback on the same layout (each rank's residuals restored), and
+    with plain ZeRO-3 resharded onto the most model-parallel split of the G ranks.
+    fp32; iterations 3 and 4 compared within TOL["fp32"]."""
+    g, m, iters, stop = args.gpus, NUMERICS_MODEL, 4, 2
+    base = model_argv(m, 32) + ["--micro-batch-size", "2", "--global-batch-size", str(4 * g),
+                                "--train-iters", str(iters), "--lr", "3e-3", "--seed", "7",
+                                "--data-cache-path", os.path.join(log_dir, "data"), "--zero-stage", "3"]
+    hpz = max(1, g // 2)
+    zpp = (["--gpus-per-node", str(hpz)] + bench_variants(hpz)["ZeRO++"]
+           + ["--zero-gradient-error-feedback"])
+    tp, pp, _ = layouts(g, m)[0]
+    split = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    ck = {k: os.path.join(log_dir, f"resume_ckpt_{k}") for k in ("zeropp", "zero3")}
+    for d in ck.values():
+        shutil.rmtree(d, ignore_errors=True)
+    stop_at = ["--exit-interval", str(stop), "--save"]
+    runs = {"zeropp_straight": base + zpp,
+            "zeropp_first": base + zpp + stop_at + [ck["zeropp"]],
+            "zeropp_resumed": base + zpp + ["--load", ck["zeropp"]],
+            "zero3_straight": base,
+            "zero3_first": base + stop_at + [ck["zero3"]],
+            f"zero3_resumed_tp{tp}_pp{pp}": base + split + ["--load", ck["zero3"]]}
+    mf = lambda label: os.path.join(log_dir, f"resume_{label}.jsonl")  # noqa: E731
+    for label in runs:
+        if os.path.exists(mf(label)):
+            os.remove(mf(label))
+    failure = None
+    try:
+        launch({"device": args.device, "entries": [{"argv": a + ["--metrics-file", mf(k)], "label": k}
+                                                   for k, a in runs.items()]},
+               g, env, log_dir, "resume", args.timeout)
+    except CheckError as e:
+        failure = e
+    straight = {k: read_train_lines(mf(k)) if os.path.exists(mf(k)) else []
+                for k in ("zeropp_straight", "zero3_straight")}
+    pairs = {"zeropp_resumed": (mf("zeropp_resumed"), "zeropp_straight", straight["zeropp_straight"], TOL["fp32"]),
+             f"zero3_resumed_tp{tp}_pp{pp}": (mf(f"zero3_resumed_tp{tp}_pp{pp}"), "zero3_straight",
+                                             straight["zero3_straight"], TOL["fp32"])}
+    return compare_runs("resume", pairs, range(stop + 1, iters + 1), failure)
 
 
 # ---------------------------------------------------------------- stages 2 + 3
@@ -544,8 +603,8 @@ def parse(argv):
     p.add_argument("--micro-batch-size", type=int, default=None, help="default 2 (cuda), 1 (cpu)")
     p.add_argument("--seq-length", type=int, default=None, help="default 1024 (cuda), 32 (cpu)")
     p.add_argument("--probe-mib", type=int, default=None, help="link probe size (256 cuda, 4 cpu)")
-    p.add_argument("--stages", default="numerics,bench",
-                   help="comma list of numerics, bench (bench includes the transport check)")
+    p.add_argument("--stages", default="numerics,resume,bench",
+                   help="comma list of numerics, resume, bench (bench includes the transport check)")
     p.add_argument("--log-dir", default=None, help="logs and metrics (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the JSON record here")
     p.add_argument("--timeout", type=float, default=900, help="seconds per torchrun launch")
@@ -579,8 +638,8 @@ def parse(argv):
     a.probe_mib = a.probe_mib or (256 if cuda else 4)
     a.stages = [s for s in a.stages.split(",") if s]
     for s in a.stages:
-        if s not in ("numerics", "bench"):
-            p.error(f"--stages: unknown stage {s!r}; use numerics and/or bench")
+        if s not in ("numerics", "resume", "bench"):
+            p.error(f"--stages: unknown stage {s!r}; use numerics, resume and/or bench")
     return a
 
 
@@ -610,8 +669,9 @@ def main(argv=None) -> int:
               "seq_length": args.seq_length, "warmup": args.warmup, "steps": args.steps,
               "command": " ".join([os.path.relpath(__file__, REPO)] + list(argv)),
               "env": {k: env.get(k) for k in NO_MULTICAST}, "errors": {},
-              "comm_time": "not measured: the metrics file carries bytes per phase, not "
-                           "per-phase time; link_probe gives the links' bandwidth"}
+              "comm_time": ("bench rows' comm_time_ms: one more iteration per variant with "
+                            "--log-comm-time (collectives synchronous, ms per iteration)"
+                            if args.comm_time else "not measured (--no-comm-time)")}
     if args.device == "cuda":
         import torch
         record["gpu"] = torch.cuda.get_device_name(0)
@@ -619,6 +679,7 @@ def main(argv=None) -> int:
         v = torch.cuda.nccl.version()
         record["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     stages = {"numerics": lambda: record.update(numerics=numerics(args, env, log_dir)),
+              "resume": lambda: record.update(resume=resume(args, env, log_dir)),
               "bench": lambda: bench(args, env, log_dir, record)}
     for stage in args.stages:  # in the order given; the record is rewritten after each
         try:
