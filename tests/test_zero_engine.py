@@ -40,25 +40,30 @@ def test_dp8_zero3_stage0_accumulation_accounting_memory():
     dp = 8
     scen = [
         (UNTIED, {"block_size": BLOCK}, 1, H.STEPS, True),                         # ZeRO-3
+        ({}, {"block_size": BLOCK}, 1, H.STEPS, True),                             # tied
         ({}, {"block_size": BLOCK, "prefetch": 2, "param_persistence_threshold": 30}, 2),
         ({}, {"stage": 0}, 2),                                                     # plain DP
     ]
-    zero3, accum, stage0 = _run(1, 1, scen)
+    zero3, tied, accum, stage0 = _run(1, 1, scen)
     _check(zero3, UNTIED, dp, 1)
+    _check(tied, {}, dp, 1)
     _check(accum, {}, dp, 2)
     _check(stage0, {}, dp, 2)
 
     # Accounting: one micro-batch per step moves one model's worth per phase; per node
     # of a DP group of n ranks over 2 nodes that is M (n-1)/n across the node boundary.
-    m = zero3[0]["M"]
-    traffic = zero3[0]["traffic"]
-    for node in (0, 1):
-        for phase in ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce"):
-            assert traffic[node][phase][INTER] == m * (dp - 1) // dp, (node, phase, traffic[node])
-            assert traffic[node][phase][INTRA] == (PER_NODE - 1) * m * (dp - 1) // dp
-        total_inter = sum(traffic[node][p][INTER] for p in ("weight_gather_fwd", "weight_gather_bwd",
-                                                            "grad_reduce"))
-        assert total_inter == 3 * m * (dp - 1) // dp
+    # With tied embeddings too: the head reads the embedding unit that the embedding
+    # site gathered (kept between the two uses), so nothing is gathered twice.
+    for run in (zero3, tied):
+        m = run[0]["M"]
+        traffic = run[0]["traffic"]
+        for node in (0, 1):
+            for phase in ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce"):
+                assert traffic[node][phase][INTER] == m * (dp - 1) // dp, (node, phase, traffic[node])
+                assert traffic[node][phase][INTRA] == (PER_NODE - 1) * m * (dp - 1) // dp
+            total_inter = sum(traffic[node][p][INTER] for p in ("weight_gather_fwd", "weight_gather_bwd",
+                                                                "grad_reduce"))
+            assert total_inter == 3 * m * (dp - 1) // dp
 
     # Memory between steps: fp32 weights, grads, and two Adam moments per element,
     # 16 bytes per parameter unsharded; ZeRO-3 holds ~1/DP of it (plus block padding).

@@ -140,10 +140,16 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
 
 
 def gather_bound(engine) -> int:
-    """Live gathered bytes allowed: (1 + prefetch) consecutive sites plus borrowed units."""
+    """Live gathered bytes allowed: (1 + prefetch) consecutive sites, plus units used by
+    several sites (a tied embedding), which stay gathered between their uses."""
     sizes = [sum(u.sharded.full_bytes for u in s.gathered_units) for s in engine.sites]
     k = 1 + engine.cfg.prefetch
-    return max((sum(sizes[i:i + k]) for i in range(len(sizes))), default=0)
+    users: dict[int, list] = {}
+    for s in engine.sites:
+        for u in s.gathered_units:
+            users.setdefault(id(u), [u, 0])[1] += 1
+    kept = sum(u.sharded.full_bytes for u, n in users.values() if n > 1)
+    return max((sum(sizes[i:i + k]) for i in range(len(sizes))), default=0) + kept
 
 
 def train_many(topo, scenarios):

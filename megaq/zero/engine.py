@@ -15,7 +15,10 @@ Hooks (stage 3; see units.py for sites and units):
   units ('weight_gather_fwd') and prefetch the next ``cfg.prefetch`` sites of the
   chunk (a side CUDA stream on GPU, async handles on CPU);
 * forward post-hook of its last module: release the gathered weights (storage
-  resized to 0) and hook the output tensors for backward;
+  resized to 0) and hook the output tensors for backward; a unit that a later site of
+  the same forward also uses (the embedding, read again by a tied head on the same
+  stage) is kept until that site is done, and in backward until its first user's
+  grads are in, so it is gathered once per pass;
 * output-tensor hook (fires before the site's backward): gather again
   ('weight_gather_bwd') and prefetch the previous sites;
 * post-accumulate-grad hook on every parameter: copy the grad into the partition's
@@ -97,6 +100,14 @@ class ZeroEngine:
         self.reducer = make_reducer(topo, cfg) if self.stage3 else None
         self.sites: list[Site] = build_sites(self.chunks, topo, cfg)
         self._site_index = {id(s): i for i, s in enumerate(self.sites)}
+        # Sites using each unit, in forward order: more than one when a tied head on the
+        # embedding's stage borrows the embedding unit. Such a unit stays gathered
+        # between its uses (forward: first -> last user; backward: last -> first), so it
+        # is gathered once per pass, not once per user.
+        self._users: dict[Unit, list[int]] = {}
+        for i, site in enumerate(self.sites):
+            for unit in site.gathered_units:
+                self._users.setdefault(unit, []).append(i)
         self.partitions = all_partitions(self.sites)
         self.optimizer = ShardedAdamW(self.partitions, cfg, topo)
         self._state_of = {id(st.part): st for st in self.optimizer.states}
@@ -172,8 +183,10 @@ class ZeroEngine:
                 if t.requires_grad:
                     t.register_hook(lambda grad, site=site: self._pre_backward(site))
         if self.stage3:
+            here = self._site_index[id(site)]
             for unit in site.gathered_units:
-                self._release(unit)
+                if self._users[unit][-1] == here:  # no later site of this forward needs it
+                    self._release(unit)
 
     def _pre_backward(self, site: Site) -> None:
         if not self._in_backward:
@@ -218,8 +231,10 @@ class ZeroEngine:
             left = self._site_remaining.setdefault(id(site), site.owned_param_count) - 1
             self._site_remaining[id(site)] = left
             if left == 0 and self._in_backward:
+                here = self._site_index[id(site)]
                 for unit in site.gathered_units:
-                    self._release(unit)
+                    if self._users[unit][0] == here:  # no earlier site's backward needs it
+                        self._release(unit)
 
     def _end_backward(self) -> None:
         self._in_backward = False
