@@ -84,14 +84,16 @@ class CheckError(RuntimeError):
 
 
 # --------------------------------------------------------------------- arguments
-def model_argv(m: dict, seq: int) -> list[str]:
-    """Llama-style flags (Megatron names) for pretrain_gpt.py."""
+def model_argv(m: dict, seq: int, tied: bool = False) -> list[str]:
+    """Llama-style flags (Megatron names) for pretrain_gpt.py; `tied` shares the word
+    embedding with the output layer (Megatron's default, GPT-2 style)."""
     return ["--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
             "--num-attention-heads", str(m["heads"]), "--group-query-attention",
             "--num-query-groups", str(m["groups"]), "--ffn-hidden-size", str(m["ffn"]),
             "--seq-length", str(seq), "--position-embedding-type", "rope",
             "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-            "--untie-embeddings-and-output-weights", "--attention-dropout", "0",
+            *([] if tied else ["--untie-embeddings-and-output-weights"]),
+            "--attention-dropout", "0",
             "--hidden-dropout", "0", "--mock-data", "--vocab-size", str(m["vocab"]),
             "--make-vocab-size-divisible-by", "128", "--eval-iters", "0",
             "--log-interval", "1", "--lr-decay-style", "constant"]
@@ -212,12 +214,14 @@ def read_train_lines(path: str) -> list[dict]:
 def numerics(args, env, log_dir) -> dict:
     g, m, steps = args.gpus, NUMERICS_MODEL, 3
     micro, gbs = 2, 4 * args.gpus  # every split sees the same global batch
-    base = model_argv(m, 32) + ["--micro-batch-size", str(micro), "--global-batch-size",
-                                str(gbs), "--train-iters", str(steps), "--lr", "3e-3",
-                                "--seed", "7", "--data-cache-path", os.path.join(log_dir, "data")]
+    common = ["--micro-batch-size", str(micro), "--global-batch-size", str(gbs), "--train-iters",
+              str(steps), "--lr", "3e-3", "--seed", "7", "--data-cache-path", os.path.join(log_dir, "data")]
+    base = model_argv(m, 32) + common
+    tied = model_argv(m, 32, tied=True) + common
     mf = lambda label: os.path.join(log_dir, f"numerics_{label}.jsonl")  # noqa: E731
     ref_runs = {"ref_fp32": base + ["--zero-stage", "3"],
-                "ref_bf16": base + ["--zero-stage", "3", "--bf16"]}
+                "ref_bf16": base + ["--zero-stage", "3", "--bf16"],
+                "ref_fp32_tied": tied + ["--zero-stage", "3"]}
     hpz = max(1, g // 2)
     runs = {}
     for tp, pp, dp in layouts(g, m):
@@ -231,6 +235,12 @@ def numerics(args, env, log_dir) -> dict:
                                                       "--bf16"], "ref_bf16", TOL["bf16"])
     runs[f"zeropp_dp{g}_bf16"] = (base + ["--bf16", "--gpus-per-node", str(hpz)]
                                   + bench_variants(hpz)["ZeRO++"], "ref_bf16", TOL["zeropp"])
+    # tied embeddings: on one stage (the head reads the embedding unit, kept gathered
+    # between the two), and split over the pipeline (the tied copies' gradient all-reduce)
+    for tp, pp, dp in dict.fromkeys([(1, 1, g), next((x for x in splits if x[1] > 1), (1, 1, g))]):
+        runs[f"tp{tp}_pp{pp}_dp{dp}_fp32_tied"] = (tied + ["--tensor-model-parallel-size", str(tp),
+                                                           "--pipeline-model-parallel-size", str(pp)],
+                                                   "ref_fp32_tied", TOL["fp32"])
     # deep pipelines (PP > 2: middle stages) run last, whatever their precision
     runs = dict(sorted(runs.items(), key=lambda kv: "_pp" in kv[0] and
                        int(kv[0].split("_pp")[1].split("_")[0]) > 2))
