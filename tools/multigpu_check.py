@@ -66,8 +66,9 @@ PHASES = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce")
 # int4 gradient noise adds energy to the reduced gradient, so its norm reads high:
 # CPU, 2 ranks (one quantizing hop): loss 3.6e-4, norm 1.6e-2; 4 ranks as 2 nodes x 2
 # (two hops, each adding noise): loss 3.5e-4, norm 4.4e-2. 10% on the norm still
-# fails a missed or doubled reduction (a factor of 2 or sqrt(DP)).
-TOL = {"fp32": (1e-4, 1e-4), "bf16": (5e-3, 3e-2), "zeropp": (5e-3, 1e-1)}
+# fails a missed or doubled reduction (a factor of 2 or sqrt(DP)). exact: hpZ against
+# the same run without it (its backward gathers return forward's weights bit for bit).
+TOL = {"fp32": (1e-4, 1e-4), "bf16": (5e-3, 3e-2), "zeropp": (5e-3, 1e-1), "exact": (0.0, 0.0)}
 
 MODELS = {
     # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads, 4 KV groups, SwiGLU 5632.
@@ -235,6 +236,16 @@ def numerics(args, env, log_dir) -> dict:
                                                       "--bf16"], "ref_bf16", TOL["bf16"])
     runs[f"zeropp_dp{g}_bf16"] = (base + ["--bf16", "--gpus-per-node", str(hpz)]
                                   + bench_variants(hpz)["ZeRO++"], "ref_bf16", TOL["zeropp"])
+    # hpZ over NCCL: as one node of G ranks its secondary partition spans all G (with
+    # two "nodes" of one GPU each, G = 2, it would have nobody to partition with); the
+    # cross-node hop of qgZ is empty there. The same run without hpZ is compared to it
+    # below: hpZ must not change a single number.
+    one_node = ["--bf16", "--gpus-per-node", str(g)]
+    runs[f"zeropp_1node_hpz{g}_bf16"] = (base + one_node + bench_variants(g)["ZeRO++"], "ref_bf16",
+                                         TOL["zeropp"])
+    runs["zeropp_1node_nohpz_bf16"] = (base + one_node + ["--zero-quantized-weights",
+                                                          "--zero-quantized-gradients"],
+                                       "ref_bf16", TOL["zeropp"])
     # tied embeddings: on one stage (the head reads the embedding unit, kept gathered
     # between the two), and split over the pipeline (the tied copies' gradient all-reduce)
     for tp, pp, dp in dict.fromkeys([(1, 1, g), next((x for x in splits if x[1] > 1), (1, 1, g))]):
@@ -262,9 +273,14 @@ def numerics(args, env, log_dir) -> dict:
     for ref_name, ref in refs.items():
         if len(ref) != steps:
             raise CheckError(f"{ref_name}: {len(ref)} training lines, expected {steps}")
-    return compare_runs("numerics", {label: (mf(label), ref_name, refs[ref_name], tol)
-                                     for label, (_, ref_name, tol) in runs.items()},
-                        range(1, steps + 1), failure)
+    out = compare_runs("numerics", {label: (mf(label), ref_name, refs[ref_name], tol)
+                                    for label, (_, ref_name, tol) in runs.items()},
+                       range(1, steps + 1), failure)
+    hpz_run, plain = f"zeropp_1node_hpz{g}_bf16", "zeropp_1node_nohpz_bf16"
+    out.update(compare_runs("numerics", {f"{hpz_run}_vs_nohpz": (mf(hpz_run), plain, read_train_lines(mf(plain)),
+                                                                 TOL["exact"])},
+                            range(1, steps + 1), None))
+    return out
 
 
 def compare_runs(stage: str, runs: dict, iterations, failure: Exception | None) -> dict:
