@@ -310,4 +310,5 @@ class Trainer:
         self.metrics.write(record)
         self.tb.scalars({"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
                          "iteration-time": elapsed_ms / 1000.0, "tokens-per-second": tokens_per_s,
-                         "throughput-tflops-per-gpu": tflops}, s.iteration)
+                         "throughput-tflops-per-gpu": tflops,
+                         **{f"comm-time-ms/{p}": ms for p, ms in (comm_ms or {}).items()}}, s.iteration)
