@@ -9,7 +9,7 @@ import py_compile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = sorted(p for pattern in ("*.py", "megaq/**/*.py", "kernels/*.py", "tools/*.py",
+FILES = sorted(p for pattern in ("*.py", "megaq/**/*.py", "kernels/*.py", "tools/**/*.py",
                                  "scripts/*.py", "tests/*.py")
                for p in glob.glob(os.path.join(REPO, pattern), recursive=True))
 
