@@ -202,12 +202,18 @@ class Trainer:
 
     # ---------------------------------------------------------------------- loop
     def train(self) -> TrainState:
+        comm.STATS.timing = self.args.log_comm_time  # this run's setting, never the next one's
+        try:
+            return self._train_loop()
+        finally:
+            comm.STATS.timing = False
+
+    def _train_loop(self) -> TrainState:
         a, s = self.args, self.state
         batches = self.p.train_batches(s.consumed_samples)
         interval = {"t0": time.perf_counter(), "iters": 0, "loss": 0.0, "counted": 0,
                     "skipped": 0, "nan": 0}
         comm.STATS.reset()
-        comm.STATS.timing = a.log_comm_time
         last_saved = s.iteration
         while s.iteration < a.train_iters:
             lr = self.p.lr_schedule.get_lr()
@@ -260,7 +266,6 @@ class Trainer:
             self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()
         self.tb.close()
-        comm.STATS.timing = False
         return s
 
     def _exit_reason(self) -> str | None:
