@@ -9,6 +9,7 @@ in-process: tests pass the topology that ``megaq.parallel.launch.run_on_ranks`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -298,11 +299,9 @@ def _exit_now(code: int):
     Everything megaq writes is closed by then (metrics file, TensorBoard writer,
     checkpoints renamed into place); torch.compile's worker pool is stopped first.
     """
-    try:
+    with contextlib.suppress(Exception):  # no pool started, or a torch without this helper
         from torch._inductor.async_compile import shutdown_compile_workers
         shutdown_compile_workers()
-    except Exception:  # noqa: BLE001 - no pool started, or a torch without this helper
-        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -191,28 +191,49 @@ def _nibble(w, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _word_nibbles(w):
+    """int32 words -> their 8 nibbles as exact fp32 q * 2^P, P = 0, 4, 8, 12, 16, 8, 12,
+    16 (nibble i read in place at bit 4i for i <= 4, from the word shifted right by 12
+    for i >= 5, so P <= 16 always)."""
+    w = w ^ -2004318072  # 0x88888888 as int32: every nibble u = q + 8 (padding: q = 0)
+    hi = (w >> 12) | 0x4B000000  # nibbles 5, 6, 7 at bits 8, 12, 16
+    w = w | 0x4B000000  # the exponent bits of 2^23, set once per word
+    return (_nibble_at(w, 0, 8388616.0), _nibble_at(w, 4, 8388736.0), _nibble_at(w, 8, 8390656.0),
+            _nibble_at(w, 12, 8421376.0), _nibble_at(w, 16, 8912896.0), _nibble_at(hi, 8, 8390656.0),
+            _nibble_at(hi, 12, 8421376.0), _nibble_at(hi, 16, 8912896.0))
+
+
+@triton.jit
+def _nibble_scales(s):
+    """scale * 2^-P for P = 0, 4, 8, 12, 16: exact (scales are 0 or >= TINY / 7, so
+    scale * 2^-16 is a normal number)."""
+    return s, s * 0.0625, s * 0.00390625, s * 0.000244140625, s * 0.0000152587890625
+
+
+@triton.jit
+def _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB: tl.constexpr):
+    """This program's output row and first block, its first input block, and the input
+    buffer as int32 words and as fp32 words (scales)."""
+    pid = tl.program_id(0).to(tl.int64)
+    orow = pid // out_row_groups
+    ob = (pid % out_row_groups) * NB
+    in_blk = orow * in_blocks_per_out + ob
+    return orow, ob, in_blk, in_ptr.to(tl.pointer_type(tl.int32)), in_ptr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _load_words(w_ptr, f_ptr, NB: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, MAGIC: tl.constexpr):
     """NB int4 blocks (W words each) as 8 fp32 tiles [NB, W_P2] (q * scale, nibble i in
     tile i); padding words read as 0 and dequantize to 0.
 
-    MAGIC: nibble i of a word is read in place (bit position P = 4i for i <= 4, from the
-    word shifted right by 12 for i >= 5, so P <= 16 always) as q * 2^P, and multiplied by
-    scale * 2^-P: the same real product q * scale, hence the same fp32 rounding (scales
-    are 0 or >= TINY / 7, so scale * 2^-16 is a normal number and exact)."""
+    MAGIC: each nibble comes from _word_nibbles as q * 2^P and is multiplied by scale *
+    2^-P: the same real product q * scale, hence the same fp32 rounding."""
     w = _load_tile(w_ptr, NB, W_P2, W)
     s = tl.load(f_ptr + tl.arange(0, NB))[:, None]
     if MAGIC:
-        w = w ^ -2004318072  # 0x88888888 as int32: every nibble u = q + 8 (padding: q = 0)
-        hi = (w >> 12) | 0x4B000000  # nibbles 5, 6, 7 at bits 8, 12, 16
-        w = w | 0x4B000000  # the exponent bits of 2^23, set once per word
-        s4 = s * 0.0625
-        s8 = s * 0.00390625
-        s12 = s * 0.000244140625
-        s16 = s * 0.0000152587890625
-        return (_nibble_at(w, 0, 8388616.0) * s, _nibble_at(w, 4, 8388736.0) * s4,
-                _nibble_at(w, 8, 8390656.0) * s8, _nibble_at(w, 12, 8421376.0) * s12,
-                _nibble_at(w, 16, 8912896.0) * s16, _nibble_at(hi, 8, 8390656.0) * s8,
-                _nibble_at(hi, 12, 8421376.0) * s12, _nibble_at(hi, 16, 8912896.0) * s16)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w)
+        s0, s4, s8, s12, s16 = _nibble_scales(s)
+        return n0 * s0, n1 * s4, n2 * s8, n3 * s12, n4 * s16, n5 * s8, n6 * s12, n7 * s16
     else:
         return (_nibble(w, 0) * s, _nibble(w, 4) * s, _nibble(w, 8) * s, _nibble(w, 12) * s,
                 _nibble(w, 16) * s, _nibble(w, 20) * s, _nibble(w, 24) * s, _nibble(w, 28) * s)
@@ -246,12 +267,7 @@ def _int4_words_kernel(
 ):
     # The same indexing and summation order as _dequant_reduce_kernel (int4 input), in
     # 32-bit words: a block is W = BLOCK // 8 payload words, a scale one word.
-    pid = tl.program_id(0).to(tl.int64)
-    orow = pid // out_row_groups
-    ob = (pid % out_row_groups) * NB
-    in_blk = orow * in_blocks_per_out + ob
-    in_w = in_ptr.to(tl.pointer_type(tl.int32))
-    in_f = in_ptr.to(tl.pointer_type(tl.float32))
+    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
     row = orow * in_rows_per_out * in_row_words
     a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
                                                  NB, W, W_P2, MAGIC)

@@ -330,14 +330,18 @@ def barrier(group: Group | None = None) -> None:
 
 
 # ------------------------------------------------------------------ reading counters
+def _gather_objects(world: Group, local) -> list:
+    """Every member's `local` (a small picklable object), in member order."""
+    if world.size == 1:
+        return [local]
+    gathered = [None] * world.size
+    dist.all_gather_object(gathered, local, group=world.pg)
+    return gathered
+
+
 def per_node_totals(world: Group, stats: CommStats = STATS) -> dict[int, dict[str, dict[str, int]]]:
     """Collective over `world`: {node: {phase: {intra_node, inter_node}}} summed per node."""
-    local = stats.snapshot()
-    if world.size == 1:
-        gathered = [local]
-    else:
-        gathered = [None] * world.size
-        dist.all_gather_object(gathered, local, group=world.pg)
+    gathered = _gather_objects(world, stats.snapshot())
     out: dict[int, dict[str, dict[str, int]]] = {}
     for node, snap in zip(world.nodes, gathered):
         node_d = out.setdefault(node, {})
@@ -350,11 +354,7 @@ def per_node_totals(world: Group, stats: CommStats = STATS) -> dict[int, dict[st
 
 def mean_seconds(world: Group, stats: CommStats = STATS) -> dict[str, float]:
     """Collective over `world`: {phase: seconds} averaged over the ranks of `world`."""
-    local = stats.seconds_snapshot()
-    gathered = [local]
-    if world.size > 1:
-        gathered = [None] * world.size
-        dist.all_gather_object(gathered, local, group=world.pg)
+    gathered = _gather_objects(world, stats.seconds_snapshot())
     out: dict[str, float] = defaultdict(float)
     for snap in gathered:
         for phase, sec in snap.items():

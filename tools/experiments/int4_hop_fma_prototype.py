@@ -35,28 +35,7 @@ import triton.language as tl
 
 from megaq.kernels import quant, reference
 from megaq.kernels.format import TINY, packed_len
-from megaq.kernels.quant import _load_tile, _store_tile
-
-
-@triton.jit
-def _nib(we, P: tl.constexpr, BIAS: tl.constexpr):
-    return (we & (0x4B000000 | (0xF << P))).to(tl.float32, bitcast=True) - BIAS  # exact q * 2^P
-
-
-@triton.jit
-def _words_q(w_ptr, NB: tl.constexpr, W_P2: tl.constexpr, W: tl.constexpr):
-    w = _load_tile(w_ptr, NB, W_P2, W)
-    w = w ^ -2004318072
-    hi = (w >> 12) | 0x4B000000
-    w = w | 0x4B000000
-    return (_nib(w, 0, 8388616.0), _nib(w, 4, 8388736.0), _nib(w, 8, 8390656.0), _nib(w, 12, 8421376.0),
-            _nib(w, 16, 8912896.0), _nib(hi, 8, 8390656.0), _nib(hi, 12, 8421376.0), _nib(hi, 16, 8912896.0))
-
-
-@triton.jit
-def _scales(f_ptr, NB: tl.constexpr):
-    s = tl.load(f_ptr + tl.arange(0, NB))[:, None]
-    return s, s * 0.0625, s * 0.00390625, s * 0.000244140625, s * 0.0000152587890625
+from megaq.kernels.quant import _load_tile, _nibble_scales, _store_tile, _word_nibbles, _word_program
 
 
 @triton.jit
@@ -69,15 +48,12 @@ def _qb(x, inv):
 def proto_kernel(in_ptr, out_ptr, in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
                  out_row_groups, out_row_words, out_payload_words,
                  NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    orow = pid // out_row_groups
-    ob = (pid % out_row_groups) * NB
-    in_blk = orow * in_blocks_per_out + ob
-    in_w = in_ptr.to(tl.pointer_type(tl.int32))
-    in_f = in_ptr.to(tl.pointer_type(tl.float32))
+    # the real kernel's indexing and nibble decoding (kernels/quant.py); what differs is
+    # below: products are accumulated with FMA and the requantization
+    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
     row = orow * in_rows_per_out * in_row_words
-    q0, q1, q2, q3, q4, q5, q6, q7 = _words_q(in_w + row + in_blk * W, NB, W_P2, W)
-    s, s4, s8, s12, s16 = _scales(in_f + row + in_payload_words + in_blk, NB)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _word_nibbles(_load_tile(in_w + row + in_blk * W, NB, W_P2, W))
+    s, s4, s8, s12, s16 = _nibble_scales(tl.load(in_f + row + in_payload_words + in_blk + tl.arange(0, NB))[:, None])
     a0 = q0 * s
     a1 = q1 * s4
     a2 = q2 * s8
@@ -88,8 +64,9 @@ def proto_kernel(in_ptr, out_ptr, in_row_words, in_payload_words, in_rows_per_ou
     a7 = q7 * s16
     for r in tl.static_range(1, N_SUM):
         row = (orow * in_rows_per_out + r) * in_row_words
-        q0, q1, q2, q3, q4, q5, q6, q7 = _words_q(in_w + row + in_blk * W, NB, W_P2, W)
-        s, s4, s8, s12, s16 = _scales(in_f + row + in_payload_words + in_blk, NB)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _word_nibbles(_load_tile(in_w + row + in_blk * W, NB, W_P2, W))
+        s, s4, s8, s12, s16 = _nibble_scales(tl.load(in_f + row + in_payload_words + in_blk
+                                                     + tl.arange(0, NB))[:, None])
         a0 = a0 + q0 * s
         a1 = a1 + q1 * s4
         a2 = a2 + q2 * s8
