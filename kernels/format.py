@@ -21,6 +21,18 @@ import sys
 # flush-to-zero behaviour can never make the Triton and torch results differ.
 TINY = 2.0 ** -90
 QMAX = {8: 127, 4: 7}
+# Scales carry at most SCALE_BITS significant bits (rounded up, i.e. the low 24 -
+# SCALE_BITS mantissa bits are zero): then q * scale (q has at most 8 bits here, 4 for
+# int4) is an exact fp32 product, so a fused multiply-add of it rounds exactly like a
+# multiply and an add. The qgZ hop (docs/KERNELS.md) relies on this for int4 input.
+SCALE_BITS = 20
+# The int4 -> requantized hop sums relative to 2^e_max, the power of two of the block's
+# largest input scale (docs/KERNELS.md, "The qgZ hop"): rows whose scale is below
+# HOP_FLUSH * 2^e_max contribute nothing (their products would be subnormal), and a sum
+# whose absmax is below HOP_FLOOR * 2^e_max is a zero block (that is below the fp32
+# resolution of the sum, ~2^-20 * 2^e_max).
+HOP_FLUSH = 2.0 ** -100
+HOP_FLOOR = 2.0 ** -42
 DEFAULT_BLOCK = 4096
 SCALE_BYTES = 4
 

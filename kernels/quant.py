@@ -1,22 +1,24 @@
 """Triton kernels for the packed blockwise format (kernels/format.py).
 
-Same signatures and bit-identical results as kernels/reference.py. Three kernels do all
+Same signatures and bit-identical results as kernels/reference.py. Four kernels do all
 the work, one Triton program per NB consecutive quantization blocks:
 
 - _quantize_kernel: quantize one block of a (possibly reordered) fp32/bf16/fp16 input,
   optionally with error feedback (residual read, added, and rewritten).
 - _dequant_reduce_kernel: dequantize one block from each of `n_sum` rows, add them in
-  fp32 in row order, then either requantize (the hop between the two all-to-alls) or
-  scale / accumulate / cast into a float output (plain dequantize, final reduce).
-- _int4_words_kernel: the same for int4 input with int4 or float output, reading the
-  payload as 32-bit words (used when the block is a multiple of 8 and the buffers are
-  4-byte aligned; it issues ~10% fewer instructions per element, and the qgZ hop is
-  instruction-bound: docs/PERFORMANCE.md, "int4 word kernel").
+  fp32, then either requantize (the hop between the two all-to-alls) or scale /
+  accumulate / cast into a float output (plain dequantize, final reduce). Any block
+  size and alignment.
+- _int4_hop_kernel: the hop for int4 input and int4 output, reading the payload as
+  32-bit words (block a multiple of 8, 4-byte aligned buffers): one LOP3 and one FFMA
+  per input element (docs/KERNELS.md, "The qgZ hop").
+- _int4_words_kernel: int4 input, float output, in 32-bit words likewise.
 
-Every launch passes enable_fp_fusion=False: a fused multiply-add rounds differently
-from the separate multiply and add that torch performs, and bit-identity with the
-reference is the contract. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32
-lowering on NVIDIA GPUs is approximate.
+Every launch passes enable_fp_fusion=False, so a multiply and an add are fused only
+where the code says tl.fma: there the product is exact (20-bit scales times small
+integers), or the fma is the rounding step of the rule, which the reference computes
+exactly in float64. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32 lowering
+on NVIDIA GPUs is approximate.
 """
 
 import torch
@@ -30,7 +32,10 @@ except ImportError:  # pragma: no cover - very old Triton
 
 from .format import (
     DEFAULT_BLOCK,
+    HOP_FLOOR,
+    HOP_FLUSH,
     QMAX,
+    SCALE_BITS,
     TINY,
     check_float_input,
     check_format,
@@ -55,18 +60,37 @@ __all__ = [
 # (lanes >= BLOCK are masked off; with a power-of-two BLOCK there is no mask at all).
 
 
+# The low mantissa bits a scale drops (format.SCALE_BITS), and 1.5 * 2^23: fma(y, inv,
+# ROUND_MAGIC) rounds the exact product to an integer q (half to even) and leaves the
+# bits 0x4B400000 + q, whose low byte / nibble is q in two's complement.
+_SCALE_DROP = tl.constexpr((1 << (24 - SCALE_BITS)) - 1)
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+_MAGIC_BITS = tl.constexpr(0x4B400000)
+
+
+@triton.jit
+def _scale_rule(absmax, is_zero, QMAX: tl.constexpr):
+    """(scale, inv) per block, the rule in reference.py: absmax / qmax rounded up to
+    SCALE_BITS significant bits, and its IEEE reciprocal; 0 and 0 for zero blocks."""
+    safe = tl.where(is_zero, 1.0, absmax)
+    s = tl.math.div_rn(safe, tl.full(absmax.shape, QMAX, tl.float32))
+    s = ((s.to(tl.int32, bitcast=True) + _SCALE_DROP) & ~_SCALE_DROP).to(tl.float32, bitcast=True)
+    inv = tl.where(is_zero, 0.0, tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), s))
+    return tl.where(is_zero, 0.0, s), inv
+
+
+@triton.jit
+def _round_bits(y, inv):
+    """int32 0x4B400000 + q, q = y * inv (exact product) rounded half to even: one FFMA."""
+    return tl.fma(y, inv, _ROUND_MAGIC).to(tl.int32, bitcast=True)
+
+
 @triton.jit
 def _quantize_tile(x, QMAX: tl.constexpr, TINY: tl.constexpr):
-    """fp32 [NB, P2] -> (q int32 [NB, P2], scale fp32 [NB]): the rule in reference.py."""
+    """fp32 [NB, P2] -> (q as _round_bits int32 [NB, P2], scale fp32 [NB])."""
     absmax = tl.max(tl.abs(x), axis=1)
-    is_zero = absmax < TINY
-    qmax = tl.full(absmax.shape, QMAX, tl.float32)
-    safe = tl.where(is_zero, 1.0, absmax)
-    scale = tl.where(is_zero, 0.0, tl.math.div_rn(safe, qmax))
-    inv = tl.where(is_zero, 0.0, tl.math.div_rn(qmax, safe))
-    y = x * inv[:, None]
-    q = (y + tl.where(y < 0, -0.5, 0.5)).to(tl.int32)  # float -> int truncates toward zero
-    return q, scale
+    scale, inv = _scale_rule(absmax, absmax < TINY, QMAX)
+    return _round_bits(x, inv[:, None]), scale
 
 
 @triton.jit
@@ -96,8 +120,9 @@ def _store_tile(ptr, val, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexp
 @triton.jit
 def _store_blocks(ptr, scale_ptr, q, scale, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                   BLOCK_P2: tl.constexpr):
-    """Write NB consecutive blocks' payloads at ptr and their fp32 scales (4 bytes each,
-    little-endian) at scale_ptr."""
+    """Write NB consecutive blocks' payloads at ptr (q: int32 whose low byte / nibble is
+    the value, as _round_bits gives) and their fp32 scales (4 bytes each, little-endian)
+    at scale_ptr."""
     if BITS == 8:
         _store_tile(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2, BLOCK)
     else:
@@ -110,62 +135,65 @@ def _store_blocks(ptr, scale_ptr, q, scale, NB: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
-def _load_blocks(ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_P2: tl.constexpr):
-    """Read NB consecutive blocks back as fp32 [NB, BLOCK_P2] (q * scale)."""
+def _load_scales(scale_ptr, NB: tl.constexpr):
+    """NB fp32 scales read bytewise (the byte kernel needs no alignment)."""
+    sp = scale_ptr + tl.arange(0, NB) * 4
+    b0 = tl.load(sp).to(tl.uint32)
+    b1 = tl.load(sp + 1).to(tl.uint32)
+    b2 = tl.load(sp + 2).to(tl.uint32)
+    b3 = tl.load(sp + 3).to(tl.uint32)
+    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_q(ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+    """NB consecutive blocks' payloads as fp32 q [NB, BLOCK_P2]."""
     if BITS == 8:
         raw = _load_tile(ptr, NB, BLOCK_P2, BLOCK)
-        q = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        return raw.to(tl.int8, bitcast=True).to(tl.float32)
     else:
         raw = _load_tile(ptr, NB, BLOCK_P2 // 2, BLOCK // 2)
         raw = raw.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended byte
         lo = (raw << 28) >> 28
         hi = raw >> 4
-        q = tl.reshape(tl.join(lo, hi), [NB, BLOCK_P2]).to(tl.float32)
-    sp = scale_ptr + tl.arange(0, NB) * 4
-    b0 = tl.load(sp).to(tl.uint32)
-    b1 = tl.load(sp + 1).to(tl.uint32)
-    b2 = tl.load(sp + 2).to(tl.uint32)
-    b3 = tl.load(sp + 3).to(tl.uint32)
-    scale = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
-    return q * scale[:, None]
+        return tl.reshape(tl.join(lo, hi), [NB, BLOCK_P2]).to(tl.float32)
 
 
 @triton.jit
-def _load_pairs(ptr, scale_ptr, NB: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
-    """Read NB int4 blocks as (even, odd) fp32 halves [NB, BLOCK_P2 // 2]: the nibbles
-    of each byte, with no interleaving (no layout shuffle through shared memory)."""
-    raw = _load_tile(ptr, NB, BLOCK_P2 // 2, BLOCK // 2)
-    raw = raw.to(tl.int8, bitcast=True).to(tl.int32)
-    sp = scale_ptr + tl.arange(0, NB) * 4
-    b0 = tl.load(sp).to(tl.uint32)
-    b1 = tl.load(sp + 1).to(tl.uint32)
-    b2 = tl.load(sp + 2).to(tl.uint32)
-    b3 = tl.load(sp + 3).to(tl.uint32)
-    scale = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)[:, None]
-    return ((raw << 28) >> 28).to(tl.float32) * scale, (raw >> 4).to(tl.float32) * scale
+def _load_blocks(ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_P2: tl.constexpr):
+    """Read NB consecutive blocks back as fp32 [NB, BLOCK_P2] (q * scale)."""
+    return _load_q(ptr, NB, BITS, BLOCK, BLOCK_P2) * _load_scales(scale_ptr, NB)[:, None]
+
+
+# The int4 -> requantized qgZ hop (reference._int4_hop, docs/KERNELS.md): sums are kept
+# relative to 2^e_max, the power of two of the block's largest input scale, as
+# -(sum_r 8 s_r) + sum_r u_r s_r with u = q + 8 and exact products, so each row costs one
+# FFMA per element; both kernels below use these helpers.
 
 
 @triton.jit
-def _store_pairs_int4(ptr, scale_ptr, even, odd, NB: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
-                      TINY: tl.constexpr):
-    """Quantize (even, odd) fp32 halves of NB blocks to int4 and write them: the same
-    rule as _quantize_tile, with the block absmax taken over both halves."""
-    absmax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
-    is_zero = absmax < TINY
-    qmax = tl.full(absmax.shape, 7, tl.float32)
-    safe = tl.where(is_zero, 1.0, absmax)
-    scale = tl.where(is_zero, 0.0, tl.math.div_rn(safe, qmax))
-    inv = tl.where(is_zero, 0.0, tl.math.div_rn(qmax, safe))[:, None]
-    ye = even * inv
-    yo = odd * inv
-    qe = (ye + tl.where(ye < 0, -0.5, 0.5)).to(tl.int32)
-    qo = (yo + tl.where(yo < 0, -0.5, 0.5)).to(tl.int32)
-    byte = (qe & 0xF) | (qo << 4)
-    _store_tile(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2)
-    bits = scale.to(tl.uint32, bitcast=True)
-    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
-    _store_tile(scale_ptr, ((bits[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8), NB, 4, 4)
+def _hop_pow2(smax):
+    """(2^e_max, 2^-e_max) for the largest scale of a block (2^0 for an all-zero one)."""
+    ebits = smax.to(tl.int32, bitcast=True) & 0x7F800000
+    ebits = tl.where(ebits == 0, 127 << 23, ebits)
+    return ebits.to(tl.float32, bitcast=True), (0x7F000000 - ebits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hop_scale(s, norm, HOP_FLUSH: tl.constexpr):
+    """s truncated to SCALE_BITS bits, / 2^e_max (exact); 0 below HOP_FLUSH."""
+    sn = (s.to(tl.int32, bitcast=True) & ~_SCALE_DROP).to(tl.float32, bitcast=True) * norm
+    return tl.where(sn < HOP_FLUSH, 0.0, sn)
+
+
+@triton.jit
+def _hop_requant_scale(absmax, pow2, QMAX: tl.constexpr, TINY: tl.constexpr, HOP_FLOOR: tl.constexpr):
+    """absmax of a hop sum (in units of 2^(e_max + 22)) -> (scale in true units, inv in
+    the sum's units): _scale_rule, scaled by powers of two (exact)."""
+    a22 = absmax * 4194304.0  # 2^22
+    scale, inv = _scale_rule(absmax, (a22 < HOP_FLOOR) | (a22 * pow2 < TINY), QMAX)
+    return (scale * 4194304.0) * pow2, inv
 
 
 # int4 through 32-bit words (the default whenever the block is a multiple of 8 and the
@@ -240,15 +268,6 @@ def _load_words(w_ptr, f_ptr, NB: tl.constexpr, W: tl.constexpr, W_P2: tl.conste
 
 
 @triton.jit
-def _q4(x, inv):
-    """int4 q of x * inv by the rule of _quantize_tile; +-0.5 takes y's sign bit (one
-    LOP3; y = -0.0 gets -0.5 instead of +0.5, and both truncate to q = 0)."""
-    y = x * inv
-    half = ((y.to(tl.uint32, bitcast=True) & 0x80000000) | 0x3F000000).to(tl.float32, bitcast=True)
-    return (y + half).to(tl.int32)
-
-
-@triton.jit
 def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB: tl.constexpr, BLOCK_P2: tl.constexpr):
     """8 nibble tiles [NB, W_P2] -> [NB, 8 * W_P2] in element order: the join order puts
     tile 4c + 2b + a at position 4c + 2b + a of each word's 8 lanes."""
@@ -257,16 +276,92 @@ def _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB: tl.constexpr, BLOCK_P2: tl.
 
 
 @triton.jit
+def _subnormal_nibble(w, P: tl.constexpr):
+    """u * 2^(P - 149), exactly, for the nibble u at bits P..P+3 (P <= 16) of w: with
+    the exponent field zero, the masked bits are a subnormal fp32. One LOP3."""
+    return (w & (0xF << P)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_hop_kernel(
+    in_ptr, out_ptr,
+    in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
+    out_row_groups, out_row_words, out_payload_words,
+    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr,
+    HOP_FLUSH: tl.constexpr, HOP_FLOOR: tl.constexpr,
+):
+    # int4 -> int4, the qgZ hop, in 32-bit words: reference._int4_hop operation for
+    # operation. Per element and row: one LOP3 (the nibble u as a subnormal u * 2^(P-149))
+    # and one FFMA with t = s_r / 2^e_max * 2^(127 - P), adding the exact u * s_r /
+    # 2^(e_max + 22). Requantized with one FFMA (_round_bits) and packed with integer
+    # multiply-adds.
+    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
+    smax = tl.zeros([NB], tl.float32)
+    for r in tl.static_range(N_SUM):
+        f = in_f + (orow * in_rows_per_out + r) * in_row_words + in_payload_words + in_blk
+        smax = tl.maximum(smax, tl.load(f + tl.arange(0, NB)))
+    pow2, norm = _hop_pow2(smax)
+    bias = tl.zeros([NB], tl.float32)
+    for r in tl.static_range(N_SUM):
+        f = in_f + (orow * in_rows_per_out + r) * in_row_words + in_payload_words + in_blk
+        bias = bias + _hop_scale(tl.load(f + tl.arange(0, NB)), norm, HOP_FLUSH) * 1.9073486328125e-06  # 2^-19
+    a0 = tl.zeros([NB, W_P2], tl.float32) - bias[:, None]
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    a5 = a0
+    a6 = a0
+    a7 = a0
+    for r in tl.static_range(N_SUM):
+        row = (orow * in_rows_per_out + r) * in_row_words
+        w = _load_tile(in_w + row + in_blk * W, NB, W_P2, W) ^ -2004318072  # 0x88888888: u = q + 8
+        sn = _hop_scale(tl.load(in_f + row + in_payload_words + in_blk + tl.arange(0, NB)), norm, HOP_FLUSH)
+        t0 = (sn * 1.7014118346046923e38)[:, None]  # 2^127
+        t4 = (sn * 1.0633823966279327e37)[:, None]  # 2^123
+        t8 = (sn * 6.646139978924579e35)[:, None]  # 2^119
+        t12 = (sn * 4.1538374868278621e34)[:, None]  # 2^115
+        t16 = (sn * 2.5961484292674138e33)[:, None]  # 2^111
+        hi = w >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
+        a0 = tl.fma(_subnormal_nibble(w, 0), t0, a0)
+        a1 = tl.fma(_subnormal_nibble(w, 4), t4, a1)
+        a2 = tl.fma(_subnormal_nibble(w, 8), t8, a2)
+        a3 = tl.fma(_subnormal_nibble(w, 12), t12, a3)
+        a4 = tl.fma(_subnormal_nibble(w, 16), t16, a4)
+        a5 = tl.fma(_subnormal_nibble(hi, 8), t8, a5)
+        a6 = tl.fma(_subnormal_nibble(hi, 12), t12, a6)
+        a7 = tl.fma(_subnormal_nibble(hi, 16), t16, a7)
+    # elementwise max over the 8 tiles first: one cross-thread reduction, not 8
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
+                      tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
+    if W != W_P2:  # padding words (u = 8 in every row) sum to rounding noise: keep it out
+        amax = tl.where((tl.arange(0, W_P2) < W)[None, :], amax, 0.0)
+    scale, inv = _hop_requant_scale(tl.max(amax, axis=1), pow2, 7, TINY, HOP_FLOOR)
+    inv = inv[:, None]
+    # sum of (0x4B400000 + q_i) * 16^i = sum q_i * 16^i + 0x4B400000 * 0x11111111 (mod
+    # 2^32); adding 0x88888888 - that constant gives nibbles u_i = q_i + 8 without
+    # carries, and xor 0x88888888 turns them into q_i's two's-complement nibbles
+    word = (_round_bits(a0, inv) + _round_bits(a1, inv) * 16 + _round_bits(a2, inv) * 256
+            + _round_bits(a3, inv) * 4096 + _round_bits(a4, inv) * 65536 + _round_bits(a5, inv) * 1048576
+            + _round_bits(a6, inv) * 16777216 + _round_bits(a7, inv) * 268435456)
+    word = (word + 1229490312) ^ -2004318072
+    out_row = orow * out_row_words
+    _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
+    tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
+
+
+@triton.jit
 def _int4_words_kernel(
     in_ptr, out_ptr,
     in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
-    out_row_groups, out_row_words, out_payload_words, factor,
-    NB: tl.constexpr, N_SUM: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_P2: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr, HAS_FACTOR: tl.constexpr,
-    ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr, MAGIC: tl.constexpr,
+    out_row_groups, factor,
+    NB: tl.constexpr, N_SUM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, W: tl.constexpr,
+    W_P2: tl.constexpr, HAS_FACTOR: tl.constexpr, ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
-    # The same indexing and summation order as _dequant_reduce_kernel (int4 input), in
-    # 32-bit words: a block is W = BLOCK // 8 payload words, a scale one word.
+    # int4 -> float (dequantize, the final reduce): the same indexing and summation
+    # order as _dequant_reduce_kernel, in 32-bit words: a block is W = BLOCK // 8 payload
+    # words, a scale one word.
     orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
     row = orow * in_rows_per_out * in_row_words
     a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
@@ -283,52 +378,32 @@ def _int4_words_kernel(
         a5 = a5 + e5
         a6 = a6 + e6
         a7 = a7 + e7
-    if BITS_OUT == 4:
-        # elementwise max over the 8 tiles first: one cross-thread reduction, not 8
-        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
-                          tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
-        absmax = tl.max(amax, axis=1)
-        is_zero = absmax < TINY
-        qmax = tl.full(absmax.shape, 7, tl.float32)
-        safe = tl.where(is_zero, 1.0, absmax)
-        scale = tl.where(is_zero, 0.0, tl.math.div_rn(safe, qmax))
-        inv = tl.where(is_zero, 0.0, tl.math.div_rn(qmax, safe))[:, None]
-        # sum of q_i * 16^i, plus 0x88888888, has nibble u_i = q_i + 8 in 0..15 (no carries;
-        # int32 wrap-around is harmless); xor 0x88888888 turns u_i into q_i's nibble
-        word = (_q4(a0, inv) + _q4(a1, inv) * 16 + _q4(a2, inv) * 256 + _q4(a3, inv) * 4096
-                + _q4(a4, inv) * 65536 + _q4(a5, inv) * 1048576 + _q4(a6, inv) * 16777216
-                + _q4(a7, inv) * 268435456)
-        word = (word + -2004318072) ^ -2004318072
-        out_row = orow * out_row_words
-        _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
-        tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
-    else:
-        o = out_ptr + (orow * out_row_groups * NB + ob) * BLOCK
-        if ACCUMULATE:
-            acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB, BLOCK_P2)
-            if HAS_FACTOR:
-                acc = acc * factor
-            acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
-            _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
-        else:  # scale and cast per nibble tile, then interleave the (narrower) outputs
-            if HAS_FACTOR:
-                a0 = a0 * factor
-                a1 = a1 * factor
-                a2 = a2 * factor
-                a3 = a3 * factor
-                a4 = a4 * factor
-                a5 = a5 * factor
-                a6 = a6 * factor
-                a7 = a7 * factor
-            y = _interleave8(_cast_out(a0, out_ptr.dtype.element_ty, MANUAL_BF16),
-                             _cast_out(a1, out_ptr.dtype.element_ty, MANUAL_BF16),
-                             _cast_out(a2, out_ptr.dtype.element_ty, MANUAL_BF16),
-                             _cast_out(a3, out_ptr.dtype.element_ty, MANUAL_BF16),
-                             _cast_out(a4, out_ptr.dtype.element_ty, MANUAL_BF16),
-                             _cast_out(a5, out_ptr.dtype.element_ty, MANUAL_BF16),
-                             _cast_out(a6, out_ptr.dtype.element_ty, MANUAL_BF16),
-                             _cast_out(a7, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2)
-            _store_tile(o, y, NB, BLOCK_P2, BLOCK)
+    o = out_ptr + (orow * out_row_groups * NB + ob) * BLOCK
+    if ACCUMULATE:
+        acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB, BLOCK_P2)
+        if HAS_FACTOR:
+            acc = acc * factor
+        acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
+        _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
+    else:  # scale and cast per nibble tile, then interleave the (narrower) outputs
+        if HAS_FACTOR:
+            a0 = a0 * factor
+            a1 = a1 * factor
+            a2 = a2 * factor
+            a3 = a3 * factor
+            a4 = a4 * factor
+            a5 = a5 * factor
+            a6 = a6 * factor
+            a7 = a7 * factor
+        y = _interleave8(_cast_out(a0, out_ptr.dtype.element_ty, MANUAL_BF16),
+                         _cast_out(a1, out_ptr.dtype.element_ty, MANUAL_BF16),
+                         _cast_out(a2, out_ptr.dtype.element_ty, MANUAL_BF16),
+                         _cast_out(a3, out_ptr.dtype.element_ty, MANUAL_BF16),
+                         _cast_out(a4, out_ptr.dtype.element_ty, MANUAL_BF16),
+                         _cast_out(a5, out_ptr.dtype.element_ty, MANUAL_BF16),
+                         _cast_out(a6, out_ptr.dtype.element_ty, MANUAL_BF16),
+                         _cast_out(a7, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2)
+        _store_tile(o, y, NB, BLOCK_P2, BLOCK)
 
 
 @triton.jit
@@ -367,7 +442,7 @@ def _quantize_kernel(
     _store_blocks(row_ptr + b * (BLOCK * BITS // 8), row_ptr + payload_bytes + b * 4, q, scale,
                   NB, BITS, BLOCK, BLOCK_P2)
     if HAS_RES:
-        _store_tile(r_blk, x - q.to(tl.float32) * scale[:, None], NB, BLOCK_P2, BLOCK)
+        _store_tile(r_blk, x - (q - _MAGIC_BITS).to(tl.float32) * scale[:, None], NB, BLOCK_P2, BLOCK)
 
 
 @triton.jit
@@ -377,7 +452,7 @@ def _dequant_reduce_kernel(
     out_row_groups, out_row_bytes, out_payload_bytes, factor,
     NB: tl.constexpr, N_SUM: tl.constexpr, BITS_IN: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr, QMAX_OUT: tl.constexpr, TINY: tl.constexpr, HAS_FACTOR: tl.constexpr,
-    ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr,
+    ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr, HOP_FLUSH: tl.constexpr, HOP_FLOOR: tl.constexpr,
 ):
     # Output blocks (orow, ob .. ob + NB - 1) sum input rows orow * in_rows_per_out + r,
     # r < N_SUM, at blocks orow * in_blocks_per_out + ob .. of each row. The row loop is
@@ -388,19 +463,31 @@ def _dequant_reduce_kernel(
     ob = (pid % out_row_groups) * NB
     in_blk = orow * in_blocks_per_out + ob
     row_ptr = in_ptr + orow * in_rows_per_out * in_row_bytes
-    if BITS_IN == 4 and BITS_OUT == 4:
-        # int4 -> int4 (the qgZ hop) stays in the (even, odd) nibble domain throughout
-        even, odd = _load_pairs(row_ptr + in_blk * (BLOCK // 2), row_ptr + in_payload_bytes + in_blk * 4,
-                                NB, BLOCK, BLOCK_P2)
-        for r in tl.static_range(1, N_SUM):
+    if BITS_IN == 4 and BITS_OUT != 0:
+        # int4 -> requantized (the qgZ hop): reference._int4_hop, as _int4_hop_kernel
+        smax = tl.zeros([NB], tl.float32)
+        for r in tl.static_range(N_SUM):
             row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
-            e, o = _load_pairs(row_ptr + in_blk * (BLOCK // 2), row_ptr + in_payload_bytes + in_blk * 4,
-                               NB, BLOCK, BLOCK_P2)
-            even = even + e
-            odd = odd + o
+            smax = tl.maximum(smax, _load_scales(row_ptr + in_payload_bytes + in_blk * 4, NB))
+        pow2, norm = _hop_pow2(smax)
+        bias = tl.zeros([NB], tl.float32)
+        for r in tl.static_range(N_SUM):
+            row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
+            sn = _hop_scale(_load_scales(row_ptr + in_payload_bytes + in_blk * 4, NB), norm, HOP_FLUSH)
+            bias = bias + sn * 1.9073486328125e-06  # 8 * sn * 2^-22
+        acc = tl.zeros([NB, BLOCK_P2], tl.float32) - bias[:, None]
+        for r in tl.static_range(N_SUM):
+            row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
+            sn = _hop_scale(_load_scales(row_ptr + in_payload_bytes + in_blk * 4, NB), norm, HOP_FLUSH)
+            u = _load_q(row_ptr + in_blk * (BLOCK // 2), NB, 4, BLOCK, BLOCK_P2) + 8.0
+            acc = tl.fma(u, (sn * 2.384185791015625e-07)[:, None], acc)  # u * sn * 2^-22, exact
+        amax = tl.abs(acc)
+        if BLOCK != BLOCK_P2:  # padding lanes (u = 8 in every row) sum to rounding noise
+            amax = tl.where((tl.arange(0, BLOCK_P2) < BLOCK)[None, :], amax, 0.0)
+        scale, inv = _hop_requant_scale(tl.max(amax, axis=1), pow2, QMAX_OUT, TINY, HOP_FLOOR)
         row_ptr = out_ptr + orow * out_row_bytes
-        _store_pairs_int4(row_ptr + ob * (BLOCK // 2), row_ptr + out_payload_bytes + ob * 4, even, odd,
-                          NB, BLOCK, BLOCK_P2, TINY)
+        _store_blocks(row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
+                      _round_bits(acc, inv[:, None]), scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
         return
     acc = _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
                        NB, BITS_IN, BLOCK, BLOCK_P2)
@@ -428,10 +515,13 @@ def _dequant_reduce_kernel(
 # the sweep in tools/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
 NB_OVERRIDE = None
-# The int4 word kernel: elements per thread and blocks per program by default, and the
-# overrides tools/sweep_kernels.py sets (False = the byte kernel; MAGIC False = int -> float
-# conversion instructions instead of the exponent trick in _nibble).
+# The int4 word kernels: elements per thread and blocks per program by default (the
+# float-output kernel, and the hop, which wants more elements per thread to spread its
+# per-block work), and the overrides tools/sweep_kernels.py sets (False = the byte
+# kernel; MAGIC False = int -> float conversion instructions instead of the exponent
+# trick in _nibble).
 WORDS_PER_THREAD = 32
+HOP_PER_THREAD = 64
 WORDS_NB = 1
 WORDS_OVERRIDE = None
 MAGIC_OVERRIDE = None
@@ -485,22 +575,29 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
     if _use_words(recv, out, bits_in, bits_out, block):
-        opts = _launch_opts(block, WORDS_PER_THREAD, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
+        per_thread = HOP_PER_THREAD if bits_out else WORDS_PER_THREAD
+        opts = _launch_opts(block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
         opts.update(W=block // 8, W_P2=triton.next_power_of_2(block // 8))
-        magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
-        _int4_words_kernel[(out_rows * out_row_blocks // opts["NB"],)](
-            recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
-            out_row_blocks // opts["NB"], out_row_bytes // 4, out_row_len // 8, float(factor or 1.0),
-            N_SUM=n_sum, BITS_OUT=bits_out, HAS_FACTOR=factor is not None, ACCUMULATE=accumulate,
-            MANUAL_BF16=_interpreting(), MAGIC=magic, **opts,
-        )
+        grid = (out_rows * out_row_blocks // opts["NB"],)
+        args = (recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
+                out_row_blocks // opts["NB"])
+        if bits_out:
+            del opts["BLOCK"], opts["BLOCK_P2"]
+            _int4_hop_kernel[grid](*args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
+                                   HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, **opts)
+        else:
+            del opts["TINY"]
+            magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
+            _int4_words_kernel[grid](*args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
+                                     ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic, **opts)
         return out
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
     _dequant_reduce_kernel[(out_rows * out_row_blocks // opts["NB"],)](
         recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
         out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
         N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
-        HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), **opts,
+        HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
+        HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, **opts,
     )
     return out
 

@@ -2,12 +2,12 @@
 
 CPU runs use these; the Triton kernels must match them bit for bit. Rounding rule
 (docs/KERNELS.md): per block, absmax = max |x| in fp32; if absmax < TINY the block
-is all zeros with scale 0; else scale = absmax / qmax and inv = qmax / absmax, both
-IEEE round-to-nearest fp32 divisions; y = x * inv (fp32); q = trunc(y + 0.5 *
-sign(y)) with that add in fp32 (round half away from zero; |q| <= qmax always, see
-docs/KERNELS.md). Dequantize: q * scale in
-fp32, then one cast to the requested dtype. Sums run over rows in order 0, 1, ...
-starting from +0.0, one fp32 add per row.
+is all zeros with scale 0; else scale = absmax / qmax (IEEE fp32 division) rounded up
+to SCALE_BITS (20) significant bits and inv = 1 / scale (IEEE); q = the exact product
+x * inv rounded half to even (|q| <= qmax always). Dequantize: q * scale in fp32 (an
+exact product), then one cast to the requested dtype. Sums run over rows in order 0,
+1, ... starting from +0.0, one fp32 add per row, except the int4 -> requantized hop,
+which sums in the exactly reproducible form of _int4_hop.
 
 Note: never write `qmax / tensor`: torch computes a python-scalar numerator as
 reciprocal(tensor) * qmax, which is not the IEEE quotient.
@@ -17,7 +17,10 @@ import torch
 
 from .format import (
     DEFAULT_BLOCK,
+    HOP_FLOOR,
+    HOP_FLUSH,
     QMAX,
+    SCALE_BITS,
     TINY,
     check_float_input,
     check_format,
@@ -36,28 +39,45 @@ __all__ = [
 ]
 
 
-def _quantize_fp32(xf: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """xf: fp32 [..., L] -> packed uint8 [..., packed_len]."""
-    lead, L = xf.shape[:-1], xf.shape[-1]
-    blocks = xf.reshape(*lead, L // block, block)
-    absmax = blocks.abs().amax(dim=-1)
-    is_zero = absmax < TINY
+def _round_up_scale(s: torch.Tensor) -> torch.Tensor:
+    """Positive fp32 -> the smallest value >= it with SCALE_BITS significant bits."""
+    drop = (1 << (24 - SCALE_BITS)) - 1
+    return ((s.view(torch.int32) + drop) & ~drop).view(torch.float32)
+
+
+def _scale_rule(absmax: torch.Tensor, is_zero: torch.Tensor, bits: int):
+    """(scale, inv) per block: scale = absmax / qmax rounded up to SCALE_BITS bits,
+    inv = 1 / scale (IEEE divisions); both 0 for zero blocks."""
     qmax = torch.full_like(absmax, float(QMAX[bits]))
     safe = torch.where(is_zero, torch.ones_like(absmax), absmax)
-    scale = torch.where(is_zero, torch.zeros_like(absmax), torch.div(safe, qmax))
-    inv = torch.where(is_zero, torch.zeros_like(absmax), torch.div(qmax, safe))
-    y = blocks * inv.unsqueeze(-1)
-    # round half away from zero: truncate y + 0.5 * sign(y) (float -> int truncates);
-    # no clamp needed: |y| <= absmax * inv <= qmax * (1 + 2^-23) < qmax + 0.5
-    half = torch.where(y < 0, -0.5, 0.5)
-    q = (y + half).to(torch.int8).reshape(*lead, L)
+    scale = _round_up_scale(torch.div(safe, qmax))
+    inv = torch.where(is_zero, torch.zeros_like(absmax), torch.div(torch.ones_like(scale), scale))
+    return torch.where(is_zero, torch.zeros_like(scale), scale), inv
+
+
+def _round_q(blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """q = the exact product blocks * inv rounded half to even (exact in fp64: two
+    24-bit significands), as int8. |q| <= qmax: absmax * inv <= qmax * (1 + 2^-23)."""
+    return torch.round(blocks.double() * inv.double().unsqueeze(-1)).to(torch.int8)
+
+
+def _pack(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 q [..., L] and fp32 scales [..., L/block] -> the packed uint8 format."""
     if bits == 8:
         payload = q.view(torch.uint8)
     else:
         nib = q.view(torch.uint8) & 0xF
         payload = nib[..., 0::2] | (nib[..., 1::2] << 4)
-    scale_bytes = scale.contiguous().view(torch.uint8)
-    return torch.cat([payload, scale_bytes], dim=-1)
+    return torch.cat([payload, scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def _quantize_fp32(xf: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """xf: fp32 [..., L] -> packed uint8 [..., packed_len]."""
+    lead, L = xf.shape[:-1], xf.shape[-1]
+    blocks = xf.reshape(*lead, L // block, block)
+    absmax = blocks.abs().amax(dim=-1)
+    scale, inv = _scale_rule(absmax, absmax < TINY, bits)
+    return _pack(_round_q(blocks, inv).reshape(*lead, L), scale, bits)
 
 
 def _dequantize_fp32(packed: torch.Tensor, L: int, bits: int, block: int) -> torch.Tensor:
@@ -142,8 +162,41 @@ def dequant_reduce_quantize(
     dequantize the m rows, sum them in fp32, requantize each of the k chunks of S."""
     check_format(S, bits_out, block)
     check_packed(recv, k * S, bits_in, block)
+    if bits_in == 4:
+        return _int4_hop(recv.reshape(-1, recv.shape[-1]), k, S, bits_out, block)
     rows = _dequantize_fp32(recv.reshape(-1, recv.shape[-1]), k * S, bits_in, block)
     return _quantize_fp32(_sum_rows(rows).reshape(k, S), bits_out, block)
+
+
+def _int4_hop(recv: torch.Tensor, k: int, S: int, bits_out: int, block: int) -> torch.Tensor:
+    """The int4 -> requantized hop (docs/KERNELS.md, "The qgZ hop"): per block, sum
+    u_r * s_r - 8 * s_r over the m rows (u = q + 8, the nibble xor 8) in units of
+    2^e_max, the power of two of the largest (20-bit-truncated) scale, starting from
+    -(sum of the 8 * s_r) and adding one exact product per row; then the rule of
+    _quantize_fp32 on the sum. The GPU kernel does the same operations in the same
+    order (a fused multiply-add of an exact product rounds like the add alone)."""
+    m, L = recv.shape[0], k * S
+    nb = L // block
+    payload = recv[:, :L // 2]
+    u = torch.stack([(payload & 0xF) ^ 8, (payload >> 4) ^ 8], dim=-1).reshape(m, nb, block).to(torch.float32)
+    drop = (1 << (24 - SCALE_BITS)) - 1
+    s = (recv[:, L // 2:].contiguous().view(torch.int32) & ~drop).view(torch.float32)  # [m, nb]
+    ebits = s.amax(0).view(torch.int32) & 0x7F800000  # 2^e_max's bits
+    ebits = torch.where(ebits == 0, torch.full_like(ebits, 127 << 23), ebits)  # all-zero block: 2^0
+    pow2 = ebits.view(torch.float32)
+    sn = s * (0x7F000000 - ebits).view(torch.float32)  # s_r / 2^e_max, exact
+    sn = torch.where(sn < HOP_FLUSH, torch.zeros_like(sn), sn)
+    bias = torch.zeros_like(pow2)
+    for r in range(m):
+        bias = bias + sn[r] * 2.0 ** -19  # 8 * s_r * 2^-22
+    acc = (-bias).unsqueeze(-1).expand(nb, block)
+    for r in range(m):
+        acc = acc + u[r] * (sn[r] * 2.0 ** -22).unsqueeze(-1)  # exact products
+    absmax = acc.abs().amax(-1)  # of the sum / 2^(e_max + 22)
+    a22 = absmax * 2.0 ** 22
+    scale, inv = _scale_rule(absmax, (a22 < HOP_FLOOR) | (a22 * pow2 < TINY), bits_out)
+    q = _round_q(acc, inv).reshape(k, S)
+    return _pack(q, ((scale * 2.0 ** 22) * pow2).reshape(k, S // block), bits_out)
 
 
 def dequant_reduce(

@@ -74,7 +74,10 @@ def test_interrupted_run_removes_its_namespaces(tmp_path):
     deadline = time.time() + 120   # the driver imports torch first: slow on a loaded machine
     while not _ours(p.pid) and time.time() < deadline and p.poll() is None:
         time.sleep(0.1)
-    assert _ours(p.pid), "the driver never built its namespaces"
+    if not _ours(p.pid):
+        p.kill()
+        out = p.communicate()[0]
+        raise AssertionError(f"the driver never built its namespaces (exit {p.returncode}); its output:\n{out[-3000:]}")
     inside = set()
     while len(inside) < 2 and time.time() < deadline and p.poll() is None:
         time.sleep(0.5)   # until torchrun runs inside both namespaces

@@ -25,6 +25,8 @@ step, absmax/(2q), and never returns a value above the block's absmax.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -209,6 +211,10 @@ def _check(results, cases, hpz, tp_pp):
     for name, kw in cases.items():
         if name.endswith("@aligned"):
             continue
+        if os.environ.get("MEGAQ_PROTOCOL_REPORT"):  # the figures in docs/PERFORMANCE.md
+            print(f"[protocol] k={k} m={m} tp_pp={tp_pp} {name}: worst error / bound: weights "
+                  f"{max(r[name]['w_ratio'] for r in results):.3f}, "
+                  f"gradients {max(r[name]['g_ratio'] for r in results):.3f}")
         exp = _expected(kw, k, m, tp_pp)
         got = results[0][name]["bytes"]
         for phase, links in exp.items():

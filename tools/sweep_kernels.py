@@ -10,9 +10,10 @@ Timer); a copy of N bf16 elements is timed at each size for the "% of copy" figu
         --variants bytes-4x1 words-4x1 words-8x2 wordsnm-4x1 bytes-4x1
 
 A variant is KIND-WARPSxNB: KIND `bytes` (the byte kernel, _dequant_reduce_kernel),
-`words` (the 32-bit-word kernel, _int4_words_kernel, exponent-trick nibble -> float) or
-`wordsnm` (word kernel with int -> float conversion instructions); WARPS warps per program,
-NB blocks per program. `default` times whatever the kernels pick with no override. List a
+`words` (the 32-bit-word kernels: _int4_hop_kernel for the hop, _int4_words_kernel with
+exponent-trick nibble -> float for float outputs) or `wordsnm` (the float-output word
+kernel with int -> float conversion instructions); WARPS warps per program, NB blocks
+per program. `default` times whatever the kernels pick with no override. List a
 variant twice to see the run-to-run spread.
 
 Operations (k=2 nodes x m=4 ranks, as tools/bench_kernels.py; effective GB/s = bytes read
