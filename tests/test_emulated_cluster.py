@@ -66,26 +66,33 @@ def test_two_steps_cross_the_limited_link(tmp_path):
     assert not _ours(os.getpid()), "namespaces left behind"
 
 
+def _links(pid: int) -> list[str]:
+    """The run's two link namespaces (suffix a / b), not the short-lived availability
+    probe (suffix p) the driver builds and deletes first: waiting on any of ours raced
+    with that probe's deletion."""
+    return [ns for ns in _ours(pid) if ns[-1] in "ab"]
+
+
 def test_interrupted_run_removes_its_namespaces(tmp_path):
     # The gloo probe, long enough to be interrupted mid-run.
     p = subprocess.Popen([sys.executable, os.path.join(TOOLS, "emulate_cluster.py"), "probe",
                           "--rate", "100mbit", "--numel", "2000000", "--iters", "50"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120   # the driver imports torch first: slow on a loaded machine
-    while not _ours(p.pid) and time.time() < deadline and p.poll() is None:
+    while not _links(p.pid) and time.time() < deadline and p.poll() is None:
         time.sleep(0.1)
-    if not _ours(p.pid):
+    if not _links(p.pid):
         p.kill()
         out = p.communicate()[0]
         raise AssertionError(f"the driver never built its namespaces (exit {p.returncode}); its output:\n{out[-3000:]}")
     inside = set()
     while len(inside) < 2 and time.time() < deadline and p.poll() is None:
         time.sleep(0.5)   # until torchrun runs inside both namespaces
-        for ns in _ours(p.pid):
+        for ns in _links(p.pid):
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
             inside.update(int(x) for x in pids.split())
     time.sleep(1)   # the agents start their workers
-    for ns in _ours(p.pid):
+    for ns in _links(p.pid):
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
         inside.update(int(x) for x in pids.split())
     assert inside, "nothing was running inside the namespaces"
