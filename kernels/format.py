@@ -26,6 +26,7 @@ QMAX = {8: 127, 4: 7}
 # int4) is an exact fp32 product, so a fused multiply-add of it rounds exactly like a
 # multiply and an add. The qgZ hop (docs/KERNELS.md) relies on this for int4 input.
 SCALE_BITS = 20
+SCALE_DROP = (1 << (24 - SCALE_BITS)) - 1  # the mantissa bits a scale leaves zero
 # The int4 -> requantized hop sums relative to 2^e_max, the power of two of the block's
 # largest input scale (docs/KERNELS.md, "The qgZ hop"): rows whose scale is below
 # HOP_FLUSH * 2^e_max contribute nothing (their products would be subnormal), and a sum

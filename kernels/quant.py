@@ -35,7 +35,7 @@ from .format import (
     HOP_FLOOR,
     HOP_FLUSH,
     QMAX,
-    SCALE_BITS,
+    SCALE_DROP,
     TINY,
     check_float_input,
     check_format,
@@ -63,7 +63,7 @@ __all__ = [
 # The low mantissa bits a scale drops (format.SCALE_BITS), and 1.5 * 2^23: fma(y, inv,
 # ROUND_MAGIC) rounds the exact product to an integer q (half to even) and leaves the
 # bits 0x4B400000 + q, whose low byte / nibble is q in two's complement.
-_SCALE_DROP = tl.constexpr((1 << (24 - SCALE_BITS)) - 1)
+_SCALE_DROP = tl.constexpr(SCALE_DROP)
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _MAGIC_BITS = tl.constexpr(0x4B400000)
 
@@ -188,6 +188,36 @@ def _hop_scale(s, norm, HOP_FLUSH: tl.constexpr):
 
 
 @triton.jit
+def _hop_row_scale(first, r, stride, norm, NB: tl.constexpr, HOP_FLUSH: tl.constexpr, BYTEWISE: tl.constexpr):
+    """_hop_scale of row r's NB scales, which start at first + r * stride: fp32 words, or
+    bytes read one by one (BYTEWISE: the byte kernel, any alignment)."""
+    if BYTEWISE:
+        s = _load_scales(first + r * stride, NB)
+    else:
+        s = tl.load(first + r * stride + tl.arange(0, NB))
+    return _hop_scale(s, norm, HOP_FLUSH)
+
+
+@triton.jit
+def _hop_prologue(first, stride, NB: tl.constexpr, N_SUM: tl.constexpr, HOP_FLUSH: tl.constexpr,
+                  BYTEWISE: tl.constexpr):
+    """(2^e_max, 2^-e_max, bias B = sum_r 8 s_r / 2^e_max * 2^-22 in row order) of NB
+    blocks of N_SUM rows (scales as for _hop_row_scale). The power of two is taken from
+    the untruncated scales: truncating a mantissa never changes the exponent."""
+    smax = tl.zeros([NB], tl.float32)
+    for r in tl.static_range(N_SUM):
+        if BYTEWISE:
+            smax = tl.maximum(smax, _load_scales(first + r * stride, NB))
+        else:
+            smax = tl.maximum(smax, tl.load(first + r * stride + tl.arange(0, NB)))
+    pow2, norm = _hop_pow2(smax)
+    bias = tl.zeros([NB], tl.float32)
+    for r in tl.static_range(N_SUM):
+        bias = bias + _hop_row_scale(first, r, stride, norm, NB, HOP_FLUSH, BYTEWISE) * 1.9073486328125e-06  # 2^-19
+    return pow2, norm, bias
+
+
+@triton.jit
 def _hop_requant_scale(absmax, pow2, QMAX: tl.constexpr, TINY: tl.constexpr, HOP_FLOOR: tl.constexpr):
     """absmax of a hop sum (in units of 2^(e_max + 22)) -> (scale in true units, inv in
     the sum's units): _scale_rule, scaled by powers of two (exact)."""
@@ -296,15 +326,8 @@ def _int4_hop_kernel(
     # 2^(e_max + 22). Requantized with one FFMA (_round_bits) and packed with integer
     # multiply-adds.
     orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
-    smax = tl.zeros([NB], tl.float32)
-    for r in tl.static_range(N_SUM):
-        f = in_f + (orow * in_rows_per_out + r) * in_row_words + in_payload_words + in_blk
-        smax = tl.maximum(smax, tl.load(f + tl.arange(0, NB)))
-    pow2, norm = _hop_pow2(smax)
-    bias = tl.zeros([NB], tl.float32)
-    for r in tl.static_range(N_SUM):
-        f = in_f + (orow * in_rows_per_out + r) * in_row_words + in_payload_words + in_blk
-        bias = bias + _hop_scale(tl.load(f + tl.arange(0, NB)), norm, HOP_FLUSH) * 1.9073486328125e-06  # 2^-19
+    first = in_f + orow * in_rows_per_out * in_row_words + in_payload_words + in_blk  # row 0's scales
+    pow2, norm, bias = _hop_prologue(first, in_row_words, NB, N_SUM, HOP_FLUSH, False)
     a0 = tl.zeros([NB, W_P2], tl.float32) - bias[:, None]
     a1 = a0
     a2 = a0
@@ -316,7 +339,7 @@ def _int4_hop_kernel(
     for r in tl.static_range(N_SUM):
         row = (orow * in_rows_per_out + r) * in_row_words
         w = _load_tile(in_w + row + in_blk * W, NB, W_P2, W) ^ -2004318072  # 0x88888888: u = q + 8
-        sn = _hop_scale(tl.load(in_f + row + in_payload_words + in_blk + tl.arange(0, NB)), norm, HOP_FLUSH)
+        sn = _hop_row_scale(first, r, in_row_words, norm, NB, HOP_FLUSH, False)
         t0 = (sn * 1.7014118346046923e38)[:, None]  # 2^127
         t4 = (sn * 1.0633823966279327e37)[:, None]  # 2^123
         t8 = (sn * 6.646139978924579e35)[:, None]  # 2^119
@@ -465,20 +488,12 @@ def _dequant_reduce_kernel(
     row_ptr = in_ptr + orow * in_rows_per_out * in_row_bytes
     if BITS_IN == 4 and BITS_OUT != 0:
         # int4 -> requantized (the qgZ hop): reference._int4_hop, as _int4_hop_kernel
-        smax = tl.zeros([NB], tl.float32)
-        for r in tl.static_range(N_SUM):
-            row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
-            smax = tl.maximum(smax, _load_scales(row_ptr + in_payload_bytes + in_blk * 4, NB))
-        pow2, norm = _hop_pow2(smax)
-        bias = tl.zeros([NB], tl.float32)
-        for r in tl.static_range(N_SUM):
-            row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
-            sn = _hop_scale(_load_scales(row_ptr + in_payload_bytes + in_blk * 4, NB), norm, HOP_FLUSH)
-            bias = bias + sn * 1.9073486328125e-06  # 8 * sn * 2^-22
+        first = row_ptr + in_payload_bytes + in_blk * 4  # row 0's scales
+        pow2, norm, bias = _hop_prologue(first, in_row_bytes, NB, N_SUM, HOP_FLUSH, True)
         acc = tl.zeros([NB, BLOCK_P2], tl.float32) - bias[:, None]
         for r in tl.static_range(N_SUM):
             row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
-            sn = _hop_scale(_load_scales(row_ptr + in_payload_bytes + in_blk * 4, NB), norm, HOP_FLUSH)
+            sn = _hop_row_scale(first, r, in_row_bytes, norm, NB, HOP_FLUSH, True)
             u = _load_q(row_ptr + in_blk * (BLOCK // 2), NB, 4, BLOCK, BLOCK_P2) + 8.0
             acc = tl.fma(u, (sn * 2.384185791015625e-07)[:, None], acc)  # u * sn * 2^-22, exact
         amax = tl.abs(acc)

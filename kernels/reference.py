@@ -20,7 +20,7 @@ from .format import (
     HOP_FLOOR,
     HOP_FLUSH,
     QMAX,
-    SCALE_BITS,
+    SCALE_DROP,
     TINY,
     check_float_input,
     check_format,
@@ -41,8 +41,7 @@ __all__ = [
 
 def _round_up_scale(s: torch.Tensor) -> torch.Tensor:
     """Positive fp32 -> the smallest value >= it with SCALE_BITS significant bits."""
-    drop = (1 << (24 - SCALE_BITS)) - 1
-    return ((s.view(torch.int32) + drop) & ~drop).view(torch.float32)
+    return ((s.view(torch.int32) + SCALE_DROP) & ~SCALE_DROP).view(torch.float32)
 
 
 def _scale_rule(absmax: torch.Tensor, is_zero: torch.Tensor, bits: int):
@@ -179,8 +178,7 @@ def _int4_hop(recv: torch.Tensor, k: int, S: int, bits_out: int, block: int) -> 
     nb = L // block
     payload = recv[:, :L // 2]
     u = torch.stack([(payload & 0xF) ^ 8, (payload >> 4) ^ 8], dim=-1).reshape(m, nb, block).to(torch.float32)
-    drop = (1 << (24 - SCALE_BITS)) - 1
-    s = (recv[:, L // 2:].contiguous().view(torch.int32) & ~drop).view(torch.float32)  # [m, nb]
+    s = (recv[:, L // 2:].contiguous().view(torch.int32) & ~SCALE_DROP).view(torch.float32)  # [m, nb]
     ebits = s.amax(0).view(torch.int32) & 0x7F800000  # 2^e_max's bits
     ebits = torch.where(ebits == 0, torch.full_like(ebits, 127 << 23), ebits)  # all-zero block: 2^0
     pow2 = ebits.view(torch.float32)

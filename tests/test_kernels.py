@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megaq.kernels import ops, reference as ref  # noqa: E402
-from megaq.kernels.format import QMAX, SCALE_BITS, TINY, packed_len  # noqa: E402
+from megaq.kernels.format import QMAX, SCALE_BITS, SCALE_DROP, TINY, packed_len  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -62,8 +62,7 @@ def _assert_scale_rule(scales, exact):
     """Scales are absmax / qmax rounded up to SCALE_BITS significant bits: never below
     the quotient (beyond its own fp32 rounding), at most 2^-(SCALE_BITS-1) above it, and
     their low 24 - SCALE_BITS mantissa bits are zero."""
-    drop = (1 << (24 - SCALE_BITS)) - 1
-    assert ((scales.contiguous().view(torch.int32) & drop) == 0).all()
+    assert ((scales.contiguous().view(torch.int32) & SCALE_DROP) == 0).all()
     s = scales.double()
     assert (s >= exact * (1 - 2.0 ** -24)).all()
     assert (s <= exact * (1 + 2.0 ** -(SCALE_BITS - 1))).all()
@@ -214,7 +213,7 @@ def test_int4_hop_bit_identical_and_within_bound(tq, monkeypatch, words, block):
         assert zero[0, 0] and zero[0, 2] and not zero[1, 2]
         assert (got[0, 3 * block:4 * block].abs() <= slack[0, 3 * block:4 * block]).all()
         nz = ~zero & (torch.arange(S // block) != 3)
-        assert ((out_scales[nz].view(torch.int32) & 0xF) == 0).all()  # 20-bit scales
+        assert ((out_scales[nz].view(torch.int32) & SCALE_DROP) == 0).all()  # 20-bit scales
         ratio = out_scales[nz].double() * QMAX[bits_out] / _blocks(exact, block).abs().amax(-1)[nz]
         assert ((ratio - 1).abs() < 2.0 ** -12).all()
         # the flushed row (block 1, row 1) changes no bit: the same as without that row
