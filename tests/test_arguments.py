@@ -62,15 +62,14 @@ def test_refusals_name_the_flag(extra, world, needle):
 
 
 def test_qgz_chunk_reaches_the_zeropp_config():
-    """The flag travels args -> ZeroConfig (pretrain_gpt.zero_config) -> ZeroPPConfig."""
+    """The flag travels args -> ZeroConfig (pretrain_gpt.zero_config), which qgZ reads."""
     import pretrain_gpt
-    from megaq.zero.zeropp import zeropp_config
-    from megaq.zero.zeropp.config import DEFAULT_GRAD_CHUNK
+    from megaq.zero.config import DEFAULT_BLOCK_SIZE, DEFAULT_GRAD_CHUNK
     a = parse(["--zero-quantized-gradients"], world=1)
-    assert zeropp_config(pretrain_gpt.zero_config(a)).grad_chunk == DEFAULT_GRAD_CHUNK
+    assert pretrain_gpt.zero_config(a).grad_chunk == DEFAULT_GRAD_CHUNK
+    assert pretrain_gpt.zero_config(a).block_size == DEFAULT_BLOCK_SIZE == 2048  # training's block
     a = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096"], world=1)
-    assert zeropp_config(pretrain_gpt.zero_config(a)).grad_chunk == 4096
-    assert zeropp_config(a).grad_chunk == 4096  # straight from the namespace too
+    assert pretrain_gpt.zero_config(a).grad_chunk == 4096
 
 
 def test_data_source_required():
