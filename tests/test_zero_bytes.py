@@ -39,6 +39,9 @@ ZERO3 = dict(block_size=64, gather_dtype=torch.bfloat16)
 ZEROPP = dict(ZERO3, quantized_weights=True, hpz_partition_size=PER_NODE, quantized_gradients=True,
               grad_chunk=128)
 PHASES = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce")
+# (window of the step, kind of collective) -> the phase it belongs to
+PHASE_OF = {("forward", "gather"): "weight_gather_fwd", ("backward", "gather"): "weight_gather_bwd",
+            ("backward", "send"): "grad_reduce", ("finish", "send"): "grad_reduce"}
 
 
 def _link(me: int, other: int) -> str:
@@ -57,8 +60,7 @@ class _Sent:
         self._saved = []
 
     def _add(self, kind: str, link: str, n: int) -> None:
-        phase = {("forward", "gather"): "weight_gather_fwd", ("backward", "gather"): "weight_gather_bwd",
-                 ("backward", "send"): "grad_reduce", ("finish", "send"): "grad_reduce"}.get((self.window, kind))
+        phase = PHASE_OF.get((self.window, kind))
         if phase is None:
             self.unexpected.append(f"{kind} in {self.window}")
             return

@@ -45,6 +45,7 @@ backward is recognised and neither releases weights nor hooks outputs.
 from __future__ import annotations
 
 import weakref
+
 import torch
 from torch import nn
 
@@ -116,7 +117,8 @@ class ZeroEngine:
         self.zero_model_bytes = sum(p.full_bytes for p in self.partitions if p.sharded)
         self.skipped_steps = 0
         self._norm: torch.Tensor | None = None
-        self._pending_gathers: dict[str, tuple[Unit, Handle, str]] = {}  # unit name ->
+        # unit name -> (unit, its gather's handle, phase)
+        self._pending_gathers: dict[str, tuple[Unit, Handle, str]] = {}
         self._in_backward = False
         self._bwd_started: set[str] = set()
         self._site_remaining: dict[str, int] = {}

@@ -76,7 +76,6 @@ class FlatPartition:
         self.shard_numel = self.padded_numel // self.world
         self.lo = self.rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        self.slot_of = {id(s.param): s for s in self.slots}
 
         # Build the flat copy of the current weights (fp32 kept for the master).
         flat32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
