@@ -6,7 +6,7 @@ Timer); a copy of N bf16 elements is timed at each size for the "% of copy" figu
 
     python tools/bench/sweep_kernels.py --sizes 65536 --block 512 --iters 5 \
         --variants bytes-4x1 words-4x1 wordsnm-2x2      # CPU smoke test (interpreter)
-    python tools/bench/sweep_kernels.py --out docs/results/kernels_h200_words.json \\
+    python tools/bench/sweep_kernels.py --out docs/results/kernels_h200_sweep_hop.json \\
         --variants bytes-4x1 words-4x1 words-8x2 wordsnm-4x1 bytes-4x1
 
 A variant is KIND-WARPSxNB: KIND `bytes` (the byte kernel, _dequant_reduce_kernel),
