@@ -30,13 +30,13 @@ need = {"triton": "triton", "sentencepiece": "sentencepiece", "numpy": "numpy",
         "setuptools": "setuptools",  # the editable install below (3.12+ venvs lack it)
         "pyflakes": "pyflakes==4.1.0"}  # the lint step of .ci/run
 missing = [p for m, p in need.items() if u.find_spec(m) is None]
-if "setuptools" not in missing and u.find_spec("wheel") is None:
-    # building a wheel (tests/test_install.py) needs bdist_wheel: in setuptools >= 70.1,
-    # else in the wheel package
+if "setuptools" not in missing:
+    # building a wheel (tests/test_install.py) needs bdist_wheel: part of setuptools
+    # since 70.1 (the wheel package now only re-exports it), so an older one is upgraded
     import os
     here = u.find_spec("setuptools").submodule_search_locations[0]
     if not os.path.isfile(os.path.join(here, "command", "bdist_wheel.py")):
-        missing.append("wheel==0.48.0")
+        missing.append("setuptools==84.2.1")
 if "pyflakes" not in missing:
     from importlib.metadata import version
     if version("pyflakes") != "4.1.0":
