@@ -20,7 +20,6 @@ Each is run from the repository root and from another directory. Budget ~40 s on
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import shutil
 import site
@@ -38,19 +37,22 @@ PROBE = ("import megaq, megaq.kernels, megaq.kernels.format; "
 
 
 def _why_no_build() -> str | None:
-    if importlib.util.find_spec("pip") is None:
-        return "pip is not importable"
-    setuptools = importlib.util.find_spec("setuptools")  # found, not imported (distutils hack)
-    if setuptools is None:
-        return "setuptools is not installed (scripts/setup_env.sh installs it)"
-    bdist_wheel = os.path.join(setuptools.submodule_search_locations[0], "command", "bdist_wheel.py")
-    if importlib.util.find_spec("wheel") is None and not os.path.isfile(bdist_wheel):
-        return "neither wheel nor setuptools>=70.1 (bdist_wheel) is installed"
+    """Why this interpreter cannot build a wheel offline, or None.
+
+    Asked in a child process: probing pip in this one (even `find_spec("pip")`) makes
+    setuptools' distutils shim stand down for the rest of the session, and a later
+    `import setuptools` (torch.utils.cpp_extension, megatron-core) then fails.
+    """
+    probe = ("import setuptools\n"  # before pip: see above
+             "try:\n    import setuptools.command.bdist_wheel\n"
+             "except ImportError:\n    import wheel.bdist_wheel\n"
+             "import pip\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return (f"{last} (pip, and setuptools >= 70.1 or wheel, are needed; "
+                "scripts/setup_env.sh installs them)")
     return None
-
-
-pytestmark = pytest.mark.skipif(_why_no_build() is not None,
-                                reason=f"cannot build a wheel offline: {_why_no_build()}")
 
 
 def _run(cmd: list[str], cwd: str, env: dict | None = None, timeout: float = 300):
@@ -89,6 +91,9 @@ def _pip_install(env_dir: str, *what: str) -> None:
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> dict:
+    why = _why_no_build()
+    if why:
+        pytest.skip(f"cannot build a wheel offline: {why}")
     root = tmp_path_factory.mktemp("install")
     repo = str(root / "repo")
     os.makedirs(repo)
