@@ -527,12 +527,12 @@ def _dequant_reduce_kernel(
 
 
 # Launch shape: warps per program and blocks per program (NB). The defaults come from
-# the sweep in tools/bench_kernels.py on an H200; the overrides exist for that sweep.
+# the sweep in tools/bench/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
 NB_OVERRIDE = None
 # The int4 word kernels: elements per thread and blocks per program by default (the
 # float-output kernel, and the hop, which wants more elements per thread to spread its
-# per-block work), and the overrides tools/sweep_kernels.py sets (False = the byte
+# per-block work), and the overrides tools/bench/sweep_kernels.py sets (False = the byte
 # kernel; MAGIC False = int -> float conversion instructions instead of the exponent
 # trick in _nibble).
 WORDS_PER_THREAD = 32

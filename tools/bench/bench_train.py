@@ -20,8 +20,8 @@ parameter sizes as a fraction of the measured megaq step. Optional extras: CUDA
 checks of the fused kernels (--check), kernel and GQA micro-benchmarks (--micro),
 profiler tables (--profile SIZE:VARIANT).
 
-    python tools/bench_train.py --out docs/results/bench_train_h200.json --check --micro
-    python tools/bench_train.py --sizes 125M --variants megaq-s0 ref-eager --steps 3   # quick
+    python tools/bench/bench_train.py --out docs/results/bench_train_h200.json --check --micro
+    python tools/bench/bench_train.py --sizes 125M --variants megaq-s0 ref-eager --steps 3   # quick
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 SEQ, VOCAB = 2048, 32000
