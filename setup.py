@@ -19,5 +19,7 @@ setup(
     # torch is deliberately not pinned here: scripts/setup_env.sh installs the CPU
     # build only where no torch is importable, and never replaces a CUDA build.
     install_requires=["numpy", "sentencepiece", "tqdm"],
-    extras_require={"test": ["pytest"], "plot": ["matplotlib"]},
+    # fp8: torchao only for tools/bench_train.py's reference loop (megaq's FP8 needs none);
+    # 0.17.0 is the release paired with torch 2.11
+    extras_require={"test": ["pytest"], "plot": ["matplotlib"], "fp8": ["torchao==0.17.0"]},
 )
