@@ -575,8 +575,8 @@ def fp8_check(dev, tokens=2048):
             dy = (1e-3 * torch.randn(tokens, n, device=dev, generator=g)).bfloat16()
 
             def run(device, emulate, fp8_on=True):
-                xx = x.to(device).requires_grad_()
-                ww = w.to(device).requires_grad_()
+                xx = x.detach().clone().to(device).requires_grad_()
+                ww = w.detach().clone().to(device).requires_grad_()
                 ctx = fp8.emulation() if emulate else contextlib.nullcontext()
                 with ctx:
                     y = fp8.linear(xx, ww, None, rec if fp8_on else None, group, "column")
