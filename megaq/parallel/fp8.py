@@ -161,9 +161,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
     mm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
     if rowwise and not fast_accum:
         # the rowwise kernel is slow without fast accumulation: run the per-tensor
-        # kernel with unit scales and apply the row/column scales after (torchao's way)
+        # kernel with unit scales and apply the row/column scales after (torchao's way);
+        # the scales are powers of two, so scaling the bf16 product rounds nothing more
         one = a_inv.new_ones(())
-        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=mm_dtype)
         return (y * a_inv * b_inv).to(out_dtype)
     y = torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype,
                          use_fast_accum=fast_accum)
