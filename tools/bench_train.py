@@ -605,7 +605,8 @@ def fp8_check(dev, tokens=2048):
 def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
     """Does the megaq step learn on the GPU like the reference? A small Llama (4 x 512,
     seq 512) trains `steps` steps on two fixed batches with the Triton kernels, with
-    the torch references (MEGAQ_KERNELS=torch) and as the plain reference loop; plus
+    the torch references (MEGAQ_KERNELS=torch), as the plain reference loop, and with
+    FP8 GEMMs (megaq's and torchao's, each recipe, eager); plus
     SDPA on megaq's [s, b, heads, d]-strided layout against the math backend."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -617,7 +618,11 @@ def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
         batches = make_batches("check", dev, n=2)
         for label, variant, env in (("megaq triton", "megaq-s0", "auto"),
                                     ("megaq torch refs", "megaq-s0", "torch"),
-                                    ("reference", "ref-eager", None)):
+                                    ("reference", "ref-eager", None),
+                                    ("megaq fp8 tensorwise", "megaq-s0-fp8tw", "auto"),
+                                    ("megaq fp8 rowwise", "megaq-s0-fp8rw", "auto"),
+                                    ("torchao tensorwise", "ao-tw-eager", None),
+                                    ("torchao rowwise", "ao-rw-eager", None)):
             os.environ["MEGAQ_KERNELS"] = env or "auto"
             _CPU_MODELS.clear()
             keep, fwd_bwd, opt_step, _ = build("check", variant, dev)
