@@ -36,7 +36,6 @@ def _steps(topo, fp8_format, fp8_recipe, steps, device):
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    tp = topo.tp.size
     cfg = GPTConfig.llama(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=4096,
                           seq_length=512, params_dtype=torch.bfloat16,
                           fp8_format=fp8_format, fp8_recipe=fp8_recipe)
