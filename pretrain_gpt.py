@@ -36,6 +36,7 @@ def model_config(args):
         sequence_parallel=args.sequence_parallel,
         recompute_activations=args.recompute_activations,
         compile_blocks=args.compile_blocks, attention_repeat_kv=args.attention_repeat_kv,
+        fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32, seed=args.seed)
 
 

@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "eager); pays off on GPU, costs compile time on CPU")
     g.add_argument("--attention-repeat-kv", action="store_true",
                    help="GQA by repeating k/v heads instead of SDPA's enable_gqa")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="FP8 GEMMs in the transformer blocks' linear layers (torch._scaled_mm on "
+                        "Hopper, an exact-cast fp32 emulation elsewhere): e4m3 everywhere, or "
+                        "hybrid (E5M2 output gradients); embedding, output layer, norms stay bf16")
+    g.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+                   help="FP8 scaling with --fp8-format: one dynamic scale per tensor, or per row "
+                        "(power-of-two scales)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaq.parallel.fp8 import FP8Recipe
 from megaq.parallel.tensor_parallel import pad_vocab_size
 
 
@@ -38,6 +39,9 @@ class GPTConfig:
     # ---- speed knobs (no effect on the math beyond rounding; see docs/MODEL.md) ----
     compile_blocks: bool = False       # torch.compile each block's forward (hooks stay eager)
     attention_repeat_kv: bool = False  # GQA by repeating k/v heads instead of enable_gqa
+    # ---- FP8 GEMMs in the blocks' linear layers (megaq.parallel.fp8; docs/MODEL.md) ----
+    fp8_format: str | None = None      # None: bf16/fp32 GEMMs; "e4m3" or "hybrid" (E5M2 grads)
+    fp8_recipe: str = "tensorwise"     # scaling: "tensorwise" or "rowwise"
 
     def __post_init__(self):
         h, heads = self.hidden_size, self.num_attention_heads
@@ -62,10 +66,20 @@ class GPTConfig:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization {self.normalization!r} is not supported; "
                              f"use LayerNorm or RMSNorm")
+        if self.fp8_format is not None:
+            FP8Recipe(self.fp8_format, self.fp8_recipe)  # raises on an unknown format / recipe
         if (self.position_embedding_type == "learned_absolute"
                 and self.seq_length > self.max_position_embeddings):
             raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                              f"{self.max_position_embeddings}; raise the latter")
+
+    @property
+    def fp8(self) -> FP8Recipe | None:
+        """The FP8 recipe of the transformer blocks' linear layers, or None. The embedding,
+        the output layer, norms and attention's softmax stay in the params dtype."""
+        if self.fp8_format is None:
+            return None
+        return FP8Recipe(self.fp8_format, self.fp8_recipe)
 
     @property
     def tie_embeddings(self) -> bool:
