@@ -22,8 +22,8 @@ def _pretrain_runs() -> str | None:
     """None when pretrain_gpt.py parses the flags the check uses, else why not."""
     sys.path.insert(0, REPO)
     try:
-        from megaq.arguments import parse_args
-        parse_args(M.model_argv(M.MODELS["tiny"], 32)
+        from megaq.arguments import parse_config
+        parse_config(M.model_argv(M.MODELS["tiny"], 32)
                    + ["--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-4",
                       "--zero-stage", "3", "--zero-quantized-weights",
                       "--zero-hpz-partition-size", "1", "--zero-quantized-gradients",

@@ -54,7 +54,8 @@ from torch import nn
 
 from megaq.parallel import comm
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.pipeline import StepTimer, build_model_chunks, get_forward_backward_func
+from megaq.model import build_model_chunks
+from megaq.parallel.pipeline import StepTimer, get_forward_backward_func
 
 SEQ, MBS, HIDDEN = 8, 1, 16
 

@@ -577,10 +577,10 @@ def worker(plan_path: str) -> int:
     if split:  # each half of the host is its own "host" to NCCL: NET between halves
         os.environ["NCCL_HOSTID"] = f"megaq-half{local // split}"
     # appended, not prepended: the installed megaq (or the driver's shim, which maps
-    # megaq.kernels) must win over <repo>/megaq; the repo is only there for pretrain_gpt
+    # megaq.kernels) must win over <repo>/megaq; the repo is there for a plain checkout
     sys.path.append(REPO)
     import torch
-    import pretrain_gpt
+    from megaq import pretrain
     from megaq.parallel.launch import init_from_env
     device = plan["device"]
     init_from_env("nccl" if device == "cuda" else "gloo")
@@ -598,7 +598,7 @@ def worker(plan_path: str) -> int:
             continue
         if rank == 0:
             print(f"[worker] === {e['label']} ===", flush=True)
-        pretrain_gpt.main(e["argv"])
+        pretrain.main(e["argv"])
         gc.collect()
         if device == "cuda":
             if rank == 0:
