@@ -67,7 +67,7 @@ class TrainingConfig:
     train_iters: int = flag("--train-iters",
                             "optimizer steps to train for (in total, across resumes)", 0,
                             type=int, required=True)
-    seed: int = flag("--seed", "seed of weights, dropout and data order", 1234, type=int)
+    seed: int = flag("--seed", "seed of weights, dropout and data order", GPTConfig.seed, type=int)
     bf16: bool = switch("--bf16", "bf16 weights/activations (fp32 master)")
     fp16: bool = switch("--fp16", "not supported (no loss scaling): use --bf16")
     max_consecutive_skipped_iters: int = flag(
