@@ -15,6 +15,7 @@ import contextlib
 import os
 import random
 import sys
+import time
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None, topo=None):
     DataError / TrainingDiverged with one-line messages (the CLI prints them)."""
     from megaq.arguments import parse_config
 
+    t_start = time.perf_counter()
     if topo is None:
         from megaq.parallel.topology import ranks_per_node_from_env
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -66,14 +68,13 @@ def main(argv: list[str] | None = None, topo=None):
         config = parse_config(argv, world_size=topo.layout.world_size,
                               ranks_per_node=topo.layout.ranks_per_node)
         _check_topology_matches(config.parallel, topo)
-    return build_trainer(config, topo).train()
+    return build_trainer(config, topo, t_start).train()
 
 
-def build_trainer(config, topo):
+def build_trainer(config, topo, t_start: float | None = None):
     """Everything up to the first iteration: data, model, engine, checkpoint load.
-    `config` is a megaq.config.RunConfig; `topo` this rank's Topology."""
-    import time
-
+    `config` is a megaq.config.RunConfig; `topo` this rank's Topology; `t_start` the
+    perf_counter() the setup time printed counts from (default: now)."""
     from megaq import checkpoint as ckpt
     from megaq.data.setup import build_data
     from megaq.lr_schedule import LRSchedule
@@ -81,7 +82,7 @@ def build_trainer(config, topo):
     from megaq.training import TrainingParts, Trainer, TrainState
     from megaq.zero import build_engine
 
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() if t_start is None else t_start
     rank0 = topo.rank == 0
     if rank0:
         _print_banner(config, topo)
