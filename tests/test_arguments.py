@@ -134,6 +134,17 @@ def test_every_flag_is_one_config_field():
                 assert a.default == f.default, f.name
 
 
+def test_demo_corpus_resolves_to_a_data_path():
+    """The data setup turns --demo-corpus into the built files: the resolved config is an
+    ordinary --data-path run (it passes the one-source check) that names the tokenizer."""
+    argv = [x for x in BASE if x != "--mock-data"] + ["--demo-corpus"]
+    data = parse_config(argv, world_size=1).data
+    assert data.demo_corpus == "" and data.data_path is None
+    built = data.with_built_corpus("/c/corpus_text_document", "/c/tokenizer.model")
+    assert built.demo_corpus is None and built.data_path == ("/c/corpus_text_document",)
+    assert built.tokenizer_model == "/c/tokenizer.model"
+
+
 def test_data_source_required():
     argv = [x for x in BASE if x != "--mock-data"]
     with pytest.raises(ArgumentsError, match="no training data: pass --data-path"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -54,3 +55,10 @@ class DataConfig:
                                 "--data-path are below N)")
             parse_data_path(list(self.data_path))
         parse_split(self.split)
+
+    def with_built_corpus(self, prefix: str, tokenizer_model: str) -> "DataConfig":
+        """--demo-corpus once built: from here on an ordinary --data-path with its
+        SentencePiece model (what a checkpoint records and tools/generate.py reads)."""
+        return dataclasses.replace(self, demo_corpus=None, data_path=(prefix,),
+                                   tokenizer_model=tokenizer_model,
+                                   tokenizer_type="SentencePieceTokenizer")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -34,8 +33,7 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
     eod = None
     if data.demo_corpus is not None:
         prefix, model = ensure_builtin_corpus(data.demo_corpus or None)
-        data = dataclasses.replace(data, data_path=(prefix,), tokenizer_model=model,
-                                   tokenizer_type="SentencePieceTokenizer")
+        data = data.with_built_corpus(prefix, model)
     if data.mock_data or data.tokenizer_type == "NullTokenizer":
         vocab_size = data.vocab_size or MOCK_VOCAB_SIZE
     else:
