@@ -39,11 +39,12 @@ from .format import (
     TINY,
     check_float_input,
     check_format,
+    check_out,
     check_packed,
     check_reorder,
+    check_residual,
     packed_len,
 )
-from .reference import _check_out, _check_residual
 
 __all__ = [
     "packed_len",
@@ -648,7 +649,7 @@ def reorder_quantize(
     S = check_reorder(grad.numel(), k, m, block)
     check_format(S, bits, block)
     if residual is not None:
-        _check_residual(residual, grad)
+        check_residual(residual, grad)
     return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block)
 
 
@@ -670,7 +671,7 @@ def dequant_reduce(
     flat = recv.contiguous().reshape(-1, recv.shape[-1])
     accumulate = out is not None
     if accumulate:
-        _check_out(out, S)
+        check_out(out, S)
     else:
         out = torch.empty(S, dtype=torch.float32, device=recv.device)
     return _dequant_reduce_launch(flat, out, 1, flat.shape[0], S, bits, 0, 0, S, 0, block, float(scale), accumulate)

@@ -17,7 +17,7 @@ lr * delta / eps. With eps=1e-8 that is O(lr) per noisy element; with 1e-4 it is
 Because Adam hides gradient scale, the step-1 gradients are compared directly.
 """
 
-import contextlib
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.pipeline import (PipelineConfigError, PipelineP2P, build_model_chunks,
+from megaq.model import build_model_chunks
+from megaq.parallel.pipeline import (PipelineConfigError, PipelineP2P,
                                      check_num_microbatches, chunk_layer_range,
                                      forward_backward_no_pipelining, get_forward_backward_func,
                                      num_microbatches_per_step, pipeline_tensor_shape,
@@ -179,7 +180,7 @@ def test_pipeline_matches_single_process(family, layers, pp, vp, tp, sp, m):
     check_against_reference(cfg, results, ref)
 
 
-# ------------------------------------------------------- memory, eval mode, hooks
+# ------------------------------------------------------------ memory, eval mode
 def _count_live_activations(topo, cfg, vp, batches):
     """Max number of micro-batch activations a rank holds (forward done, backward not yet).
 
@@ -203,25 +204,18 @@ def _count_live_activations(topo, cfg, vp, batches):
     kw = dict(tensor_shape=shape, dtype=cfg.params_dtype)
     eval_losses = schedule(chunks, mbs, len(batches[0]), topo, forward_only=True, **kw)
     grads_after_eval = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
-    no_sync_calls = []
-
-    def no_sync(chunk):
-        no_sync_calls.append(chunk)
-        return contextlib.nullcontext()
-
-    train_losses = schedule(chunks, mbs, len(batches[0]), topo, no_sync=no_sync, **kw)
+    train_losses = schedule(chunks, mbs, len(batches[0]), topo, **kw)
     grads_ok = all(p.grad is not None and p.grad.dtype == cfg.params_dtype and p.grad.isfinite().all()
                    for c in chunks for p in c.parameters())
     return dict(peak=peak[0], live_at_end=live[0], eval=eval_losses, train=train_losses,
-                grads_after_eval=len(grads_after_eval), no_sync=no_sync_calls, grads_ok=grads_ok)
+                grads_after_eval=len(grads_after_eval), grads_ok=grads_ok)
 
 
 @pytest.mark.parametrize("vp,dtype", [(None, torch.bfloat16), (2, torch.float32)])
-def test_activation_memory_eval_mode_and_no_sync(vp, dtype):
+def test_activation_memory_and_eval_mode(vp, dtype):
     """Also runs one layout in bf16: activations and gradients cross stages in that dtype."""
     pp, m = 4, 8
-    cfg = make_config("llama", 8)
-    cfg.params_dtype = dtype
+    cfg = dataclasses.replace(make_config("llama", 8), params_dtype=dtype)
     out = run_on_ranks(_count_live_activations, pp, pp=pp, args=(cfg, vp, make_batches(cfg, m)))
     v = vp or 1
     for stage, r in enumerate(out):
@@ -235,8 +229,6 @@ def test_activation_memory_eval_mode_and_no_sync(vp, dtype):
         assert r["live_at_end"] == 0
         assert r["grads_after_eval"] == 0  # forward-only builds no graph
         assert r["grads_ok"]  # every parameter got a finite gradient of its own dtype
-        # no_sync wraps every backward of a chunk but its last micro-batch.
-        assert sorted(r["no_sync"]) == sorted(c for c in range(v) for _ in range(m - 1))
     assert out[0]["peak"] < m * v
     last = out[-1]
     assert len(last["eval"]) == m and all(not r["eval"] for r in out[:-1])

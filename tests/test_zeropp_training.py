@@ -16,7 +16,8 @@ import torch
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.pipeline import build_model_chunks, get_forward_backward_func, pipeline_tensor_shape
+from megaq.model import build_model_chunks
+from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.zero import ZeroConfig, build_engine
 from megaq.zero.zeropp import rails_of, volume
 

@@ -542,9 +542,9 @@ def worker(plan_path: str) -> int:
     split = plan.get("split_hosts")
     if split:  # each half of the host is its own "host" to NCCL: NET between halves
         os.environ["NCCL_HOSTID"] = f"megaq-half{local // split}"
-    sys.path.insert(0, REPO)  # the checkout's megaq (and pretrain_gpt), as the driver's
+    sys.path.insert(0, REPO)  # the checkout's megaq, as the driver's
     import torch
-    import pretrain_gpt
+    from megaq import pretrain
     from megaq.parallel.launch import init_from_env
     device = plan["device"]
     init_from_env("nccl" if device == "cuda" else "gloo")
@@ -562,7 +562,7 @@ def worker(plan_path: str) -> int:
             continue
         if rank == 0:
             print(f"[worker] === {e['label']} ===", flush=True)
-        pretrain_gpt.main(e["argv"])
+        pretrain.main(e["argv"])
         gc.collect()
         if device == "cuda":
             if rank == 0:

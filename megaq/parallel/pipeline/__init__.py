@@ -2,7 +2,7 @@
 
 Typical step on one rank::
 
-    chunks = build_model_chunks(config, topo, vp_size)
+    chunks = megaq.model.build_model_chunks(config, topo, vp_size)
     forward_backward = get_forward_backward_func(topo.layout.pp, len(chunks))
     losses = forward_backward(chunks, microbatches, num_microbatches, topo,
                               tensor_shape=pipeline_tensor_shape(s, b, h, tp, sp))
@@ -17,7 +17,7 @@ from megaq.parallel.pipeline.p2p import PipelineP2P, StepTimer, pipeline_tensor_
 from megaq.parallel.pipeline.schedules import (forward_backward_no_pipelining,
                                                forward_backward_pipelining_without_interleaving,
                                                masked_mean_loss)
-from megaq.parallel.pipeline.split import (PipelineConfigError, build_model_chunks,
+from megaq.parallel.pipeline.split import (PipelineConfigError, build_stage_chunks,
                                            check_layer_split, check_num_microbatches,
                                            chunk_layer_range, num_microbatches_per_step,
                                            stage_layer_ranges, virtual_pipeline_size)
@@ -39,7 +39,7 @@ def get_forward_backward_func(pp_size: int, vp_size: int | None = 1):
 
 __all__ = [
     "PipelineConfigError", "PipelineP2P", "StepTimer",
-    "build_model_chunks", "check_layer_split", "check_num_microbatches", "chunk_layer_range",
+    "build_stage_chunks", "check_layer_split", "check_num_microbatches", "chunk_layer_range",
     "forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
     "masked_mean_loss", "num_microbatches_per_step", "pipeline_tensor_shape",
