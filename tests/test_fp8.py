@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported once before the ranks fork)
 
-import pretrain_gpt
+from megaq import pretrain
 from megaq.model import GPTConfig, GPTModel
 from megaq.parallel import fp8
 from megaq.parallel.fp8 import FP8Recipe, capture_scales, quantize
@@ -169,7 +169,7 @@ def test_fp8_model_under_tp_and_sp_matches_tp1():
 
 # -------------------------------------------------------- checkpoint resume
 def _train(topo, argv):
-    return pretrain_gpt.main(argv, topo=topo).losses
+    return pretrain.main(argv, topo=topo).losses
 
 
 def _fp8_argv(tmp_path, extra):
