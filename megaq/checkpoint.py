@@ -381,8 +381,11 @@ def concat_tp_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> to
                       for b in range(stride)], dim=dim)
 
 
-def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
-    """(saved args, {global name: [per old TP rank {param, exp_avg, exp_avg_sq}]})."""
+def read_all_stages(ckpt_dir: str, tp: int, pp: int, mmap: bool = False) -> tuple[dict, dict]:
+    """(saved args, {global name: [per old TP rank {param, exp_avg, exp_avg_sq}]}).
+
+    mmap=True memory-maps the files instead of reading them: a tensor is read from disk
+    only when used (the HF export streams one tensor at a time this way)."""
     from megaq.parallel.pipeline.split import stage_layer_ranges
     entries: dict[str, list] = {}
     args = None
@@ -392,7 +395,7 @@ def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
             path = model_file(ckpt_dir, t, p)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             args = args or sd["args"]
             step = int(sd["model_optim"]["step"])
             vp = args.get("virtual_pipeline_model_parallel_size") or 1
