@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
     seed_everything(args, topo)
     data = build_data(args, topo)  # sets args.vocab_size / args.padded_vocab_size
     config = model_config(args)
+    if args.save_hf:  # refuse an architecture transformers lacks before training, not after
+        from megaq.interop.hf import model_family
+        model_family(config)
     chunks = build_model_chunks(config, topo, args.virtual_pipeline_model_parallel_size)
     device = _device()
     chunks = [c.to(device) for c in chunks]
@@ -164,7 +167,23 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
     if rank0:
         print(f" setup (process groups, data, model, engine, checkpoint) took "
               f"{time.perf_counter() - t_start:.1f} s; training", flush=True)
-    return trainer.train()
+    final = trainer.train()
+    if args.save_hf:
+        save_hf(args, topo)
+    return final
+
+
+def save_hf(args, topo) -> None:
+    """--save-hf: rank 0 exports the final checkpoint under --save to transformers form
+    (megaq.interop.hf, one process); the other ranks wait for it."""
+    from megaq.interop.hf import export_to_hf
+    from megaq.parallel import comm
+    comm.barrier(topo.world)  # the final checkpoint is complete on disk
+    if topo.rank == 0:
+        out = export_to_hf(args.save, args.save_hf, model_config, overwrite=True)
+        print(f" saved the final model in Hugging Face form to {out['dir']} ({out['family']}, "
+              f"{out['bytes'] / 2**20:.1f} MiB)", flush=True)
+    comm.barrier(topo.world)
 
 
 class Data:
@@ -258,6 +277,7 @@ def cli(argv=None) -> int:
     from megaq.arguments import ArgumentsError
     from megaq.checkpoint import CheckpointError
     from megaq.data.errors import DataError
+    from megaq.interop.hf import InteropError
     from megaq.parallel.pipeline import PipelineConfigError
     from megaq.parallel.topology import LayoutError
     from megaq.training import TrainingDiverged
@@ -266,8 +286,8 @@ def cli(argv=None) -> int:
     try:
         main(argv)
         finished = True
-    except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
-            TrainingDiverged, ZeroConfigError) as e:
+    except (ArgumentsError, CheckpointError, DataError, InteropError, LayoutError,
+            PipelineConfigError, TrainingDiverged, ZeroConfigError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

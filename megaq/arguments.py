@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
     g.add_argument("--load", default=None,
                    help="checkpoint directory to resume from (starts fresh if it holds none)")
+    g.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="at the end of training, also write the final model in Hugging Face "
+                        "transformers form to DIR (from the final --save checkpoint; "
+                        "docs/INTEROP.md)")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore RNG streams")
     g.add_argument("--no-load-optim", action="store_true",
                    help="load weights only (fresh AdamW moments)")
@@ -395,6 +399,8 @@ def validate_args(args: argparse.Namespace, world_size: int,
         _fail("--save-interval must be >= 1")
     if args.save_interval and not args.save:
         _fail("--save-interval needs --save DIR (where to write checkpoints)")
+    if args.save_hf and not args.save:
+        _fail("--save-hf needs --save DIR (the HF export is written from the final checkpoint)")
     if args.log_interval < 1:
         _fail("--log-interval must be >= 1")
     if args.eval_interval < 1:

@@ -401,9 +401,9 @@ def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_leng
     transformers can convert the model, tokenizer.json (fast tokenizer). Returns the
     special ids {bos, eos, pad, unk} for the configs.
 
-    The fast tokenizer reproduces SentencePiece's encoding (a "\u2581" prefix on the whole
-    text, spaces as "\u2581", byte fallback); it is written only after it encodes a probe
-    text exactly as megaq's tokenizer does. Megatron's specials that megaq appends past
+    The fast tokenizer reproduces SentencePiece's encoding (a "\u2581" prefix on the text,
+    spaces as "\u2581", byte fallback); it is written only after it encodes a probe text
+    exactly as megaq's tokenizer does. Megatron's specials that megaq appends past
     the model's pieces (<CLS>, <SEP>, <MASK> for SentencePieceTokenizer) become added
     special tokens with their megaq ids.
     """
@@ -455,24 +455,25 @@ def _fast_tokenizer_json(out_dir: str, tok, appended: dict, log) -> str | None:
                     {"add_bos_token": False, "add_eos_token": False})
         converted = LlamaTokenizer.from_pretrained(scratch)
         spec = json.loads(converted.backend_tokenizer.to_str())
-        # SentencePiece (add_dummy_prefix, identity normalisation): "\u2581" before the whole
-        # text, every space -> "\u2581", no pre-tokenizer; specials found after normalising,
-        # so a user-defined piece such as <EOD> does not restart the prefix.
+        # SentencePiece (add_dummy_prefix, identity normalisation): "\u2581" before the text,
+        # every space -> "\u2581", no pre-tokenizer. transformers' own Llama pipeline
+        # (Metaspace) drops the prefix when the text starts with a space; this does not.
+        # Specials are split off before normalising, so text after a special written
+        # literally inside the input ("a<EOD> b") gets its own "\u2581" prefix, where
+        # SentencePiece would not add one (docs/INTEROP.md).
         spec["normalizer"] = {"type": "Sequence", "normalizers": [
             {"type": "Prepend", "prepend": "\u2581"},
             {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
         spec["pre_tokenizer"] = None
         spec["post_processor"] = None
-        for t in spec.get("added_tokens", []):
-            t["normalized"] = True
         for i, text in appended.items():
             spec.setdefault("added_tokens", []).append(
                 {"id": i, "content": text, "single_word": False, "lstrip": False,
-                 "rstrip": False, "normalized": True, "special": True})
+                 "rstrip": False, "normalized": False, "special": True})
         text = json.dumps(spec, ensure_ascii=False)
         fast = Tokenizer.from_str(text)
-        probe = _TOKENIZER_PROBE + ("<EOD> after" if tok.sp.piece_to_id("<EOD>") > 0 else "")
-        ours, theirs = tok.tokenize(probe), fast.encode(probe, add_special_tokens=False).ids
+        ours = tok.tokenize(_TOKENIZER_PROBE)
+        theirs = fast.encode(_TOKENIZER_PROBE, add_special_tokens=False).ids
         if ours != theirs or fast.decode(ours, skip_special_tokens=False) != tok.detokenize(ours):
             log(" note: the fast tokenizer built from tokenizer.model does not reproduce megaq's "
                 "encoding (a unigram model?); only tokenizer.model is written")
