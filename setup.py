@@ -7,6 +7,9 @@ PyPI package owns the import name `kernels`, so it is only ever importable as
 
 from setuptools import find_packages, setup
 
+HF_PINS = ["transformers==5.23.0", "tokenizers==0.23.3", "safetensors==0.8.0",
+           "huggingface-hub==2.4.0", "protobuf==7.36.2"]
+
 packages = find_packages(include=["megaq", "megaq.*"]) + ["megaq.kernels"]
 
 setup(
@@ -19,5 +22,7 @@ setup(
     # torch is deliberately not pinned here: scripts/setup_env.sh installs the CPU
     # build only where no torch is importable, and never replaces a CUDA build.
     install_requires=["numpy", "sentencepiece", "tqdm"],
-    extras_require={"test": ["pytest"], "plot": ["matplotlib"]},
+    # hf: tools/convert_checkpoint.py's transformers side (the export itself needs none of
+    # it; reading safetensors and building tokenizer.json do). Pinned as CI tests them.
+    extras_require={"test": ["pytest", *HF_PINS], "plot": ["matplotlib"], "hf": HF_PINS},
 )
