@@ -18,7 +18,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install the test extras: "
                            "see MEGAQ_TEST_EXTRAS in .ci/run)")
 
-from data_fixtures import TINY_VOCAB, tiny_corpus, tiny_tokenizer, tool  # noqa: E402,F401
+from data_fixtures import tiny_corpus, tiny_tokenizer, tool  # noqa: E402,F401,F811
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -169,29 +169,36 @@ def test_export_tokenizer_bf16_and_sharding(trained, tmp_path, tiny_tokenizer):
 
 
 # ------------------------------------------------------------------------- import
-def _tiny_llama(path, vocab=99, tied=False, layers=2):
+def _tiny_llama(path, vocab=99, tied=False, layers=2, bias=False):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tied, rms_norm_eps=1e-5)
+                                   tie_word_embeddings=tied, rms_norm_eps=1e-5,
+                                   attention_bias=bias, mlp_bias=bias)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(str(path))
     return model
 
 
-def _tiny_gpt2(path):
+def _tiny_gpt2(path, tied=True):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                  activation_function="gelu")
+                                  activation_function="gelu", tie_word_embeddings=tied)
     model = transformers.GPT2LMHeadModel(cfg).eval()
+    if not tied:  # a head of its own, different from the embedding
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, 0.02)
     model.save_pretrained(str(path))
     return model
 
 
-@pytest.mark.parametrize("tp,pp,vp", [(1, 1, 1), (2, 2, 1), (1, 2, 2)])
-def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp):
-    hf = _tiny_llama(tmp_path / "hf", layers=4)  # vocab 99: TP=2 pads one zero row
+@pytest.mark.parametrize("tp,pp,vp,variant", [(1, 1, 1, "gqa_untied"), (2, 2, 1, "gqa_untied"),
+                                              (1, 2, 2, "gqa_untied"), (1, 1, 1, "bias_tied")])
+def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant):
+    # vocab 99: TP=2 pads one zero row
+    hf = _tiny_llama(tmp_path / "hf", layers=4, tied=variant == "bias_tied",
+                     bias=variant == "bias_tied")
     out = tmp_path / "mq"
     rc, _ = _convert(["--from", "hf", "--to", "megaq", "--input", tmp_path / "hf", "--output", out,
                       "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
@@ -212,12 +219,14 @@ def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp):
     assert val == pytest.approx(loss.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama_tied", "llama_untied", "gpt2"])
+@pytest.mark.parametrize("family", ["llama_tied", "llama_untied_bias", "gpt2_tied",
+                                    "gpt2_untied"])
 def test_round_trip_hf_megaq_hf_is_bit_identical(tmp_path, family):
-    if family == "gpt2":
-        _tiny_gpt2(tmp_path / "hf")
+    if family.startswith("gpt2"):
+        hf = _tiny_gpt2(tmp_path / "hf", tied=family == "gpt2_tied")
     else:
-        _tiny_llama(tmp_path / "hf", vocab=96, tied=family == "llama_tied")
+        hf = _tiny_llama(tmp_path / "hf", vocab=96, tied=family == "llama_tied",
+                         bias=family.endswith("bias"))
     rc, _ = _convert(["--from", "hf", "--to", "megaq", "--input", tmp_path / "hf", "--output",
                       tmp_path / "mq", "--tensor-model-parallel-size", "2",
                       "--pipeline-model-parallel-size", "2"])
@@ -230,6 +239,11 @@ def test_round_trip_hf_megaq_hf_is_bit_identical(tmp_path, family):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    # and transformers reads the exported config as the same model
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
 
 
 # ----------------------------------------------------------------------- refusals

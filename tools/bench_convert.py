@@ -111,14 +111,14 @@ def main(argv=None) -> int:
                                                          "convert_1p3b_cpu.json"))
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     a = p.parse_args(argv)
-    config = _bench_train().megaq_config("1.3B", params_dtype=torch.float32)
+    config = _bench_train().megaq_config("1.3B")  # shapes only; weights written fp32
     shutil.rmtree(a.workdir, ignore_errors=True)
     hf_dir, mq_dir = os.path.join(a.workdir, "hf_random"), os.path.join(a.workdir, "megaq")
     t0 = time.perf_counter()
     largest = write_random_hf(hf_dir, config)
     params = _dir_bytes(hf_dir) // 4
     print(f"[bench_convert] random 1.3B Llama ({params / 1e9:.2f}B params, fp32 "
-          f"{_dir_bytes(hf_dir) / 2**30:.2f} GiB) written in {time.perf_counter() - t0:.0f} s")
+          f"{_dir_bytes(hf_dir) / 2**30:.2f} GiB) written in {time.perf_counter() - t0:.0f} s", flush=True)
     tool = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py")]
     rows = []
     r = measure(tool + ["--from", "hf", "--to", "megaq", "--input", hf_dir, "--output", mq_dir,
@@ -132,8 +132,8 @@ def main(argv=None) -> int:
         rows.append({"step": f"export megaq TP={a.tp} x PP={a.pp} -> hf {dt}", **r,
                      "output_bytes": _dir_bytes(out)})
         shutil.rmtree(out, ignore_errors=True)
-    print(f"\n| step | seconds | peak anon memory (GiB) | peak RSS incl. mmapped file (GiB) | "
-          f"output (GiB) |\n|---|---|---|---|---|")
+    print("\n| step | seconds | peak anon memory (GiB) | peak RSS incl. mmapped file (GiB) | "
+          "output (GiB) |\n|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['step']} | {row['seconds']:.1f} | {row['peak_anon_bytes'] / 2**30:.2f} | "
               f"{row['peak_rss_bytes'] / 2**30:.2f} | {row['output_bytes'] / 2**30:.2f} |")

@@ -32,7 +32,7 @@ import json
 import os
 import shutil
 from types import SimpleNamespace
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -396,7 +396,7 @@ _TOKENIZER_PROBE = ("def main(argv=None):\n    return  {'a': 1, \"b\": [2, 3.5]}
 
 
 def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_length: int,
-                    log=print) -> dict:
+                    log=print, model_vocab: int | None = None) -> dict:
     """tokenizer.model (the SentencePiece model), tokenizer_config.json and, where
     transformers can convert the model, tokenizer.json (fast tokenizer). Returns the
     special ids {bos, eos, pad, unk} for the configs.
@@ -409,6 +409,10 @@ def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_leng
     """
     from megaq.data.tokenizer import build_tokenizer
     tok = build_tokenizer(tokenizer_type, model_path)
+    if model_vocab is not None and tok.vocab_size != model_vocab:
+        log(f" note: no tokenizer files: {model_path} has {tok.vocab_size} ids ({tokenizer_type}), "
+            f"the model {model_vocab}; pass the tokenizer the model was trained with")
+        return {}
     sp = tok.sp
     n = sp.get_piece_size()
     shutil.copyfile(model_path, os.path.join(out_dir, "tokenizer.model"))
@@ -561,7 +565,8 @@ def export_to_hf(ckpt_path: str, out_dir: str, model_config: Callable, *,
         tok_path = tokenizer_model or reader.args.get("tokenizer_model")
         has_tok = bool(tok_path) and tok_type != "NullTokenizer" and os.path.isfile(tok_path)
         if has_tok:
-            special = write_tokenizer(tmp, tok_type, tok_path, config.seq_length, log)
+            special = write_tokenizer(tmp, tok_type, tok_path, config.seq_length, log, vocab)
+            has_tok = bool(special)
         else:
             log(f" note: no tokenizer files: the checkpoint's run had "
                 f"{'tokenizer ' + repr(tok_path) + ' (not found)' if tok_path else 'no tokenizer (mock data)'}; "
