@@ -42,7 +42,8 @@ def _bench_train():
 
 def write_random_hf(out_dir: str, config) -> int:
     """A LlamaForCausalLM directory with N(0, 0.02) weights; returns the largest tensor's bytes."""
-    from megaq.interop.hf import MAPPINGS, SafetensorsWriter, _write_json, hf_config, megaq_layout
+    from megaq.interop.common import megaq_layout, write_json
+    from megaq.interop.hf import MAPPINGS, SafetensorsWriter, hf_config
     os.makedirs(out_dir, exist_ok=True)
     mapping = MAPPINGS["llama"](config, config.vocab_size)
     writer = SafetensorsWriter(out_dir, 2 * 2**30)
@@ -63,7 +64,7 @@ def write_random_hf(out_dir: str, config) -> int:
             writer.add(name, part.contiguous())
             largest = max(largest, part.numel() * part.element_size())
     writer.close()
-    _write_json(os.path.join(out_dir, "config.json"),
+    write_json(os.path.join(out_dir, "config.json"),
                 hf_config(config, "llama", config.vocab_size, torch.float32, {}))
     return largest
 

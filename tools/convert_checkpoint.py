@@ -33,6 +33,7 @@ def _model_config(args):
 
 
 def _parse_size(text: str) -> int:
+    """'5GB', '40KB', '1048576' -> bytes (binary units, as transformers' max_shard_size)."""
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "B": 1}
     t = text.strip().upper()
     for unit, mult in units.items():
@@ -45,7 +46,7 @@ def megaq_to_hf(a) -> str:
     from megaq.interop.hf import DTYPES, export_to_hf
     t0 = time.perf_counter()
     out = export_to_hf(a.input, a.output, _model_config, dtype=DTYPES[a.dtype],
-                       max_shard_bytes=_parse_size(a.max_shard_size),
+                       max_shard_bytes=a.max_shard_size,
                        tokenizer_model=a.tokenizer_model, overwrite=a.overwrite)
     pad = (f"; vocab {out['vocab']} padded to {out['padded_vocab']} (padded ids suppressed in "
            f"generation_config.json)" if out["padded_vocab"] > out["vocab"] else "")
@@ -75,6 +76,10 @@ def hf_to_megaq(a) -> str:
 
 
 def megatron_to_megaq(a) -> str:
+    """megaq.interop.megatron.convert_to_megaq(a) -> the message to print; `a` holds input,
+    output, overwrite and the --to megaq layout flags; refusals raise InteropError.
+    megaq.interop.common has the writing side (megaq_layout, megaq_args,
+    write_megaq_checkpoint, write_megaq_args, temp_dir_for / replace_dir)."""
     try:
         from megaq.interop import megatron
     except ImportError:
@@ -106,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("--to hf")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the written weights (the checkpoint holds fp32 masters)")
-    g.add_argument("--max-shard-size", default="5GB",
+    g.add_argument("--max-shard-size", default="5GB", type=_parse_size,
                    help="split the safetensors above this size (with model.safetensors.index.json)")
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece model to ship (default: the checkpoint's --tokenizer-model)")

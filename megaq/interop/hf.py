@@ -27,25 +27,23 @@ What differs between the two worlds (docs/INTEROP.md has the full table):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
 from megaq import checkpoint as ckpt
+from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo, check_output,
+                                  config_args, megaq_args, megaq_layout, megaq_layout_flags,
+                                  replace_dir, temp_dir_for, write_json, write_megaq_args,
+                                  write_megaq_checkpoint)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _HF_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-
-
-class InteropError(RuntimeError):
-    """A conversion that cannot be done as asked; the message names the reason and the fix."""
 
 
 # ------------------------------------------------------------------ model families
@@ -224,58 +222,6 @@ class GPT2Mapping(_Mapping):
 MAPPINGS = {"llama": LlamaMapping, "gpt2": GPT2Mapping}
 
 
-# ------------------------------------------------- the megaq model's parameter layout
-@dataclasses.dataclass
-class ParamInfo:
-    name: str        # global megaq name (independent of the layout)
-    key: str         # the name in the stage's checkpoint (chunk prefix, local layer index)
-    stage: int       # pipeline stage holding it
-    dim: int         # TP partition dimension, -1 if replicated
-    stride: int      # TP partition stride (2 for the SwiGLU fc1)
-
-
-def _fake_tp_group(rank: int, size: int):
-    from megaq.parallel.comm import Group
-    # only shapes and slicing are needed: no collective runs while building a model
-    return Group(ranks=list(range(size)), nodes=[0] * size, pg=None, rank_index=rank)
-
-
-def megaq_layout(config, tp: int, pp: int, vp: int = 1) -> list[ParamInfo]:
-    """Every parameter of the model under a TP x PP (x VP) layout, in model order.
-
-    Read off a tiny twin of the model (same structure, sizes of a few elements), so
-    the names and TP split attributes are the ones the model itself declares."""
-    from megaq.model import GPTModel
-    from megaq.parallel.pipeline.split import stage_layer_ranges
-    twin = dataclasses.replace(
-        config, hidden_size=2, num_attention_heads=tp, num_query_groups=tp, kv_channels=2,
-        ffn_hidden_size=2 * tp, vocab_size=tp, make_vocab_size_divisible_by=1, seq_length=tp,
-        max_position_embeddings=tp, sequence_parallel=False, recompute_activations=False,
-        compile_blocks=False, params_dtype=torch.float32)
-    out = []
-    for stage in range(pp):
-        ranges = stage_layer_ranges(config.num_layers, pp, vp, stage)
-        chunks = [GPTModel(twin, _fake_tp_group(0, tp), pre_process=stage == 0 and v == 0,
-                           post_process=stage == pp - 1 and v == vp - 1,
-                           layer_start=start, layer_end=end)
-                  for v, (start, end) in enumerate(ranges)]
-        for name, (key, p) in ckpt.global_to_local_names(chunks, ranges).items():
-            parallel = getattr(p, "tensor_model_parallel", False)
-            out.append(ParamInfo(name, key, stage, p.partition_dim if parallel else -1,
-                                 p.partition_stride if parallel else 1))
-    return out
-
-
-def config_args(args: dict) -> SimpleNamespace:
-    """A checkpoint's saved args as a namespace fit for pretrain_gpt.model_config: one
-    process, fp32, no sequence parallelism."""
-    ns = SimpleNamespace(**args)
-    ns.sequence_parallel, ns.recompute_activations, ns.bf16 = False, False, False
-    ns.compile_blocks = False
-    ns.attention_repeat_kv = getattr(ns, "attention_repeat_kv", False)
-    return ns
-
-
 # ------------------------------------------------------------------ safetensors out
 class SafetensorsWriter:
     """Streams tensors into safetensors files, one tensor in memory at a time.
@@ -334,15 +280,9 @@ class SafetensorsWriter:
             os.remove(data_path)
             weight_map.update({k: fname for k in entries})
         if n > 1:
-            _write_json(os.path.join(self.out_dir, "model.safetensors.index.json"),
+            write_json(os.path.join(self.out_dir, "model.safetensors.index.json"),
                         {"metadata": {"total_size": self.total}, "weight_map": weight_map})
         return names
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 # ------------------------------------------------------------------ HF config files
@@ -438,7 +378,7 @@ def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_leng
         # transformers converts tokenizer.model itself when loading (needs sentencepiece
         # and protobuf there); its Llama tokenizer treats leading spaces differently.
         cfg.update(tokenizer_class="LlamaTokenizer", legacy=True)
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), cfg)
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), cfg)
     return special
 
 
@@ -455,7 +395,7 @@ def _fast_tokenizer_json(out_dir: str, tok, appended: dict, log) -> str | None:
     try:
         shutil.copyfile(os.path.join(out_dir, "tokenizer.model"),
                         os.path.join(scratch, "tokenizer.model"))
-        _write_json(os.path.join(scratch, "tokenizer_config.json"),
+        write_json(os.path.join(scratch, "tokenizer_config.json"),
                     {"add_bos_token": False, "add_eos_token": False})
         converted = LlamaTokenizer.from_pretrained(scratch)
         spec = json.loads(converted.backend_tokenizer.to_str())
@@ -492,43 +432,6 @@ def _fast_tokenizer_json(out_dir: str, tok, appended: dict, log) -> str | None:
 
 
 # ------------------------------------------------------------------------- export
-def resolve_checkpoint_dir(path: str) -> str:
-    """A checkpoint root (latest_checkpointed_iteration.txt) or an iter_* directory."""
-    if os.path.basename(os.path.normpath(path)).startswith("iter_"):
-        if not os.path.isdir(path):
-            raise InteropError(f"{path} does not exist; pass a checkpoint directory")
-        return path
-    if not os.path.isdir(path):
-        raise InteropError(f"{path} does not exist; pass a checkpoint directory written by "
-                           f"pretrain_gpt.py --save")
-    it = ckpt.read_tracker(path)
-    if it is None:
-        raise InteropError(f"{path} holds no {ckpt.TRACKER_FILE}; pass a checkpoint directory "
-                           f"written by pretrain_gpt.py --save (or one of its iter_* directories)")
-    return ckpt.iteration_dir(path, it)
-
-
-class MegaqCheckpointReader:
-    """One process's view of a whole megaq checkpoint: memory-mapped shard files, and
-    `full(info)` builds one full parameter from its TP shards (checkpoint.concat_tp_shards)."""
-
-    def __init__(self, path: str):
-        self.dir = resolve_checkpoint_dir(path)
-        self.tp, self.pp = ckpt.checkpoint_layout(self.dir)
-        self.args, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
-        self.params = saved["params"]
-        self.vp = self.args.get("virtual_pipeline_model_parallel_size") or 1
-
-    def full(self, info: ParamInfo) -> torch.Tensor:
-        if info.name not in self.params:
-            raise InteropError(f"{self.dir} has no parameter {info.name}; it is incomplete or "
-                               f"not a checkpoint of the model its args describe")
-        parts = [entry["param"] for entry in self.params[info.name]]
-        if info.dim < 0 or self.tp == 1:
-            return parts[0]
-        return ckpt.concat_tp_shards(parts, info.dim, info.stride)
-
-
 def export_to_hf(ckpt_path: str, out_dir: str, model_config: Callable, *,
                  dtype: torch.dtype = torch.float32,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -539,7 +442,7 @@ def export_to_hf(ckpt_path: str, out_dir: str, model_config: Callable, *,
     to a temporary directory beside `out_dir`, renamed into place at the end.
 
     Returns {"dir", "family", "files", "bytes", "tokenizer": bool}."""
-    _check_output(out_dir, overwrite)
+    check_output(out_dir, overwrite)
     reader = MegaqCheckpointReader(ckpt_path)
     config = model_config(config_args(reader.args))
     family = model_family(config)
@@ -548,7 +451,7 @@ def export_to_hf(ckpt_path: str, out_dir: str, model_config: Callable, *,
     mapping = MAPPINGS[family](config, padded)
     layout = megaq_layout(config, reader.tp, reader.pp, reader.vp)
 
-    tmp = _temp_dir_for(out_dir)
+    tmp = temp_dir_for(out_dir)
     try:
         writer = SafetensorsWriter(tmp, max_shard_bytes)
         for info in layout:
@@ -571,42 +474,16 @@ def export_to_hf(ckpt_path: str, out_dir: str, model_config: Callable, *,
             log(f" note: no tokenizer files: the checkpoint's run had "
                 f"{'tokenizer ' + repr(tok_path) + ' (not found)' if tok_path else 'no tokenizer (mock data)'}; "
                 f"pass --tokenizer-model to add one")
-        _write_json(os.path.join(tmp, "config.json"),
+        write_json(os.path.join(tmp, "config.json"),
                     hf_config(config, family, padded, dtype, special))
-        _write_json(os.path.join(tmp, "generation_config.json"),
+        write_json(os.path.join(tmp, "generation_config.json"),
                     generation_config(vocab, padded, special))
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"dir": out_dir, "family": family, "files": files, "bytes": writer.total,
             "tokenizer": has_tok, "source": reader.dir, "vocab": vocab, "padded_vocab": padded}
-
-
-def _check_output(out_dir: str, overwrite: bool) -> None:
-    if os.path.exists(out_dir) and not overwrite and (
-            not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise InteropError(f"{out_dir} already exists; pass a new directory (or --overwrite "
-                           f"to replace it)")
-
-
-def _temp_dir_for(out_dir: str) -> str:
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
-
-
-def _replace_dir(tmp: str, out_dir: str) -> None:
-    if os.path.exists(out_dir):
-        old = f"{tmp}.old"
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
 
 
 # ------------------------------------------------------------------------- import
@@ -761,13 +638,6 @@ def _gpt2_flags(cfg, seq_length, divisible_by) -> list[str]:
     return [str(x) for x in flags]
 
 
-def _layout_flags(tp: int, pp: int, vp: int, num_layers: int) -> list[str]:
-    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-    if vp > 1:
-        flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (pp * vp))]
-    return flags
-
-
 def import_from_hf(hf_dir: str, out_dir: str, model_config: Callable, *, tp: int = 1,
                    pp: int = 1, vp: int = 1, seq_length: int | None = None,
                    make_vocab_size_divisible_by: int = 1, overwrite: bool = False,
@@ -775,12 +645,9 @@ def import_from_hf(hf_dir: str, out_dir: str, model_config: Callable, *, tp: int
     """Write a megaq checkpoint (iteration 0, zero AdamW moments) of a transformers model
     for a TP x PP (x VP) layout, plus megaq_args.txt / megaq_args.json: the flags that
     describe it. Returns {"dir", "family", "flags"}."""
-    from megaq.arguments import ArgumentsError, args_to_dict, parse_args
-    from megaq.lr_schedule import LRSchedule
-    from megaq.parallel.tensor_parallel import pad_vocab_size, shard_of
-    from megaq.parallel.topology import Layout
+    from megaq.arguments import args_to_dict
 
-    _check_output(out_dir, overwrite)
+    check_output(out_dir, overwrite)
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise InteropError(f"{hf_dir} has no config.json; pass a transformers model directory")
@@ -791,21 +658,14 @@ def import_from_hf(hf_dir: str, out_dir: str, model_config: Callable, *, tp: int
     if vp > 1 and num_layers % (pp * vp):
         raise InteropError(f"{num_layers} layers do not split into {pp} stages x {vp} virtual "
                            f"chunks; pick --virtual-pipeline-size dividing layers / PP")
-    layout_flags = _layout_flags(tp, pp, vp, num_layers)
+    layout_flags = megaq_layout_flags(tp, pp, vp, num_layers)
     src = HFTensorSource(hf_dir)
     tokenizer_src = os.path.join(hf_dir, "tokenizer.model")
     tok_flags = []
     if os.path.isfile(tokenizer_src):
         tok_flags = ["--tokenizer-type", "GPTSentencePieceTokenizer",
                      "--tokenizer-model", os.path.join(os.path.abspath(out_dir), "tokenizer.model")]
-    # Validate the flags as pretrain_gpt.py will (training flags are placeholders).
-    placeholders = ["--micro-batch-size", "1", "--global-batch-size", str(pp), "--train-iters", "1",
-                    "--lr", "0", "--mock-data"]
-    try:
-        args = parse_args(flags + layout_flags + placeholders, world_size=tp * pp)
-    except ArgumentsError as e:
-        raise InteropError(f"the model does not fit TP={tp} x PP={pp} x VP={vp}: {e}") from None
-    args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+    args = megaq_args(flags + layout_flags, tp, pp, vp)
     config = model_config(config_args(args_to_dict(args)))
     padded = args.padded_vocab_size
     mapping = MAPPINGS[family](config, padded)
@@ -837,45 +697,21 @@ def import_from_hf(hf_dir: str, out_dir: str, model_config: Callable, *, tp: int
             t = ckpt._fit_rows(t, 0, padded, name)  # TP padding rows: zero
         return t
 
-    tmp = _temp_dir_for(out_dir)
+    tmp = temp_dir_for(out_dir)
     try:
-        layout_dict = ckpt._layout_dict(Layout(tp * pp, tp=tp, pp=pp))
-        saved_args = args_to_dict(args)
-        zero = torch.zeros(1)
-        for stage in range(pp):
-            shards = [{} for _ in range(tp)]
-            for info in (i for i in layout if i.stage == stage):
-                full = full_tensor(info)
-                for r in range(tp):
-                    part = full if info.dim < 0 else shard_of(full, info.dim, r, tp, info.stride)
-                    # fresh AdamW: zero moments stored as one element expanded (tiny on disk)
-                    z = zero.expand_as(part)
-                    shards[r][info.key] = {"param": part.clone(), "exp_avg": z, "exp_avg_sq": z}
-            for r in range(tp):
-                ckpt._save_file({
-                    "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0,
-                    "consumed_samples": 0, "args": saved_args, "layout": layout_dict,
-                    "lr_scheduler": LRSchedule.from_args(args).state_dict(),
-                    "extra": {"imported_from": os.path.abspath(hf_dir), "family": family},
-                    "model_optim": {"step": 0, "params": shards[r]},
-                }, ckpt.model_file(ckpt.iteration_dir(tmp, 0), r, stage))
-            del shards
+        write_megaq_checkpoint(tmp, args, layout, full_tensor,
+                               extra={"imported_from": os.path.abspath(hf_dir), "family": family})
         unused = [n for n in src.names() if n not in src.used and not mapping.ignored_hf_name(n)
                   and not (config.tie_embeddings and n == mapping.hf_name("output_layer.weight"))]
         if unused:
             raise InteropError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no "
                                f"megaq counterpart; the model has parts megaq lacks")
-        with open(os.path.join(tmp, ckpt.TRACKER_FILE), "w") as f:
-            f.write("0\n")
         if tok_flags:
             shutil.copyfile(tokenizer_src, os.path.join(tmp, "tokenizer.model"))
         all_flags = flags + layout_flags + tok_flags
-        with open(os.path.join(tmp, "megaq_args.txt"), "w") as f:
-            f.write(" ".join(all_flags) + "\n")
-        _write_json(os.path.join(tmp, "megaq_args.json"),
-                    {"flags": all_flags, "family": family, "source": os.path.abspath(hf_dir),
-                     "load_flags": ["--load", os.path.abspath(out_dir), "--no-load-rng"]})
-        _replace_dir(tmp, out_dir)
+        write_megaq_args(tmp, out_dir, all_flags, {"family": family,
+                                                   "source": os.path.abspath(hf_dir)})
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
