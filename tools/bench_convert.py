@@ -95,7 +95,8 @@ def measure(cmd: list[str]) -> dict:
     if proc.returncode:
         raise SystemExit(f"error: {' '.join(cmd)} failed ({proc.returncode}):\n{out}")
     return {"seconds": time.perf_counter() - t0, "peak_anon_bytes": peak["RssAnon"],
-            "peak_rss_bytes": peak["VmHWM"], "output": out.strip().splitlines()[0]}
+            "peak_rss_bytes": peak["VmHWM"],
+            "output": next((line for line in out.splitlines() if line.startswith("[convert]")), "")}
 
 
 def _dir_bytes(path: str) -> int:
