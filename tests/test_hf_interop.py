@@ -193,9 +193,12 @@ def _tiny_gpt2(path, tied=True):
     return model
 
 
-@pytest.mark.parametrize("tp,pp,vp,variant", [(1, 1, 1, "gqa_untied"), (2, 2, 1, "gqa_untied"),
-                                              (1, 2, 2, "gqa_untied"), (1, 1, 1, "bias_tied")])
-def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant):
+@pytest.mark.parametrize("tp,pp,vp,variant,run_tp,run_pp", [
+    (1, 1, 1, "gqa_untied", 1, 1), (2, 2, 1, "gqa_untied", 2, 2), (1, 2, 2, "gqa_untied", 1, 2),
+    (1, 1, 1, "bias_tied", 1, 1),
+    (2, 2, 1, "gqa_untied", 1, 1),  # loaded by a run of another layout: resharded
+])
+def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant, run_tp, run_pp):
     # vocab 99: TP=2 pads one zero row
     hf = _tiny_llama(tmp_path / "hf", layers=4, tied=variant == "bias_tied",
                      bias=variant == "bias_tied")
@@ -205,11 +208,15 @@ def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant):
                       "--virtual-pipeline-size", vp, "--seq-length", 16])
     assert rc == 0
     flags = open(out / "megaq_args.txt").read().split()
+    if (run_tp, run_pp) != (tp, pp):
+        flags += ["--tensor-model-parallel-size", str(run_tp),
+                  "--pipeline-model-parallel-size", str(run_pp)]
     argv = flags + ["--load", str(out), "--no-load-rng", "--micro-batch-size", "2",
                     "--global-batch-size", "4", "--train-iters", "1", "--lr", "0", "--mock-data",
                     "--eval-iters", "1", "--eval-interval", "1", "--log-interval", "1",
                     "--data-cache-path", str(tmp_path / "cache")]
-    val = run_on_ranks(_train, tp * pp, tp=tp, pp=pp, args=(argv,))[0][1]  # lr 0: weights as loaded
+    # lr 0: the validation loss after one step is that of the weights as loaded
+    val = run_on_ranks(_train, run_tp * run_pp, tp=run_tp, pp=run_pp, args=(argv,))[0][1]
 
     tokens = torch.stack([torch.from_numpy(MockGPTDataset(4, 16, 1234, 99, "valid")[i]["tokens"])
                           for i in range(4)])
