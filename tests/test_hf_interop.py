@@ -15,25 +15,25 @@ import pytest
 import torch
 
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install the test extras: "
-                           "see MEGAQ_TEST_EXTRAS in .ci/run)")
+    "transformers", reason="transformers is not installed (pip install the pins of "
+                           "pyproject.toml's test extra)")
 
-from data_fixtures import tiny_corpus, tiny_tokenizer, tool  # noqa: E402,F401,F811
+from data_fixtures import tool  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 
-import pretrain_gpt  # noqa: E402
 from megaq import checkpoint as ckpt  # noqa: E402
 from megaq.data.gpt_dataset import MockGPTDataset  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.pretrain import main as pretrain_main  # noqa: E402
 
 SEQ = 48  # >= prompt (8) + 32 generated tokens: generate.py never truncates the context
 VOCAB = 100  # padded to 256 at TP=2 (make-vocab-size-divisible-by 128 x TP)
 
 # name: (model flags, uses the tiny SentencePiece tokenizer)
 FAMILIES = {
-    # Llama, GQA (4 heads, 2 groups), untied head; exported by pretrain_gpt.py --save-hf
+    # Llama, GQA (4 heads, 2 groups), untied head; exported by --save-hf
     "llama_gqa_untied": (["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
                           "rope", "--group-query-attention", "--num-query-groups", "2",
                           "--disable-bias-linear", "--untie-embeddings-and-output-weights"], False),
@@ -46,7 +46,7 @@ FAMILIES = {
 
 
 def _train(topo, argv):
-    return pretrain_gpt.main(argv, topo=topo).val_losses
+    return pretrain_main(argv, topo=topo).val_losses
 
 
 def _convert(argv, capsys=None):
@@ -86,11 +86,8 @@ def trained(tmp_path_factory, tiny_tokenizer):
 
 def _megaq_model(ckpt_root):
     """megaq's own model from the checkpoint, on one process (tools/generate.py's path)."""
-    gen = tool("generate")
-    args, shards, tp = gen.load_consolidated(ckpt.iteration_dir(ckpt_root, 3))
-    model, views = gen.build_model(args, tp)
-    gen.consolidate_into(model, views, shards, tp)
-    return gen, model.eval(), args
+    model, saved = ckpt.load_consolidated_model(ckpt.iteration_dir(ckpt_root, 3))
+    return tool("generate"), model.eval(), saved
 
 
 def _rel(a, b):
@@ -100,7 +97,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_export_logits_and_greedy_generation_match_megaq(trained, name):
     root, hf_dir, vocab = trained[name]
-    gen, model, args = _megaq_model(root)
+    gen, model, _ = _megaq_model(root)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     padded = model.padded_vocab_size
     assert padded > vocab and hf.config.vocab_size == padded  # padded rows are kept
@@ -128,7 +125,7 @@ def test_export_logits_and_greedy_generation_match_megaq(trained, name):
 
 
 def test_save_hf_matches_the_tool(trained):
-    """pretrain_gpt.py --save-hf writes the same tensors the tool writes."""
+    """pretrain_gpt.py --save-hf (megaq.pretrain) writes the same tensors the tool writes."""
     root, hf_dir, _ = trained["llama_gqa_untied"]
     a = load_file(os.path.join(hf_dir, "model.safetensors"))
     b = load_file(os.path.join(os.path.dirname(root), "save_hf", "model.safetensors"))
@@ -334,3 +331,14 @@ def test_export_refuses_architecture_without_hf_counterpart():
     with pytest.raises(InteropError, match="GPT-2 always has biases"):
         model_family(GPTConfig(add_bias_linear=False))
     assert model_family(GPTConfig.llama(add_bias_linear=True)) == "llama"  # attention/mlp bias
+
+
+def test_save_hf_needs_save():
+    from megaq.arguments import ArgumentsError, parse_config
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0",
+            "--mock-data", "--save-hf", "/tmp/never_written"]
+    with pytest.raises(ArgumentsError, match="--save-hf needs --save DIR"):
+        parse_config(argv, world_size=1)
+    assert parse_config(argv + ["--save", "/tmp/ck"], world_size=1).checkpointing.save_hf \
+        == "/tmp/never_written"

@@ -27,11 +27,6 @@ SOURCES = ("megaq", "hf", "megatron")
 TARGETS = ("megaq", "hf")
 
 
-def _model_config(args):
-    import pretrain_gpt
-    return pretrain_gpt.model_config(args)
-
-
 def _parse_size(text: str) -> int:
     """'5GB', '40KB', '1048576' -> bytes (binary units, as transformers' max_shard_size)."""
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "B": 1}
@@ -45,7 +40,7 @@ def _parse_size(text: str) -> int:
 def megaq_to_hf(a) -> str:
     from megaq.interop.hf import DTYPES, export_to_hf
     t0 = time.perf_counter()
-    out = export_to_hf(a.input, a.output, _model_config, dtype=DTYPES[a.dtype],
+    out = export_to_hf(a.input, a.output, dtype=DTYPES[a.dtype],
                        max_shard_bytes=a.max_shard_size,
                        tokenizer_model=a.tokenizer_model, overwrite=a.overwrite)
     pad = (f"; vocab {out['vocab']} padded to {out['padded_vocab']} (padded ids suppressed in "
@@ -62,7 +57,7 @@ def megaq_to_hf(a) -> str:
 def hf_to_megaq(a) -> str:
     from megaq.interop.hf import import_from_hf
     t0 = time.perf_counter()
-    out = import_from_hf(a.input, a.output, _model_config, tp=a.tensor_model_parallel_size,
+    out = import_from_hf(a.input, a.output, tp=a.tensor_model_parallel_size,
                          pp=a.pipeline_model_parallel_size, vp=a.virtual_pipeline_size,
                          seq_length=a.seq_length,
                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
@@ -78,7 +73,7 @@ def hf_to_megaq(a) -> str:
 def megatron_to_megaq(a) -> str:
     """megaq.interop.megatron.convert_to_megaq(a) -> the message to print; `a` holds input,
     output, overwrite and the --to megaq layout flags; refusals raise InteropError.
-    megaq.interop.common has the writing side (megaq_layout, megaq_args,
+    megaq.interop.common has the writing side (megaq_layout, megaq_run_config,
     write_megaq_checkpoint, write_megaq_args, temp_dir_for / replace_dir)."""
     try:
         from megaq.interop import megatron
@@ -129,10 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from megaq.arguments import ArgumentsError
     from megaq.checkpoint import CheckpointError
     from megaq.data.errors import DataError
-    from megaq.interop.hf import InteropError
+    from megaq.interop.common import InteropError
     a = build_parser().parse_args(argv)
     route = ROUTES.get((a.source, a.target))
     if route is None:
@@ -141,7 +135,7 @@ def main(argv=None) -> int:
         return 2
     try:
         print(route(a), flush=True)
-    except (InteropError, CheckpointError, ArgumentsError, DataError, _RouteMissing) as e:
+    except (InteropError, CheckpointError, DataError, _RouteMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

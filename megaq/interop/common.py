@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import shutil
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -50,7 +49,7 @@ def megaq_layout(config, tp: int, pp: int, vp: int = 1) -> list[ParamInfo]:
     from megaq.model import GPTModel
     from megaq.parallel.pipeline.split import stage_layer_ranges
     twin = dataclasses.replace(
-        config, hidden_size=2, num_attention_heads=tp, num_query_groups=tp, kv_channels=2,
+        config, fp8_format=None, hidden_size=2, num_attention_heads=tp, num_query_groups=tp, kv_channels=2,
         ffn_hidden_size=2 * tp, vocab_size=tp, make_vocab_size_divisible_by=1, seq_length=tp,
         max_position_embeddings=tp, sequence_parallel=False, recompute_activations=False,
         compile_blocks=False, params_dtype=torch.float32)
@@ -66,17 +65,6 @@ def megaq_layout(config, tp: int, pp: int, vp: int = 1) -> list[ParamInfo]:
             out.append(ParamInfo(name, key, stage, p.partition_dim if parallel else -1,
                                  p.partition_stride if parallel else 1))
     return out
-
-
-def config_args(args: dict) -> SimpleNamespace:
-    """A checkpoint's saved args as a namespace fit for pretrain_gpt.model_config: one
-    process, fp32, no sequence parallelism."""
-    ns = SimpleNamespace(**args)
-    ns.sequence_parallel, ns.recompute_activations, ns.bf16 = False, False, False
-    ns.compile_blocks = False
-    ns.attention_repeat_kv = getattr(ns, "attention_repeat_kv", False)
-    return ns
-
 
 
 # ------------------------------------------------------------ reading a checkpoint
@@ -98,23 +86,27 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 class MegaqCheckpointReader:
     """One process's view of a whole megaq checkpoint: memory-mapped shard files, and
-    `full(info)` builds one full parameter from its TP shards (checkpoint.concat_tp_shards)."""
+    `full(info)` builds one full parameter from its TP shards (checkpoint.concat_tp_shards).
+    `config` is the configuration it was saved with (checkpoint.saved_config's nesting)
+    and `model` its model on one process (checkpoint.consolidated_model_config: fp32,
+    the vocabulary padded as the checkpoint's TP size padded it)."""
 
     def __init__(self, path: str):
         self.dir = resolve_checkpoint_dir(path)
         self.tp, self.pp = ckpt.checkpoint_layout(self.dir)
-        self.args, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
+        self.config, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
         self.params = saved["params"]
-        self.vp = self.args.get("virtual_pipeline_model_parallel_size") or 1
+        self.vp = ckpt.saved_virtual_pipeline_size(self.config)
+        self.model = ckpt.consolidated_model_config(self.config)
 
     def full(self, info: ParamInfo) -> torch.Tensor:
         if info.name not in self.params:
             raise InteropError(f"{self.dir} has no parameter {info.name}; it is incomplete or "
-                               f"not a checkpoint of the model its args describe")
+                               f"not a checkpoint of the model its configuration describes")
         parts = [entry["param"] for entry in self.params[info.name]]
         if info.dim < 0 or self.tp == 1:
             return parts[0]
-        return ckpt.concat_tp_shards(parts, info.dim, info.stride)
+        return ckpt.concat_tp_shards(parts, info.dim, info.stride, name=info.name)
 
 
 
@@ -127,38 +119,37 @@ def megaq_layout_flags(tp: int, pp: int, vp: int, num_layers: int) -> list[str]:
 
 
 
-def megaq_args(flags: list[str], tp: int, pp: int, vp: int):
-    """The args namespace pretrain_gpt.py will parse from `flags` (architecture + layout;
-    training flags are placeholders), with padded_vocab_size set as build_data sets it.
+def megaq_run_config(flags: list[str], tp: int, pp: int):
+    """The RunConfig pretrain_gpt.py builds from `flags` (architecture, layout and
+    --vocab-size; the training and data flags are placeholders) on TP x PP ranks, its
+    vocabulary resolved as the data setup resolves it: what an imported checkpoint
+    stores, so that a run given the same flags `--load`s it like one of its own.
     A model that does not fit the layout is an InteropError."""
-    from megaq.arguments import ArgumentsError, parse_args
-    from megaq.parallel.tensor_parallel import pad_vocab_size
+    from megaq.arguments import ArgumentsError, parse_config
     placeholders = ["--micro-batch-size", "1", "--global-batch-size", str(pp), "--train-iters", "1",
                     "--lr", "0", "--mock-data"]
     try:
-        args = parse_args(flags + placeholders, world_size=tp * pp)
+        config = parse_config(flags + placeholders, world_size=tp * pp)
     except ArgumentsError as e:
-        raise InteropError(f"the model does not fit TP={tp} x PP={pp} x VP={vp}: {e}") from None
-    args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
-    return args
+        raise InteropError(f"the model does not fit TP={tp} x PP={pp}: {e}") from None
+    if config.data.vocab_size is None:
+        raise InteropError("the flags of an imported model must give --vocab-size")
+    return config.resolved(config.data, config.data.vocab_size)
 
 
-def write_megaq_checkpoint(root: str, args, layout: list[ParamInfo],
+def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
                            full_tensor: Callable[[ParamInfo], torch.Tensor],
                            extra: dict | None = None) -> None:
     """Iteration 0 of a megaq checkpoint under `root` (a temporary directory the caller
-    renames): `full_tensor(info)` gives each full parameter (fp32, padded vocabulary),
-    split here for every TP rank and written stage by stage (memory: one stage). The
-    AdamW moments are zero and the step 0, so `--load` starts a fresh optimizer."""
-    from megaq.arguments import args_to_dict
+    renames) for `config` (a RunConfig, megaq_run_config's): `full_tensor(info)` gives
+    each full parameter (fp32, padded vocabulary), split here for every TP rank and
+    written stage by stage (memory: one stage). Each file holds what save_checkpoint
+    writes (checkpoint.model_file_record). The AdamW moments are zero and the step 0,
+    so `--load` starts a fresh optimizer."""
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel.tensor_parallel import shard_of
-    from megaq.parallel.topology import Layout
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    common = {"checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0,
-              "consumed_samples": 0, "args": args_to_dict(args),
-              "layout": ckpt._layout_dict(Layout(tp * pp, tp=tp, pp=pp)),
-              "lr_scheduler": LRSchedule.from_args(args).state_dict(), "extra": extra or {}}
+    tp, pp = config.parallel.tp, config.parallel.pp
+    lr_scheduler = LRSchedule.from_config(config.optimizer).state_dict()
     zero = torch.zeros(1)
     for stage in range(pp):
         shards = [{} for _ in range(tp)]
@@ -171,11 +162,11 @@ def write_megaq_checkpoint(root: str, args, layout: list[ParamInfo],
                 # clone: a view would make torch.save write the whole full tensor
                 shards[r][info.key] = {"param": part.clone(), "exp_avg": z, "exp_avg_sq": z}
         for r in range(tp):
-            ckpt._save_file({**common, "model_optim": {"step": 0, "params": shards[r]}},
-                            ckpt.model_file(ckpt.iteration_dir(root, 0), r, stage))
+            record = ckpt.model_file_record(0, 0, config, config.parallel.layout, lr_scheduler,
+                                            {"step": 0, "params": shards[r]}, extra)
+            ckpt.save_file(record, ckpt.model_file(ckpt.iteration_dir(root, 0), r, stage))
         del shards
-    with open(os.path.join(root, ckpt.TRACKER_FILE), "w") as f:
-        f.write("0\n")
+    ckpt.write_tracker(root, 0)
 
 
 def write_megaq_args(root: str, out_dir: str, flags: list[str], info: dict) -> None:

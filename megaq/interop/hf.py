@@ -30,13 +30,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable
 
 import torch
 
 from megaq import checkpoint as ckpt
 from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo, check_output,
-                                  config_args, megaq_args, megaq_layout, megaq_layout_flags,
+                                  megaq_layout, megaq_layout_flags, megaq_run_config,
                                   replace_dir, temp_dir_for, write_json, write_megaq_args,
                                   write_megaq_checkpoint)
 
@@ -432,22 +431,21 @@ def _fast_tokenizer_json(out_dir: str, tok, appended: dict, log) -> str | None:
 
 
 # ------------------------------------------------------------------------- export
-def export_to_hf(ckpt_path: str, out_dir: str, model_config: Callable, *,
-                 dtype: torch.dtype = torch.float32,
+def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.float32,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  tokenizer_model: str | None = None, overwrite: bool = False,
                  log=print) -> dict:
-    """Write a transformers directory for a megaq checkpoint. `model_config(args)` turns the
-    checkpoint's args namespace into the GPTConfig (pretrain_gpt.model_config). Written
-    to a temporary directory beside `out_dir`, renamed into place at the end.
+    """Write a transformers directory for a megaq checkpoint (the model its stored
+    configuration describes). Written to a temporary directory beside `out_dir`, renamed
+    into place at the end.
 
     Returns {"dir", "family", "files", "bytes", "tokenizer": bool}."""
     check_output(out_dir, overwrite)
     reader = MegaqCheckpointReader(ckpt_path)
-    config = model_config(config_args(reader.args))
+    config = reader.model  # one process: its padded vocabulary is the checkpoint's
     family = model_family(config)
     vocab = config.vocab_size
-    padded = int(reader.args.get("padded_vocab_size") or config.padded_vocab_size(reader.tp))
+    padded = config.padded_vocab_size(1)
     mapping = MAPPINGS[family](config, padded)
     layout = megaq_layout(config, reader.tp, reader.pp, reader.vp)
 
@@ -464,8 +462,9 @@ def export_to_hf(ckpt_path: str, out_dir: str, model_config: Callable, *,
         files = writer.close()
 
         special = {}
-        tok_type = reader.args.get("tokenizer_type") or "SentencePieceTokenizer"
-        tok_path = tokenizer_model or reader.args.get("tokenizer_model")
+        data = reader.config["data"]
+        tok_type = data.get("tokenizer_type") or "SentencePieceTokenizer"
+        tok_path = tokenizer_model or data.get("tokenizer_model")
         has_tok = bool(tok_path) and tok_type != "NullTokenizer" and os.path.isfile(tok_path)
         if has_tok:
             special = write_tokenizer(tmp, tok_type, tok_path, config.seq_length, log, vocab)
@@ -638,15 +637,14 @@ def _gpt2_flags(cfg, seq_length, divisible_by) -> list[str]:
     return [str(x) for x in flags]
 
 
-def import_from_hf(hf_dir: str, out_dir: str, model_config: Callable, *, tp: int = 1,
+def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
                    pp: int = 1, vp: int = 1, seq_length: int | None = None,
                    make_vocab_size_divisible_by: int = 1, overwrite: bool = False,
                    log=print) -> dict:
     """Write a megaq checkpoint (iteration 0, zero AdamW moments) of a transformers model
     for a TP x PP (x VP) layout, plus megaq_args.txt / megaq_args.json: the flags that
-    describe it. Returns {"dir", "family", "flags"}."""
-    from megaq.arguments import args_to_dict
-
+    describe it; the checkpoint stores the RunConfig those flags give (megaq_run_config).
+    Returns {"dir", "family", "flags", "load_flags"}."""
     check_output(out_dir, overwrite)
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
@@ -665,9 +663,9 @@ def import_from_hf(hf_dir: str, out_dir: str, model_config: Callable, *, tp: int
     if os.path.isfile(tokenizer_src):
         tok_flags = ["--tokenizer-type", "GPTSentencePieceTokenizer",
                      "--tokenizer-model", os.path.join(os.path.abspath(out_dir), "tokenizer.model")]
-    args = megaq_args(flags + layout_flags, tp, pp, vp)
-    config = model_config(config_args(args_to_dict(args)))
-    padded = args.padded_vocab_size
+    run_config = megaq_run_config(flags + layout_flags, tp, pp)
+    config = run_config.model
+    padded = run_config.padded_vocab_size
     mapping = MAPPINGS[family](config, padded)
     if family == "gpt2" and not src.has(mapping.hf_name("embedding.word_embeddings.weight")) \
             and src.has("wte.weight"):  # original GPT-2 checkpoints: no "transformer." prefix
@@ -694,12 +692,12 @@ def import_from_hf(hf_dir: str, out_dir: str, model_config: Callable, *, tp: int
             if t.shape[0] != config.vocab_size:
                 raise InteropError(f"{hf_dir}: {mapping.hf_name(name)} has {t.shape[0]} rows, "
                                    f"config.json vocab_size is {config.vocab_size}")
-            t = ckpt._fit_rows(t, 0, padded, name)  # TP padding rows: zero
+            t = ckpt.fit_rows(t, 0, padded, name)  # TP padding rows: zero
         return t
 
     tmp = temp_dir_for(out_dir)
     try:
-        write_megaq_checkpoint(tmp, args, layout, full_tensor,
+        write_megaq_checkpoint(tmp, run_config, layout, full_tensor,
                                extra={"imported_from": os.path.abspath(hf_dir), "family": family})
         unused = [n for n in src.names() if n not in src.used and not mapping.ignored_hf_name(n)
                   and not (config.tie_embeddings and n == mapping.hf_name("output_layer.weight"))]

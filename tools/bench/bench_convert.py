@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Time and peak memory of tools/convert_checkpoint.py on the 1.3B benchmark model (CPU).
 
-    nice -n 10 python tools/bench_convert.py --workdir /tmp/bench_convert --tp 2 --pp 2
+    nice -n 10 python tools/bench/bench_convert.py --workdir /tmp/bench_convert --tp 2 --pp 2
 
-1. writes a random-weight transformers Llama directory of tools/bench_train.py's 1.3B
+1. writes a random-weight transformers Llama directory of tools/bench/bench_train.py's 1.3B
    shape (24 layers, hidden 2048, 16 heads, SwiGLU 5440, vocab 32000, untied), fp32;
 2. imports it into a megaq checkpoint at TP x PP (`--from hf --to megaq`);
 3. exports that checkpoint back (`--to hf`) in each --dtypes.
@@ -28,12 +28,12 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # repo root
 sys.path.insert(0, REPO)
 
 
 def _bench_train():
-    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(REPO, "tools",
+    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(REPO, "tools", "bench",
                                                                              "bench_train.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
           f"{params * 4 / 2**30:.2f} GiB fp32")
     os.makedirs(os.path.dirname(a.output_json), exist_ok=True)
     with open(a.output_json, "w") as f:
-        json.dump({"model": "1.3B (tools/bench_train.py shape)", "params": params,
+        json.dump({"model": "1.3B (tools/bench/bench_train.py shape)", "params": params,
                    "largest_tensor_bytes": largest, "cpu_count": os.cpu_count(),
                    "load_average_at_end": os.getloadavg(), "rows": rows}, f, indent=2)
     print(f"[bench_convert] wrote {a.output_json}")
