@@ -342,3 +342,23 @@ def test_save_hf_needs_save():
         parse_config(argv, world_size=1)
     assert parse_config(argv + ["--save", "/tmp/ck"], world_size=1).checkpointing.save_hf \
         == "/tmp/never_written"
+
+
+def test_imported_checkpoint_has_the_form_a_run_saves(trained, tmp_path):
+    """An imported model_optim.pt holds the same records and configuration sections as a
+    training run's save (what --load and the consolidation tools read)."""
+    _tiny_llama(tmp_path / "hf")
+    rc, _ = _convert(["--from", "hf", "--to", "megaq", "--input", tmp_path / "hf", "--output",
+                      tmp_path / "mq", "--tensor-model-parallel-size", "2"])
+    assert rc == 0
+    ours = torch.load(ckpt.model_file(ckpt.iteration_dir(str(tmp_path / "mq"), 0), 1, 0),
+                      map_location="cpu", weights_only=True)
+    runs = torch.load(ckpt.model_file(ckpt.iteration_dir(trained["llama_gqa_untied"][0], 3), 1, 0),
+                      map_location="cpu", weights_only=True)
+    assert set(ours) == set(runs) and set(ours["config"]) == set(runs["config"])
+    for section in runs["config"]:
+        assert set(ours["config"][section]) == set(runs["config"][section]), section
+    assert ours["layout"] == {**runs["layout"], "world_size": 2, "pp": 1, "dp": 1,
+                              "ranks_per_node": 2}
+    assert ckpt.saved_config(ours)["model"]["vocab_size"] == 99
+    assert ours["model_optim"]["step"] == 0 and ours["iteration"] == 0
