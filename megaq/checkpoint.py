@@ -128,7 +128,8 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _save_file(obj, path: str) -> None:
+def save_file(obj, path: str) -> None:
+    """torch.save to `path` (directories made), flushed and fsynced."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -136,7 +137,8 @@ def _save_file(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _write_tracker(root: str, iteration: int) -> None:
+def write_tracker(root: str, iteration: int) -> None:
+    """Point latest_checkpointed_iteration.txt at `iteration` (temporary file + rename)."""
     path = os.path.join(root, TRACKER_FILE)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -182,20 +184,13 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
     tp_rank, pp_rank, dp_rank = (topo.tp_rank, topo.pp_rank, topo.dp_rank) if topo else (0, 0, 0)
     layout = topo.layout if topo is not None else Layout(1)
     if dp_rank == 0:
-        _save_file({
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "config": config.to_dict(),
-            "layout": _layout_dict(layout),
-            "lr_scheduler": lr_schedule.state_dict(),
-            "extra": extra or {},
-            "model_optim": full,
-        }, model_file(tmp, tp_rank, pp_rank))
-    _save_file(rng_state(), rng_file(tmp, rank))
+        save_file(model_file_record(iteration, consumed_samples, config, layout,
+                                    lr_schedule.state_dict(), full, extra),
+                  model_file(tmp, tp_rank, pp_rank))
+    save_file(rng_state(), rng_file(tmp, rank))
     residuals = engine.error_feedback_state()
     if residuals:
-        _save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
+        save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
     _barrier(topo)  # every rank's files are on disk
 
     if rank == 0:
@@ -210,12 +205,23 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-        _write_tracker(root, iteration)
+        write_tracker(root, iteration)
     _barrier(topo)
     return final
 
 
-def _layout_dict(layout) -> dict:
+def model_file_record(iteration: int, consumed_samples: int, config: RunConfig, layout,
+                      lr_scheduler: dict, model_optim: dict, extra: dict | None = None) -> dict:
+    """What one mp_rank_*/model_optim.pt holds (also written by converters, e.g.
+    megaq.interop, so that `--load` reads their checkpoints like its own)."""
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+            "consumed_samples": consumed_samples, "config": config.to_dict(),
+            "layout": layout_dict(layout), "lr_scheduler": lr_scheduler, "extra": extra or {},
+            "model_optim": model_optim}
+
+
+def layout_dict(layout) -> dict:
+    """A Layout as the checkpoint records it."""
     return {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
             "ranks_per_node": layout.ranks_per_node, "order": layout.order}
 
@@ -383,8 +389,8 @@ def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, to
     if not (config.zero.quantized_gradients and config.zero.error_feedback):
         return
     path = error_feedback_file(ckpt, topo.rank)
-    if sd["layout"] != _layout_dict(topo.layout):
-        reason = f"the layout changed ({sd['layout']} -> {_layout_dict(topo.layout)})"
+    if sd["layout"] != layout_dict(topo.layout):
+        reason = f"the layout changed ({sd['layout']} -> {layout_dict(topo.layout)})"
     elif any(saved["zero"].get(k) != getattr(config.zero, k) for k in _EF_SETTINGS):
         reason = "the qgZ bits or block size changed"
     elif not os.path.isfile(path):
@@ -436,9 +442,12 @@ def concat_tp_shards(parts: list[torch.Tensor], dim: int, stride: int = 1,
     return full
 
 
-def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
+def read_all_stages(ckpt_dir: str, tp: int, pp: int, mmap: bool = False) -> tuple[dict, dict]:
     """(saved configuration, {"step", "params": {global name: [per old TP rank
-    {param, exp_avg, exp_avg_sq}]}})."""
+    {param, exp_avg, exp_avg_sq}]}}).
+
+    mmap=True memory-maps the files instead of reading them: a tensor is read from disk
+    only when used (the HF export streams one tensor at a time this way)."""
     entries: dict[str, list] = {}
     cfg = None
     step = 0
@@ -447,7 +456,7 @@ def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
             path = model_file(ckpt_dir, t, p)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             cfg = cfg or saved_config(sd)
             step = int(sd["model_optim"]["step"])
             ranges = stage_layer_ranges(cfg["model"]["num_layers"], pp,
@@ -458,7 +467,7 @@ def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
     return cfg, {"step": step, "params": entries}
 
 
-def _fit_rows(full: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
+def fit_rows(full: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
     """Vocab padding differs between TP sizes: drop or add (zero) padding rows."""
     have = full.shape[dim]
     if have == size:
@@ -495,7 +504,7 @@ def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) ->
                 dim, stride = p.partition_dim, p.partition_stride
                 full = concat_tp_shards(shards, dim, stride, name=g)
                 if stride == 1:
-                    full = _fit_rows(full, dim, p.shape[dim] * tp, g)
+                    full = fit_rows(full, dim, p.shape[dim] * tp, g)
                 entry[k] = shard_of(full, dim, tp_rank, tp, stride)
             else:
                 entry[k] = shards[0]

@@ -214,11 +214,18 @@ class CheckpointConfig:
                                       "holds none)")
     no_load_rng: bool = switch("--no-load-rng", "do not restore RNG streams")
     no_load_optim: bool = switch("--no-load-optim", "load weights only (fresh AdamW moments)")
+    save_hf: str | None = flag(
+        "--save-hf", "at the end of training, also write the final model in Hugging Face "
+        "transformers form to DIR (from the final --save checkpoint; docs/INTEROP.md)",
+        metavar="DIR")
 
     def __post_init__(self):
         _at_least(self, 1, "save_interval")
         if self.save_interval and not self.save:
             raise ConfigError("--save-interval needs --save DIR (where to write checkpoints)")
+        if self.save_hf and not self.save:
+            raise ConfigError("--save-hf needs --save DIR (the HF export is written from the "
+                              "final checkpoint)")
 
 
 @dataclass(frozen=True)

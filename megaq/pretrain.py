@@ -68,7 +68,26 @@ def main(argv: list[str] | None = None, topo=None):
         config = parse_config(argv, world_size=topo.layout.world_size,
                               ranks_per_node=topo.layout.ranks_per_node)
         _check_topology_matches(config.parallel, topo)
-    return build_trainer(config, topo, t_start).train()
+    if config.checkpointing.save_hf:  # refuse an architecture transformers lacks before training
+        from megaq.interop.hf import model_family
+        model_family(config.model)
+    state = build_trainer(config, topo, t_start).train()
+    if config.checkpointing.save_hf:
+        save_hf(config.checkpointing, topo)
+    return state
+
+
+def save_hf(checkpointing, topo) -> None:
+    """--save-hf: rank 0 exports the final checkpoint under --save to transformers form
+    (megaq.interop.hf, one process); the other ranks wait for it."""
+    from megaq.interop.hf import export_to_hf
+    from megaq.parallel import comm
+    comm.barrier(topo.world)  # the final checkpoint is complete on disk
+    if topo.rank == 0:
+        out = export_to_hf(checkpointing.save, checkpointing.save_hf, overwrite=True)
+        print(f" saved the final model in Hugging Face form to {out['dir']} ({out['family']}, "
+              f"{out['bytes'] / 2**20:.1f} MiB)", flush=True)
+    comm.barrier(topo.world)
 
 
 def build_trainer(config, topo, t_start: float | None = None):
@@ -173,6 +192,7 @@ def cli(argv=None) -> int:
     from megaq.arguments import ArgumentsError
     from megaq.checkpoint import CheckpointError
     from megaq.data.errors import DataError
+    from megaq.interop.common import InteropError
     from megaq.parallel.pipeline import PipelineConfigError
     from megaq.parallel.topology import LayoutError
     from megaq.training import TrainingDiverged
@@ -181,8 +201,8 @@ def cli(argv=None) -> int:
     try:
         main(argv)
         finished = True
-    except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
-            TrainingDiverged, ZeroConfigError) as e:
+    except (ArgumentsError, CheckpointError, DataError, InteropError, LayoutError,
+            PipelineConfigError, TrainingDiverged, ZeroConfigError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -13,7 +13,8 @@
 #    --use-tp-pp-dp-mapping (rank = tp + 2 (pp + 2 dp)) every DP group (e.g. ranks
 #    0, 4, 8, 12) spans both nodes with 2 ranks on each, so qwZ, hpZ and qgZ all cross
 #    the node boundary;
-# 4. saves a checkpoint, writes the metrics file and a loss-curve PNG, samples text.
+# 4. saves a checkpoint, writes the metrics file and a loss-curve PNG, samples text;
+# 5. exports the checkpoint to $DEMO_DIR/hf in Hugging Face transformers form.
 #
 # CPU ranks over gloo unless 16+ GPUs are visible (then NCCL + bf16). Knobs (env):
 #   DEMO_DIR (default <repo>/demo)  DEMO_ITERS (default 100)  DEMO_DEVICE=cpu|gpu
@@ -86,5 +87,7 @@ print(f"[demo] cross-node KiB per node per iteration: weight_gather_fwd {z('weig
 PYEOF
 echo "[demo] sample from the checkpoint (consolidated from TP=2 x PP=2 onto one process):"
 python tools/generate.py --load "$DEMO_DIR/checkpoints" --prompt "def " --max-new-tokens 60
+echo "[demo] export to Hugging Face transformers form (docs/INTEROP.md):"
+python tools/convert_checkpoint.py --to hf --input "$DEMO_DIR/checkpoints" --output "$DEMO_DIR/hf" --overwrite
 echo "[demo] metrics: $DEMO_DIR/metrics.jsonl  curves: $DEMO_DIR/loss.png  checkpoint: $DEMO_DIR/checkpoints"
 echo "[demo] done in $(( $(date +%s) - start )) s"

@@ -23,7 +23,9 @@ LAYERS = [
     ("config", ("megaq.config",)),
     ("checkpoint", ("megaq.checkpoint",)),
     ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils")),
-    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt")),
+    # the converters (megaq.interop) speak the command line: they write and parse the flags
+    # that describe a model, and pretrain --save-hf calls them
+    ("cli", ("megaq.arguments", "megaq.interop", "megaq.pretrain", "pretrain_gpt")),
 ]
 
 

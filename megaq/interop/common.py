@@ -1,0 +1,211 @@
+"""What every conversion into or out of megaq shares: the model's parameter layout
+(names and TP splits under a TP x PP x VP layout), a streaming reader of a megaq
+checkpoint, the writer of an iteration-0 megaq checkpoint, the flags that describe
+one, and output directories written under a temporary name and renamed at the end.
+
+Format-specific code (names, tensor layouts, configs) lives beside it: hf.py for
+Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Callable
+
+import torch
+
+from megaq import checkpoint as ckpt
+
+
+class InteropError(RuntimeError):
+    """A conversion that cannot be done as asked; the message names the reason and the fix."""
+
+
+
+# ------------------------------------------------- the megaq model's parameter layout
+@dataclasses.dataclass
+class ParamInfo:
+    name: str        # global megaq name (independent of the layout)
+    key: str         # the name in the stage's checkpoint (chunk prefix, local layer index)
+    stage: int       # pipeline stage holding it
+    dim: int         # TP partition dimension, -1 if replicated
+    stride: int      # TP partition stride (2 for the SwiGLU fc1)
+
+
+def _fake_tp_group(rank: int, size: int):
+    from megaq.parallel.comm import Group
+    # only shapes and slicing are needed: no collective runs while building a model
+    return Group(ranks=list(range(size)), nodes=[0] * size, pg=None, rank_index=rank)
+
+
+def megaq_layout(config, tp: int, pp: int, vp: int = 1) -> list[ParamInfo]:
+    """Every parameter of the model under a TP x PP (x VP) layout, in model order.
+
+    Read off a tiny twin of the model (same structure, sizes of a few elements), so
+    the names and TP split attributes are the ones the model itself declares."""
+    from megaq.model import GPTModel
+    from megaq.parallel.pipeline.split import stage_layer_ranges
+    twin = dataclasses.replace(
+        config, fp8_format=None, hidden_size=2, num_attention_heads=tp, num_query_groups=tp, kv_channels=2,
+        ffn_hidden_size=2 * tp, vocab_size=tp, make_vocab_size_divisible_by=1, seq_length=tp,
+        max_position_embeddings=tp, sequence_parallel=False, recompute_activations=False,
+        compile_blocks=False, params_dtype=torch.float32)
+    out = []
+    for stage in range(pp):
+        ranges = stage_layer_ranges(config.num_layers, pp, vp, stage)
+        chunks = [GPTModel(twin, _fake_tp_group(0, tp), pre_process=stage == 0 and v == 0,
+                           post_process=stage == pp - 1 and v == vp - 1,
+                           layer_start=start, layer_end=end)
+                  for v, (start, end) in enumerate(ranges)]
+        for name, (key, p) in ckpt.global_to_local_names(chunks, ranges).items():
+            parallel = getattr(p, "tensor_model_parallel", False)
+            out.append(ParamInfo(name, key, stage, p.partition_dim if parallel else -1,
+                                 p.partition_stride if parallel else 1))
+    return out
+
+
+# ------------------------------------------------------------ reading a checkpoint
+def resolve_checkpoint_dir(path: str) -> str:
+    """A checkpoint root (latest_checkpointed_iteration.txt) or an iter_* directory."""
+    if os.path.basename(os.path.normpath(path)).startswith("iter_"):
+        if not os.path.isdir(path):
+            raise InteropError(f"{path} does not exist; pass a checkpoint directory")
+        return path
+    if not os.path.isdir(path):
+        raise InteropError(f"{path} does not exist; pass a checkpoint directory written by "
+                           f"pretrain_gpt.py --save")
+    it = ckpt.read_tracker(path)
+    if it is None:
+        raise InteropError(f"{path} holds no {ckpt.TRACKER_FILE}; pass a checkpoint directory "
+                           f"written by pretrain_gpt.py --save (or one of its iter_* directories)")
+    return ckpt.iteration_dir(path, it)
+
+
+class MegaqCheckpointReader:
+    """One process's view of a whole megaq checkpoint: memory-mapped shard files, and
+    `full(info)` builds one full parameter from its TP shards (checkpoint.concat_tp_shards).
+    `config` is the configuration it was saved with (checkpoint.saved_config's nesting)
+    and `model` its model on one process (checkpoint.consolidated_model_config: fp32,
+    the vocabulary padded as the checkpoint's TP size padded it)."""
+
+    def __init__(self, path: str):
+        self.dir = resolve_checkpoint_dir(path)
+        self.tp, self.pp = ckpt.checkpoint_layout(self.dir)
+        self.config, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
+        self.params = saved["params"]
+        self.vp = ckpt.saved_virtual_pipeline_size(self.config)
+        self.model = ckpt.consolidated_model_config(self.config)
+
+    def full(self, info: ParamInfo) -> torch.Tensor:
+        if info.name not in self.params:
+            raise InteropError(f"{self.dir} has no parameter {info.name}; it is incomplete or "
+                               f"not a checkpoint of the model its configuration describes")
+        parts = [entry["param"] for entry in self.params[info.name]]
+        if info.dim < 0 or self.tp == 1:
+            return parts[0]
+        return ckpt.concat_tp_shards(parts, info.dim, info.stride, name=info.name)
+
+
+
+# ------------------------------------------------------------ writing a checkpoint
+def megaq_layout_flags(tp: int, pp: int, vp: int, num_layers: int) -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if vp > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (pp * vp))]
+    return flags
+
+
+
+def megaq_run_config(flags: list[str], tp: int, pp: int):
+    """The RunConfig pretrain_gpt.py builds from `flags` (architecture, layout and
+    --vocab-size; the training and data flags are placeholders) on TP x PP ranks, its
+    vocabulary resolved as the data setup resolves it: what an imported checkpoint
+    stores, so that a run given the same flags `--load`s it like one of its own.
+    A model that does not fit the layout is an InteropError."""
+    from megaq.arguments import ArgumentsError, parse_config
+    placeholders = ["--micro-batch-size", "1", "--global-batch-size", str(pp), "--train-iters", "1",
+                    "--lr", "0", "--mock-data"]
+    try:
+        config = parse_config(flags + placeholders, world_size=tp * pp)
+    except ArgumentsError as e:
+        raise InteropError(f"the model does not fit TP={tp} x PP={pp}: {e}") from None
+    if config.data.vocab_size is None:
+        raise InteropError("the flags of an imported model must give --vocab-size")
+    return config.resolved(config.data, config.data.vocab_size)
+
+
+def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
+                           full_tensor: Callable[[ParamInfo], torch.Tensor],
+                           extra: dict | None = None) -> None:
+    """Iteration 0 of a megaq checkpoint under `root` (a temporary directory the caller
+    renames) for `config` (a RunConfig, megaq_run_config's): `full_tensor(info)` gives
+    each full parameter (fp32, padded vocabulary), split here for every TP rank and
+    written stage by stage (memory: one stage). Each file holds what save_checkpoint
+    writes (checkpoint.model_file_record). The AdamW moments are zero and the step 0,
+    so `--load` starts a fresh optimizer."""
+    from megaq.lr_schedule import LRSchedule
+    from megaq.parallel.tensor_parallel import shard_of
+    tp, pp = config.parallel.tp, config.parallel.pp
+    lr_scheduler = LRSchedule.from_config(config.optimizer).state_dict()
+    zero = torch.zeros(1)
+    for stage in range(pp):
+        shards = [{} for _ in range(tp)]
+        for info in (i for i in layout if i.stage == stage):
+            full = full_tensor(info).float()
+            for r in range(tp):
+                part = full if info.dim < 0 else shard_of(full, info.dim, r, tp, info.stride)
+                # zero moments: one element expanded to the shape (takes no disk space)
+                z = zero.expand_as(part)
+                # clone: a view would make torch.save write the whole full tensor
+                shards[r][info.key] = {"param": part.clone(), "exp_avg": z, "exp_avg_sq": z}
+        for r in range(tp):
+            record = ckpt.model_file_record(0, 0, config, config.parallel.layout, lr_scheduler,
+                                            {"step": 0, "params": shards[r]}, extra)
+            ckpt.save_file(record, ckpt.model_file(ckpt.iteration_dir(root, 0), r, stage))
+        del shards
+    ckpt.write_tracker(root, 0)
+
+
+def write_megaq_args(root: str, out_dir: str, flags: list[str], info: dict) -> None:
+    """megaq_args.txt (the flags, one line to paste) and megaq_args.json beside a checkpoint."""
+    with open(os.path.join(root, "megaq_args.txt"), "w") as f:
+        f.write(" ".join(flags) + "\n")
+    write_json(os.path.join(root, "megaq_args.json"),
+               {"flags": flags, **info,
+                "load_flags": ["--load", os.path.abspath(out_dir), "--no-load-rng"]})
+
+
+# ------------------------------------------------------------ output directories
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def check_output(out_dir: str, overwrite: bool) -> None:
+    if os.path.exists(out_dir) and not overwrite and (
+            not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise InteropError(f"{out_dir} already exists; pass a new directory (or --overwrite "
+                           f"to replace it)")
+
+
+def temp_dir_for(out_dir: str) -> str:
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def replace_dir(tmp: str, out_dir: str) -> None:
+    if os.path.exists(out_dir):
+        old = f"{tmp}.old"
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)

@@ -1,0 +1,717 @@
+"""megaq <-> Hugging Face transformers: Llama family and GPT-2, both directions.
+
+Export (`export_to_hf`): a megaq checkpoint of any TP x PP (x virtual PP) layout ->
+a directory that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
+load with no custom code (config.json, safetensors, generation_config.json, tokenizer
+files). It runs on one process, memory-maps the checkpoint's shard files and builds
+one full tensor at a time, so peak memory stays near the largest tensor.
+
+Import (`import_from_hf`): a transformers Llama-family or GPT-2 directory (safetensors
+or .bin) -> a megaq checkpoint at iteration 0 for a chosen layout, plus the
+pretrain_gpt.py flags that describe the architecture.
+
+What differs between the two worlds (docs/INTEROP.md has the full table):
+- megaq fuses Q, K, V into one matrix laid out by query group, [group][q heads of
+  the group, k, v][head dim]; transformers' Llama has separate q/k/v_proj, GPT-2 one
+  c_attn laid out [q | k | v].
+- megaq fuses the SwiGLU gate and up projections into linear_fc1 = [gate; up].
+- GPT-2's Conv1D stores weights as [in, out]: transposed against nn.Linear.
+- Rotary: megaq's RoPE is the "rotate half" convention with cat(freqs, freqs) tables
+  (megaq/model/layers.py, kernels/fused_rope.py), which is transformers' Llama
+  convention, so q/k rows need no permutation.
+- Vocabulary padding (TP divisibility) is kept: the padded rows are written and the
+  config's vocab_size counts them; generation_config.json lists the padded ids in
+  `suppress_tokens`, so `generate()` never samples them (their logits are not
+  -inf in a plain forward pass: slice `[..., :vocab]` there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from megaq import checkpoint as ckpt
+from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo, check_output,
+                                  megaq_layout, megaq_layout_flags, megaq_run_config,
+                                  replace_dir, temp_dir_for, write_json, write_megaq_args,
+                                  write_megaq_checkpoint)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_HF_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+# ------------------------------------------------------------------ model families
+def model_family(config) -> str:
+    """'llama' or 'gpt2': the transformers architecture that computes what this megaq
+    model computes; refuses combinations neither has."""
+    c = config
+    if c.position_embedding_type == "rope" and c.normalization == "RMSNorm" and c.swiglu:
+        return "llama"
+    if c.position_embedding_type == "learned_absolute" and c.normalization == "LayerNorm" \
+            and not c.swiglu:
+        if not c.add_bias_linear:
+            raise InteropError("a GPT-2 style model (learned positions, LayerNorm, GELU) without "
+                               "biases (--disable-bias-linear) has no transformers counterpart: "
+                               "GPT-2 always has biases")
+        if c.num_query_groups != c.num_attention_heads:
+            raise InteropError("a GPT-2 style model with grouped-query attention "
+                               "(--num-query-groups) has no transformers counterpart")
+        if c.kv_channels * c.num_attention_heads != c.hidden_size:
+            raise InteropError("a GPT-2 style model with --kv-channels x heads != hidden size "
+                               "has no transformers counterpart")
+        return "gpt2"
+    raise InteropError(
+        f"no transformers architecture matches position embedding {c.position_embedding_type}, "
+        f"{c.normalization}, {'SwiGLU' if c.swiglu else 'GELU'}: export supports the Llama "
+        f"family (rope, RMSNorm, --swiglu) and GPT-2 (learned_absolute, LayerNorm, GELU)")
+
+
+def _split_layer(name: str) -> tuple[int | None, str]:
+    """'layers.3.mlp.linear_fc1.weight' -> (3, 'mlp.linear_fc1.weight'); others (None, name)."""
+    if name.startswith("layers."):
+        _, idx, rest = name.split(".", 2)
+        return int(idx), rest
+    return None, name
+
+
+class _Mapping:
+    """Name and layout mapping of one family. `to_hf(name, full)` turns one full megaq
+    tensor into its transformers tensors; `from_hf(name, get)` builds the full megaq
+    tensor from transformers tensors (`get(hf_name, shape)` reads and checks one)."""
+
+    layer_prefix = ""
+    top: dict[str, str] = {}   # megaq name -> HF name (outside the blocks)
+    block: dict[str, str] = {}  # megaq name inside a block -> HF name inside a block
+
+    def __init__(self, config, padded_vocab: int):
+        self.c, self.vp = config, padded_vocab
+        c = config
+        self.groups, self.d = c.num_query_groups, c.kv_channels
+        self.rep = c.num_attention_heads // c.num_query_groups
+
+    # the fused QKV layout: [group][rep q heads, k, v][d] along dim 0
+    def split_qkv(self, t: torch.Tensor):
+        x = t.reshape(self.groups, self.rep + 2, self.d, *t.shape[1:])
+        rest = t.shape[1:]
+        q = x[:, :self.rep].reshape(self.groups * self.rep * self.d, *rest)
+        return q, x[:, self.rep].reshape(-1, *rest), x[:, self.rep + 1].reshape(-1, *rest)
+
+    def merge_qkv(self, q, k, v):
+        rest = q.shape[1:]
+        return torch.cat([q.reshape(self.groups, self.rep, self.d, *rest),
+                          k.reshape(self.groups, 1, self.d, *rest),
+                          v.reshape(self.groups, 1, self.d, *rest)], dim=1).reshape(-1, *rest)
+
+    def hf_name(self, name: str) -> str | None:
+        layer, rest = _split_layer(name)
+        if layer is None:
+            return self.top.get(name)
+        local = self.block.get(rest)
+        return None if local is None else f"{self.layer_prefix}{layer}.{local}"
+
+    def ignored_hf_name(self, hf_name: str) -> bool:
+        """HF tensors that carry no weights (buffers some checkpoints include)."""
+        return False
+
+
+class LlamaMapping(_Mapping):
+    layer_prefix = "model.layers."
+    top = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+           "final_norm.weight": "model.norm.weight",
+           "output_layer.weight": "lm_head.weight"}
+    block = {"input_layernorm.weight": "input_layernorm.weight",
+             "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+             "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+             "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+             "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+             "mlp.linear_fc2.bias": "mlp.down_proj.bias"}
+
+    def _qkv_names(self, layer, kind):
+        return [f"{self.layer_prefix}{layer}.self_attn.{p}_proj.{kind}" for p in "qkv"]
+
+    def _fc1_names(self, layer, kind):
+        return [f"{self.layer_prefix}{layer}.mlp.{p}_proj.{kind}" for p in ("gate", "up")]
+
+    def to_hf(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        layer, rest = _split_layer(name)
+        if rest.startswith("self_attention.linear_qkv."):
+            return list(zip(self._qkv_names(layer, rest.rsplit(".", 1)[1]), self.split_qkv(t)))
+        if rest.startswith("mlp.linear_fc1."):  # [gate; up]
+            return list(zip(self._fc1_names(layer, rest.rsplit(".", 1)[1]), t.chunk(2, dim=0)))
+        return [(self.hf_name(name), t)]
+
+    def from_hf(self, name: str, get) -> torch.Tensor:
+        c, layer, rest = self.c, *_split_layer(name)
+        h, f = c.hidden_size, c.ffn_hidden_size
+        if rest.startswith("self_attention.linear_qkv."):
+            kind = rest.rsplit(".", 1)[1]
+            q_rows, kv_rows = c.num_attention_heads * self.d, self.groups * self.d
+            shapes = [(q_rows,), (kv_rows,), (kv_rows,)]
+            if kind == "weight":
+                shapes = [s + (h,) for s in shapes]
+            return self.merge_qkv(*(get(n, s) for n, s in zip(self._qkv_names(layer, kind), shapes)))
+        if rest.startswith("mlp.linear_fc1."):
+            kind = rest.rsplit(".", 1)[1]
+            shape = (f, h) if kind == "weight" else (f,)
+            return torch.cat([get(n, shape) for n in self._fc1_names(layer, kind)], dim=0)
+        shape = {"embedding.word_embeddings.weight": (None, h), "output_layer.weight": (None, h),
+                 "self_attention.linear_proj.weight": (h, c.num_attention_heads * self.d),
+                 "mlp.linear_fc2.weight": (h, f)}.get(rest, (h,))
+        return get(self.hf_name(name), shape)
+
+    def ignored_hf_name(self, hf_name: str) -> bool:
+        return hf_name.endswith("rotary_emb.inv_freq")
+
+
+class GPT2Mapping(_Mapping):
+    layer_prefix = "transformer.h."
+    top = {"embedding.word_embeddings.weight": "transformer.wte.weight",
+           "embedding.position_embeddings.weight": "transformer.wpe.weight",
+           "final_norm.weight": "transformer.ln_f.weight",
+           "final_norm.bias": "transformer.ln_f.bias",
+           "output_layer.weight": "lm_head.weight"}
+    block = {"input_layernorm.weight": "ln_1.weight", "input_layernorm.bias": "ln_1.bias",
+             "pre_mlp_layernorm.weight": "ln_2.weight", "pre_mlp_layernorm.bias": "ln_2.bias",
+             "self_attention.linear_qkv.weight": "attn.c_attn.weight",
+             "self_attention.linear_qkv.bias": "attn.c_attn.bias",
+             "self_attention.linear_proj.weight": "attn.c_proj.weight",
+             "self_attention.linear_proj.bias": "attn.c_proj.bias",
+             "mlp.linear_fc1.weight": "mlp.c_fc.weight", "mlp.linear_fc1.bias": "mlp.c_fc.bias",
+             "mlp.linear_fc2.weight": "mlp.c_proj.weight", "mlp.linear_fc2.bias": "mlp.c_proj.bias"}
+    # Conv1D weights are [in, out]: the transpose of megaq's (and nn.Linear's) [out, in]
+    _conv1d = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+               "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+
+    def to_hf(self, name, t):
+        _, rest = _split_layer(name)
+        if rest.startswith("self_attention.linear_qkv."):
+            # per head [q, k, v] (MHA: one head per group) -> [all q | all k | all v]
+            t = torch.cat(self.split_qkv(t), dim=0)
+        if rest in self._conv1d:
+            t = t.t()
+        return [(self.hf_name(name), t.contiguous())]
+
+    def from_hf(self, name, get):
+        c, (_, rest) = self.c, _split_layer(name)
+        h, f = c.hidden_size, c.ffn_hidden_size
+        shape = {"embedding.word_embeddings.weight": (None, h), "output_layer.weight": (None, h),
+                 "embedding.position_embeddings.weight": (c.max_position_embeddings, h),
+                 "self_attention.linear_qkv.weight": (h, 3 * h),
+                 "self_attention.linear_qkv.bias": (3 * h,),
+                 "self_attention.linear_proj.weight": (h, h),
+                 "mlp.linear_fc1.weight": (h, f), "mlp.linear_fc1.bias": (f,),
+                 "mlp.linear_fc2.weight": (f, h)}.get(rest, (h,))
+        t = get(self.hf_name(name), shape)
+        if rest in self._conv1d:
+            t = t.t().contiguous()
+        if rest.startswith("self_attention.linear_qkv."):
+            t = self.merge_qkv(*t.chunk(3, dim=0))
+        return t
+
+    def ignored_hf_name(self, hf_name):
+        # causal-mask buffers stored by older GPT-2 checkpoints
+        return hf_name.endswith((".attn.bias", ".attn.masked_bias"))
+
+
+MAPPINGS = {"llama": LlamaMapping, "gpt2": GPT2Mapping}
+
+
+# ------------------------------------------------------------------ safetensors out
+class SafetensorsWriter:
+    """Streams tensors into safetensors files, one tensor in memory at a time.
+
+    The format puts a JSON header (names, dtypes, shapes, offsets) before the data, so
+    each shard's data goes to a scratch file first; closing the shard writes header +
+    data. A new shard starts when the next tensor would pass `max_shard_bytes`; with
+    more than one, the files are model-0000i-of-0000n.safetensors plus
+    model.safetensors.index.json (transformers' names)."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        self.out_dir, self.max = out_dir, max_shard_bytes
+        self.shards: list[tuple[str, dict]] = []  # (scratch data file, header entries)
+        self._f = None
+        self._size = 0
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.dtype not in _SAFETENSORS_DTYPE:
+            raise InteropError(f"cannot write {name}: dtype {t.dtype} is not supported")
+        nbytes = t.numel() * t.element_size()
+        if self._f is None or (self._size and self._size + nbytes > self.max):
+            self._new_shard()
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._f.write(raw.tobytes() if raw.size == 0 else memoryview(raw))
+        self.shards[-1][1][name] = {"dtype": _SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape),
+                                    "data_offsets": [self._size, self._size + nbytes]}
+        self._size += nbytes
+        self.total += nbytes
+
+    def _new_shard(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        path = os.path.join(self.out_dir, f".shard{len(self.shards)}.data")
+        self._f = open(path, "wb")
+        self._size = 0
+        self.shards.append((path, {}))
+
+    def close(self) -> list[str]:
+        """Write the final files; returns their names."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        n = len(self.shards)
+        names = ["model.safetensors"] if n == 1 else \
+            [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map = {}
+        for (data_path, entries), fname in zip(self.shards, names):
+            header = json.dumps({"__metadata__": {"format": "pt"}, **entries},
+                                separators=(",", ":")).encode()
+            header += b" " * (-len(header) % 8)  # keep the data 8-byte aligned
+            with open(os.path.join(self.out_dir, fname), "wb") as out, open(data_path, "rb") as src:
+                out.write(len(header).to_bytes(8, "little"))
+                out.write(header)
+                shutil.copyfileobj(src, out, 64 * 2**20)
+            os.remove(data_path)
+            weight_map.update({k: fname for k in entries})
+        if n > 1:
+            write_json(os.path.join(self.out_dir, "model.safetensors.index.json"),
+                        {"metadata": {"total_size": self.total}, "weight_map": weight_map})
+        return names
+
+
+# ------------------------------------------------------------------ HF config files
+def hf_config(config, family: str, padded_vocab: int, dtype: torch.dtype,
+              special: dict) -> dict:
+    """config.json for LlamaForCausalLM or GPT2LMHeadModel."""
+    c = config
+    common = {"vocab_size": padded_vocab, "initializer_range": c.init_method_std,
+              "tie_word_embeddings": c.tie_embeddings, "use_cache": True,
+              "dtype": _HF_DTYPE_NAME[dtype], "torch_dtype": _HF_DTYPE_NAME[dtype],
+              "bos_token_id": special.get("bos"), "eos_token_id": special.get("eos"),
+              "pad_token_id": special.get("pad")}
+    try:  # the installed version, without importing transformers (seconds)
+        from importlib.metadata import version
+        common["transformers_version"] = version("transformers")
+    except Exception:  # noqa: BLE001 - not installed: the field is informational
+        pass
+    if family == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size,
+                "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_query_groups, "head_dim": c.kv_channels,
+                "hidden_act": "silu", "max_position_embeddings": c.max_position_embeddings,
+                "rms_norm_eps": c.layernorm_epsilon,
+                "rope_parameters": {"rope_type": "default", "rope_theta": float(c.rotary_base)},
+                "rope_theta": float(c.rotary_base),  # the field's name before transformers 5
+                "attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear,
+                "attention_dropout": c.attention_dropout, "pretraining_tp": 1, **common}
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "n_embd": c.hidden_size, "n_layer": c.num_layers, "n_head": c.num_attention_heads,
+            "n_inner": c.ffn_hidden_size, "n_positions": c.max_position_embeddings,
+            "activation_function": "gelu",  # exact erf GELU, as megaq's F.gelu
+            "layer_norm_epsilon": c.layernorm_epsilon, "resid_pdrop": c.hidden_dropout,
+            "embd_pdrop": c.hidden_dropout, "attn_pdrop": c.attention_dropout,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, **common}
+
+
+def generation_config(vocab: int, padded_vocab: int, special: dict) -> dict:
+    gen = {"bos_token_id": special.get("bos"), "eos_token_id": special.get("eos"),
+           "pad_token_id": special.get("pad")}
+    if padded_vocab > vocab:
+        # the TP padding rows: kept so shapes match, never sampled
+        gen["suppress_tokens"] = list(range(vocab, padded_vocab))
+    return {k: v for k, v in gen.items() if v is not None}
+
+
+# ------------------------------------------------------------------ tokenizer files
+_TOKENIZER_PROBE = ("def main(argv=None):\n    return  {'a': 1, \"b\": [2, 3.5]}\n\n"
+                    "  leading spaces\tand tabs\n\u00fcnic\u00f6de \u2192 \u4e2d\u6587 12345 ")
+
+
+def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_length: int,
+                    log=print, model_vocab: int | None = None) -> dict:
+    """tokenizer.model (the SentencePiece model), tokenizer_config.json and, where
+    transformers can convert the model, tokenizer.json (fast tokenizer). Returns the
+    special ids {bos, eos, pad, unk} for the configs.
+
+    The fast tokenizer reproduces SentencePiece's encoding (a "\u2581" prefix on the text,
+    spaces as "\u2581", byte fallback); it is written only after it encodes a probe text
+    exactly as megaq's tokenizer does. Megatron's specials that megaq appends past
+    the model's pieces (<CLS>, <SEP>, <MASK> for SentencePieceTokenizer) become added
+    special tokens with their megaq ids.
+    """
+    from megaq.data.tokenizer import build_tokenizer
+    tok = build_tokenizer(tokenizer_type, model_path)
+    if model_vocab is not None and tok.vocab_size != model_vocab:
+        log(f" note: no tokenizer files: {model_path} has {tok.vocab_size} ids ({tokenizer_type}), "
+            f"the model {model_vocab}; pass the tokenizer the model was trained with")
+        return {}
+    sp = tok.sp
+    n = sp.get_piece_size()
+    shutil.copyfile(model_path, os.path.join(out_dir, "tokenizer.model"))
+    special = {"eos": int(tok.eod), "pad": int(tok.pad)}
+    if sp.bos_id() >= 0:
+        special["bos"] = int(sp.bos_id())
+    if sp.unk_id() >= 0:
+        special["unk"] = int(sp.unk_id())
+    appended = {i: tok.detokenize([i]) for i in range(n, tok.vocab_size)}
+
+    def piece(i):
+        return appended[i] if i in appended else sp.id_to_piece(i)
+
+    cfg = {"add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+           "model_max_length": max_length,
+           **{f"{k}_token": piece(v) for k, v in special.items()}}
+    fast = _fast_tokenizer_json(out_dir, tok, appended, log)
+    if fast is not None:
+        with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+            f.write(fast)
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    else:
+        # transformers converts tokenizer.model itself when loading (needs sentencepiece
+        # and protobuf there); its Llama tokenizer treats leading spaces differently.
+        cfg.update(tokenizer_class="LlamaTokenizer", legacy=True)
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), cfg)
+    return special
+
+
+def _fast_tokenizer_json(out_dir: str, tok, appended: dict, log) -> str | None:
+    try:
+        from tokenizers import Tokenizer
+        from transformers import LlamaTokenizer
+    except ImportError:
+        log(" note: transformers / tokenizers not installed: no tokenizer.json written "
+            "(transformers builds one from tokenizer.model when loading)")
+        return None
+    scratch = os.path.join(out_dir, ".tokenizer_scratch")
+    os.makedirs(scratch, exist_ok=True)
+    try:
+        shutil.copyfile(os.path.join(out_dir, "tokenizer.model"),
+                        os.path.join(scratch, "tokenizer.model"))
+        write_json(os.path.join(scratch, "tokenizer_config.json"),
+                    {"add_bos_token": False, "add_eos_token": False})
+        converted = LlamaTokenizer.from_pretrained(scratch)
+        spec = json.loads(converted.backend_tokenizer.to_str())
+        # SentencePiece (add_dummy_prefix, identity normalisation): "\u2581" before the text,
+        # every space -> "\u2581", no pre-tokenizer. transformers' own Llama pipeline
+        # (Metaspace) drops the prefix when the text starts with a space; this does not.
+        # Specials are split off before normalising, so text after a special written
+        # literally inside the input ("a<EOD> b") gets its own "\u2581" prefix, where
+        # SentencePiece would not add one (docs/INTEROP.md).
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+        spec["pre_tokenizer"] = None
+        spec["post_processor"] = None
+        for i, text in appended.items():
+            spec.setdefault("added_tokens", []).append(
+                {"id": i, "content": text, "single_word": False, "lstrip": False,
+                 "rstrip": False, "normalized": False, "special": True})
+        text = json.dumps(spec, ensure_ascii=False)
+        fast = Tokenizer.from_str(text)
+        ours = tok.tokenize(_TOKENIZER_PROBE)
+        theirs = fast.encode(_TOKENIZER_PROBE, add_special_tokens=False).ids
+        if ours != theirs or fast.decode(ours, skip_special_tokens=False) != tok.detokenize(ours):
+            log(" note: the fast tokenizer built from tokenizer.model does not reproduce megaq's "
+                "encoding (a unigram model?); only tokenizer.model is written")
+            return None
+        return text
+    except Exception as e:  # noqa: BLE001 - conversion is best effort; tokenizer.model stays
+        log(f" note: no tokenizer.json: transformers could not convert tokenizer.model "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------- export
+def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.float32,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 tokenizer_model: str | None = None, overwrite: bool = False,
+                 log=print) -> dict:
+    """Write a transformers directory for a megaq checkpoint (the model its stored
+    configuration describes). Written to a temporary directory beside `out_dir`, renamed
+    into place at the end.
+
+    Returns {"dir", "family", "files", "bytes", "tokenizer": bool}."""
+    check_output(out_dir, overwrite)
+    reader = MegaqCheckpointReader(ckpt_path)
+    config = reader.model  # one process: its padded vocabulary is the checkpoint's
+    family = model_family(config)
+    vocab = config.vocab_size
+    padded = config.padded_vocab_size(1)
+    mapping = MAPPINGS[family](config, padded)
+    layout = megaq_layout(config, reader.tp, reader.pp, reader.vp)
+
+    tmp = temp_dir_for(out_dir)
+    try:
+        writer = SafetensorsWriter(tmp, max_shard_bytes)
+        for info in layout:
+            if info.name == "output_layer.weight" and config.tie_embeddings:
+                continue  # the last stage's copy of the tied embedding
+            full = reader.full(info)
+            for hf_name, t in mapping.to_hf(info.name, full.float()):
+                writer.add(hf_name, t.to(dtype))
+            del full
+        files = writer.close()
+
+        special = {}
+        data = reader.config["data"]
+        tok_type = data.get("tokenizer_type") or "SentencePieceTokenizer"
+        tok_path = tokenizer_model or data.get("tokenizer_model")
+        has_tok = bool(tok_path) and tok_type != "NullTokenizer" and os.path.isfile(tok_path)
+        if has_tok:
+            special = write_tokenizer(tmp, tok_type, tok_path, config.seq_length, log, vocab)
+            has_tok = bool(special)
+        else:
+            log(f" note: no tokenizer files: the checkpoint's run had "
+                f"{'tokenizer ' + repr(tok_path) + ' (not found)' if tok_path else 'no tokenizer (mock data)'}; "
+                f"pass --tokenizer-model to add one")
+        write_json(os.path.join(tmp, "config.json"),
+                    hf_config(config, family, padded, dtype, special))
+        write_json(os.path.join(tmp, "generation_config.json"),
+                    generation_config(vocab, padded, special))
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dir": out_dir, "family": family, "files": files, "bytes": writer.total,
+            "tokenizer": has_tok, "source": reader.dir, "vocab": vocab, "padded_vocab": padded}
+
+
+# ------------------------------------------------------------------------- import
+class HFTensorSource:
+    """Reads one tensor at a time from a transformers directory: model.safetensors,
+    sharded safetensors with an index, or pytorch_model.bin (sharded or not; memory-mapped)."""
+
+    def __init__(self, hf_dir: str):
+        self.dir = hf_dir
+        self._where: dict[str, str] = {}
+        self._open: dict[str, object] = {}
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            path = os.path.join(hf_dir, index)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    self._where = json.load(f)["weight_map"]
+                break
+        else:
+            for single in ("model.safetensors", "pytorch_model.bin"):
+                if os.path.isfile(os.path.join(hf_dir, single)):
+                    self._where = {name: single for name in self._names_in(single)}
+                    break
+        if not self._where:
+            raise InteropError(f"{hf_dir} holds no model.safetensors, pytorch_model.bin or their "
+                               f".index.json; pass a transformers model directory")
+        self.used: set[str] = set()
+
+    def _file(self, fname: str):
+        if fname not in self._open:
+            path = os.path.join(self.dir, fname)
+            if not os.path.isfile(path):
+                raise InteropError(f"{path} is missing (named by the index); the download is "
+                                   f"incomplete")
+            if fname.endswith(".safetensors"):
+                from safetensors import safe_open
+                self._open[fname] = safe_open(path, framework="pt")
+            else:
+                self._open[fname] = torch.load(path, map_location="cpu", weights_only=True,
+                                               mmap=True)
+        return self._open[fname]
+
+    def _names_in(self, fname: str) -> list[str]:
+        f = self._file(fname)
+        return list(f.keys())
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise InteropError(f"{self.dir}: tensor {name} is missing; the checkpoint does not "
+                               f"match its config.json")
+        self.used.add(name)
+        f = self._file(self._where[name])
+        return f.get_tensor(name) if hasattr(f, "get_tensor") else f[name]
+
+
+def _refuse(field, value, why):
+    raise InteropError(f"config.json field {field} = {value!r} is not supported: {why}")
+
+
+def flags_from_hf_config(cfg: dict, seq_length: int | None = None,
+                         make_vocab_size_divisible_by: int = 1) -> tuple[str, list[str]]:
+    """(family, pretrain_gpt.py architecture flags) for a transformers config.json, or
+    an InteropError naming the first field megaq cannot represent."""
+    mt = cfg.get("model_type")
+    if mt == "llama":
+        return "llama", _llama_flags(cfg, seq_length, make_vocab_size_divisible_by)
+    if mt == "gpt2":
+        return "gpt2", _gpt2_flags(cfg, seq_length, make_vocab_size_divisible_by)
+    _refuse("model_type", mt, "megaq imports the Llama family (model_type llama) and GPT-2")
+
+
+def _rope_theta(cfg: dict) -> float:
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling")
+    for field, spec in (("rope_parameters", rope), ("rope_scaling", scaling or {})):
+        kind = spec.get("rope_type", spec.get("type"))
+        if kind not in (None, "default"):
+            _refuse(f"{field}.rope_type", kind, "megaq's RoPE has no scaling (only 'default')")
+        if spec.get("partial_rotary_factor", 1.0) != 1.0:
+            _refuse(f"{field}.partial_rotary_factor", spec["partial_rotary_factor"],
+                    "megaq rotates the full head dim")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse("partial_rotary_factor", cfg["partial_rotary_factor"],
+                "megaq rotates the full head dim")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _llama_flags(cfg, seq_length, divisible_by) -> list[str]:
+    if cfg.get("hidden_act", "silu") != "silu":
+        _refuse("hidden_act", cfg["hidden_act"], "megaq's gated MLP is SwiGLU (silu)")
+    if bool(cfg.get("attention_bias", False)) != bool(cfg.get("mlp_bias", False)):
+        _refuse("attention_bias", cfg.get("attention_bias"),
+                f"megaq has one bias switch for every linear layer, and mlp_bias is "
+                f"{cfg.get('mlp_bias')}")
+    theta = _rope_theta(cfg)
+    if theta != int(theta):
+        _refuse("rope_theta", theta, "megaq's --rotary-base is an integer")
+    for field in ("sliding_window", "layer_types"):
+        if cfg.get(field):
+            _refuse(field, cfg[field], "megaq's attention is full causal attention")
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    groups = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or h // heads
+    maxpos = int(cfg.get("max_position_embeddings", 2048))
+    flags = ["--num-layers", cfg["num_hidden_layers"], "--hidden-size", h,
+             "--ffn-hidden-size", cfg["intermediate_size"], "--num-attention-heads", heads,
+             "--kv-channels", head_dim, "--seq-length", seq_length or min(maxpos, 4096),
+             "--max-position-embeddings", maxpos, "--position-embedding-type", "rope",
+             "--rotary-base", int(theta), "--normalization", "RMSNorm",
+             "--norm-epsilon", cfg.get("rms_norm_eps", 1e-6), "--swiglu",
+             "--attention-dropout", cfg.get("attention_dropout", 0.0) or 0.0,
+             "--hidden-dropout", 0.0, "--init-method-std", cfg.get("initializer_range", 0.02),
+             "--vocab-size", cfg["vocab_size"],
+             "--make-vocab-size-divisible-by", divisible_by]
+    if groups != heads:
+        flags += ["--group-query-attention", "--num-query-groups", groups]
+    if not cfg.get("attention_bias", False):
+        flags.append("--disable-bias-linear")
+    if not cfg.get("tie_word_embeddings", False):
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(x) for x in flags]
+
+
+def _gpt2_flags(cfg, seq_length, divisible_by) -> list[str]:
+    act = cfg.get("activation_function", "gelu_new")
+    if act != "gelu":
+        _refuse("activation_function", act, "megaq's GPT-2 MLP uses exact (erf) GELU, "
+                "activation_function 'gelu'; it has no tanh approximation")
+    if cfg.get("scale_attn_by_inverse_layer_idx", False):
+        _refuse("scale_attn_by_inverse_layer_idx", True, "megaq scales attention by 1/sqrt(d) only")
+    if not cfg.get("scale_attn_weights", True):
+        _refuse("scale_attn_weights", False, "megaq always scales attention by 1/sqrt(d)")
+    if cfg.get("add_cross_attention", False):
+        _refuse("add_cross_attention", True, "megaq is decoder-only")
+    h, heads = cfg["n_embd"], cfg["n_head"]
+    maxpos = int(cfg.get("n_positions", 1024))
+    flags = ["--num-layers", cfg["n_layer"], "--hidden-size", h,
+             "--ffn-hidden-size", cfg.get("n_inner") or 4 * h, "--num-attention-heads", heads,
+             "--seq-length", seq_length or maxpos, "--max-position-embeddings", maxpos,
+             "--norm-epsilon", cfg.get("layer_norm_epsilon", 1e-5),
+             "--attention-dropout", cfg.get("attn_pdrop", 0.1),
+             "--hidden-dropout", cfg.get("resid_pdrop", 0.1),
+             "--init-method-std", cfg.get("initializer_range", 0.02),
+             "--vocab-size", cfg["vocab_size"], "--make-vocab-size-divisible-by", divisible_by]
+    if not cfg.get("tie_word_embeddings", True):
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(x) for x in flags]
+
+
+def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
+                   pp: int = 1, vp: int = 1, seq_length: int | None = None,
+                   make_vocab_size_divisible_by: int = 1, overwrite: bool = False,
+                   log=print) -> dict:
+    """Write a megaq checkpoint (iteration 0, zero AdamW moments) of a transformers model
+    for a TP x PP (x VP) layout, plus megaq_args.txt / megaq_args.json: the flags that
+    describe it; the checkpoint stores the RunConfig those flags give (megaq_run_config).
+    Returns {"dir", "family", "flags", "load_flags"}."""
+    check_output(out_dir, overwrite)
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise InteropError(f"{hf_dir} has no config.json; pass a transformers model directory")
+    with open(cfg_path) as f:
+        hf_cfg = json.load(f)
+    family, flags = flags_from_hf_config(hf_cfg, seq_length, make_vocab_size_divisible_by)
+    num_layers = int(flags[flags.index("--num-layers") + 1])
+    if vp > 1 and num_layers % (pp * vp):
+        raise InteropError(f"{num_layers} layers do not split into {pp} stages x {vp} virtual "
+                           f"chunks; pick --virtual-pipeline-size dividing layers / PP")
+    layout_flags = megaq_layout_flags(tp, pp, vp, num_layers)
+    src = HFTensorSource(hf_dir)
+    tokenizer_src = os.path.join(hf_dir, "tokenizer.model")
+    tok_flags = []
+    if os.path.isfile(tokenizer_src):
+        tok_flags = ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                     "--tokenizer-model", os.path.join(os.path.abspath(out_dir), "tokenizer.model")]
+    run_config = megaq_run_config(flags + layout_flags, tp, pp)
+    config = run_config.model
+    padded = run_config.padded_vocab_size
+    mapping = MAPPINGS[family](config, padded)
+    if family == "gpt2" and not src.has(mapping.hf_name("embedding.word_embeddings.weight")) \
+            and src.has("wte.weight"):  # original GPT-2 checkpoints: no "transformer." prefix
+        mapping.layer_prefix, mapping.top = "h.", {k: v.replace("transformer.", "", 1)
+                                                    for k, v in mapping.top.items()}
+    layout = megaq_layout(config, tp, pp, vp)
+
+    def get(name, shape):
+        t = src.get(name)
+        want = tuple(t.shape[0] if s is None else s for s in shape)
+        if tuple(t.shape) != want:
+            raise InteropError(f"{hf_dir}: tensor {name} has shape {tuple(t.shape)}, config.json "
+                               f"implies {want}; the weights do not match the config")
+        if not t.is_floating_point():
+            raise InteropError(f"{hf_dir}: tensor {name} has dtype {t.dtype}, not floating point")
+        return t.float()
+
+    def full_tensor(info: ParamInfo) -> torch.Tensor:
+        name = info.name
+        if name == "output_layer.weight" and config.tie_embeddings:
+            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied pair
+        t = mapping.from_hf(name, get)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if t.shape[0] != config.vocab_size:
+                raise InteropError(f"{hf_dir}: {mapping.hf_name(name)} has {t.shape[0]} rows, "
+                                   f"config.json vocab_size is {config.vocab_size}")
+            t = ckpt.fit_rows(t, 0, padded, name)  # TP padding rows: zero
+        return t
+
+    tmp = temp_dir_for(out_dir)
+    try:
+        write_megaq_checkpoint(tmp, run_config, layout, full_tensor,
+                               extra={"imported_from": os.path.abspath(hf_dir), "family": family})
+        unused = [n for n in src.names() if n not in src.used and not mapping.ignored_hf_name(n)
+                  and not (config.tie_embeddings and n == mapping.hf_name("output_layer.weight"))]
+        if unused:
+            raise InteropError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no "
+                               f"megaq counterpart; the model has parts megaq lacks")
+        if tok_flags:
+            shutil.copyfile(tokenizer_src, os.path.join(tmp, "tokenizer.model"))
+        all_flags = flags + layout_flags + tok_flags
+        write_megaq_args(tmp, out_dir, all_flags, {"family": family,
+                                                   "source": os.path.abspath(hf_dir)})
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dir": out_dir, "family": family, "flags": all_flags,
+            "load_flags": ["--load", out_dir, "--no-load-rng"]}
