@@ -196,7 +196,8 @@ def build_data(args, topo) -> Data:
     if args.mock_data or args.tokenizer_type == "NullTokenizer":
         args.vocab_size = args.vocab_size or 1024
     else:
-        tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                              args.merge_file)
         args.vocab_size, eod = tok.vocab_size, tok.eod
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)

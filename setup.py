@@ -19,5 +19,6 @@ setup(
     # torch is deliberately not pinned here: scripts/setup_env.sh installs the CPU
     # build only where no torch is importable, and never replaces a CUDA build.
     install_requires=["numpy", "sentencepiece", "tqdm"],
-    extras_require={"test": ["pytest"], "plot": ["matplotlib"]},
+    # tokenizers: GPT-2 BPE reference and HuggingFaceTokenizer tests (tests/test_data_tokenizer_bpe_hf.py)
+    extras_require={"test": ["pytest", "tokenizers==0.23.3"], "plot": ["matplotlib"]},
 )

@@ -194,9 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "if missing")
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
                    choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                            "NullTokenizer"],
+                            "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
                    help="tokenizer of --data-path (NullTokenizer: ids as they are, needs --vocab-size)")
-    g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file, or a local HuggingFace tokenizer directory "
+                        "(HuggingFaceTokenizer)")
+    g.add_argument("--vocab-file", default=None,
+                   help="GPT2BPETokenizer: GPT-2's vocab (encoder.json: token -> id)")
+    g.add_argument("--merge-file", default=None,
+                   help="GPT2BPETokenizer: GPT-2's merges (vocab.bpe)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocab of the NullTokenizer / --mock-data (default 1024)")
 
@@ -374,10 +380,15 @@ def validate_args(args: argparse.Namespace, world_size: int,
               "--demo-corpus, or --mock-data")
     if sources > 1:
         _fail("pass only one of --data-path, --demo-corpus and --mock-data")
-    if (args.data_path and args.tokenizer_type != "NullTokenizer"
+    if (args.data_path and args.tokenizer_type == "GPT2BPETokenizer"
+            and not (args.vocab_file and args.merge_file)):
+        _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file "
+              "(GPT-2's encoder.json and vocab.bpe used to preprocess --data-path)")
+    if (args.data_path and args.tokenizer_type not in ("NullTokenizer", "GPT2BPETokenizer")
             and not args.tokenizer_model):
         _fail(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH "
-              f"(the SentencePiece .model used to preprocess --data-path)")
+              f"(the SentencePiece .model, or HuggingFace tokenizer directory, used to "
+              f"preprocess --data-path)")
     if args.data_path and args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         _fail("--tokenizer-type NullTokenizer needs --vocab-size N (the ids in --data-path "
               "are below N)")
