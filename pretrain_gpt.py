@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
 
     t_start = time.perf_counter()
     if topo is None:
+        from megaq.parallel.launch import rank_env_from_slurm
         from megaq.parallel.topology import ranks_per_node_from_env
+        rank_env_from_slurm()  # srun-started ranks (scripts/pretrain_slurm.sbatch)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         args = parse_args(argv, world_size=world,
