@@ -243,6 +243,19 @@ def _zero_model_bytes(engine) -> int:
     return m() if callable(m) else m
 
 
+def _backend_name() -> str:
+    import torch.distributed as dist
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def _device_description() -> str:
+    """What the ranks compute on, e.g. 'device cuda (NVIDIA H200)' or 'device cpu'."""
+    dev = _device()
+    if dev.type == "cuda":
+        return f"device cuda ({torch.cuda.get_device_name(dev)})"
+    return "device cpu"
+
+
 def _print_banner(args, topo) -> None:
     lay = topo.layout
     zpp = [name for on, name in ((args.zero_quantized_weights, "qwZ"),
@@ -250,7 +263,8 @@ def _print_banner(args, topo) -> None:
                                   f"hpZ({args.zero_hpz_partition_size})"),
                                  (args.zero_quantized_gradients,
                                   f"qgZ(int{args.zero_quantized_gradients_bits})")) if on]
-    print(f" megaq: world {lay.world_size} = TP {lay.tp} x PP {lay.pp} x DP {lay.dp} on "
+    print(f" megaq: {_device_description()}, backend {_backend_name()}; "
+          f"world {lay.world_size} = TP {lay.tp} x PP {lay.pp} x DP {lay.dp} on "
           f"{lay.num_nodes} node(s) of {lay.ranks_per_node}; ZeRO stage {args.zero_stage}"
           f"{' + ' + ' + '.join(zpp) if zpp else ''}; {'bf16' if args.bf16 else 'fp32'}; "
           f"global batch {args.global_batch_size} = micro {args.micro_batch_size} x DP {lay.dp} "
