@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
     state = TrainState()
 
     if args.load:
+        from megaq.interop.megatron import load_refusal
+        refusal = load_refusal(args.load)  # a Megatron-LM directory: say so, name the converter
+        if refusal:
+            raise ckpt.CheckpointError(refusal)
         loaded = ckpt.load_checkpoint(args.load, args=args, topo=topo, engine=engine,
                                       lr_schedule=schedule, model_chunks=chunks,
                                       load_rng=not args.no_load_rng,
