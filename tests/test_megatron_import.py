@@ -1,14 +1,16 @@
 """Megatron-LM checkpoint import (megaq/interop/megatron.py).
 
-The source checkpoint is written by megatron-core itself: its GPTModel (local layer spec:
-RMSNorm, SwiGLU, grouped-query attention, RoPE, untied head) is built on CPU in a gloo
-world of one process, and its state_dict() is saved in Megatron-LM's torch format
-(iter_XXXXXXX/mp_rank_00/model_optim_rng.pt with args, iteration, optimizer state), with
-megatron-core's logits for a fixed batch. The imported weights must reproduce those
-logits in megaq. TP 2 x PP 2 (and virtual stages) checkpoints are cut from the same
-state dict by Megatron's sharding rules (column-parallel rows, row-parallel columns,
-[gate_r; up_r] for SwiGLU fc1, stage-local layer numbers) and must import to exactly
-the same tensors.
+The source checkpoints are written by megatron-core itself: its GPTModel (local layer
+spec: RMSNorm, SwiGLU, grouped-query attention, RoPE, untied head) is built on CPU over
+gloo, at TP 1 and at TP 2 (two processes, each saving its own shard, as Megatron-LM's
+mp_rank_00 / mp_rank_01 hold), and its state_dict() is saved in Megatron-LM's torch
+format (iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt with args, iteration, optimizer
+state), with megatron-core's logits for a fixed batch. The imported weights must give
+those logits in megaq's one-process model. Pipeline-parallel (and virtual-stage)
+checkpoints, which would need megatron-core's pipeline schedules to produce, are cut
+from the TP 1 state dict by Megatron's documented rules (column-parallel rows,
+row-parallel columns, [gate_r; up_r] for SwiGLU fc1, stage-local layer numbers) and
+must import to exactly the same tensors.
 """
 
 import argparse
@@ -27,16 +29,17 @@ ARCH = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_group
 
 WRITER = r'''
 import argparse, os, sys, torch, torch.distributed as dist
-out, port = sys.argv[1], sys.argv[2]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-dist.init_process_group("gloo", rank=0, world_size=1)
+out, port, rank, tp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(tp),
+                  LOCAL_RANK=str(rank))
+dist.init_process_group("gloo", rank=rank, world_size=tp)
 torch.cuda.current_device = lambda: "cpu"  # mcore's RoPE moves its table to the current CUDA device
 import contextlib
 from megatron.core.tensor_parallel import random as mcore_random
 # mcore forks its CUDA RNG stream around attention dropout (0 here); there is no CUDA.
 mcore_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
 from megatron.core import parallel_state
-parallel_state.initialize_model_parallel(1, 1)
+parallel_state.initialize_model_parallel(tp, 1)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -59,35 +62,53 @@ ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(1))
 pos = torch.arange(S).expand(2, S)
 causal = torch.triu(torch.ones(1, 1, S, S), diagonal=1).bool()  # True = masked (mcore's default builds it on CUDA)
 with torch.no_grad():
-    logits = model(ids, pos, attention_mask=causal)
+    logits = model(ids, pos, attention_mask=causal)  # this TP rank's vocabulary slice
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous())
+    logits = torch.cat(parts, dim=-1)
 args = argparse.Namespace(num_layers=L, hidden_size=H, ffn_hidden_size=F, num_attention_heads=NH,
     group_query_attention=True, num_query_groups=NG, kv_channels=H // NH, seq_length=S,
     max_position_embeddings=S, position_embedding_type="rope", rotary_base=10000,
     rotary_percent=1.0, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
     add_bias_linear=False, untie_embeddings_and_output_weights=True,
     make_vocab_size_divisible_by=128, padded_vocab_size=V, vocab_size=None, num_experts=None,
-    qk_layernorm=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    qk_layernorm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
     params_dtype=torch.float32, ckpt_format="torch")
-sd = model.state_dict()
-torch.save({"state_dict": sd, "args": args, "ids": ids, "logits": logits}, out)
+sd = model.state_dict()  # this TP rank's shard, exactly what Megatron-LM saves for it
+torch.save({"state_dict": sd, "args": args, "ids": ids, "logits": logits}, f"{out}.rank{rank}")
 '''
 
 
-@pytest.fixture(scope="module")
-def mcore_model(tmp_path_factory):
-    """(megatron-core state_dict, Megatron args Namespace, input ids, mcore logits)."""
+def _run_megatron_core(out: str, tp: int):
+    """Build and run megatron-core's GPTModel on `tp` gloo ranks; -> per-rank blobs."""
     pytest.importorskip("megatron.core")
-    d = tmp_path_factory.mktemp("mcore")
-    out = str(d / "mcore.pt")
     import socket
     with socket.socket() as s:
         s.bind(("", 0))
         port = str(s.getsockname()[1])
-    r = subprocess.run([sys.executable, "-c", WRITER, out, port], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr[-4000:]
-    blob = torch.load(out, weights_only=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, out, port, str(r), str(tp)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(tp)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-4000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(tp)]
+
+
+@pytest.fixture(scope="module")
+def mcore_model(tmp_path_factory):
+    """(megatron-core state_dict, Megatron args Namespace, input ids, mcore logits), TP 1."""
+    blob = _run_megatron_core(str(tmp_path_factory.mktemp("mcore") / "mcore.pt"), 1)[0]
     return blob["state_dict"], blob["args"], blob["ids"], blob["logits"]
+
+
+@pytest.fixture(scope="module")
+def mcore_tp2(tmp_path_factory):
+    """([rank 0 state_dict, rank 1 state_dict], args, ids, logits): megatron-core at TP 2,
+    each rank's own shard (Megatron-LM's mp_rank_00 / mp_rank_01 contents)."""
+    blobs = _run_megatron_core(str(tmp_path_factory.mktemp("mcore2") / "mcore.pt"), 2)
+    return [b["state_dict"] for b in blobs], blobs[0]["args"], blobs[0]["ids"], blobs[0]["logits"]
 
 
 def save_megatron(root, per_rank: dict, args, iteration=7, optimizer=True):
@@ -153,17 +174,25 @@ def megatron_shards(sd, tp, pp, vp=1, num_layers=4):
     return out
 
 
-def test_imported_weights_reproduce_megatron_core_logits(tmp_path, mcore_model):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_imported_weights_reproduce_megatron_core_logits(tmp_path, request, tp):
+    """megatron-core's own checkpoint (TP 1, or TP 2 with each rank's own shard) ->
+    megaq's full weights -> megaq's one-process model gives megatron-core's logits."""
     from megaq.model import GPTConfig
     from megaq.model.gpt import GPTModel
 
-    sd, args, ids, logits = mcore_model
-    src = save_megatron(str(tmp_path / "mlm"), {(0, 0): [sd]}, args)
+    if tp == 1:
+        sd, args, ids, logits = request.getfixturevalue("mcore_model")
+        shards = {(0, 0): [sd]}
+    else:
+        sds, args, ids, logits = request.getfixturevalue("mcore_tp2")
+        shards = {(r, 0): [sd] for r, sd in enumerate(sds)}
+    src = save_megatron(str(tmp_path / "mlm"), shards, args)
     assert mi.is_megatron_checkpoint(src) == ("Megatron-LM checkpoint (torch format), iteration 7, "
-                                              "TP 1 x PP 1")
+                                              f"TP {tp} x PP 1")
     config, weights = mi.load_megatron_checkpoint(src)
     full = dict(weights)
-    assert config["megatron_layout"] == {"tp": 1, "pp": 1, "vp": 1} and config["has_optimizer"]
+    assert config["megatron_layout"] == {"tp": tp, "pp": 1, "vp": 1} and config["has_optimizer"]
     c = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                   ffn_hidden_size=48, kv_channels=8, vocab_size=128, seq_length=16,
                   max_position_embeddings=16, position_embedding_type="rope", normalization="RMSNorm",
