@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from data_fixtures import quiet, run_tool, tiny_corpus, write_jsonl  # noqa: F401
+from data_fixtures import run_tool, tiny_corpus, write_jsonl  # noqa: F401
 from megaq.data.errors import DataError
 from megaq.data.indexed import IndexedDataset
 from megaq.data.tokenizer import build_tokenizer

@@ -4,7 +4,6 @@ start-up banner names the device, backend, world size and layout."""
 import os
 import stat
 import subprocess
-import sys
 
 import pytest
 

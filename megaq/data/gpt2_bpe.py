@@ -130,7 +130,12 @@ class GPT2BPETokenizer:
     def _encode_piece(self, piece: str) -> list[int]:
         ids = self._cache.get(piece)
         if ids is None:
-            symbols = "".join(self.byte_encoder[b] for b in piece.encode("utf-8"))
+            try:
+                raw = piece.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (e.g. "\\ud800" in JSON)
+                raise DataError(f"text holds an unpaired surrogate ({piece!r}), which has no "
+                                "UTF-8 bytes; fix the text") from None
+            symbols = "".join(self.byte_encoder[b] for b in raw)
             try:
                 ids = [self.encoder[s] for s in self.bpe(symbols)]
             except KeyError as e:
