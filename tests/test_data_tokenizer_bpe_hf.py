@@ -7,13 +7,14 @@ the same encoder.json / vocab.bpe files.
 """
 
 import json
+import importlib.util
 import os
 import random
 
 import numpy as np
 import pytest
 
-from data_fixtures import run_tool, tiny_corpus, write_jsonl  # noqa: F401
+from data_fixtures import run_tool, write_jsonl  # tiny_corpus: a fixture (conftest)
 from megaq.data.errors import DataError
 from megaq.data.indexed import IndexedDataset
 from megaq.data.tokenizer import build_tokenizer
@@ -185,9 +186,8 @@ def test_hf_tokenizer_bad_directory(tmp_path):
         build_tokenizer("HuggingFaceTokenizer", None)
     with pytest.raises(DataError, match="not a local tokenizer directory.*downloads nothing"):
         build_tokenizer("HuggingFaceTokenizer", "org/some-model")
-    try:
-        import transformers  # noqa: F401
-    except ImportError:  # the tokenizers path names the missing file
+    if importlib.util.find_spec("transformers") is None:
+        # the tokenizers path names the missing file
         with pytest.raises(DataError, match="no tokenizer.json"):
             build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
     else:
@@ -233,14 +233,14 @@ def test_preprocess_gpt2_needs_both_files(tmp_path, capsys, gpt2_files):
 
 
 def _train(topo, argv):
-    import pretrain_gpt
-    return pretrain_gpt.main(argv, topo=topo).losses
+    from megaq.pretrain import main
+    return main(argv, topo=topo).losses
 
 
 def test_pretrain_gpt_trains_on_gpt2_bpe_data(tmp_path, capsys, tiny_corpus, gpt2_files):
     """pretrain_gpt.py builds the tokenizer from --vocab-file/--merge-file (the model's
     vocab is the BPE's 600 ids) and trains on data preprocessed with it."""
-    from megaq.arguments import ArgumentsError, parse_args
+    from megaq.arguments import ArgumentsError, parse_config
     from megaq.parallel.launch import run_on_ranks
 
     _, docs = tiny_corpus
@@ -256,7 +256,7 @@ def test_pretrain_gpt_trains_on_gpt2_bpe_data(tmp_path, capsys, tiny_corpus, gpt
             "--data-path", str(tmp_path / "d_text_document"), "--split", "1,0,0",
             "--data-cache-path", str(tmp_path / "cache"), *bpe]
     with pytest.raises(ArgumentsError, match="GPT2BPETokenizer needs --vocab-file and --merge-file"):
-        parse_args(argv[:-2], world_size=1)
+        parse_config(argv[:-2], world_size=1)
     losses = run_on_ranks(_train, 1, args=(argv,))[0]
     assert len(losses) == 2
     # An untrained model's loss is about ln(vocab): the 600-id vocabulary, not a default.

@@ -54,8 +54,8 @@ def test_backend_choice(tmp_path, ngpu, env, backend, nproc):
 
 
 def _banner(topo, argv):
-    import pretrain_gpt
-    pretrain_gpt.main(argv, topo=topo)
+    from megaq.pretrain import main
+    main(argv, topo=topo)
 
 
 def test_banner_names_device_backend_world_and_layout(tmp_path, capfd):

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from megaq.arguments import parse_args
+from megaq.arguments import parse_config
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                    "CHOOSING_A_LAYOUT.md")
@@ -32,12 +32,13 @@ def flags_of(command: str) -> list[str]:
 @pytest.mark.parametrize("world,rpn,command", examples(),
                          ids=lambda x: None if not isinstance(x, str) else x.split("--num-layers")[1][:4].strip())
 def test_layout_examples_validate(world, rpn, command):
-    args = parse_args(flags_of(command), world_size=world, ranks_per_node=rpn)
+    config = parse_config(flags_of(command), world_size=world, ranks_per_node=rpn)
     # What the text promises: one node's examples use all 8 GPUs; hpZ is the DP ranks
     # per node whenever it is on.
-    dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-    if args.zero_hpz_partition_size > 1:
-        assert args.zero_hpz_partition_size == min(rpn // args.tensor_model_parallel_size, dp)
+    p, hpz = config.parallel, config.zero.hpz_partition_size
+    assert p.dp == world // (p.tp * p.pp)
+    if hpz > 1:
+        assert hpz == min(rpn // p.tp, p.dp)
 
 
 def test_every_model_size_has_an_8_gpu_command():

@@ -262,8 +262,8 @@ def test_convert_writes_a_megaq_checkpoint_that_trains(tmp_path, mcore_model):
 
 
 def _train(topo, argv):
-    import pretrain_gpt
-    return pretrain_gpt.main(argv, topo=topo).losses
+    from megaq.pretrain import main
+    return main(argv, topo=topo).losses
 
 
 def test_refusals_and_load_message(tmp_path, mcore_model, capsys):

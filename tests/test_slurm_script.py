@@ -165,7 +165,7 @@ def sbatch(env, submit, extra_env=(), args=(), wait=True, time_limit="1:00:00"):
 def test_default_command_for_two_8_gpu_nodes_passes_validation(fake_slurm):
     """The exact command the script builds for 2 nodes x 8 GPUs, default model and layout
     (TP 2: hpZ must become the 4 DP ranks per node, not 8), is accepted by megaq."""
-    from megaq.arguments import parse_args
+    from megaq.arguments import parse_config
 
     env, state, submit, ip = fake_slurm
     out = sbatch(env, submit, {"FAKE_SRUN_RECORD_ONLY": "1", "DATA_PATH": "/data/c_text_document",
@@ -183,12 +183,12 @@ def test_default_command_for_two_8_gpu_nodes_passes_validation(fake_slurm):
     argv = step["argv"][2:]  # python pretrain_gpt.py <flags>
     logged = next(x for x in log.splitlines() if x.startswith("megaq: command:"))
     assert shlex.split(logged.split(":", 2)[2]) == step["argv"]
-    a = parse_args(argv, world_size=16, ranks_per_node=8)
-    assert (a.tensor_model_parallel_size, a.zero_hpz_partition_size) == (2, 4)
-    assert a.save == a.load == ckpt
-    assert a.exit_duration_in_mins == 50  # 1 h time limit minus the 10 min margin
-    assert a.exit_signal_handler
-    assert a.distributed_backend == "nccl" and a.gpus_per_node == 8
+    c = parse_config(argv, world_size=16, ranks_per_node=8)
+    assert (c.parallel.tp, c.zero.hpz_partition_size) == (2, 4)
+    assert c.checkpointing.save == c.checkpointing.load == ckpt
+    assert c.training.exit_duration_in_mins == 50  # 1 h time limit minus the 10 min margin
+    assert c.training.exit_signal_handler
+    assert c.parallel.distributed_backend == "nccl" and c.parallel.gpus_per_node == 8
     if ip:  # the loopback trap was skipped
         assert f"rendezvous {ip}:29500" in log and "127.0.1.1" not in log.split("rendezvous")[1][:12]
 

@@ -373,9 +373,8 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     true vocab when its args name one, else every embedding row). Returns
     {"dir", "flags", "load_flags", "tensors"}."""
     from megaq import checkpoint as ckpt
-    from megaq.arguments import ArgumentsError, args_to_dict, parse_args
+    from megaq.arguments import ArgumentsError, parse_config
     from megaq.lr_schedule import LRSchedule
-    from megaq.parallel.tensor_parallel import pad_vocab_size
     from megaq.parallel.topology import Layout
 
     if os.path.exists(out_dir) and not overwrite:
@@ -387,11 +386,12 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     vocab = vocab_size or config.get("vocab_size") or rows
     flags = config["flags"] + ["--vocab-size", str(vocab)]
     try:
-        args = parse_args(flags + ["--micro-batch-size", "1", "--global-batch-size", "1",
-                                   "--train-iters", "1", "--lr", "0", "--mock-data"], world_size=1)
+        run = parse_config(flags + ["--micro-batch-size", "1", "--global-batch-size", "1",
+                                    "--train-iters", "1", "--lr", "0", "--mock-data"],
+                           world_size=1, ranks_per_node=1)
     except ArgumentsError as e:
         raise MegatronImportError(f"the imported architecture does not validate in megaq: {e}") from None
-    args.padded_vocab_size = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, 1)
+    run = run.resolved(run.data, vocab)  # what a run's data setup does with the tokenizer's vocab
     if vocab > rows:
         raise MegatronImportError(f"vocab size {vocab} exceeds the checkpoint's {rows} embedding "
                                   "rows; pass the tokenizer's vocab size")
@@ -399,7 +399,7 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     zero = torch.zeros(1)
     for name, t in params.items():
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t = ckpt._fit_rows(t, 0, args.padded_vocab_size, name)
+            t = ckpt._fit_rows(t, 0, run.padded_vocab_size, name)
         t = t.float().contiguous()
         z = zero.expand_as(t)
         entries[name] = {"param": t, "exp_avg": z, "exp_avg_sq": z}
@@ -408,8 +408,8 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     try:
         ckpt._save_file({
             "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
-            "args": args_to_dict(args), "layout": ckpt._layout_dict(Layout(1, tp=1, pp=1)),
-            "lr_scheduler": LRSchedule.from_args(args).state_dict(),
+            "config": run.to_dict(), "layout": ckpt._layout_dict(Layout(1, tp=1, pp=1)),
+            "lr_scheduler": LRSchedule.from_config(run.optimizer).state_dict(),
             "extra": {"imported_from": config["source"], "megatron_iteration": config["iteration"],
                       "megatron_layout": config["megatron_layout"]},
             "model_optim": {"step": 0, "params": entries},
