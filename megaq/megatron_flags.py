@@ -2,16 +2,20 @@
 
 A Megatron-LM launch script should parse unchanged. Each flag is one of:
 
-- IMPLEMENTED: megaq has the flag and it does what Megatron's does (megaq/arguments.py
-  defines it; this table only lists it, so docs and tests can see the whole set);
+- IMPLEMENTED: megaq has the flag and it does what Megatron's does (a field of a
+  configuration class defines it, megaq.config.FLAG_CLASSES; this table only lists it,
+  so docs and tests can see the whole set);
 - NOTE: the flag has no meaning for megaq (a fusion switch, a backend choice, an fp16
   loss-scaling knob, a logging extra); it is accepted, and a one-line note saying why
   is printed once;
 - REFUSED: the flag asks for a feature megaq lacks; using it (with a value other than
   the harmless ones in `allowed`) stops with one line naming the feature.
 
-`add_megatron_flags(parser)` adds every NOTE and REFUSED flag the parser does not
-already define (so flags megaq later implements simply take over);
+megaq.arguments.build_parser calls `add_megatron_flags(parser)` after the configuration's
+flags: it adds every NOTE and REFUSED flag the parser does not already define (so flags
+megaq later implements simply take over); megaq.arguments.parse_config then calls
+`check_megatron_flags` (a refusal is one ArgumentsError line) and, on rank 0,
+`print_megatron_notes`.
 `check_megatron_flags(args, error)` raises `error(one line)` for a refused use and
 returns the notes; `print_megatron_notes(args)` prints each note once per process.
 """
@@ -54,7 +58,7 @@ _FP16 = "megaq trains in bf16 or fp32: there is no fp16 loss scaling"
 _TB = "megaq's TensorBoard writer logs its fixed set of scalars"
 
 MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
-    # ---- implemented (megaq/arguments.py; some arrive with the typed configuration) ----
+    # ---- implemented (configuration fields; some are still to come: see the tests) ----
     _impl("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
           "--kv-channels", "--group-query-attention", "--num-query-groups",
           "--max-position-embeddings", "--position-embedding-type", "--rotary-base",
@@ -166,7 +170,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--moe-router-topk", "mixture-of-experts routing", "int"),
         _refuse("--fp16", "fp16 training with loss scaling (use --bf16)"),
         _refuse("--qk-layernorm", "QK layer norm"),
-        _refuse("--add-qkv-bias", "a QKV bias without the other linear biases"),
+        _refuse("--add-qkv-bias", "QKV bias without the other linear biases"),
         _refuse("--apply-layernorm-1p", "layer norm with zero-centred gamma (1p)"),
         _refuse("--squared-relu", "the squared-ReLU MLP"),
         _refuse("--rotary-percent", "partial rotary embeddings (--rotary-percent < 1)", "float",
@@ -184,13 +188,13 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--use-checkpoint-args", "taking the architecture from the checkpoint's args "
                 "(pass the flags; tools/convert_checkpoint.py writes them to megaq_args.txt)"),
         _refuse("--vocab-extra-ids", "extra sentinel tokens (T5-style)", "int", allowed=("0",)),
-        _refuse("--start-weight-decay", "a weight-decay schedule", "float"),
-        _refuse("--end-weight-decay", "a weight-decay schedule", "float"),
-        _refuse("--weight-decay-incr-style", "a weight-decay schedule", "str",
+        _refuse("--start-weight-decay", "weight-decay schedule", "float"),
+        _refuse("--end-weight-decay", "weight-decay schedule", "float"),
+        _refuse("--weight-decay-incr-style", "weight-decay schedule", "str",
                 allowed=("constant",)),
         _refuse("--init-method-xavier-uniform", "Xavier-uniform initialisation"),
         _refuse("--data-parallel-random-init", "different initial weights per DP rank"),
-        _refuse("--lr-warmup-init", "a non-zero warm-up starting LR", "float",
+        _refuse("--lr-warmup-init", "non-zero warm-up starting LR", "float",
                 allowed=("0", "0.0")),
     ])
 
@@ -252,11 +256,23 @@ def print_megatron_notes(args, error=ValueError, print_fn=print) -> list[str]:
     return fresh
 
 
-def flags_table_markdown() -> str:
-    """The table for docs/TRAINING.md: flag | megaq."""
+def flags_table_markdown(defined: set[str]) -> str:
+    """The table for docs/TRAINING.md: flag | megaq. `defined`: the flags megaq's parser
+    defines itself (an implemented flag not among them is listed as not accepted yet)."""
     rows = ["| Megatron-LM flag | in megaq |", "|---|---|"]
     for f in MEGATRON_FLAGS:
-        what = {IMPLEMENTED: "implemented", NOTE: f"accepted, no effect: {f.why}",
-                REFUSED: f"refused: no {f.why}"}[f.kind]
+        if f.kind == IMPLEMENTED:
+            what = "implemented" if f.name in defined else "not accepted yet (planned)"
+        elif f.kind == NOTE:
+            what = f"accepted, no effect: {f.why}"
+        else:
+            what = f"refused: megaq has no {f.why}"
         rows.append(f"| `{f.name}` | {what} |")
     return "\n".join(rows)
+
+
+if __name__ == "__main__":  # prints the table of docs/TRAINING.md
+    from megaq.config import FLAG_CLASSES
+    from megaq.flags import flag_fields
+    print(flags_table_markdown({f.metadata["flag"] for cls in FLAG_CLASSES
+                                for f in flag_fields(cls)}))

@@ -64,11 +64,13 @@ def main(argv: list[str] | None = None, topo=None):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         config = parse_config(argv, world_size=world,
-                              ranks_per_node=ranks_per_node_from_env(world, rank))
+                              ranks_per_node=ranks_per_node_from_env(world, rank),
+                              print_notes=rank == 0)
         topo = _init_distributed(config.parallel)
     else:
         config = parse_config(argv, world_size=topo.layout.world_size,
-                              ranks_per_node=topo.layout.ranks_per_node)
+                              ranks_per_node=topo.layout.ranks_per_node,
+                              print_notes=topo.rank == 0)
         _check_topology_matches(config.parallel, topo)
     return build_trainer(config, topo, t_start).train()
 
