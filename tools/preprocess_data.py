@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaq.data.errors import DataError, run_cli  # noqa: E402
 from megaq.data.preprocess import preprocess  # noqa: E402
-from megaq.data.tokenizer import SUPPORTED_TYPES  # noqa: E402
+from megaq.data.tokenizer import SUPPORTED_TYPES, check_tokenizer_flags  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -59,14 +59,7 @@ def main(argv=None):
     a = parse_args(argv)
     if a.split_sentences:
         raise DataError("--split-sentences is not supported (documents are kept whole); drop it")
-    if a.tokenizer_type == "GPT2BPETokenizer":
-        if not (a.vocab_file and a.merge_file):
-            raise DataError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
-                            "--merge-file (GPT-2's encoder.json and vocab.bpe)")
-    elif not a.tokenizer_model:
-        what = ("a local tokenizer directory" if a.tokenizer_type == "HuggingFaceTokenizer"
-                else "the SentencePiece .model file")
-        raise DataError(f"--tokenizer-type {a.tokenizer_type} needs --tokenizer-model ({what})")
+    check_tokenizer_flags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file)
     preprocess(a.input, a.output_prefix, a.tokenizer_model, a.json_keys, a.tokenizer_type,
                a.append_eod, a.workers, a.partitions, a.log_interval, a.dtype,
                vocab_file=a.vocab_file, merge_file=a.merge_file)

@@ -9,7 +9,7 @@ from typing import ClassVar
 from megaq.data.blending import parse_data_path
 from megaq.data.errors import DataError
 from megaq.data.gpt_dataset import parse_split
-from megaq.data.tokenizer import SUPPORTED_TYPES
+from megaq.data.tokenizer import SUPPORTED_TYPES, check_tokenizer_flags
 from megaq.flags import flag, switch
 
 TOKENIZER_TYPES = SUPPORTED_TYPES + ("NullTokenizer",)
@@ -53,15 +53,8 @@ class DataConfig:
         if sources > 1:
             raise DataError("pass only one of --data-path, --demo-corpus and --mock-data")
         if self.data_path:
-            if self.tokenizer_type == "GPT2BPETokenizer":
-                if not (self.vocab_file and self.merge_file):
-                    raise DataError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
-                                    "--merge-file (GPT-2's encoder.json and vocab.bpe used to "
-                                    "preprocess --data-path)")
-            elif self.tokenizer_type != "NullTokenizer" and not self.tokenizer_model:
-                raise DataError(f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model "
-                                f"PATH (the SentencePiece .model, or HuggingFace tokenizer "
-                                f"directory, used to preprocess --data-path)")
+            check_tokenizer_flags(self.tokenizer_type, self.tokenizer_model, self.vocab_file,
+                                  self.merge_file, "used to preprocess --data-path")
             if self.tokenizer_type == "NullTokenizer" and not self.vocab_size:
                 raise DataError("--tokenizer-type NullTokenizer needs --vocab-size N (the ids in "
                                 "--data-path are below N)")

@@ -126,6 +126,24 @@ class SentencePieceTokenizer:
                 f"eod={self.eod}, pad={self.pad})")
 
 
+def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None,
+                          vocab_file: str | None, merge_file: str | None,
+                          purpose: str = "") -> None:
+    """Refuse a tokenizer type without the files it is read from (one DataError line,
+    before any worker or rank starts); `purpose` ends the line, e.g. "used to
+    preprocess --data-path". Used by DataConfig and tools/preprocess_data.py."""
+    tail = f" {purpose}" if purpose else ""
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not (vocab_file and merge_file):
+            raise DataError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
+                            f"--merge-file (GPT-2's encoder.json and vocab.bpe{tail})")
+    elif tokenizer_type in SUPPORTED_TYPES and not tokenizer_model:
+        what = ("a local tokenizer directory" if tokenizer_type == "HuggingFaceTokenizer"
+                else "the SentencePiece .model file")
+        raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH "
+                        f"({what}{tail})")
+
+
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None,
                     vocab_file: str | None = None, merge_file: str | None = None):
     """Megatron's `--tokenizer-type` / `--tokenizer-model` / `--vocab-file` /
