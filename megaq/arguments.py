@@ -6,7 +6,11 @@ map, so one machine can pose as several nodes), --metrics-file, --demo-corpus.
 
 The parser is generated from the configuration classes (megaq.config.FLAG_CLASSES):
 each flag is a field of the class it configures, with its help and default (see
-megaq.flags), so adding a flag is adding a field there; nothing here changes.
+megaq.flags), so adding a flag is adding a field there; nothing here changes. After
+them come the rest of Megatron-LM's dense-GPT flags (megaq.megatron_flags), so a
+Megatron-LM launch script parses unchanged: a flag that means nothing for megaq is
+accepted with a note (printed once, by rank 0), a flag for a feature megaq lacks is
+refused with one line naming it.
 
 Every refusal is an :class:`ArgumentsError` whose message is one line naming the flag
 and the fix; the command-line entry prints it as ``error: ...`` and exits with 2.
@@ -22,6 +26,7 @@ import os
 from megaq.config import FLAG_CLASSES, ConfigError, RunConfig
 from megaq.data.errors import DataError
 from megaq.flags import add_flags
+from megaq.megatron_flags import add_megatron_flags, check_megatron_flags, print_megatron_notes
 from megaq.model import ModelConfigError
 from megaq.parallel.pipeline import PipelineConfigError
 from megaq.parallel.topology import LayoutError
@@ -61,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "data parallelism (Megatron-LM compatible flags).")
     for cls in FLAG_CLASSES:
         add_flags(p, cls)
+    add_megatron_flags(p)  # the Megatron-LM flags megaq accepts with a note, or refuses
     return p
 
 
@@ -72,10 +78,18 @@ def default_world_size() -> int:
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None,
-                 ranks_per_node: int | None = None) -> RunConfig:
-    """Parse and validate. `world_size` defaults to torch.distributed's / $WORLD_SIZE."""
+                 ranks_per_node: int | None = None, *, print_notes: bool = False) -> RunConfig:
+    """Parse and validate. `world_size` defaults to torch.distributed's / $WORLD_SIZE.
+    A refused Megatron-LM flag raises ArgumentsError; `print_notes` (rank 0) prints the
+    notes of the accepted-and-ignored ones, each once per process."""
     flags = build_parser().parse_args(argv)
     try:
-        return RunConfig.from_flags(flags, world_size or default_world_size(), ranks_per_node)
+        config = RunConfig.from_flags(flags, world_size or default_world_size(), ranks_per_node)
     except CONFIG_ERRORS as e:
         raise ArgumentsError(str(e)) from None
+    # after the configuration's own checks, which word a refusal of a flag it defines
+    # (--fp16) themselves
+    check_megatron_flags(flags, ArgumentsError)
+    if print_notes:
+        print_megatron_notes(flags, ArgumentsError, print_fn=lambda line: print(line, flush=True))
+    return config

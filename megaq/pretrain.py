@@ -58,15 +58,19 @@ def main(argv: list[str] | None = None, topo=None):
 
     t_start = time.perf_counter()
     if topo is None:
+        from megaq.parallel.launch import rank_env_from_slurm
         from megaq.parallel.topology import ranks_per_node_from_env
+        rank_env_from_slurm()  # srun-started ranks (scripts/pretrain_slurm.sbatch)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         config = parse_config(argv, world_size=world,
-                              ranks_per_node=ranks_per_node_from_env(world, rank))
+                              ranks_per_node=ranks_per_node_from_env(world, rank),
+                              print_notes=rank == 0)
         topo = _init_distributed(config.parallel)
     else:
         config = parse_config(argv, world_size=topo.layout.world_size,
-                              ranks_per_node=topo.layout.ranks_per_node)
+                              ranks_per_node=topo.layout.ranks_per_node,
+                              print_notes=topo.rank == 0)
         _check_topology_matches(config.parallel, topo)
     if config.checkpointing.save_hf:  # refuse an architecture transformers lacks before training
         from megaq.interop.hf import model_family
@@ -123,6 +127,10 @@ def build_trainer(config, topo, t_start: float | None = None):
 
     load = config.checkpointing.load
     if load:
+        from megaq.interop.megatron import load_refusal
+        refusal = load_refusal(load)  # a Megatron-LM directory: say so, name the converter
+        if refusal:
+            raise ckpt.CheckpointError(refusal)
         loaded = ckpt.load_checkpoint(load, config=config, topo=topo, engine=engine,
                                       lr_schedule=schedule, model_chunks=chunks,
                                       load_rng=not config.checkpointing.no_load_rng,
@@ -176,12 +184,26 @@ def _zero_model_bytes(engine) -> int:
     return m() if callable(m) else m
 
 
+def _backend_name() -> str:
+    import torch.distributed as dist
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def _device_description() -> str:
+    """What the ranks compute on, e.g. 'device cuda (NVIDIA H200)' or 'device cpu'."""
+    dev = _device()
+    if dev.type == "cuda":
+        return f"device cuda ({torch.cuda.get_device_name(dev)})"
+    return "device cpu"
+
+
 def _print_banner(config, topo) -> None:
     lay, z, t = topo.layout, config.zero, config.training
     zpp = [name for on, name in ((z.quantized_weights, "qwZ"),
                                  (z.hpz_partition_size > 1, f"hpZ({z.hpz_partition_size})"),
                                  (z.quantized_gradients, f"qgZ(int{z.grad_bits_intra})")) if on]
-    print(f" megaq: world {lay.world_size} = TP {lay.tp} x PP {lay.pp} x DP {lay.dp} on "
+    print(f" megaq: {_device_description()}, backend {_backend_name()}; "
+          f"world {lay.world_size} = TP {lay.tp} x PP {lay.pp} x DP {lay.dp} on "
           f"{lay.num_nodes} node(s) of {lay.ranks_per_node}; ZeRO stage {z.stage}"
           f"{' + ' + ' + '.join(zpp) if zpp else ''}; {'bf16' if t.bf16 else 'fp32'}; "
           f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {lay.dp} "

@@ -11,11 +11,17 @@ set +e
 python -m pytest -q "$@" tests
 status=$?
 set -e
-# The Megatron interop tests skip when megatron-core is missing: say so, and how to run them.
+# The interop tests skip when their pinned client is missing: say so, and how to run them.
 if ! python -c "import megatron.core" >/dev/null 2>&1; then
   pin=$(grep -o 'megatron-core==[0-9.]*' pyproject.toml)
   echo "[test] megatron-core is not installed, so the Megatron-LM interop tests" \
-       "(tests/test_data_indexed.py) were skipped; include them with:" \
+       "(tests/test_data_indexed.py, tests/test_megatron_import.py) were skipped; include" \
+       "them with: MEGAQ_TEST_EXTRAS='$pin' bash scripts/test.sh  (as .ci/run does)"
+fi
+if ! python -c "import tokenizers" >/dev/null 2>&1; then
+  pin=$(grep -o 'tokenizers==[0-9.]*' pyproject.toml)
+  echo "[test] tokenizers is not installed, so the GPT-2 BPE / HuggingFace tokenizer tests" \
+       "(tests/test_data_tokenizer_bpe_hf.py) were skipped; include them with:" \
        "MEGAQ_TEST_EXTRAS='$pin' bash scripts/test.sh  (as .ci/run does)"
 fi
 exit "$status"

@@ -111,4 +111,4 @@ def test_wrapper_bad_model(tmp_path):
         with pytest.raises(DataError, match="not readable"):
             build_tokenizer("SentencePieceTokenizer", str(junk))
     with pytest.raises(DataError, match="not supported"):
-        build_tokenizer("HuggingFaceTokenizer", str(junk))
+        build_tokenizer("BertWordPieceCase", str(junk))

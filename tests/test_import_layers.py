@@ -23,9 +23,10 @@ LAYERS = [
     ("config", ("megaq.config",)),
     ("checkpoint", ("megaq.checkpoint",)),
     ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils")),
-    # the converters (megaq.interop) speak the command line: they write and parse the flags
-    # that describe a model, and pretrain --save-hf calls them
-    ("cli", ("megaq.arguments", "megaq.interop", "megaq.pretrain", "pretrain_gpt")),
+    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt",
+             # Megatron-LM's flags (parser additions) and checkpoint import (validates the
+             # imported architecture with the parser, writes a megaq checkpoint)
+             "megaq.megatron_flags", "megaq.interop")),
 ]
 
 

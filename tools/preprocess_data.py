@@ -5,6 +5,9 @@
       --output-prefix out/corpus --tokenizer-type SentencePieceTokenizer \
       --tokenizer-model tok.model --append-eod --workers 8
 
+  (or --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file
+   gpt2-merges.txt, or --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR)
+
 Writes out/corpus_text_document.bin/.idx (readable by Megatron-LM's IndexedDataset);
 train with --data-path out/corpus_text_document. See docs/DATA.md.
 """
@@ -17,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaq.data.errors import DataError, run_cli  # noqa: E402
 from megaq.data.preprocess import preprocess  # noqa: E402
+from megaq.data.tokenizer import SUPPORTED_TYPES, check_tokenizer_flags  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -28,8 +32,14 @@ def parse_args(argv=None):
     g.add_argument("--keep-newlines", action="store_true", help="accepted; newlines are always kept")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                   help="SentencePieceTokenizer (or GPTSentencePieceTokenizer)")
-    g.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+                   choices=SUPPORTED_TYPES, help="Megatron's tokenizer types")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file, or a local HuggingFace tokenizer directory "
+                        "(HuggingFaceTokenizer)")
+    g.add_argument("--vocab-file", default=None,
+                   help="GPT2BPETokenizer: GPT-2's vocab (encoder.json: token -> id)")
+    g.add_argument("--merge-file", default=None,
+                   help="GPT2BPETokenizer: GPT-2's merges (vocab.bpe)")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document id (<EOD>, else </s>) to each document")
     g.add_argument("--dtype", default="auto", choices=["auto", "uint16", "int32", "int64"],
@@ -49,8 +59,10 @@ def main(argv=None):
     a = parse_args(argv)
     if a.split_sentences:
         raise DataError("--split-sentences is not supported (documents are kept whole); drop it")
+    check_tokenizer_flags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file)
     preprocess(a.input, a.output_prefix, a.tokenizer_model, a.json_keys, a.tokenizer_type,
-               a.append_eod, a.workers, a.partitions, a.log_interval, a.dtype)
+               a.append_eod, a.workers, a.partitions, a.log_interval, a.dtype,
+               vocab_file=a.vocab_file, merge_file=a.merge_file)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ from typing import ClassVar
 from megaq.data.blending import parse_data_path
 from megaq.data.errors import DataError
 from megaq.data.gpt_dataset import parse_split
+from megaq.data.tokenizer import SUPPORTED_TYPES, check_tokenizer_flags
 from megaq.flags import flag, switch
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = SUPPORTED_TYPES + ("NullTokenizer",)
 MOCK_VOCAB_SIZE = 1024  # vocab of --mock-data and of the NullTokenizer without --vocab-size
 
 
@@ -33,7 +34,12 @@ class DataConfig:
         "--tokenizer-type",
         "tokenizer of --data-path (NullTokenizer: ids as they are, needs --vocab-size)",
         "SentencePieceTokenizer", choices=list(TOKENIZER_TYPES))
-    tokenizer_model: str | None = flag("--tokenizer-model", "SentencePiece .model file")
+    tokenizer_model: str | None = flag(
+        "--tokenizer-model", "SentencePiece .model file, or a local HuggingFace tokenizer "
+        "directory (HuggingFaceTokenizer)")
+    vocab_file: str | None = flag(
+        "--vocab-file", "GPT2BPETokenizer: GPT-2's vocab (encoder.json: token -> id)")
+    merge_file: str | None = flag("--merge-file", "GPT2BPETokenizer: GPT-2's merges (vocab.bpe)")
     vocab_size: int | None = flag(
         "--vocab-size", f"vocab of the NullTokenizer / --mock-data (default {MOCK_VOCAB_SIZE})",
         type=int)
@@ -47,9 +53,8 @@ class DataConfig:
         if sources > 1:
             raise DataError("pass only one of --data-path, --demo-corpus and --mock-data")
         if self.data_path:
-            if self.tokenizer_type != "NullTokenizer" and not self.tokenizer_model:
-                raise DataError(f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model "
-                                f"PATH (the SentencePiece .model used to preprocess --data-path)")
+            check_tokenizer_flags(self.tokenizer_type, self.tokenizer_model, self.vocab_file,
+                                  self.merge_file, "used to preprocess --data-path")
             if self.tokenizer_type == "NullTokenizer" and not self.vocab_size:
                 raise DataError("--tokenizer-type NullTokenizer needs --vocab-size N (the ids in "
                                 "--data-path are below N)")

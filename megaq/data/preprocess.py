@@ -1,7 +1,7 @@
 """jsonl (or .jsonl.gz) -> Megatron `{prefix}_{key}_document.bin/.idx`.
 
 The main process reads raw lines in chunks and hands them to worker processes, which
-parse the JSON, tokenize with SentencePiece and return one flat token array plus the
+parse the JSON, tokenize (megaq.data.tokenizer.build_tokenizer) and return one flat token array plus the
 document lengths per chunk; the main process writes them in input order. With one
 worker everything runs in the main process (no pickling). `--partitions N` encodes N
 contiguous line ranges one after another into temporary datasets and merges them;
@@ -112,9 +112,10 @@ def count_lines(path: str) -> int:
 class ChunkEncoder:
     """Parses and tokenizes chunks of jsonl lines; one instance per worker process."""
 
-    def __init__(self, path, json_keys, tokenizer_type, tokenizer_model, append_eod, dtype):
+    def __init__(self, path, json_keys, tokenizer_type, tokenizer_model, append_eod, dtype,
+                 vocab_file=None, merge_file=None):
         self.path, self.keys, self.append_eod = path, list(json_keys), append_eod
-        self.tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+        self.tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_file, merge_file)
         self.dtype = np.dtype(dtype)
         self._fd = None
 
@@ -189,13 +190,16 @@ def _log(msg: str) -> None:
 def preprocess(input_path: str, output_prefix: str, tokenizer_model: str,
                json_keys=("text",), tokenizer_type: str = "SentencePieceTokenizer",
                append_eod: bool = False, workers: int = 1, partitions: int = 1,
-               log_interval: int = 1000, dtype: str = "auto", log=_log) -> PreprocessStats:
-    """Tokenize `input_path` into `{output_prefix}_{key}_document.bin/.idx` per json key."""
+               log_interval: int = 1000, dtype: str = "auto", log=_log,
+               vocab_file: str | None = None, merge_file: str | None = None) -> PreprocessStats:
+    """Tokenize `input_path` into `{output_prefix}_{key}_document.bin/.idx` per json key.
+    `vocab_file`/`merge_file` are GPT2BPETokenizer's (then `tokenizer_model` is unused)."""
     if workers < 1 or partitions < 1:
         raise DataError("--workers and --partitions must be at least 1")
     if not json_keys:
         raise DataError("--json-keys is empty; name at least one key, e.g. --json-keys text")
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)  # fail early, in the parent
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_file,
+                                merge_file)  # fail early, in the parent
     np_dtype = resolve_dtype(dtype, tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -204,7 +208,8 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_model: str,
                         "JSON object per line")
 
     t0 = time.perf_counter()  # the clock includes starting the workers
-    enc_args = (input_path, list(json_keys), tokenizer_type, tokenizer_model, append_eod, np_dtype)
+    enc_args = (input_path, list(json_keys), tokenizer_type, tokenizer_model, append_eod, np_dtype,
+                vocab_file, merge_file)
     stats = PreprocessStats(empty=dict.fromkeys(json_keys, 0), tokens=dict.fromkeys(json_keys, 0))
     writers = {}
     pool = None

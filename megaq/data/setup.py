@@ -37,7 +37,8 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
     if data.mock_data or data.tokenizer_type == "NullTokenizer":
         vocab_size = data.vocab_size or MOCK_VOCAB_SIZE
     else:
-        tok = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
+        tok = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file,
+                              data.merge_file)
         vocab_size, eod = tok.vocab_size, tok.eod
     cache = data.data_cache_path or os.path.join(default_cache_dir(), "indices")
     train_ds, valid_ds, _ = build_train_valid_test_datasets(

@@ -1,4 +1,8 @@
-"""SentencePiece tokenizer wrapper with Megatron-LM's ids.
+"""Megatron-LM's tokenizer types; this module holds the SentencePiece ones and
+`build_tokenizer`, which also builds `GPT2BPETokenizer` (megaq/data/gpt2_bpe.py:
+`--vocab-file`/`--merge-file`) and `HuggingFaceTokenizer` (megaq/data/hf_tokenizer.py:
+`--tokenizer-model DIR`). Every tokenizer has tokenize / tokenize_batch / detokenize and
+vocab_size / eod / pad.
 
 Megatron-LM has two SentencePiece tokenizer types, and megaq reproduces both, so that
 files and checkpoints made with Megatron agree on every id and on the vocab size:
@@ -26,7 +30,8 @@ import os
 
 from megaq.data.errors import DataError
 
-SUPPORTED_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+SUPPORTED_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
+                   "HuggingFaceTokenizer")
 EOD_PIECE = "<EOD>"
 
 
@@ -121,10 +126,36 @@ class SentencePieceTokenizer:
                 f"eod={self.eod}, pad={self.pad})")
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str) -> SentencePieceTokenizer:
-    """Megatron's `--tokenizer-type` / `--tokenizer-model` -> tokenizer object."""
+def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None,
+                          vocab_file: str | None, merge_file: str | None,
+                          purpose: str = "") -> None:
+    """Refuse a tokenizer type without the files it is read from (one DataError line,
+    before any worker or rank starts); `purpose` ends the line, e.g. "used to
+    preprocess --data-path". Used by DataConfig and tools/preprocess_data.py."""
+    tail = f" {purpose}" if purpose else ""
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not (vocab_file and merge_file):
+            raise DataError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
+                            f"--merge-file (GPT-2's encoder.json and vocab.bpe{tail})")
+    elif tokenizer_type in SUPPORTED_TYPES and not tokenizer_model:
+        what = ("a local tokenizer directory" if tokenizer_type == "HuggingFaceTokenizer"
+                else "the SentencePiece .model file")
+        raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH "
+                        f"({what}{tail})")
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None,
+                    vocab_file: str | None = None, merge_file: str | None = None):
+    """Megatron's `--tokenizer-type` / `--tokenizer-model` / `--vocab-file` /
+    `--merge-file` -> tokenizer object."""
     if tokenizer_type not in SUPPORTED_TYPES:
         raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
                         f"use one of {', '.join(SUPPORTED_TYPES)}")
+    if tokenizer_type == "GPT2BPETokenizer":
+        from megaq.data.gpt2_bpe import GPT2BPETokenizer
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from megaq.data.hf_tokenizer import HuggingFaceTokenizer
+        return HuggingFaceTokenizer(tokenizer_model)
     return SentencePieceTokenizer(tokenizer_model,
                                   megatron_specials=tokenizer_type == "SentencePieceTokenizer")

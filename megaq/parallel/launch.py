@@ -92,16 +92,23 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
     return [results[r] for r in range(world_size)]
 
 
+def rank_env_from_slurm() -> None:
+    """srun without torchrun (one task per GPU): RANK / WORLD_SIZE / LOCAL_RANK from
+    slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, unless a launcher set them."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env.setdefault("RANK", env["SLURM_PROCID"])
+        env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+
+
 def init_from_env(backend: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun/slurm variables (or as one rank).
 
     Returns (rank, world_size). Sets the CUDA device from the local rank.
     """
     env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
-        env.setdefault("RANK", env["SLURM_PROCID"])
-        env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
-        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    rank_env_from_slurm()
     if "RANK" not in env:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(_free_port()))

@@ -1,0 +1,442 @@
+"""Import Megatron-LM checkpoints (the `torch` format, megatron-core GPT names) into megaq.
+
+Megatron-LM's `--ckpt-format torch` layout::
+
+    latest_checkpointed_iteration.txt      "1000" (or "release")
+    iter_0001000/                          (or release/)
+      mp_rank_{tp:02d}/model_optim_rng.pt            pipeline size 1
+      mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   pipeline size > 1
+        {"args": argparse.Namespace, "iteration", "checkpoint_version",
+         "model" (or "model0", "model1", ... with virtual pipeline stages),
+         "optimizer", "opt_param_scheduler", "rng_state"}
+      mp_rank_*/distrib_optim.pt                     --use-distributed-optimizer
+
+megaq's own checkpoints share the tracker and iter_* names but hold
+mp_rank_XX_YYY/model_optim.pt, so the two are told apart by the file name.
+
+Weights: megatron-core's GPTModel names are megaq's with a `decoder.` prefix on the
+blocks and `final_layernorm` for megaq's `final_norm`; the fused QKV layout (per query
+group: its query heads, then K, then V) and the SwiGLU fc1 layout ([gate; up]) are the
+same. Transformer-Engine layer specs fold the norms into the next linear
+(`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`): they map back to
+megaq's input_layernorm / pre_mlp_layernorm. Pipeline stages number their layers from
+0 in the file: the global index adds the layers of the stages (and virtual chunks)
+before it. TP shards are concatenated along Megatron's partition dimension (rows for
+column-parallel weights and the vocabulary, columns for row-parallel ones; fc1 with
+SwiGLU holds [gate_r; up_r] per rank).
+
+The optimizer state is not imported: Megatron stores AdamW moments by its own flat
+parameter buckets (distrib_optim.pt) or by position in its param groups, not by name,
+so there is no faithful mapping onto megaq's moments; asking for it is refused.
+
+Public API:
+    is_megatron_checkpoint(path) -> str | None         one-line description, or None
+    load_megatron_checkpoint(path) -> (config, weights) megaq flags/values + full tensors
+    write_megaq_checkpoint(config, weights, out_dir)    iteration-0 megaq checkpoint
+    convert_to_megaq(a) -> str                          tools/convert_checkpoint.py --from megatron
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Iterator
+
+import torch
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"        # Megatron-LM's; megaq writes model_optim.pt
+_MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+CONVERT_HINT = ("python tools/convert_checkpoint.py --from megatron --to megaq "
+                "--input {src} --output MEGAQ_DIR")
+
+
+class MegatronImportError(RuntimeError):
+    """A checkpoint that cannot be imported as asked; one line naming why and the fix."""
+
+
+# ------------------------------------------------------------------------ discovery
+def _iteration_dir(path: str) -> tuple[str, str] | None:
+    """(iter dir, iteration text) for a checkpoint root or an iter_*/release dir."""
+    tracker = os.path.join(path, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        name = "release" if it == "release" else (f"iter_{int(it):07d}" if it.isdigit() else None)
+        return (os.path.join(path, name), it) if name else None
+    base = os.path.basename(os.path.normpath(path))
+    if base == "release" or re.fullmatch(r"iter_\d{7}", base):
+        return path, ("release" if base == "release" else str(int(base[5:])))
+    return None
+
+
+def _mp_dirs(iter_dir: str) -> dict[tuple[int, int], str]:
+    """{(tp, pp): dir} of the mp_rank_* directories that hold Megatron's model file."""
+    out = {}
+    if not os.path.isdir(iter_dir):
+        return out
+    for name in os.listdir(iter_dir):
+        m = _MP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(iter_dir, name, MODEL_FILE)):
+            out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(iter_dir, name)
+    return out
+
+
+def _is_torch_dist(iter_dir: str) -> bool:
+    return os.path.isdir(iter_dir) and (
+        os.path.isfile(os.path.join(iter_dir, "metadata.json"))
+        or any(n.endswith(".distcp") for n in os.listdir(iter_dir)))
+
+
+def is_megatron_checkpoint(path: str) -> str | None:
+    """One line saying which Megatron-LM checkpoint `path` is, or None when it is not one
+    (a megaq checkpoint, an empty directory, anything else)."""
+    if not path or not os.path.isdir(path):
+        return None
+    found = _iteration_dir(path)
+    if found is None:
+        return None
+    iter_dir, it = found
+    if _is_torch_dist(iter_dir):
+        return f"Megatron-LM checkpoint in the torch_dist (distributed) format, iteration {it}"
+    mp = _mp_dirs(iter_dir)
+    if not mp:
+        return None
+    tp = max(t for t, _ in mp) + 1
+    pp = max(p for _, p in mp) + 1
+    return f"Megatron-LM checkpoint (torch format), iteration {it}, TP {tp} x PP {pp}"
+
+
+def load_refusal(path: str) -> str | None:
+    """For `--load PATH`: the one-line reason PATH cannot be resumed by megaq and the
+    command that converts it, or None when PATH is not a Megatron-LM checkpoint."""
+    what = is_megatron_checkpoint(path)
+    if what is None:
+        return None
+    return (f"{path} is a {what}, not a megaq checkpoint; convert it with "
+            f"`{CONVERT_HINT.format(src=path)}` and start from it with --finetune "
+            f"--pretrained-checkpoint MEGAQ_DIR (or --load MEGAQ_DIR --no-load-rng)")
+
+
+# ------------------------------------------------------------------------ reading
+def _read(path: str) -> dict:
+    # Megatron pickles an argparse.Namespace (with enums and dtypes) in every file, so
+    # weights_only loading cannot read it: only import checkpoints you trust.
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
+        raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
+                                  "damaged or incomplete") from None
+
+
+def _model_chunks(sd: dict, path: str) -> list[dict]:
+    if "model" in sd:
+        return [sd["model"]]
+    chunks = sorted((k for k in sd if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if not chunks:
+        raise MegatronImportError(f"{path} has no 'model' state dict; it is not a Megatron-LM "
+                                  "model checkpoint")
+    return [sd[k] for k in chunks]
+
+
+def _arg(a, name, default=None):
+    return getattr(a, name, default) if a is not None else default
+
+
+def architecture_from_args(a, path: str) -> dict:
+    """megaq's architecture values from Megatron's saved args; refuses what megaq lacks."""
+    if a is None:
+        raise MegatronImportError(f"{path} holds no 'args'; the architecture (heads, norm, "
+                                  "activation) cannot be inferred from the weights alone")
+
+    def refuse(what):
+        raise MegatronImportError(f"{path}: the model uses {what}, which megaq does not "
+                                  "implement; it cannot be imported")
+    if (_arg(a, "num_experts") or 0) > 1:
+        refuse(f"a mixture of experts (--num-experts {a.num_experts})")
+    if _arg(a, "qk_layernorm"):
+        refuse("QK layer norm (--qk-layernorm)")
+    if _arg(a, "squared_relu"):
+        refuse("squared ReLU (--squared-relu)")
+    if (_arg(a, "rotary_percent", 1.0) or 1.0) != 1.0:
+        refuse(f"partial rotary embeddings (--rotary-percent {a.rotary_percent})")
+    if _arg(a, "multi_latent_attention"):
+        refuse("multi-latent attention")
+    pos = _arg(a, "position_embedding_type") or (
+        "rope" if _arg(a, "use_rotary_position_embeddings") else "learned_absolute")
+    if pos not in ("rope", "learned_absolute"):
+        refuse(f"--position-embedding-type {pos}")
+    if _arg(a, "add_qkv_bias") and not _arg(a, "add_bias_linear", True):
+        refuse("a QKV bias without the other linear biases (--add-qkv-bias)")
+    heads = a.num_attention_heads
+    groups = _arg(a, "num_query_groups") if _arg(a, "group_query_attention") else None
+    padded = _arg(a, "padded_vocab_size")
+    return {
+        "num_layers": a.num_layers, "hidden_size": a.hidden_size,
+        "ffn_hidden_size": _arg(a, "ffn_hidden_size") or 4 * a.hidden_size,
+        "num_attention_heads": heads, "num_query_groups": groups or heads,
+        "kv_channels": _arg(a, "kv_channels") or a.hidden_size // heads,
+        "seq_length": _arg(a, "seq_length"),
+        "max_position_embeddings": _arg(a, "max_position_embeddings") or _arg(a, "seq_length"),
+        "position_embedding_type": pos,
+        "rotary_base": _arg(a, "rotary_base", 10000) or 10000,
+        "normalization": _arg(a, "normalization", "LayerNorm") or "LayerNorm",
+        "norm_epsilon": _arg(a, "norm_epsilon", _arg(a, "layernorm_epsilon", 1e-5)) or 1e-5,
+        "swiglu": bool(_arg(a, "swiglu")),
+        "add_bias_linear": bool(_arg(a, "add_bias_linear", True)),
+        "untie_embeddings_and_output_weights": bool(_arg(a, "untie_embeddings_and_output_weights")),
+        "make_vocab_size_divisible_by": _arg(a, "make_vocab_size_divisible_by", 128) or 128,
+        "padded_vocab_size": padded,
+        "vocab_size": _arg(a, "vocab_size"),  # None when Megatron took it from the tokenizer
+    }
+
+
+def architecture_flags(arch: dict) -> list[str]:
+    """pretrain_gpt.py flags that build this architecture in megaq."""
+    f = ["--num-layers", arch["num_layers"], "--hidden-size", arch["hidden_size"],
+         "--ffn-hidden-size", arch["ffn_hidden_size"],
+         "--num-attention-heads", arch["num_attention_heads"],
+         "--kv-channels", arch["kv_channels"],
+         "--max-position-embeddings", arch["max_position_embeddings"],
+         "--position-embedding-type", arch["position_embedding_type"],
+         "--normalization", arch["normalization"], "--norm-epsilon", arch["norm_epsilon"],
+         "--make-vocab-size-divisible-by", arch["make_vocab_size_divisible_by"]]
+    if arch["seq_length"]:
+        f += ["--seq-length", arch["seq_length"]]
+    if arch["num_query_groups"] != arch["num_attention_heads"]:
+        f += ["--group-query-attention", "--num-query-groups", arch["num_query_groups"]]
+    if arch["position_embedding_type"] == "rope":
+        f += ["--rotary-base", arch["rotary_base"]]
+    if arch["swiglu"]:
+        f.append("--swiglu")
+    if not arch["add_bias_linear"]:
+        f.append("--disable-bias-linear")
+    if arch["untie_embeddings_and_output_weights"]:
+        f.append("--untie-embeddings-and-output-weights")
+    return [str(x) for x in f]
+
+
+# megatron-core name inside a block -> (megaq name inside a block, TP dim, stride); dim -1:
+# replicated over TP. The stride of fc1 becomes 2 with SwiGLU ([gate_r; up_r] per rank).
+_BLOCK = {
+    "input_layernorm.weight": ("input_layernorm.weight", -1),
+    "input_layernorm.bias": ("input_layernorm.bias", -1),
+    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight", -1),
+    "self_attention.linear_qkv.layer_norm_bias": ("input_layernorm.bias", -1),
+    "self_attention.linear_qkv.weight": ("self_attention.linear_qkv.weight", 0),
+    "self_attention.linear_qkv.bias": ("self_attention.linear_qkv.bias", 0),
+    "self_attention.linear_proj.weight": ("self_attention.linear_proj.weight", 1),
+    "self_attention.linear_proj.bias": ("self_attention.linear_proj.bias", -1),
+    "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight", -1),
+    "pre_mlp_layernorm.bias": ("pre_mlp_layernorm.bias", -1),
+    "mlp.linear_fc1.layer_norm_weight": ("pre_mlp_layernorm.weight", -1),
+    "mlp.linear_fc1.layer_norm_bias": ("pre_mlp_layernorm.bias", -1),
+    "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", 0),
+    "mlp.linear_fc1.bias": ("mlp.linear_fc1.bias", 0),
+    "mlp.linear_fc2.weight": ("mlp.linear_fc2.weight", 1),
+    "mlp.linear_fc2.bias": ("mlp.linear_fc2.bias", -1),
+}
+_TOP = {
+    "embedding.word_embeddings.weight": ("embedding.word_embeddings.weight", 0),
+    "embedding.position_embeddings.weight": ("embedding.position_embeddings.weight", -1),
+    "decoder.final_layernorm.weight": ("final_norm.weight", -1),
+    "decoder.final_layernorm.bias": ("final_norm.bias", -1),
+    "output_layer.weight": ("output_layer.weight", 0),
+}
+_IGNORED = re.compile(r"(\._extra_state$|rotary_pos_emb\.inv_freq$)")
+
+
+def _megaq_name(name: str, layer_offset: int, path: str) -> tuple[str, int] | None:
+    """(megaq global name, TP dim) of one megatron-core name; None for non-weights."""
+    if _IGNORED.search(name):
+        return None
+    m = re.match(r"decoder\.layers\.(\d+)\.(.+)$", name)
+    if m and m.group(2) in _BLOCK:
+        local, dim = _BLOCK[m.group(2)]
+        return f"layers.{layer_offset + int(m.group(1))}.{local}", dim
+    if name in _TOP:
+        return _TOP[name]
+    if name.startswith("language_model."):
+        raise MegatronImportError(f"{path} uses Megatron-LM's legacy (pre-mcore) model names "
+                                  f"({name}); re-save it from a --use-mcore-models run (or convert "
+                                  "it with Megatron-LM's tools/checkpoint) first")
+    raise MegatronImportError(f"{path}: tensor {name} has no megaq counterpart; the model has "
+                              "parts megaq lacks")
+
+
+def _layers_in(chunk: dict) -> int:
+    idx = {int(m.group(1)) for k in chunk if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+    return max(idx) + 1 if idx else 0
+
+
+def load_megatron_checkpoint(path: str, *, optimizer: bool = False) -> tuple[dict, Iterator]:
+    """Read a Megatron-LM torch-format checkpoint of any TP x PP (x virtual PP).
+
+    Returns (config, weights): config holds the architecture (architecture_from_args's
+    keys), "flags" (pretrain_gpt.py flags for it), "iteration", "source" (path),
+    "megatron_layout" ({"tp", "pp", "vp"}) and "has_optimizer"; weights yields
+    (megaq global name, full fp32/bf16 tensor) pairs, in megaq's layout. `optimizer=True`
+    (import the AdamW state too) is refused: Megatron's optimizer state has no by-name
+    mapping onto megaq's."""
+    found = _iteration_dir(path) if os.path.isdir(path) else None
+    if found is None:
+        raise MegatronImportError(f"{path} is not a Megatron-LM checkpoint directory (no {TRACKER_FILE}"
+                                  " and not an iter_XXXXXXX directory); pass the --save directory "
+                                  "of the Megatron-LM run")
+    iter_dir, it = found
+    if _is_torch_dist(iter_dir):
+        raise MegatronImportError(f"{iter_dir} is in Megatron-LM's torch_dist format; re-save it in "
+                                  "the torch format with Megatron-LM (--load it with --ckpt-convert-"
+                                  "format torch --ckpt-convert-save OUT_DIR) and import OUT_DIR")
+    mp = _mp_dirs(iter_dir)
+    if not mp:
+        raise MegatronImportError(f"{iter_dir} holds no mp_rank_*/{MODEL_FILE}; the checkpoint is "
+                                  "incomplete (or it is a megaq checkpoint: --load it directly)")
+    tp = max(t for t, _ in mp) + 1
+    pp = max(p for _, p in mp) + 1
+    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in mp]
+    if missing:
+        t, p = missing[0]
+        raise MegatronImportError(f"{iter_dir}: the shard of TP rank {t}, PP rank {p} is missing "
+                                  f"({len(missing)} of {tp * pp}); the checkpoint is incomplete")
+    files = {(t, p): os.path.join(d, MODEL_FILE) for (t, p), d in mp.items()}
+    first = _read(files[(0, 0)])
+    a = first.get("args")
+    arch = architecture_from_args(a, files[(0, 0)])
+    has_optim = bool(first.get("optimizer")) or any(
+        os.path.isfile(os.path.join(d, "distrib_optim.pt")) for d in mp.values())
+    if optimizer and has_optim:
+        raise MegatronImportError(
+            f"{path}: Megatron-LM's optimizer state (Adam moments kept by parameter bucket or "
+            "param-group position, not by name) cannot be mapped onto megaq's optimizer; import "
+            "the weights only and fine-tune with --finetune (fresh AdamW moments)")
+    vp = len(_model_chunks(first, files[(0, 0)]))
+    config = dict(arch, flags=architecture_flags(arch), iteration=it, source=os.path.abspath(path),
+                  megatron_layout={"tp": tp, "pp": pp, "vp": vp}, has_optimizer=has_optim)
+    config["vocab_rows"] = None  # filled in by weights() with the embedding's row count
+
+    def weights():
+        # Stage files of one TP rank share nothing: read one pipeline stage (all TP ranks)
+        # at a time, so memory holds one stage's shards plus the finished full tensors.
+        sharded: dict[str, tuple[int, list]] = {}
+        offsets, total = {}, 0
+        by_stage = {}
+        for p in range(pp):
+            by_stage[p] = [(_model_chunks(first, files[(0, 0)]) if (t, p) == (0, 0)
+                            else _model_chunks(_read(files[(t, p)]), files[(t, p)]))
+                           for t in range(tp)]
+        for v in range(vp):  # Megatron's layer order: chunk-major, then stage
+            for p in range(pp):
+                offsets[(p, v)] = total
+                total += _layers_in(by_stage[p][0][v])
+        if total != arch["num_layers"]:
+            raise MegatronImportError(f"{path}: the stage files hold {total} layers, args say "
+                                      f"--num-layers {arch['num_layers']}; the checkpoint is "
+                                      "inconsistent")
+        tied = not arch["untie_embeddings_and_output_weights"]
+        for p in range(pp):
+            for v in range(vp):
+                for name in by_stage[p][0][v]:
+                    mapped = _megaq_name(name, offsets[(p, v)], files[(0, p)])
+                    if mapped is None:
+                        continue
+                    gname, dim = mapped
+                    if tied and gname == "output_layer.weight":
+                        continue  # the last stage's copy of the tied embedding
+                    parts = [by_stage[p][t][v][name] for t in range(tp)]
+                    sharded[gname] = (dim, parts)
+            del by_stage[p]
+            for gname in list(sharded):
+                dim, parts = sharded.pop(gname)
+                stride = 2 if arch["swiglu"] and gname.endswith(("linear_fc1.weight",
+                                                                 "linear_fc1.bias")) else 1
+                full = parts[0] if dim < 0 or tp == 1 else _concat(parts, dim, stride)
+                if gname == "embedding.word_embeddings.weight":
+                    config["vocab_rows"] = full.shape[0]
+                yield gname, full
+    return config, weights()
+
+
+def _concat(parts, dim, stride):
+    from megaq.checkpoint import concat_tp_shards
+    return concat_tp_shards(parts, dim, stride)
+
+
+# ------------------------------------------------------------------------ writing
+def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bool = False,
+                           vocab_size: int | None = None) -> dict:
+    """A megaq checkpoint at iteration 0 (TP 1, PP 1: megaq reshards on load to any
+    TP x PP x DP) with fresh AdamW moments, plus megaq_args.txt: the architecture flags.
+    The vocabulary rows are megaq's padding of `vocab_size` (default: the checkpoint's
+    true vocab when its args name one, else every embedding row). Returns
+    {"dir", "flags", "load_flags", "tensors"}."""
+    from megaq import checkpoint as ckpt
+    from megaq.arguments import ArgumentsError, parse_config
+    from megaq.lr_schedule import LRSchedule
+    from megaq.parallel.topology import Layout
+
+    if os.path.exists(out_dir) and not overwrite:
+        raise MegatronImportError(f"{out_dir} exists; choose a new --output or pass --overwrite")
+    params = {}
+    for name, t in weights:  # reads every shard; the embedding fixes vocab_rows
+        params[name] = t
+    rows = config["vocab_rows"]
+    vocab = vocab_size or config.get("vocab_size") or rows
+    flags = config["flags"] + ["--vocab-size", str(vocab)]
+    try:
+        run = parse_config(flags + ["--micro-batch-size", "1", "--global-batch-size", "1",
+                                    "--train-iters", "1", "--lr", "0", "--mock-data"],
+                           world_size=1, ranks_per_node=1)
+    except ArgumentsError as e:
+        raise MegatronImportError(f"the imported architecture does not validate in megaq: {e}") from None
+    run = run.resolved(run.data, vocab)  # what a run's data setup does with the tokenizer's vocab
+    if vocab > rows:
+        raise MegatronImportError(f"vocab size {vocab} exceeds the checkpoint's {rows} embedding "
+                                  "rows; pass the tokenizer's vocab size")
+    entries = {}
+    zero = torch.zeros(1)
+    for name, t in params.items():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = ckpt._fit_rows(t, 0, run.padded_vocab_size, name)
+        t = t.float().contiguous()
+        z = zero.expand_as(t)
+        entries[name] = {"param": t, "exp_avg": z, "exp_avg_sq": z}
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        ckpt._save_file({
+            "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
+            "config": run.to_dict(), "layout": ckpt._layout_dict(Layout(1, tp=1, pp=1)),
+            "lr_scheduler": LRSchedule.from_config(run.optimizer).state_dict(),
+            "extra": {"imported_from": config["source"], "megatron_iteration": config["iteration"],
+                      "megatron_layout": config["megatron_layout"]},
+            "model_optim": {"step": 0, "params": entries},
+        }, ckpt.model_file(ckpt.iteration_dir(tmp, 0), 0, 0))
+        with open(os.path.join(tmp, ckpt.TRACKER_FILE), "w") as f:
+            f.write("0\n")
+        with open(os.path.join(tmp, "megaq_args.txt"), "w") as f:
+            f.write(" ".join(flags) + "\n")
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dir": out_dir, "flags": flags, "tensors": len(entries),
+            "load_flags": ["--load", out_dir, "--no-load-rng"]}
+
+
+def convert_to_megaq(a) -> str:
+    """tools/convert_checkpoint.py --from megatron --to megaq: `a.input` (a Megatron-LM
+    --save directory) -> `a.output` (megaq checkpoint); returns the report lines."""
+    config, weights = load_megatron_checkpoint(a.input)
+    out = write_megaq_checkpoint(config, weights, a.output, overwrite=getattr(a, "overwrite", False))
+    lay = config["megatron_layout"]
+    note = ("; Megatron's optimizer state was not imported (fresh AdamW moments)"
+            if config["has_optimizer"] else "")
+    return (f"[convert] {a.input} (Megatron-LM iteration {config['iteration']}, TP {lay['tp']} x PP "
+            f"{lay['pp']}) -> {out['dir']}: {out['tensors']} tensors{note}\n"
+            f"[convert] train from it with: python pretrain_gpt.py {' '.join(out['flags'])} "
+            f"{' '.join(out['load_flags'])} <data and training flags>")
