@@ -368,63 +368,48 @@ def _concat(parts, dim, stride):
 def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bool = False,
                            vocab_size: int | None = None) -> dict:
     """A megaq checkpoint at iteration 0 (TP 1, PP 1: megaq reshards on load to any
-    TP x PP x DP) with fresh AdamW moments, plus megaq_args.txt: the architecture flags.
-    The vocabulary rows are megaq's padding of `vocab_size` (default: the checkpoint's
-    true vocab when its args name one, else every embedding row). Returns
-    {"dir", "flags", "load_flags", "tensors"}."""
+    TP x PP x DP) with fresh AdamW moments, plus megaq_args.txt / .json: the architecture
+    flags. Written by the shared interop writer (megaq.interop.common), so it is the
+    same form as a training save and as the Hugging Face import. The vocabulary rows are
+    megaq's padding of `vocab_size` (default: the checkpoint's true vocab when its args
+    name one, else every embedding row). Returns {"dir", "flags", "load_flags", "tensors"}."""
     from megaq import checkpoint as ckpt
-    from megaq.arguments import ArgumentsError, parse_config
-    from megaq.lr_schedule import LRSchedule
-    from megaq.parallel.topology import Layout
+    from megaq.interop.common import (InteropError, megaq_layout, megaq_run_config,
+                                      replace_dir, temp_dir_for, write_megaq_args,
+                                      write_megaq_checkpoint as write_iteration_zero)
 
     if os.path.exists(out_dir) and not overwrite:
         raise MegatronImportError(f"{out_dir} exists; choose a new --output or pass --overwrite")
-    params = {}
-    for name, t in weights:  # reads every shard; the embedding fixes vocab_rows
-        params[name] = t
+    params = dict(weights)  # reads every shard; the embedding fixes vocab_rows
     rows = config["vocab_rows"]
     vocab = vocab_size or config.get("vocab_size") or rows
     flags = config["flags"] + ["--vocab-size", str(vocab)]
-    try:
-        run = parse_config(flags + ["--micro-batch-size", "1", "--global-batch-size", "1",
-                                    "--train-iters", "1", "--lr", "0", "--mock-data"],
-                           world_size=1, ranks_per_node=1)
-    except ArgumentsError as e:
-        raise MegatronImportError(f"the imported architecture does not validate in megaq: {e}") from None
-    run = run.resolved(run.data, vocab)  # what a run's data setup does with the tokenizer's vocab
     if vocab > rows:
         raise MegatronImportError(f"vocab size {vocab} exceeds the checkpoint's {rows} embedding "
                                   "rows; pass the tokenizer's vocab size")
-    entries = {}
-    zero = torch.zeros(1)
-    for name, t in params.items():
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t = ckpt._fit_rows(t, 0, run.padded_vocab_size, name)
-        t = t.float().contiguous()
-        z = zero.expand_as(t)
-        entries[name] = {"param": t, "exp_avg": z, "exp_avg_sq": z}
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        ckpt._save_file({
-            "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0, "consumed_samples": 0,
-            "config": run.to_dict(), "layout": ckpt._layout_dict(Layout(1, tp=1, pp=1)),
-            "lr_scheduler": LRSchedule.from_config(run.optimizer).state_dict(),
-            "extra": {"imported_from": config["source"], "megatron_iteration": config["iteration"],
-                      "megatron_layout": config["megatron_layout"]},
-            "model_optim": {"step": 0, "params": entries},
-        }, ckpt.model_file(ckpt.iteration_dir(tmp, 0), 0, 0))
-        with open(os.path.join(tmp, ckpt.TRACKER_FILE), "w") as f:
-            f.write("0\n")
-        with open(os.path.join(tmp, "megaq_args.txt"), "w") as f:
-            f.write(" ".join(flags) + "\n")
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        run = megaq_run_config(flags, 1, 1)
+    except InteropError as e:
+        raise MegatronImportError(f"the imported architecture does not validate in megaq: {e}") from None
+
+    def full_tensor(info) -> torch.Tensor:
+        t = params[info.name]
+        if info.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = ckpt.fit_rows(t, 0, run.padded_vocab_size, info.name)
+        return t
+
+    tmp = temp_dir_for(out_dir)
+    try:
+        write_iteration_zero(tmp, run, megaq_layout(run.model, 1, 1), full_tensor,
+                             extra={"imported_from": config["source"],
+                                    "megatron_iteration": config["iteration"],
+                                    "megatron_layout": config["megatron_layout"]})
+        write_megaq_args(tmp, out_dir, flags, {"source": config["source"]})
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"dir": out_dir, "flags": flags, "tensors": len(entries),
+    return {"dir": out_dir, "flags": flags, "tensors": len(params),
             "load_flags": ["--load", out_dir, "--no-load-rng"]}
 
 
