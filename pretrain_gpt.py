@@ -72,7 +72,7 @@ def _init_distributed(args):
     from megaq.arguments import rank_order
     from megaq.parallel.launch import init_from_env
     from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
-    rank, world = init_from_env(args.distributed_backend)
+    rank, world = init_from_env(args.distributed_backend, args.distributed_timeout_minutes)
     rpn = ranks_per_node_from_env(world, rank, args.gpus_per_node)
     layout = Layout(world_size=world, tp=args.tensor_model_parallel_size,
                     pp=args.pipeline_model_parallel_size, ranks_per_node=rpn,
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
         _print_banner(args, topo)
 
     from megaq import checkpoint as ckpt
+    from megaq import checkpoint_guard, failure
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel.pipeline import build_model_chunks
     from megaq.training import TrainingParts, Trainer, TrainState
@@ -133,11 +134,15 @@ def main(argv: list[str] | None = None, topo=None, hooks: dict | None = None):
     schedule = LRSchedule.from_args(args)
     state = TrainState()
 
+    if args.save:  # one job per directory; stale .tmp saves removed (megaq.checkpoint_guard)
+        checkpoint_guard.claim_save_directory(args.save, topo)
     if args.load:
-        loaded = ckpt.load_checkpoint(args.load, args=args, topo=topo, engine=engine,
-                                      lr_schedule=schedule, model_chunks=chunks,
-                                      load_rng=not args.no_load_rng,
-                                      load_optim=not args.no_load_optim)
+        # every rank reads its own files; all agree before anyone exits (megaq.failure)
+        with failure.agreed(topo.world):
+            loaded = ckpt.load_checkpoint(args.load, args=args, topo=topo, engine=engine,
+                                          lr_schedule=schedule, model_chunks=chunks,
+                                          load_rng=not args.no_load_rng,
+                                          load_optim=not args.no_load_optim)
         if loaded is None:
             if rank0:
                 print(f" no checkpoint found in {args.load}: starting from scratch", flush=True)
@@ -203,7 +208,7 @@ def build_data(args, topo) -> Data:
     gbs = args.global_batch_size
     n_evals = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
     num_samples = (args.train_iters * gbs, n_evals * args.eval_iters * gbs,
-                   args.eval_iters * gbs)
+                   0)  # the test split is never read in training: ask it for no samples
     cache = args.data_cache_path or os.path.join(default_cache_dir(), "indices")
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         args.data_path, args.split, args.seq_length, args.seed, num_samples, cache,
@@ -262,15 +267,19 @@ def cli(argv=None) -> int:
     from megaq.parallel.topology import LayoutError
     from megaq.training import TrainingDiverged
     from megaq.zero import ZeroConfigError
+    from megaq import failure
     finished = False
     try:
         main(argv)
         finished = True
     except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
-            TrainingDiverged, ZeroConfigError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            TrainingDiverged, ZeroConfigError, failure.AgreedError) as e:
+        failure.report(e, *failure.current_rank_and_world())  # every rank, at once (see there)
         return 2
+    except KeyboardInterrupt:
+        failure.report(KeyboardInterrupt("interrupted (Ctrl-C) before training started; "
+                                         "nothing was saved"), *failure.current_rank_and_world())
+        return 130
     finally:
         _shut_down_distributed(orderly=finished)
     return 0

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "groups on as few nodes as possible")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="a collective waiting this long for a peer fails the job (every "
+                        "process group; fractions allowed)")
 
     g = p.add_argument_group("ZeRO / ZeRO++ (data parallelism)")
     g.add_argument("--zero-stage", type=int, choices=[0, 3], default=3,
@@ -159,7 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit after this many minutes of training (job time limits)")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM / SIGUSR1 (any rank): finish the iteration, save, exit")
+                   help="on SIGTERM / SIGUSR1 / SIGINT (any rank): finish the iteration, save, "
+                        "exit 0; a second Ctrl-C exits at once")
+    g.add_argument("--hang-timeout-minutes", type=float, default=None,
+                   help="abort a rank, printing its stacks and last collective, when no "
+                        "iteration completes for this long (default: 5 x the slowest "
+                        "iteration so far, at least 5 minutes; fractions allowed)")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--lr", type=float, required=True, help="peak learning rate")
@@ -208,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true", help="do not restore RNG streams")
     g.add_argument("--no-load-optim", action="store_true",
                    help="load weights only (fresh AdamW moments)")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="load without checking files against the checkpoint's SHA-256 "
+                        "manifest (checkpoints without one, damaged files you accept)")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100,
@@ -407,6 +418,9 @@ def validate_args(args: argparse.Namespace, world_size: int,
         _fail("--exit-duration-in-mins must be > 0")
     if args.max_consecutive_skipped_iters < 1:
         _fail("--max-consecutive-skipped-iters must be >= 1")
+    for flag in ("distributed_timeout_minutes", "hang_timeout_minutes"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+            _fail(f"--{flag.replace('_', '-')} must be > 0 minutes (got {getattr(args, flag)})")
     args.params_dtype = "bf16" if args.bf16 else "fp32"
     return args
 
