@@ -200,5 +200,20 @@ def write_errors(root: str, tmp: str, state, group, cleanup):
     with failure.agreed(group, catch=(_WriteFailed,), on_failure=cleanup):
         try:
             yield
-        except OSError as e:
-            raise _WriteFailed(describe_write_error(e, root, state)) from None
+        except Exception as e:  # noqa: BLE001 - any failure must reach the peers waiting below
+            os_error = _os_error_in(e)
+            if os_error is not None:
+                raise _WriteFailed(describe_write_error(os_error, root, state)) from None
+            raise _WriteFailed(f"saving the checkpoint to {root} failed ({type(e).__name__}: "
+                               f"{e}); the unfinished save was deleted") from e
+
+
+def _os_error_in(e: BaseException | None) -> OSError | None:
+    """The OSError behind `e`: torch.save reports a failed write as the RuntimeError of
+    its zip writer's cleanup, with the OSError as its context."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None

@@ -155,7 +155,8 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
 
 
 def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | None = None,
-                     timeout: float = 300.0, grace: float = 5.0, on_start=None) -> dict:
+                     timeout: float = 300.0, grace: float = 5.0, before=None,
+                     on_start=None) -> dict:
     """Run a whole command-line program on `world_size` forked ranks, as torchrun would.
 
     Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -163,8 +164,10 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
     ``os._exit(entry(argv))``. The launcher's failure policy is torchrun's: when a rank
     exits non-zero, the others get SIGTERM, then SIGKILL after `grace` seconds. Forking
     from a process that already imported torch and megaq makes a run take about a
-    second, so tests can repeat races many times. `on_start(pids)` runs once all ranks
-    are started (a test's fault injection). Returns {"codes": [...], "stdout": str,
+    second, so tests can repeat races many times. `before()` runs in each rank before
+    the program (e.g. a resource limit); `on_start(pids, outdir)` runs in the launcher
+    once all ranks are started (fault injection; rank r writes outdir/r.out, r.err).
+    Returns {"codes": [...], "stdout": str,
     "stderr": str, "seconds": float}, the outputs concatenated in rank order."""
     import torch._dynamo  # noqa: F401 - imported once here, inherited by every rank
     port = _free_port()
@@ -188,6 +191,8 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                        "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
                     torch.set_num_threads(1)
+                    if before is not None:
+                        before()
                     code = entry(argv)
                 except BaseException:  # noqa: BLE001 - a crash is reported as the traceback
                     traceback.print_exc()
@@ -197,7 +202,7 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
                     os._exit(code if isinstance(code, int) else 1)
             pids.append(pid)
         if on_start is not None:
-            on_start(list(pids))
+            on_start(list(pids), tmp)
         t0 = time.monotonic()
         codes: dict[int, int] = {}
         killed_at = None
