@@ -277,8 +277,9 @@ def cli(argv=None) -> int:
         failure.report(e, *failure.current_rank_and_world())  # every rank, at once (see there)
         return 2
     except KeyboardInterrupt:
-        failure.report(KeyboardInterrupt("interrupted (Ctrl-C) before training started; "
-                                         "nothing was saved"), *failure.current_rank_and_world())
+        failure.report(KeyboardInterrupt("interrupted (Ctrl-C); nothing saved since the last "
+                                         "checkpoint (--exit-signal-handler saves on Ctrl-C)"),
+                       *failure.current_rank_and_world())
         return 130
     finally:
         _shut_down_distributed(orderly=finished)

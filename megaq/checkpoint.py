@@ -39,7 +39,7 @@ import shutil
 import numpy as np
 import torch
 
-from megaq import checkpoint_guard, failure, integrity
+from megaq import checkpoint_guard, integrity
 from megaq.arguments import ARCHITECTURE_ARGS, args_to_dict
 from megaq.parallel import comm
 from megaq.parallel.topology import Layout

@@ -81,9 +81,8 @@ def _gather(group, local) -> list:
     import torch.distributed as dist
     if group is None or group.size == 1 or not dist.is_initialized():
         return [local]
-    gathered = [None] * group.size
-    dist.all_gather_object(gathered, local, group=group.pg)
-    return gathered
+    from megaq.parallel import comm
+    return comm._gather_objects(group, local)  # the collective layer's object gather
 
 
 @contextlib.contextmanager

@@ -179,7 +179,7 @@ def test_disk_full_save_one_line_no_tmp_previous_stays_latest(ck4):
     lines = error_lines(r)
     assert r["codes"] == [2] * 4 and len(lines) == 1, r["stderr"]
     assert f"cannot write the checkpoint to {ck4}: File too large" in lines[0]
-    assert f"needs about" in lines[0] and "(iteration 2) stays latest" in lines[0]
+    assert "needs about" in lines[0] and "(iteration 2) stays latest" in lines[0]
     assert "Traceback" not in r["stderr"]
     assert ckpt.read_tracker(ck4) == 2
     assert sorted(n for n in os.listdir(ck4) if n.startswith((".iter", "iter"))) == ["iter_0000002"]
