@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hang-timeout-minutes", type=float, default=None,
                    help="abort a rank, printing its stacks and last collective, when no "
                         "iteration completes for this long (default: 5 x the slowest "
-                        "iteration so far, at least 5 minutes; fractions allowed)")
+                        "iteration so far, at least 10 minutes; fractions allowed)")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--lr", type=float, required=True, help="peak learning rate")
