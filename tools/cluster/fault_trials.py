@@ -183,6 +183,7 @@ class Trials:
         return code, job.text(), job.seconds
 
     def record(self, name, expected, observed, ok, seconds):
+        observed = observed.replace(self.work, "$WORK")  # the temporary directory
         self.results.append({"trial": name, "expected": expected, "observed": observed,
                              "passed": bool(ok), "seconds": round(seconds, 1)})
         print(f"  {'pass' if ok else 'FAIL'}  {name}: {observed} ({seconds:.1f} s)", flush=True)
@@ -366,6 +367,20 @@ class Trials:
                     (lines[0][:110] + "...") if lines else f"exit {code}", ok, secs)
 
 
+def table(rows: list[dict], width: int = 90) -> str:
+    """The results as a Markdown table (observed cut to `width` characters)."""
+    w = [max(len("trial"), *(len(r["trial"]) for r in rows)),
+         max(len("expected"), *(len(r["expected"]) for r in rows)),
+         min(width, max(len("observed"), *(len(r["observed"]) for r in rows)))]
+    out = [f"| {'trial':<{w[0]}} | {'expected':<{w[1]}} | {'observed':<{w[2]}} | result | s |",
+           f"|{'-' * (w[0] + 2)}|{'-' * (w[1] + 2)}|{'-' * (w[2] + 2)}|--------|---|"]
+    for r in rows:
+        out.append(f"| {r['trial']:<{w[0]}} | {r['expected']:<{w[1]}} | "
+                   f"{r['observed'][:w[2]]:<{w[2]}} | {'pass' if r['passed'] else 'FAIL':<6} | "
+                   f"{r['seconds']:.0f} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -402,15 +417,8 @@ def main(argv=None) -> int:
                 if job.proc.poll() is None:
                     job.kill()
     rows = t.results
-    w = [max(len("trial"), *(len(r["trial"]) for r in rows)),
-         max(len("expected"), *(len(r["expected"]) for r in rows)),
-         min(70, max(len("observed"), *(len(r["observed"]) for r in rows)))]
     print()
-    print(f"| {'trial':<{w[0]}} | {'expected':<{w[1]}} | {'observed':<{w[2]}} | result |")
-    print(f"|{'-' * (w[0] + 2)}|{'-' * (w[1] + 2)}|{'-' * (w[2] + 2)}|--------|")
-    for r in rows:
-        print(f"| {r['trial']:<{w[0]}} | {r['expected']:<{w[1]}} | {r['observed'][:w[2]]:<{w[2]}} | "
-              f"{'pass' if r['passed'] else 'FAIL':<6} |")
+    print(table(rows))
     passed = sum(r["passed"] for r in rows)
     print(f"\n{passed} of {len(rows)} trials passed in {time.monotonic() - t0:.0f} s")
     if a.json:
