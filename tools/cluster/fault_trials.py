@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -153,6 +154,12 @@ def _error_lines(text: str) -> list[str]:
     return [x.strip() for x in text.splitlines() if "error:" in x]
 
 
+def _rank_traceback(text: str) -> bool:
+    """A Python traceback through megaq's code (the launcher's own, e.g. torchrun's
+    ChildFailedError report, does not count)."""
+    return re.search(r'File "[^"]*(megaq/|pretrain_gpt\.py)', text) is not None
+
+
 def _tracker(root: str):
     try:
         return int(open(os.path.join(root, "latest_checkpointed_iteration.txt")).read())
@@ -268,7 +275,7 @@ class Trials:
         lines = _error_lines(text)
         tmp = [n for n in os.listdir(root) if n.endswith(".tmp")]
         ok = (code not in (0, None) and len(lines) == 1 and "cannot write the checkpoint" in lines[0]
-              and not tmp and _tracker(root) == 2 and "Traceback" not in text)
+              and not tmp and _tracker(root) == 2 and not _rank_traceback(text))
         self.record("disk full during a save (RLIMIT_FSIZE)",
                     "one line with bytes needed, no .tmp left, latest stays 2",
                     f"{len(lines)} line(s), .tmp left: {tmp or 'none'}, latest {_tracker(root)}",
@@ -297,10 +304,11 @@ class Trials:
         if code is None:
             job.kill()
         saved = _tracker(root)
-        ok = (started and code == 0 and saved is not None and "Traceback" not in text
+        ok = (started and code == 0 and saved is not None and not _rank_traceback(text)
               and f"exiting program at iteration {saved}" in text)
         self.record("SIGINT with --exit-signal-handler", "saves at the next iteration, exit 0",
-                    f"exit {code}, latest {saved}, traceback: {'Traceback' in text}", ok, job.seconds)
+                    f"exit {code}, latest {saved}, traceback: {_rank_traceback(text)}", ok,
+                    job.seconds)
 
     def sigstop(self, minutes: float = 0.1):
         job = Job(self, TINY + MOCK + ["--train-iters", "100000", "--hang-timeout-minutes",
@@ -362,7 +370,7 @@ class Trials:
                                                    "--split", "0,100,0"])
         lines = _error_lines(text)
         ok = code not in (0, None) and lines and all("leaves the train split no documents" in x
-                                                     for x in lines) and "Traceback" not in text
+                                                     for x in lines) and not _rank_traceback(text)
         self.record("--split 0,100,0", "one clear line per rank, no traceback",
                     (lines[0][:110] + "...") if lines else f"exit {code}", ok, secs)
 
