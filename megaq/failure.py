@@ -13,7 +13,9 @@ Two kinds of failure, two ways of reporting:
   collective tells every rank whether any of them failed and why. Every rank then
   raises :class:`AgreedError` with the same message (the lowest failing rank's),
   rank 0 prints the one ``error:`` line, and the others wait for it at a barrier
-  before they exit, so no SIGTERM can cut rank 0 off mid-print.
+  before they exit, so no SIGTERM can cut rank 0 off mid-print. An error class that
+  every rank raises together because it follows from a collective result (class
+  attribute ``agreed = True``: megaq.training.TrainingDiverged) is reported the same way.
 
 `report()` is what the command-line entry calls in its ``except`` clause.
 """
@@ -49,8 +51,17 @@ def error_line(e: BaseException, rank: int, world_size: int) -> str:
         if e.world_size > 1 and e.origin_rank != 0:
             msg = f"{msg} (found on rank {e.origin_rank})"
         return f"error: {msg}"
+    if is_agreed(e):
+        return f"error: {msg}"
     prefix = f"[rank {rank}] " if world_size > 1 else ""
     return f"{prefix}error: {msg}"
+
+
+def is_agreed(e: BaseException) -> bool:
+    """An AgreedError, or an error class that every rank raises together because it
+    follows from a collective result (class attribute ``agreed = True``, e.g.
+    megaq.training.TrainingDiverged, decided on the all-reduced loss)."""
+    return isinstance(e, AgreedError) or getattr(e, "agreed", False) is True
 
 
 def report(e: BaseException, rank: int, world_size: int, group=None) -> None:
@@ -59,9 +70,10 @@ def report(e: BaseException, rank: int, world_size: int, group=None) -> None:
     For an :class:`AgreedError`, rank 0 prints, then all ranks meet at a barrier of
     `group` (a megaq.parallel.comm.Group, or the default group) so that the others
     exit only after rank 0's line is out."""
-    if not isinstance(e, AgreedError) or rank == 0:
+    agreed = is_agreed(e)
+    if not agreed or rank == 0:
         print(error_line(e, rank, world_size), file=sys.stderr, flush=True)
-    if isinstance(e, AgreedError) and e.world_size > 1:
+    if agreed and world_size > 1:
         with contextlib.suppress(Exception):  # a dead peer: nothing left to wait for
             from megaq.parallel import comm
             comm.barrier(group)

@@ -37,6 +37,8 @@ from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_s
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite iterations."""
 
+    agreed = True  # every rank raises it at the same iteration (the loss is all-reduced)
+
 
 @dataclass
 class TrainState:

@@ -48,6 +48,8 @@ def test_error_lines():
     agreed = failure.AgreedError("x.pt is damaged", origin_rank=3, kind="CheckpointError",
                                  world_size=4)
     assert failure.error_line(agreed, 0, 4) == "error: x.pt is damaged (found on rank 3)"
+    from megaq.training import TrainingDiverged
+    assert failure.error_line(TrainingDiverged("stopping"), 2, 4) == "error: stopping"
 
 
 def test_agreed_block_on_one_process_raises_the_error_and_cleans_up(tmp_path):
