@@ -1,7 +1,7 @@
 """ZeRO-3 vs ZeRO++ (vs ZeRO++ with error feedback): loss curves on the built-in corpus.
 
 Trains the Llama-style model (RMSNorm, SwiGLU, RoPE, untied embeddings) through
-pretrain_gpt.main on CPU gloo ranks posing as 2 nodes, once per configuration, with
+megaq.pretrain.main (pretrain_gpt.py in-process) on CPU gloo ranks posing as 2 nodes, once per configuration, with
 the same seed and data order, and reports the final validation losses, the relative
 gap to ZeRO-3, the cross-node bytes per step, a PNG of the curves and a JSON file.
 
@@ -25,7 +25,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # pretrain_gpt.py lives at the repository root
+    sys.path.insert(0, REPO)  # a plain checkout: megaq/ lives at the repository root
 
 CONFIGS = {
     "zero3": [],
@@ -58,10 +58,10 @@ def _rank_main(topo, argv, metrics):
     import torch
 
     torch.set_num_threads(1)
-    import pretrain_gpt
+    from megaq import pretrain
     if topo.rank == 0:
         argv = argv + ["--metrics-file", metrics]
-    state = pretrain_gpt.main(argv, topo=topo)
+    state = pretrain.main(argv, topo=topo)
     return {"losses": dict(state.losses), "val": dict(state.val_losses)}
 
 

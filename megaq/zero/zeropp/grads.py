@@ -34,8 +34,10 @@ import torch
 
 from megaq.kernels import ops
 from megaq.parallel import comm
+from megaq.parallel.comm import Handle
+from megaq.zero.config import ZeroConfig
+from megaq.zero.partition import padded
 
-from .config import ZeroPPConfig, padded
 from .rails import rails_of
 
 PHASE = "grad_reduce"
@@ -48,20 +50,9 @@ def chunk_bounds(S: int, block: int, chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, S_pad)) for lo in range(0, S_pad, step)]
 
 
-class _ReduceHandle:
-    """Drives the rest of the pipeline on wait(); wait() twice is harmless."""
-
-    def __init__(self, run):
-        self._run = run
-
-    def wait(self) -> None:
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
-
-
 class QuantizedGradReducer:
-    """Engine seam: ``start_reduce(unit, full_grad_flat, out_accum_fp32_shard)``.
+    """Engine seam: ``start_reduce(part, full_grad_flat, grads)`` adds into
+    ``grads.accumulator_for_add(part.name)`` (see megaq.zero.collectives).
 
     The handle must be waited before ``full_grad_flat`` is overwritten or freed
     (chunks after the first are quantized from it inside ``wait()``), and handles
@@ -69,17 +60,17 @@ class QuantizedGradReducer:
     a group's collectives in issue order).
     """
 
-    def __init__(self, topo, cfg: ZeroPPConfig):
+    def __init__(self, topo, cfg: ZeroConfig):
         self.cfg = cfg
         self.rails = rails_of(topo)
         self.intra, self.inter = topo.intra, topo.inter
         self.n = topo.dp.size
-        self._res1: dict[tuple, torch.Tensor] = {}  # (key, chunk) -> fp32 [n * s]
-        self._res2: dict[tuple, torch.Tensor] = {}  # (key, chunk) -> fp32 [k, s]
+        self._res1: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [n * s]
+        self._res2: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [k, s]
 
     # ------------------------------------------------------------------ engine seam
-    def start_reduce(self, unit, full_grad_flat: torch.Tensor, out: torch.Tensor):
-        return self.start_reduce_flat(_unit_key(unit), full_grad_flat, out)
+    def start_reduce(self, part, full_grad_flat: torch.Tensor, grads) -> Handle:
+        return self.start_reduce_flat(part.name, full_grad_flat, grads.accumulator_for_add(part.name))
 
     def memory_bytes(self) -> dict[str, int]:
         """Persistent memory this reducer holds (error-feedback residuals)."""
@@ -107,7 +98,7 @@ class QuantizedGradReducer:
             stores[hop][(key, int(i))] = t.to(device=device, dtype=torch.float32).clone()
 
     # ---------------------------------------------------------------------- protocol
-    def start_reduce_flat(self, key, grad: torch.Tensor, out: torch.Tensor) -> _ReduceHandle:
+    def start_reduce_flat(self, key: str, grad: torch.Tensor, out: torch.Tensor) -> Handle:
         n, S = self.n, out.numel()
         if grad.numel() != n * S:
             raise ValueError(f"qgZ: full gradient has {grad.numel()} elements but the DP size "
@@ -117,8 +108,8 @@ class QuantizedGradReducer:
         grad2d = grad.reshape(n, S)
         if n == 1:  # nothing to exchange: exact
             out.add_(grad2d[0].to(torch.float32))
-            return _ReduceHandle(None)
-        bounds = chunk_bounds(S, self.cfg.block, self.cfg.grad_chunk)
+            return Handle()
+        bounds = chunk_bounds(S, self.cfg.block_size, self.cfg.grad_chunk)
         first = self._issue_hop1(key, 0, bounds[0], grad2d)
 
         def run():
@@ -133,7 +124,7 @@ class QuantizedGradReducer:
                 cur = nxt
             self._finish(*pending, out)
 
-        return _ReduceHandle(run)
+        return Handle(then=run)
 
     def _chunk_input(self, grad2d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Flat [n * (hi - lo)] in chunk order, zero-padded past the shard's end."""
@@ -163,13 +154,13 @@ class QuantizedGradReducer:
             if cfg.error_feedback:
                 res = self._residual(self._res2, key, i, (r.k, s), x.device)
                 y = x.reshape(r.k, s).to(torch.float32) + res
-                q = ops.quantize(y, bits, cfg.block)
-                res.copy_(y - ops.dequantize(q, s, bits, cfg.block, torch.float32))
+                q = ops.quantize(y, bits, cfg.block_size)
+                res.copy_(y - ops.dequantize(q, s, bits, cfg.block_size, torch.float32))
             else:
-                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block)
+                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block_size)
             return q, None
         res = self._residual(self._res1, key, i, (x.numel(),), x.device) if cfg.error_feedback else None
-        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block, res)
+        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block_size, res)
         recv = torch.empty_like(send)
         return recv, comm.all_to_all(recv, send, self.intra, PHASE, async_op=True)
 
@@ -187,13 +178,13 @@ class QuantizedGradReducer:
             send = recv1
         elif cfg.error_feedback:
             res = self._residual(self._res2, key, i, (r.k, s), recv1.device)
-            rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block, torch.float32)
+            rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block_size, torch.float32)
             y = _sum_rows(rows).reshape(r.k, s) + res
-            send = ops.quantize(y, cfg.grad_bits_inter, cfg.block)
-            res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block, torch.float32))
+            send = ops.quantize(y, cfg.grad_bits_inter, cfg.block_size)
+            res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block_size, torch.float32))
         else:
             send = ops.dequant_reduce_quantize(recv1, r.k, s, cfg.grad_bits_intra,
-                                               cfg.grad_bits_inter, cfg.block)
+                                               cfg.grad_bits_inter, cfg.block_size)
         recv2 = torch.empty_like(send)
         h2 = comm.all_to_all(recv2, send, self.inter, PHASE, async_op=True)
         return recv2, h2, cfg.grad_bits_inter
@@ -206,9 +197,9 @@ class QuantizedGradReducer:
         S = out.numel()
         scale = 1.0 / self.n  # the DP size, exactly once
         if hi <= S:
-            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block, scale, out[lo:hi])
+            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, out[lo:hi])
         else:  # the chunk reaches into the padding: only the real part is accumulated
-            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block, scale)
+            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale)
             out[lo:S].add_(part[:S - lo])
 
 
@@ -219,7 +210,3 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
         acc += rows[r]
     return acc
 
-
-def _unit_key(unit):
-    key = getattr(unit, "name", None)  # FlatPartition.name: stable across steps
-    return id(unit) if key is None else key
