@@ -46,7 +46,6 @@ from megaq import checkpoint_guard, integrity
 from megaq.config import FLAG_CLASSES, RunConfig
 from megaq.flags import dest, flag_fields, to_dict
 from megaq.model import GPTConfig, GPTModel
-from megaq.parallel import comm
 from megaq.parallel.pipeline.split import stage_layer_ranges
 from megaq.parallel.tensor_parallel import shard_of, single_rank_group
 from megaq.parallel.topology import Layout, Topology
@@ -172,11 +171,6 @@ def _verified(fn, *a):
         return fn(*a)
     except integrity.IntegrityError as e:
         raise CheckpointError(str(e)) from None
-
-
-def _barrier(topo) -> None:
-    if topo is not None:
-        comm.barrier(topo.world)
 
 
 # ------------------------------------------------------------------------------ save

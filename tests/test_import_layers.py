@@ -16,13 +16,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS = [
     ("kernels", ("kernels", "megaq.kernels", "megaq.flags", "megaq")),
-    ("parallel", ("megaq.parallel",)),
+    # megaq.failure: agreeing on an error is a collective over the parallel layer's groups
+    ("parallel", ("megaq.parallel", "megaq.failure")),
     ("model", ("megaq.model",)),
     ("zero", ("megaq.zero",)),
     ("data", ("megaq.data",)),
     ("config", ("megaq.config",)),
-    ("checkpoint", ("megaq.checkpoint",)),
-    ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils")),
+    # the manifest and the directory guards (job lock, stale .tmp, write errors) of a save
+    ("checkpoint", ("megaq.checkpoint", "megaq.checkpoint_guard", "megaq.integrity")),
+    # the hang watchdog counts training iterations
+    ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
+                  "megaq.watchdog")),
     ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt")),
 ]
 

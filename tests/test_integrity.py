@@ -1,6 +1,6 @@
 """The SHA-256 checkpoint manifest (megaq.integrity): every byte of every file is covered.
 
-The checkpoint here is a real one: saved by pretrain_gpt on 2 forked ranks with qgZ
+The checkpoint here is a real one: saved by megaq.pretrain on 2 forked ranks with qgZ
 error feedback (model, RNG and error-feedback files). The loader's use of the checks
 (each kind of file, refused end to end with one line) is in tests/test_reliability.py.
 """
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-import pretrain_gpt
+from megaq import pretrain
 from megaq import integrity
 from megaq.parallel.launch import run_cli_on_ranks
 
@@ -26,7 +26,7 @@ def tiny_argv(iters, *extra):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ck"))
-    r = run_cli_on_ranks(pretrain_gpt.cli, tiny_argv(
+    r = run_cli_on_ranks(pretrain.cli, tiny_argv(
         1, "--save", root, "--save-interval", "1", "--zero-quantized-gradients",
         "--zero-gradient-error-feedback"), 2)
     assert r["codes"] == [0, 0], r["stderr"]

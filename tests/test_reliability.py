@@ -1,6 +1,6 @@
 """Failures are loud on every rank, hangs end, nothing unhealthy or half-written is kept.
 
-Every test runs the real program (pretrain_gpt.cli) on forked CPU gloo ranks through
+Every test runs the real program (megaq.pretrain.cli) on forked CPU gloo ranks through
 megaq.parallel.launch.run_cli_on_ranks, which gives each rank torchrun's environment
 and applies torchrun's failure policy (a rank exiting non-zero gets the others
 SIGTERMed). Faults are real: flipped and truncated files, signals (SIGINT, SIGSTOP,
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-import pretrain_gpt
+from megaq import pretrain
 from megaq import checkpoint as ckpt
 from megaq.parallel.launch import run_cli_on_ranks
 
@@ -33,7 +33,7 @@ def tiny_argv(iters, *extra):
 
 
 def run(argv, world=4, **kw):
-    return run_cli_on_ranks(pretrain_gpt.cli, argv, world, **kw)
+    return run_cli_on_ranks(pretrain.cli, argv, world, **kw)
 
 
 def error_lines(r):

@@ -1,11 +1,11 @@
 """Empty or degenerate data gives one clear line (issue 17), through the real entry points:
-pretrain_gpt's CLI on a forked rank and tools/preprocess_data.py."""
+megaq.pretrain's CLI on a forked rank and tools/preprocess_data.py."""
 
 import numpy as np
 import pytest
 
-import pretrain_gpt
-from data_fixtures import run_tool, tiny_corpus, tiny_dataset, tiny_tokenizer  # noqa: F401
+from megaq import pretrain
+from data_fixtures import run_tool
 from megaq.data.indexed import IndexedDatasetWriter
 from megaq.parallel.launch import run_cli_on_ranks
 
@@ -32,28 +32,28 @@ def empty_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("split, name", [("0,100,0", "train"), ("100,0,0", "valid")])
-def test_split_asked_for_but_empty(tmp_path, tiny_dataset, split, name):  # noqa: F811
-    r = run_cli_on_ranks(pretrain_gpt.cli, train_argv(tmp_path, [tiny_dataset], "--split", split,
+def test_split_asked_for_but_empty(tmp_path, tiny_dataset, split, name):
+    r = run_cli_on_ranks(pretrain.cli, train_argv(tmp_path, [tiny_dataset], "--split", split,
                                                       "--eval-iters", "1"), 1)
     line = one_error_line(r)
     assert f"--split '{split}' leaves the {name} split no documents of {tiny_dataset}" in line
     assert "TypeError" not in r["stderr"]
     if name == "valid":
         assert "--eval-iters 0" in line
-        ok = run_cli_on_ranks(pretrain_gpt.cli, train_argv(tmp_path, [tiny_dataset], "--split",
+        ok = run_cli_on_ranks(pretrain.cli, train_argv(tmp_path, [tiny_dataset], "--split",
                                                            split, "--eval-iters", "0"), 1)
         assert ok["codes"] == [0], ok["stderr"]
 
 
-def test_blend_with_an_empty_dataset(tmp_path, tiny_dataset):  # noqa: F811
+def test_blend_with_an_empty_dataset(tmp_path, tiny_dataset):
     empty = empty_dataset(tmp_path)
-    r = run_cli_on_ranks(pretrain_gpt.cli, train_argv(tmp_path, ["0.5", tiny_dataset, "0.5", empty],
+    r = run_cli_on_ranks(pretrain.cli, train_argv(tmp_path, ["0.5", tiny_dataset, "0.5", empty],
                                                       "--eval-iters", "0"), 1)
     line = one_error_line(r)
     assert f"{empty}: the dataset is empty (0 documents, 0 tokens)" in line
 
 
-def test_lone_surrogate_in_jsonl_is_file_line_invalid_text(tmp_path, capsys, tiny_tokenizer):  # noqa: F811
+def test_lone_surrogate_in_jsonl_is_file_line_invalid_text(tmp_path, capsys, tiny_tokenizer):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "broken \\ud800 here"}\n')
     out = tmp_path / "out"
