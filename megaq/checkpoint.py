@@ -191,7 +191,6 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
 
     tp_rank, pp_rank, dp_rank = (topo.tp_rank, topo.pp_rank, topo.dp_rank) if topo else (0, 0, 0)
     layout = topo.layout if topo is not None else Layout(1)
-    residuals = engine.error_feedback_state()
     with checkpoint_guard.write_errors(root, tmp, full, group, remove_tmp):  # every rank's files
         if dp_rank == 0:
             _save_file({
@@ -205,6 +204,7 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
                 "model_optim": full,
             }, model_file(tmp, tp_rank, pp_rank))
         _save_file(rng_state(), rng_file(tmp, rank))
+        residuals = engine.error_feedback_state()
         if residuals:
             _save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
 
