@@ -27,7 +27,8 @@ import torch.distributed as dist
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.pipeline import build_model_chunks, masked_mean_loss
+from megaq.model import build_model_chunks
+from megaq.parallel.pipeline import masked_mean_loss
 from megaq.zero import ZeroConfig, build_engine
 
 from zero_harness import MBS, SEQ, model_config

@@ -22,8 +22,8 @@ import zero_harness as H  # noqa: E402
 
 from megaq.parallel.comm import Handle  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
-from megaq.parallel.pipeline import (build_model_chunks, get_forward_backward_func,  # noqa: E402
-                                     pipeline_tensor_shape)
+from megaq.model import build_model_chunks  # noqa: E402
+from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape  # noqa: E402
 from megaq.zero import ZeroConfig, build_engine  # noqa: E402
 
 STEPS, N_MICRO = 2, 2
