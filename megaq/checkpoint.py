@@ -15,6 +15,9 @@ Layout under --save DIR::
       qgz/rank_{rank:05d}.pt                 with --zero-gradient-error-feedback: the rank's
                                              qgZ residuals (restored when layout and qgZ
                                              settings match, else they restart from zero)
+      MANIFEST.sha256.json                   SHA-256 of every file above, written last
+                                             (megaq.integrity); loads verify every file
+                                             they read and refuse a directory without it
 
 Every file holds only tensors and plain containers, and is read with
 ``torch.load(weights_only=True)``.
@@ -23,7 +26,9 @@ Atomicity: all ranks write into ``.iter_0000100.tmp`` (files fsynced), a barrier
 waits for everyone, rank 0 renames the directory into place, then rewrites
 ``latest_checkpointed_iteration.txt`` through a temporary file + rename, fsyncing
 the directory after each rename. A run killed at any point leaves ``latest`` naming
-a complete previous checkpoint; a stale ``.tmp`` directory is removed by the next save.
+a complete previous checkpoint; stale ``.iter_*.tmp`` directories are removed by the
+next save and at the start of a run (megaq.checkpoint_guard). A write error (disk
+full) removes the save's own ``.tmp`` and leaves the previous checkpoint ``latest``.
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from megaq import checkpoint_guard, integrity
 from megaq.config import FLAG_CLASSES, RunConfig
 from megaq.flags import dest, flag_fields, to_dict
 from megaq.model import GPTConfig, GPTModel
-from megaq.parallel import comm
 from megaq.parallel.pipeline.split import stage_layer_ranges
 from megaq.parallel.tensor_parallel import shard_of, single_rank_group
 from megaq.parallel.topology import Layout, Topology
@@ -162,9 +167,12 @@ def read_tracker(root: str) -> int | None:
                               f"existing iter_* directory (e.g. 100) or remove it") from None
 
 
-def _barrier(topo) -> None:
-    if topo is not None:
-        comm.barrier(topo.world)
+def _verified(fn, *a):
+    """fn(*a) (an integrity check or verified read) with its failure as a CheckpointError."""
+    try:
+        return fn(*a)
+    except integrity.IntegrityError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------ save
@@ -175,38 +183,41 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
     rank = topo.rank if topo is not None else 0
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".{os.path.basename(final)}.tmp")
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        os.makedirs(tmp)
-    _barrier(topo)
+    group = topo.world if topo is not None else None
+    remove_tmp = lambda: rank == 0 and shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731
+    with checkpoint_guard.write_errors(root, tmp, full, group, remove_tmp):
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            checkpoint_guard.remove_stale_temporaries(root)  # left by saves that were killed
+            os.makedirs(tmp)
 
     tp_rank, pp_rank, dp_rank = (topo.tp_rank, topo.pp_rank, topo.dp_rank) if topo else (0, 0, 0)
     layout = topo.layout if topo is not None else Layout(1)
-    if dp_rank == 0:
-        save_file(model_file_record(iteration, consumed_samples, config, layout,
-                                    lr_schedule.state_dict(), full, extra),
-                  model_file(tmp, tp_rank, pp_rank))
-    save_file(rng_state(), rng_file(tmp, rank))
-    residuals = engine.error_feedback_state()
-    if residuals:
-        save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
-    _barrier(topo)  # every rank's files are on disk
+    with checkpoint_guard.write_errors(root, tmp, full, group, remove_tmp):  # every rank's files
+        if dp_rank == 0:
+            save_file(model_file_record(iteration, consumed_samples, config, layout,
+                                        lr_schedule.state_dict(), full, extra),
+                      model_file(tmp, tp_rank, pp_rank))
+        save_file(rng_state(), rng_file(tmp, rank))
+        residuals = engine.error_feedback_state()
+        if residuals:
+            save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
 
-    if rank == 0:
-        for dirpath, _, _ in os.walk(tmp):
-            _fsync_dir(dirpath)
-        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
-            old = os.path.join(root, f".{os.path.basename(final)}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        write_tracker(root, iteration)
-    _barrier(topo)
+    with checkpoint_guard.write_errors(root, tmp, full, group, remove_tmp):
+        if rank == 0:
+            integrity.write_manifest(tmp)  # last file written: its presence marks a whole save
+            for dirpath, _, _ in os.walk(tmp):
+                _fsync_dir(dirpath)
+            if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
+                old = os.path.join(root, f".{os.path.basename(final)}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(root)
+            write_tracker(root, iteration)
     return final
 
 
@@ -323,6 +334,8 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"{os.path.join(root, TRACKER_FILE)} names iteration {iteration} but "
                               f"{ckpt} does not exist; point it at an existing iter_* directory")
+    integrity.verify_checkpoints(not config.checkpointing.no_verify_checkpoint)
+    _verified(integrity.require_manifest, ckpt)  # a directory without one is never loaded
     saved_tp, saved_pp = checkpoint_layout(ckpt)
     same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
     # The configuration and metadata live in every mp_rank file; read this rank's, or (new
@@ -330,11 +343,7 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
     path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - corrupted file / foreign pickle
-        raise CheckpointError(f"{path} cannot be read safely ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0]}); it is damaged or not a megaq checkpoint")
+    sd = _verified(integrity.load_verified, ckpt, path)
     saved = saved_config(sd)
     _check_architecture(saved, config, path, same_tp=same_mp)
     if same_mp:
@@ -371,7 +380,12 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
             src_rank = topo.tp_rank + old["tp"] * ((topo.dp_rank % old["dp"]) + old["dp"] * topo.pp_rank)
         rpath = rng_file(ckpt, src_rank)
         if os.path.isfile(rpath):
-            set_rng_state(torch.load(rpath, map_location="cpu", weights_only=True))
+            rng = _verified(integrity.load_verified, ckpt, rpath)
+            try:
+                set_rng_state(rng)
+            except (RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
+                raise CheckpointError(f"{rpath} holds no valid RNG state ({type(e).__name__}: "
+                                      f"{e}); restore the file, or pass --no-load-rng") from None
         else:
             raise CheckpointError(f"{rpath} is missing; the checkpoint is incomplete "
                                   f"(or pass --no-load-rng)")
@@ -396,8 +410,8 @@ def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, to
     elif not os.path.isfile(path):
         reason = "the checkpoint holds none (saved without error feedback, or at DP=1)"
     else:
-        engine.load_error_feedback_state(torch.load(path, map_location="cpu",
-                                                    weights_only=True)["residuals"])
+        engine.load_error_feedback_state(_verified(integrity.load_verified, ckpt,
+                                                   path)["residuals"])
         return
     if topo.rank == 0:
         print(f" note: qgZ error-feedback residuals start from zero: {reason}", flush=True)
@@ -456,7 +470,7 @@ def read_all_stages(ckpt_dir: str, tp: int, pp: int, mmap: bool = False) -> tupl
             path = model_file(ckpt_dir, t, p)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            sd = _verified(integrity.load_verified, ckpt_dir, path, mmap)
             cfg = cfg or saved_config(sd)
             step = int(sd["model_optim"]["step"])
             ranges = stage_layer_ranges(cfg["model"]["num_layers"], pp,
@@ -545,7 +559,7 @@ def load_consolidated_model(ckpt_dir: str) -> tuple[GPTModel, dict]:
     only; pipeline stages stitched by global layer index, TP shards concatenated), and
     the configuration it was saved with (saved_config's nesting)."""
     tp, pp = checkpoint_layout(ckpt_dir)
-    sd = torch.load(model_file(ckpt_dir, 0, 0), map_location="cpu", weights_only=True)
+    sd = _verified(integrity.load_verified, ckpt_dir, model_file(ckpt_dir, 0, 0))
     saved = saved_config(sd)
     model = GPTModel(consolidated_model_config(saved))
     state = reshard_full_state(ckpt_dir, {"tp": tp, "pp": pp}, one_process_topology(), [model])

@@ -80,7 +80,12 @@ class TrainingConfig:
         "--exit-duration-in-mins", "save and exit after this many minutes of training (job time "
         "limits)", type=float)
     exit_signal_handler: bool = switch(
-        "--exit-signal-handler", "on SIGTERM / SIGUSR1 (any rank): finish the iteration, save, exit")
+        "--exit-signal-handler", "on SIGTERM / SIGUSR1 / SIGINT (any rank): finish the "
+        "iteration, save, exit 0; a second Ctrl-C exits at once")
+    hang_timeout_minutes: float | None = flag(
+        "--hang-timeout-minutes", "abort a rank, printing its stacks and last collective, when "
+        "no iteration completes for this long (default: 5 x the slowest iteration so far, at "
+        "least 10 minutes; fractions allowed)", type=float)
     # ---- derived ----
     data_parallel_size: int = 1   # from the layout
     num_micro_batches: int = 0    # global batch / (micro batch x DP): gradient accumulation
@@ -96,6 +101,9 @@ class TrainingConfig:
         _at_least(self, 0, "train_iters")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ConfigError("--exit-duration-in-mins must be > 0")
+        if self.hang_timeout_minutes is not None and not self.hang_timeout_minutes > 0:
+            raise ConfigError(f"--hang-timeout-minutes must be > 0 minutes "
+                              f"(got {self.hang_timeout_minutes})")
         gbs = self.global_batch_size or self.micro_batch_size * self.data_parallel_size
         set_derived(self, global_batch_size=gbs, num_micro_batches=num_microbatches_per_step(
             gbs, self.micro_batch_size, self.data_parallel_size))
@@ -218,6 +226,9 @@ class CheckpointConfig:
         "--save-hf", "at the end of training, also write the final model in Hugging Face "
         "transformers form to DIR (from the final --save checkpoint; docs/INTEROP.md)",
         metavar="DIR")
+    no_verify_checkpoint: bool = switch(
+        "--no-verify-checkpoint", "load without checking files against the checkpoint's "
+        "SHA-256 manifest (checkpoints without one, damaged files you accept)")
 
     def __post_init__(self):
         _at_least(self, 1, "save_interval")

@@ -34,7 +34,8 @@ def seed_everything(seed: int, topo) -> None:
 def _init_distributed(parallel):
     from megaq.parallel.launch import init_from_env
     from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
-    rank, world = init_from_env(parallel.distributed_backend)
+    rank, world = init_from_env(parallel.distributed_backend,
+                                parallel.distributed_timeout_minutes)
     rpn = ranks_per_node_from_env(world, rank, parallel.gpus_per_node)
     layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
                     hpz_size=parallel.hpz_size, order=parallel.rank_order)
@@ -99,6 +100,7 @@ def build_trainer(config, topo, t_start: float | None = None):
     `config` is a megaq.config.RunConfig; `topo` this rank's Topology; `t_start` the
     perf_counter() the setup time printed counts from (default: now)."""
     from megaq import checkpoint as ckpt
+    from megaq import checkpoint_guard, failure
     from megaq.data.setup import build_data
     from megaq.lr_schedule import LRSchedule
     from megaq.model import build_model_chunks
@@ -116,7 +118,7 @@ def build_trainer(config, topo, t_start: float | None = None):
                       global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                       num_samples=(t.train_iters * t.global_batch_size,
                                    n_evals * log.eval_iters * t.global_batch_size,
-                                   log.eval_iters * t.global_batch_size))
+                                   0))  # the test split is never read in training: no samples
     config = config.resolved(data.config, data.vocab_size)
     chunks = build_model_chunks(config.model, topo, config.virtual_pipeline_size)
     device = _device()
@@ -125,16 +127,20 @@ def build_trainer(config, topo, t_start: float | None = None):
     schedule = LRSchedule.from_config(config.optimizer)
     state = TrainState()
 
-    load = config.checkpointing.load
+    save, load = config.checkpointing.save, config.checkpointing.load
+    if save:  # one job per directory; stale .tmp saves removed (megaq.checkpoint_guard)
+        checkpoint_guard.claim_save_directory(save, topo)
     if load:
         from megaq.interop.megatron import load_refusal
         refusal = load_refusal(load)  # a Megatron-LM directory: say so, name the converter
         if refusal:
             raise ckpt.CheckpointError(refusal)
-        loaded = ckpt.load_checkpoint(load, config=config, topo=topo, engine=engine,
-                                      lr_schedule=schedule, model_chunks=chunks,
-                                      load_rng=not config.checkpointing.no_load_rng,
-                                      load_optim=not config.checkpointing.no_load_optim)
+        # every rank reads its own files; all agree before anyone exits (megaq.failure)
+        with failure.agreed(topo.world):
+            loaded = ckpt.load_checkpoint(load, config=config, topo=topo, engine=engine,
+                                          lr_schedule=schedule, model_chunks=chunks,
+                                          load_rng=not config.checkpointing.no_load_rng,
+                                          load_optim=not config.checkpointing.no_load_optim)
         if loaded is None:
             if rank0:
                 print(f" no checkpoint found in {load}: starting from scratch", flush=True)
@@ -219,15 +225,20 @@ def cli(argv=None) -> int:
     from megaq.parallel.topology import LayoutError
     from megaq.training import TrainingDiverged
     from megaq.zero import ZeroConfigError
+    from megaq import failure
     finished = False
     try:
         main(argv)
         finished = True
-    except (ArgumentsError, CheckpointError, DataError, InteropError, LayoutError,
-            PipelineConfigError, TrainingDiverged, ZeroConfigError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+    except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
+            TrainingDiverged, ZeroConfigError, InteropError, failure.AgreedError) as e:
+        failure.report(e, *failure.current_rank_and_world())  # every rank, at once (see there)
         return 2
+    except KeyboardInterrupt:
+        failure.report(KeyboardInterrupt("interrupted (Ctrl-C); nothing saved since the last "
+                                         "checkpoint (--exit-signal-handler saves on Ctrl-C)"),
+                       *failure.current_rank_and_world())
+        return 130
     finally:
         _shut_down_distributed(orderly=finished)
     return 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megaq import checkpoint as ckpt
+from megaq import failure, watchdog
 from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
 from megaq.metrics import MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm
@@ -35,6 +36,8 @@ from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_s
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite iterations."""
+
+    agreed = True  # every rank raises it at the same iteration (the loss is all-reduced)
 
 
 @dataclass
@@ -132,8 +135,11 @@ class Trainer:
 
     def _install_signal_handler(self) -> None:
         def handler(signum, frame):  # noqa: ARG001 - signal API
+            if signum == signal.SIGINT and self._signal_received is not None:
+                failure.exit_now(130, f"[rank {self.topo.rank}] error: interrupted again "
+                                      f"(second Ctrl-C): exiting at once, without saving")
             self._signal_received = signal.Signals(signum).name
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, handler)
 
     def train_step(self, batches) -> tuple[float, float, bool]:
@@ -200,19 +206,35 @@ class Trainer:
     # ---------------------------------------------------------------------- loop
     def train(self) -> TrainState:
         comm.STATS.timing = self.logging.log_comm_time  # this run's setting, never the next one's
+        watchdog.start(self.topo.rank, self.training.hang_timeout_minutes)
         try:
             return self._train_loop()
         finally:
+            watchdog.stop()
             comm.STATS.timing = False
+
+    def _save_if_healthy(self) -> bool:
+        """Save unless the last iteration was skipped (non-finite): a save that falls in
+        a streak of skipped iterations waits for the next good one, so `latest` never
+        names weights that no longer give a finite loss. True when it saved."""
+        if self.state.consecutive_bad:
+            if self.rank0:
+                print(f" checkpoint at iteration {self.state.iteration} postponed: "
+                      f"{self.state.consecutive_bad} iteration(s) in a row skipped (non-finite "
+                      f"loss or grad norm); saving after the next finite one", flush=True)
+            return False
+        self.save()
+        return True
 
     def _train_loop(self) -> TrainState:
         t, log, s = self.training, self.logging, self.state
         save_dir, save_interval = self.config.checkpointing.save, self.config.checkpointing.save_interval
-        batches = self.p.train_batches(s.consumed_samples)
+        batches = self.p.train_batches(s.consumed_samples) if s.iteration < t.train_iters else None
         interval = {"t0": time.perf_counter(), "iters": 0, "loss": 0.0, "counted": 0,
                     "skipped": 0, "nan": 0}
         comm.STATS.reset()
         last_saved = s.iteration
+        save_postponed = False
         while s.iteration < t.train_iters:
             lr = self.p.lr_schedule.get_lr()
             loss, grad_norm, applied = self.train_step(next(batches))
@@ -220,6 +242,7 @@ class Trainer:
             s.consumed_samples += t.global_batch_size
             s.losses[s.iteration] = loss
             s.grad_norms[s.iteration] = grad_norm
+            watchdog.beat(s.iteration)
             interval["iters"] += 1
             if applied:
                 s.consecutive_bad = 0
@@ -246,20 +269,19 @@ class Trainer:
             t_aside = time.perf_counter()  # evaluation and saving are not training time
             if log.eval_iters and s.iteration % log.eval_interval == 0:
                 self.evaluate(s.iteration)
-            if save_dir and save_interval and s.iteration % save_interval == 0:
-                self.save()
-                last_saved = s.iteration
+            if save_postponed or (save_dir and save_interval and s.iteration % save_interval == 0):
+                save_postponed = not self._save_if_healthy()
+                last_saved = s.iteration if not save_postponed else last_saved
             interval["t0"] += time.perf_counter() - t_aside
             if reason:
-                if save_dir and s.iteration != last_saved:
-                    self.save()
+                if save_dir and s.iteration != last_saved and self._save_if_healthy():
                     last_saved = s.iteration
                 if self.rank0:
                     print(f" exiting program at iteration {s.iteration}: {reason}", flush=True)
                 s.exit_reason = reason
                 break
         if save_dir and s.iteration != last_saved and s.iteration > 0:
-            self.save()
+            self._save_if_healthy()
         if log.eval_iters and s.iteration not in s.val_losses and s.exit_reason is None:
             self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()

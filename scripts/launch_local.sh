@@ -40,5 +40,10 @@ esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # TP collectives issue before the matmuls that need them
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
+# NCCL's watchdog: a failed or timed-out collective tears the rank down instead of hanging,
+# and a stuck watchdog thread is aborted (docs/RELIABILITY.md)
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export TORCH_NCCL_ENABLE_MONITORING="${TORCH_NCCL_ENABLE_MONITORING:-1}"
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-600}"
 exec torchrun --standalone --nnodes 1 --nproc_per_node "$NPROC" \
   "$repo/pretrain_gpt.py" --gpus-per-node "$GPUS_PER_NODE" --distributed-backend "$backend" "$@"

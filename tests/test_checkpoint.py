@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megaq import checkpoint as ckpt
+from megaq import integrity
 from megaq.arguments import parse_config
 from megaq.lr_schedule import LRSchedule
 from megaq.parallel.comm import Group
@@ -137,10 +138,12 @@ def test_refuses_other_architecture(tmp_path):
 
 def test_reads_checkpoints_saved_before_the_typed_configuration(tmp_path):
     """Files written before RunConfig hold a flat "args" dict of flag values: they load,
-    and an architecture change is still refused."""
+    and an architecture change is still refused. Those saves predate the integrity
+    manifest too: they are refused unless --no-verify-checkpoint is given."""
     config, topo, engine, sched = setup(tmp_path)
     save(tmp_path, 1, config, topo, engine, sched)
     path = tmp_path / "iter_0000001" / "mp_rank_00_000" / "model_optim.pt"
+    os.remove(tmp_path / "iter_0000001" / integrity.MANIFEST_NAME)
     sd = torch.load(path, weights_only=True)
     del sd["config"]
     sd["args"] = {  # what megaq.arguments.args_to_dict wrote
@@ -155,10 +158,13 @@ def test_reads_checkpoints_saved_before_the_typed_configuration(tmp_path):
         "global_batch_size": 1, "train_iters": 10, "lr": 1e-3, "seed": 1234,
         "zero_quantized_gradients_bits": 4, "zero_quantization_block_size": None}
     torch.save(sd, path)
-    assert load(tmp_path, config, topo, DictEngine(0.0), sched)["saved_global_batch_size"] == 1
+    with pytest.raises(ckpt.CheckpointError, match="has no integrity manifest"):
+        load(tmp_path, config, topo, DictEngine(0.0), sched)
+    unverified = run_config(ARGV + ["--no-verify-checkpoint"])
+    assert load(tmp_path, unverified, topo, DictEngine(0.0), sched)["saved_global_batch_size"] == 1
     with pytest.raises(ckpt.CheckpointError, match="--hidden-size 64 \\(checkpoint: 32\\)"):
-        load(tmp_path, run_config(ARGV[:2] + ["--hidden-size", "64"] + ARGV[4:]), topo,
-             DictEngine(0.0), sched)
+        load(tmp_path, run_config(ARGV[:2] + ["--hidden-size", "64"] + ARGV[4:]
+                                  + ["--no-verify-checkpoint"]), topo, DictEngine(0.0), sched)
 
 
 def test_refuses_other_tp_pp(tmp_path):

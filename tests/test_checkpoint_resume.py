@@ -22,6 +22,7 @@ import pytest
 
 from megaq import pretrain
 from megaq import checkpoint as ckpt
+from megaq import checkpoint_guard
 from megaq.parallel.launch import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,12 +181,13 @@ def test_killed_during_save_resumes_from_previous(tmp_path):
             break
     assert mid_save, "three kills all landed after the save had completed"
     assert ckpt.read_tracker(str(ck)) == 2 and not os.path.exists(ck / "iter_0000004")
-    # Resume: loads iteration 2, trains 3..6, and its save at 4 cleans the debris.
+    # Resume: its start removes the debris (megaq.checkpoint_guard), loads iteration 2
+    # and trains 3..6; only the job lock file remains besides the checkpoints.
     out = run_on_ranks(_train, 1, args=(model_argv(str(tmp_path), 6, [
         "--load", str(ck), "--save", str(ck), "--save-interval", "2"]),))
     assert sorted(out[0]["losses"]) == [3, 4, 5, 6]
     assert ckpt.read_tracker(str(ck)) == 6
-    assert not [n for n in os.listdir(ck) if n.startswith(".")]
+    assert [n for n in os.listdir(ck) if n.startswith(".")] == [checkpoint_guard.LOCK_NAME]
 
 
 def test_tp_pp_reshard(tmp_path):

@@ -17,12 +17,12 @@ from megaq.data.indexed import IndexedDataset
 SEQ = 64
 
 
-def build(prefixes, cache, num=(300, 20, 5), split="949,50,1", seed=7, seq=SEQ, **kw):
+def build(prefixes, cache, num=(300, 20, 0), split="949,50,1", seed=7, seq=SEQ, **kw):
     return build_train_valid_test_datasets(prefixes, split, seq, seed, num, str(cache), **kw)
 
 
 def test_samples_are_the_shuffled_document_stream(tmp_path, tiny_dataset):
-    train, valid, test = build([tiny_dataset], tmp_path, num=(300, 20, 5))
+    train, valid, test = build([tiny_dataset], tmp_path, num=(300, 20, 0))
     ix = IndexedDataset(tiny_dataset)
     n_docs = len(ix)
     lo, hi = split_boundaries(parse_split("949,50,1"), n_docs)[:2]
@@ -159,8 +159,11 @@ def test_mock_data(tmp_path):
 
 
 def test_split_too_small_is_none_or_clear_error(tmp_path, tiny_dataset):
-    # 1% of ~180 documents rounds to none for the test split: None, as documented.
-    assert build([tiny_dataset], tmp_path, num=(10, 10, 10))[2] is None
+    # 0.1% of ~180 documents rounds to none for the test split: asked for samples, it is a
+    # clear error (issue 17); asked for none, it is None.
+    with pytest.raises(DataError, match="leaves the test split no documents of .*tiny_text_document"):
+        build([tiny_dataset], tmp_path, num=(10, 10, 10))
+    assert build([tiny_dataset], tmp_path, num=(10, 10, 0))[2] is None
     ix = IndexedDataset(tiny_dataset)
     with pytest.raises(DataError, match="fewer than one sample"):
         GPTDataset(ix, "train", (0, 1), 5, 10**7, 1, str(tmp_path))

@@ -16,16 +16,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS = [
     ("kernels", ("kernels", "megaq.kernels", "megaq.flags", "megaq")),
-    ("parallel", ("megaq.parallel",)),
+    # megaq.failure: agreeing on an error is a collective over the parallel layer's groups
+    ("parallel", ("megaq.parallel", "megaq.failure")),
     ("model", ("megaq.model",)),
     ("zero", ("megaq.zero",)),
     ("data", ("megaq.data",)),
     ("config", ("megaq.config",)),
-    ("checkpoint", ("megaq.checkpoint",)),
-    ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils")),
+    # the manifest and the directory guards (job lock, stale .tmp, write errors) of a save
+    ("checkpoint", ("megaq.checkpoint", "megaq.checkpoint_guard", "megaq.integrity")),
+    # the hang watchdog counts training iterations
+    ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
+                  "megaq.watchdog")),
     ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt",
-             # Megatron-LM's flags (parser additions) and checkpoint import (validates the
-             # imported architecture with the parser, writes a megaq checkpoint)
+             # Megatron-LM's flags (parser additions) and the converters (they validate an
+             # imported architecture with the parser and write a megaq checkpoint)
              "megaq.megatron_flags", "megaq.interop")),
 ]
 

@@ -148,6 +148,27 @@ class GPTDataset:
         return {"tokens": tokens.astype(np.int64)}
 
 
+def check_not_empty(indexed, prefixes) -> None:
+    """Refuse a dataset of 0 documents (alone or in a blend): it can give no samples."""
+    for ix, prefix in zip(indexed, prefixes):
+        if len(ix) == 0 or ix.num_tokens == 0:
+            raise DataError(f"{prefix}: the dataset is empty ({len(ix)} documents, {ix.num_tokens} "
+                            f"tokens); preprocess non-empty input or remove it from --data-path")
+
+
+def check_split_has_documents(name: str, n: int, split: str, ranges, indexed, prefixes) -> None:
+    """A split asked for `n` samples must get at least one document of every dataset."""
+    for (a, b), ix, prefix in zip(ranges, indexed, prefixes):
+        if b > a:
+            continue
+        skip = {"valid": "; or pass --eval-iters 0 to skip validation",
+                "test": ""}.get(name, "")
+        raise DataError(f"--split {split!r} leaves the {name} split no documents of {prefix} "
+                        f"({len(ix)} documents), but {n} {name} samples are needed; give the "
+                        f"{name} split a larger weight (e.g. --split 949,50,1) or use more "
+                        f"data{skip}")
+
+
 def check_enough_tokens(sequence_lengths, doc_range, seq_length: int) -> int:
     lo, hi = doc_range
     tokens = int(np.asarray(sequence_lengths[lo:hi], dtype=np.int64).sum())
@@ -212,7 +233,8 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, seed
                                     vocab_size: int | None = None, build: bool = True,
                                     barrier=None):
     """-> (train, valid, test); each indexable (`ds[i]["tokens"]`, int64 [seq_length+1])
-    or None when the split is empty or asks for no samples.
+    or None when no samples are asked of it. A split asked for samples that gets no
+    documents, and an empty dataset in --data-path, are DataErrors (one line each).
 
     data_path: Megatron style, ['prefix'] or ['0.3', 'A', '0.7', 'B'] (blended).
     build: whether this rank builds missing index caches (set it on one rank per
@@ -232,6 +254,7 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, seed
     fractions = parse_split(split)
     weights, prefixes = parse_data_path(data_path)
     indexed = [IndexedDataset(p) for p in prefixes]
+    check_not_empty(indexed, prefixes)
     if weights is None:  # unweighted list: mix in proportion to each dataset's tokens
         tokens = [ix.num_tokens for ix in indexed]
         weights = [t / sum(tokens) for t in tokens]
@@ -241,9 +264,7 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, seed
             plans.append(None)
             continue
         ranges = [tuple(split_boundaries(fractions, len(ix))[s:s + 2]) for ix in indexed]
-        if any(b <= a for a, b in ranges):
-            plans.append(None)  # some dataset contributes no documents to this split
-            continue
+        check_split_has_documents(name, n, split, ranges, indexed, prefixes)
         if len(indexed) == 1:
             ds = GPTDataset(indexed[0], name, ranges[0], n, seq_length, seed, cache_dir, build)
             plans.append((None, [ds]))

@@ -156,6 +156,12 @@ class ChunkEncoder:
                 if not isinstance(text, str):
                     return ("error", f"{self.path}:{lineno}: json key {k!r} holds "
                                      f"{type(text).__name__}, expected a string; fix the line")
+                try:  # JSON's \ud800-style escapes can decode to lone surrogates
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return ("error", f"{self.path}:{lineno}: invalid text: json key {k!r} holds "
+                                     f"a lone surrogate {text[e.start]!r} at character {e.start} "
+                                     f"(not Unicode text); fix or delete this line")
                 texts[k].append(text)
         out = {}
         for k in self.keys:

@@ -75,6 +75,7 @@ class CommStats:
 
 
 STATS = CommStats()  # this process's counters (one process = one rank)
+LAST_ENTERED: list = [None, 0.0]  # [what, time.time()] of the last collective issued (megaq.watchdog)
 
 
 class Handle:
@@ -118,8 +119,9 @@ class Group:
         pg = None
         if world:
             pg = dist.group.WORLD
-        elif len(ranks) > 1:
-            pg = dist.new_group(ranks)  # collective: every rank calls it for every group
+        elif len(ranks) > 1:  # collective: every rank calls it for every group; the world's timeout
+            from megaq.parallel.launch import process_group_timeout
+            pg = dist.new_group(ranks, timeout=process_group_timeout())
         me = dist.get_rank() if dist.is_initialized() else 0
         idx = ranks.index(me) if me in ranks else -1
         return cls(ranks=list(ranks), nodes=[node_of(r) for r in ranks], pg=pg, rank_index=idx)
@@ -208,6 +210,7 @@ def _timed(phase: str, t: torch.Tensor):
 
 def _timed_run(phase: str, t: torch.Tensor, fn, *args, async_op: bool, **kw) -> Handle | None:
     """_run, synchronous and timed while STATS.timing is on (a finished handle then)."""
+    LAST_ENTERED[:] = [f"{getattr(fn, '__name__', fn)} ({phase}, {tuple(t.shape)})", time.time()]
     if not STATS.timing:
         return _run(fn, *args, async_op=async_op, **kw)
     with _timed(phase, t):
@@ -326,6 +329,7 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
 
 
 def barrier(group: Group | None = None) -> None:
+    LAST_ENTERED[:] = ["barrier", time.time()]
     if dist.is_initialized() and (group is None or group.size > 1):
         dist.barrier(group=None if group is None else group.pg)
 

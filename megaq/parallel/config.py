@@ -32,6 +32,9 @@ class ParallelConfig:
     distributed_backend: str | None = flag("--distributed-backend",
                                            "default: nccl with CUDA, else gloo",
                                            choices=["nccl", "gloo"])
+    distributed_timeout_minutes: float = flag(
+        "--distributed-timeout-minutes", "a collective waiting this long for a peer fails the "
+        "job (every process group; fractions allowed)", 10, type=float)
     # ---- from the launcher and the ZeRO flags, not from these flags ----
     world_size: int = 1
     ranks_per_node: int | None = None  # the launcher's; --gpus-per-node overrides it
@@ -41,6 +44,9 @@ class ParallelConfig:
     def __post_init__(self):
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise LayoutError(f"--gpus-per-node must be >= 1 (got {self.gpus_per_node})")
+        if not self.distributed_timeout_minutes > 0:
+            raise LayoutError(f"--distributed-timeout-minutes must be > 0 minutes "
+                              f"(got {self.distributed_timeout_minutes})")
         layout = Layout(world_size=self.world_size, tp=self.tensor_model_parallel_size,
                         pp=self.pipeline_model_parallel_size,
                         ranks_per_node=self.gpus_per_node or self.ranks_per_node,

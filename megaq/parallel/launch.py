@@ -4,15 +4,32 @@
 it forks N processes posing as `world_size / ranks_per_node` nodes, sets up any
 TP x PP x DP layout, runs `fn(topo, *args)` on every rank and returns the results
 in rank order (re-raising the first failure with the rank's traceback).
+
+Two reliability guarantees start here:
+
+* **The process-group timeout** (``--distributed-timeout-minutes``, default 10) is
+  given to the world group and remembered (:func:`process_group_timeout`), so every
+  group megaq creates later (``comm.Group.create``) gets the same one: a collective
+  waiting that long for a peer fails instead of hanging.
+* **Ranks never outlive their launcher** (:func:`die_with_parent`): a rank started by
+  torchrun or srun asks the kernel for SIGKILL when its parent dies
+  (``PR_SET_PDEATHSIG``; a parent-pid watch thread where that is unavailable), so a
+  killed launcher leaves no rank training and writing checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
+import sys
 import tempfile
+import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -20,6 +37,51 @@ import torch
 import torch.distributed as dist
 
 from megaq.parallel.topology import Layout, Topology, build_topology
+
+
+DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron's --distributed-timeout-minutes default
+_group_timeout: timedelta | None = None  # set when this process initialises its world group
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def process_group_timeout() -> timedelta | None:
+    """The timeout this process gave its world group (None before init): comm.Group.create
+    passes it to every new group, which torch would otherwise give its own default."""
+    return _group_timeout
+
+
+def _set_group_timeout(minutes: float) -> timedelta:
+    global _group_timeout
+    _group_timeout = timedelta(seconds=float(minutes) * 60.0)
+    return _group_timeout
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> str:
+    """Have this process killed with `sig` when its parent (the launcher) dies.
+
+    Linux: prctl(PR_SET_PDEATHSIG), then a re-check of the parent pid (the parent may
+    have died before the call). Elsewhere: a daemon thread polling the parent pid once a
+    second. Returns which mechanism is in place (for logs and tests)."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0:
+                if os.getppid() != parent:  # orphaned before the request took effect
+                    os.kill(os.getpid(), sig)
+                return "prctl"
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), sig)
+                return
+    threading.Thread(target=watch, name="megaq-parent-watch", daemon=True).start()
+    return "thread"
 
 
 def _free_port() -> int:
@@ -43,7 +105,7 @@ def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=120))
+                                world_size=world_size, timeout=_set_group_timeout(2.0))
         topo = build_topology(Layout(world_size=world_size, **layout_kw), rank)
         from megaq.parallel import comm
         comm.STATS.reset()
@@ -102,12 +164,98 @@ def rank_env_from_slurm() -> None:
         env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
 
 
-def init_from_env(backend: str | None = None) -> tuple[int, int]:
+def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | None = None,
+                     timeout: float = 300.0, grace: float = 5.0, before=None,
+                     on_start=None) -> dict:
+    """Run a whole command-line program on `world_size` forked ranks, as torchrun would.
+
+    Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT), a session of its own, stdout/stderr in files, and runs
+    ``os._exit(entry(argv))``. The launcher's failure policy is torchrun's: when a rank
+    exits non-zero, the others get SIGTERM, then SIGKILL after `grace` seconds. Forking
+    from a process that already imported torch and megaq makes a run take about a
+    second, so tests can repeat races many times. `before()` runs in each rank before
+    the program (e.g. a resource limit); `on_start(pids, outdir)` runs in the launcher
+    once all ranks are started (fault injection; rank r writes outdir/r.out, r.err).
+    Returns {"codes": [...], "stdout": str,
+    "stderr": str, "seconds": float}, the outputs concatenated in rank order."""
+    import torch._dynamo  # noqa: F401 - imported once here, inherited by every rank
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        pids = []
+        for r in range(world_size):
+            out, err = (os.path.join(tmp, f"{r}.{k}") for k in ("out", "err"))
+            pid = os.fork()
+            if pid == 0:  # the rank
+                code = 1
+                try:
+                    os.setsid()
+                    for fd, path in ((1, out), (2, err)):
+                        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                        os.dup2(f, fd)
+                        os.close(f)
+                    sys.stdout = open(1, "w", closefd=False)
+                    sys.stderr = open(2, "w", closefd=False)
+                    os.environ.update({"RANK": str(r), "WORLD_SIZE": str(world_size),
+                                       "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
+                    torch.set_num_threads(1)
+                    if before is not None:
+                        before()
+                    code = entry(argv)
+                except BaseException:  # noqa: BLE001 - a crash is reported as the traceback
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code if isinstance(code, int) else 1)
+            pids.append(pid)
+        if on_start is not None:
+            on_start(list(pids), tmp)
+        t0 = time.monotonic()
+        codes: dict[int, int] = {}
+        killed_at = None
+        while len(codes) < world_size:
+            for r, pid in enumerate(pids):
+                if r in codes:
+                    continue
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[r] = os.waitstatus_to_exitcode(status)
+                    if codes[r] != 0 and killed_at is None:  # torchrun's policy
+                        killed_at = time.monotonic()
+                        for q, other in enumerate(pids):
+                            if q not in codes:
+                                with contextlib.suppress(ProcessLookupError):
+                                    os.kill(other, signal.SIGTERM)
+            now = time.monotonic()
+            if (killed_at is not None and now - killed_at > grace) or now - t0 > timeout:
+                for q, other in enumerate(pids):
+                    if q not in codes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(other, signal.SIGKILL)
+            time.sleep(0.02)
+        seconds = time.monotonic() - t0
+
+        def read(k):
+            return "".join(open(os.path.join(tmp, f"{r}.{k}"), errors="replace").read()
+                           for r in range(world_size))
+        return {"codes": [codes[r] for r in range(world_size)], "stdout": read("out"),
+                "stderr": read("err"), "seconds": seconds}
+
+
+def init_from_env(backend: str | None = None,
+                  timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun/slurm variables (or as one rank).
 
-    Returns (rank, world_size). Sets the CUDA device from the local rank.
+    Returns (rank, world_size). Sets the CUDA device from the local rank. A rank started
+    by a launcher (torchrun, srun) dies with it (:func:`die_with_parent`); every process
+    group gets `timeout_minutes`.
     """
     env = os.environ
+    if "RANK" in env or "SLURM_PROCID" in env or "LOCAL_RANK" in env:
+        die_with_parent()  # not for a plain `python pretrain_gpt.py` (nohup keeps working)
     rank_env_from_slurm()
     if "RANK" not in env:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -119,8 +267,9 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=30))
+                                timeout=_set_group_timeout(timeout_minutes))
     return rank, world
 
 
-__all__ = ["run_on_ranks", "init_from_env", "Topology"]
+__all__ = ["run_on_ranks", "run_cli_on_ranks", "init_from_env", "die_with_parent", "process_group_timeout",
+           "Topology"]

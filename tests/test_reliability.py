@@ -1,0 +1,365 @@
+"""Failures are loud on every rank, hangs end, nothing unhealthy or half-written is kept.
+
+Every test runs the real program (megaq.pretrain.cli) on forked CPU gloo ranks through
+megaq.parallel.launch.run_cli_on_ranks, which gives each rank torchrun's environment
+and applies torchrun's failure policy (a rank exiting non-zero gets the others
+SIGTERMed). Faults are real: flipped and truncated files, signals (SIGINT, SIGSTOP,
+SIGKILL), a file-size limit standing in for a full disk, a learning rate that
+overflows the weights. One test starts real torchrun and SIGKILLs it.
+"""
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megaq import pretrain
+from megaq import checkpoint as ckpt
+from megaq.parallel.launch import run_cli_on_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_argv(iters, *extra):
+    return ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "8", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",
+            "--vocab-size", "64", "--eval-iters", "0", "--log-interval", "1",
+            "--train-iters", str(iters), *extra]
+
+
+def run(argv, world=4, **kw):
+    return run_cli_on_ranks(pretrain.cli, argv, world, **kw)
+
+
+def error_lines(r):
+    return [x for x in r["stderr"].splitlines() if "error:" in x]
+
+
+def all_failed(r, world):
+    """Every rank stopped with the agreed error: exit 2, or SIGTERM from the launcher
+    (torchrun's policy) once a peer has exited 2, which can only come after rank 0's
+    line is out: the ranks meet at a barrier after it (megaq.failure.report)."""
+    codes = r["codes"]
+    return len(codes) == world and 2 in codes and all(c in (2, -signal.SIGTERM) for c in codes)
+
+
+def wait_for(path, text, timeout=120.0):
+    """Block until file `path` contains `text` (a rank's output file)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if os.path.exists(path) and text in open(path, errors="replace").read():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+@pytest.fixture(scope="module")
+def saved4(tmp_path_factory):
+    """A 4-rank checkpoint at iteration 2 (a copy per test: tests damage it)."""
+    root = str(tmp_path_factory.mktemp("ck4"))
+    r = run(tiny_argv(2, "--save", root, "--save-interval", "2"))
+    assert r["codes"] == [0] * 4, r["stderr"]
+    return root
+
+
+@pytest.fixture
+def ck4(saved4, tmp_path):
+    dst = str(tmp_path / "ck")
+    shutil.copytree(saved4, dst)
+    return dst
+
+
+# --------------------------------------------------------- errors reach the user
+def _flip(path, pos=None):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2 if pos is None else pos] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_error_found_only_on_rank_3_is_printed_20_of_20(ck4):
+    """Rank 3 alone reads rng/rank_00003.pt. 10 runs with it damaged (caught by the
+    manifest), 10 with it truncated under --no-verify-checkpoint (caught by the read):
+    every run prints the one line naming the file, and no rank exits 0."""
+    rng = os.path.join(ckpt.iteration_dir(ck4, 2), "rng", "rank_00003.pt")
+    good = open(rng, "rb").read()
+    seen = []
+    for i in range(20):
+        if i < 10:
+            _flip(rng, pos=(97 * i) % len(good))
+            extra = []
+        else:
+            open(rng, "wb").write(good[:len(good) // 3])
+            extra = ["--no-verify-checkpoint"]
+        r = run(tiny_argv(3, "--load", ck4, *extra))
+        open(rng, "wb").write(good)
+        lines = error_lines(r)
+        seen.append(len(lines) == 1 and rng in lines[0] and "found on rank 3" in lines[0]
+                    and all_failed(r, 4)
+                    and "Traceback" not in r["stderr"])
+        assert seen[-1], (i, r["codes"], r["stderr"])
+    assert sum(seen) == 20
+
+
+@pytest.mark.parametrize("where", ["model", "rng", "truncated_model", "empty_rng_unverified"])
+def test_damaged_checkpoint_file_one_line_naming_it(ck4, where):
+    it = ckpt.iteration_dir(ck4, 2)
+    model = ckpt.model_file(it, 0, 0)
+    rng = ckpt.rng_file(it, 1)
+    extra = []
+    if where == "model":
+        _flip(model)
+        path, expect = model, "is damaged: sha256"
+    elif where == "rng":
+        _flip(rng)
+        path, expect = rng, "is damaged: sha256"
+    elif where == "truncated_model":
+        open(model, "r+b").truncate(os.path.getsize(model) // 2)
+        path, expect = model, "is damaged: sha256"
+    else:  # an empty RNG file, read without the manifest: still one line naming it
+        open(rng, "wb").close()
+        path, expect, extra = rng, "cannot be read (EOFError", ["--no-verify-checkpoint"]
+    r = run(tiny_argv(3, "--load", ck4, *extra))
+    lines = error_lines(r)
+    assert all_failed(r, 4) and len(lines) == 1, r["stderr"]
+    assert lines[0].startswith("error: ") and path in lines[0] and expect in lines[0]
+
+
+def test_flipped_rng_state_without_manifest_is_a_clear_line(ck4):
+    """A byte flip inside the mt19937 state tensor (not the zip structure) loads as a
+    tensor; restoring it fails: the line names the file instead of 'Invalid mt19937'."""
+    import torch
+    rng = ckpt.rng_file(ckpt.iteration_dir(ck4, 2), 2)
+    state = torch.load(rng, weights_only=True)
+    state["torch_cpu"] = state["torch_cpu"][:100]  # a wrong-sized generator state
+    torch.save(state, rng)
+    r = run(tiny_argv(3, "--load", ck4, "--no-verify-checkpoint"))
+    lines = error_lines(r)
+    assert all_failed(r, 4) and len(lines) == 1, r["stderr"]
+    assert rng in lines[0] and "holds no valid RNG state" in lines[0] and "--no-load-rng" in lines[0]
+
+
+def test_directory_without_manifest_is_never_loaded(ck4):
+    os.remove(os.path.join(ckpt.iteration_dir(ck4, 2), "MANIFEST.sha256.json"))
+    r = run(tiny_argv(3, "--load", ck4), world=2)
+    lines = error_lines(r)
+    assert all_failed(r, 2) and len(lines) == 1 and "has no integrity manifest" in lines[0]
+    ok = run(tiny_argv(3, "--load", ck4, "--no-verify-checkpoint"))
+    assert ok["codes"] == [0] * 4 and "loaded checkpoint" in ok["stdout"], ok["stderr"]
+
+
+def test_reshard_reads_are_verified(tmp_path):
+    """TP=2 checkpoint loaded at TP=1: every rank reads both TP shards (read_all_stages)."""
+    root = str(tmp_path / "ck")
+    r = run(tiny_argv(1, "--save", root, "--save-interval", "1",
+                      "--tensor-model-parallel-size", "2"), world=2)
+    assert r["codes"] == [0, 0], r["stderr"]
+    shard = ckpt.model_file(ckpt.iteration_dir(root, 1), 1, 0)
+    _flip(shard)
+    r = run(tiny_argv(2, "--load", root), world=2)
+    lines = error_lines(r)
+    assert all_failed(r, 2) and len(lines) == 1 and shard in lines[0], r["stderr"]
+
+
+# ----------------------------------------------------------------- write errors
+def _file_size_limit(limit):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death by signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_disk_full_save_one_line_no_tmp_previous_stays_latest(ck4):
+    it = ckpt.iteration_dir(ck4, 2)
+    model_bytes = os.path.getsize(ckpt.model_file(it, 0, 0))
+    biggest_other = max(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(it)
+                        for n in ns if n != "model_optim.pt")
+    assert biggest_other + 4096 < model_bytes  # the limit lets everything but the model through
+    os.makedirs(os.path.join(ck4, ".iter_0000009.tmp"))  # a stale save of a killed run
+    r = run(tiny_argv(4, "--load", ck4, "--save", ck4, "--save-interval", "2"),
+            before=_file_size_limit(biggest_other + 4096))
+    lines = error_lines(r)
+    assert all_failed(r, 4) and len(lines) == 1, r["stderr"]
+    assert f"cannot write the checkpoint to {ck4}: File too large" in lines[0]
+    assert "needs about" in lines[0] and "(iteration 2) stays latest" in lines[0]
+    assert "Traceback" not in r["stderr"]
+    assert ckpt.read_tracker(ck4) == 2
+    assert sorted(n for n in os.listdir(ck4) if n.startswith((".iter", "iter"))) == ["iter_0000002"]
+    # and the previous checkpoint still loads
+    ok = run(tiny_argv(3, "--load", ck4, "--global-batch-size", "4"), world=2)
+    assert ok["codes"] == [0, 0] and "loaded checkpoint" in ok["stdout"], ok["stderr"]
+
+
+# ------------------------------------------------------------ unhealthy weights
+def test_nan_streak_leaves_latest_at_last_healthy_checkpoint(tmp_path):
+    """--lr 1e30: iteration 1's loss is finite and its update overflows the weights, so
+    every later loss is non-finite. Saves fall at every iteration: 1 is saved, 2 and 3
+    are postponed, and the run stops at 4 with latest = 1, the last one before the streak."""
+    root = str(tmp_path / "ck")
+    argv = tiny_argv(10, "--save", root, "--save-interval", "1", "--max-consecutive-skipped-iters",
+                     "3")
+    argv[argv.index("--lr") + 1] = "1e30"
+    r = run(argv, world=2)
+    assert all_failed(r, 2), r["stderr"]
+    lines = error_lines(r)  # decided on the all-reduced loss: rank 0 prints it for all
+    assert len(lines) == 1 and lines[0].startswith("error: stopping at iteration 4: 3 iterations "
+                                                   "in a row"), r["stderr"]
+    assert "checkpoint at iteration 2 postponed" in r["stdout"]
+    assert "checkpoint at iteration 3 postponed" in r["stdout"]
+    assert ckpt.read_tracker(root) == 1
+    assert sorted(n for n in os.listdir(root) if "iter_" in n) == ["iter_0000001"]
+
+
+# --------------------------------------------------------------------- signals
+def _signal_when_training(sig, ranks, times=1, after="iteration        2/", gap=0.05):
+    def inject(pids, outdir):
+        wait_for(os.path.join(outdir, "0.out"), after)
+        for _ in range(times):
+            for r in ranks:
+                os.kill(pids[r], sig)
+            time.sleep(gap)
+    return inject
+
+
+def test_sigint_saves_at_next_iteration_and_exits_0(tmp_path):
+    root = str(tmp_path / "ck")
+    r = run(tiny_argv(100000, "--save", root, "--exit-signal-handler"), world=2,
+            on_start=_signal_when_training(signal.SIGINT, [0, 1]))
+    assert r["codes"] == [0, 0], r["stderr"]
+    assert "Traceback" not in r["stderr"] and "KeyboardInterrupt" not in r["stderr"]
+    saved = ckpt.read_tracker(root)
+    assert saved and f"exiting program at iteration {saved}" in r["stdout"]
+    assert "saved checkpoint at iteration" in r["stdout"]
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path):
+    # iterations of ~0.1 s or more, so that the second Ctrl-C lands before the boundary
+    argv = tiny_argv(100000, "--exit-signal-handler", "--micro-batch-size", "8")
+    argv[argv.index("--hidden-size") + 1] = "128"
+    argv[argv.index("--seq-length") + 1] = "128"
+    r = run(argv, world=2, on_start=_signal_when_training(signal.SIGINT, [1], times=2, gap=0.01))
+    assert r["codes"][1] == 130, r
+    assert "[rank 1] error: interrupted again (second Ctrl-C)" in r["stderr"]
+
+
+# ------------------------------------------------------------------------ hangs
+def test_sigstopped_rank_ends_job_within_hang_bound_with_diagnosis(tmp_path):
+    bound = 0.05 * 60  # --hang-timeout-minutes 0.05
+    stopped = {}
+
+    def stop_rank_1(pids, outdir):
+        wait_for(os.path.join(outdir, "0.out"), "iteration        3/")
+        os.kill(pids[1], signal.SIGSTOP)  # a hung node
+        stopped["at"] = time.monotonic()
+
+    r = run(tiny_argv(100000, "--hang-timeout-minutes", "0.05"), world=2, on_start=stop_rank_1,
+            grace=2.0)
+    elapsed = time.monotonic() - stopped["at"]
+    err = r["stderr"]
+    assert r["codes"][0] == 124, r
+    assert "[rank 0] error: hang watchdog: no iteration completed for" in err
+    diagnosis = err.split("[rank 0] error: hang watchdog:")[1].splitlines()[0]
+    assert "last completed iteration: " in diagnosis, diagnosis
+    assert "last collective entered: " in diagnosis and "none yet" not in diagnosis, diagnosis
+    assert "Thread" in err and "megaq/training.py" in err  # faulthandler's dump of every thread
+    # the bound, the watchdog's polling and the launcher's 2 s grace; generous for a loaded CI
+    assert elapsed < bound + 2.0 + 20.0, elapsed
+
+
+def test_process_group_timeout_reaches_new_groups():
+    """--distributed-timeout-minutes 0.02 (1.2 s): a collective on a group created after
+    init (comm.Group.create) that a peer never joins fails in seconds, not torch's 30 min."""
+    def entry(argv):
+        from datetime import timedelta
+        from megaq.parallel import comm
+        from megaq.parallel.launch import init_from_env, process_group_timeout
+        import torch
+        rank, world = init_from_env("gloo", timeout_minutes=0.02)
+        assert process_group_timeout() == timedelta(seconds=1.2)
+        group = comm.Group.create([0, 1], node_of=lambda r: 0)
+        if rank == 1:
+            time.sleep(15)
+            return 0
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(1), group, "dp_misc")
+        except RuntimeError:
+            print(f"timed out after {time.monotonic() - t0:.1f} s", flush=True)
+            return 3
+        return 0
+
+    r = run_cli_on_ranks(entry, [], 2, timeout=60)
+    assert r["codes"][0] == 3, r
+    seconds = float(r["stdout"].split("timed out after ")[1].split()[0])
+    assert seconds < 10, seconds
+
+
+# ------------------------------------------------------------------ job ownership
+def test_second_job_refused_by_lock_and_stale_lock_taken_over(tmp_path):
+    root = str(tmp_path / "ck")
+    second = {}
+
+    def start_second_job(pids, outdir):
+        wait_for(os.path.join(outdir, "0.out"), "iteration        2/")
+        second["r"] = run(tiny_argv(2, "--save", root, "--save-interval", "1"), world=2)
+        for p in pids:  # the first job dies without cleaning up, as on a node failure
+            os.kill(p, signal.SIGKILL)
+
+    run(tiny_argv(100000, "--save", root), world=2, on_start=start_second_job)
+    r = second["r"]
+    lines = error_lines(r)
+    assert all_failed(r, 2) and len(lines) == 1, r["stderr"]
+    assert f"{root} is in use by another running job (pid" in lines[0]
+    assert not os.path.exists(ckpt.iteration_dir(root, 1))
+    third = run(tiny_argv(1, "--save", root, "--save-interval", "1"), world=2)
+    assert third["codes"] == [0, 0], third["stderr"]
+    assert "took over the stale checkpoint lock" in third["stdout"]
+    assert ckpt.read_tracker(root) == 1
+
+
+def test_sigkill_of_torchrun_leaves_no_rank_alive(tmp_path):
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         os.path.join(REPO, "pretrain_gpt.py"), *tiny_argv(100000)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path),
+        start_new_session=True)
+    ranks = []
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.decode(errors="replace"))
+            if "iteration        2/" in lines[-1]:
+                break
+        else:
+            pytest.fail("training never started:\n" + "".join(lines))
+        ranks += _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher dies (its ranks are in their own sessions)
+        time.sleep(5)
+        alive = [p for p in ranks if _alive(p)]
+        assert not alive, f"ranks {alive} outlived torchrun"
+    finally:
+        for p in [proc.pid] + ranks:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
