@@ -48,7 +48,7 @@ def test_concurrent_first_use_builds_once_and_reuses(tmp_path):
     for i in (0, len(ix) - 1):
         doc = np.asarray(ix[i]).tolist()
         assert doc[-1] == tok.eod and tok.detokenize(doc[:-1]) == files[i][1]
-    train = build_train_valid_test_datasets([prefix], "98,2,0", 32, 1, (50, 5, 0),
+    train = build_train_valid_test_datasets([prefix], "98,2,0", 32, 1, (50, 0, 0),
                                             os.path.join(cache, "index"))[0]
     assert train[0]["tokens"].shape == (33,)
 
