@@ -48,7 +48,7 @@ def zero_config(args):
               quantized_weights=args.zero_quantized_weights,
               hpz_partition_size=args.zero_hpz_partition_size,
               quantized_gradients=args.zero_quantized_gradients,
-              grad_bits_intra=args.zero_quantized_gradients_bits,
+              grad_bits_intra=args.zero_quantized_gradients_intra_bits or args.zero_quantized_gradients_bits,
               grad_bits_inter=args.zero_quantized_gradients_bits,
               error_feedback=args.zero_gradient_error_feedback)
     if args.zero_quantization_block_size:

@@ -130,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-quantized-gradients", action="store_true",
                    help="qgZ: quantized two-hop all-to-all gradient reduce-scatter")
     g.add_argument("--zero-quantized-gradients-bits", type=int, choices=[4, 8], default=4,
-                   help="qgZ bits per value")
+                   help="qgZ bits per value of the cross-node hop (and of the in-node hop "
+                        "unless --zero-quantized-gradients-intra-bits is given)")
+    g.add_argument("--zero-quantized-gradients-intra-bits", type=int, choices=[4, 8], default=None,
+                   help="qgZ bits of the in-node hop only (in-node bytes, never cross-node; "
+                        "docs/ZEROPP.md 'Fidelity' has the trade-off); default: "
+                        "--zero-quantized-gradients-bits")
     g.add_argument("--zero-quantization-block-size", type=int, default=None,
                    help="elements per quantization block (default: the engine's)")
     g.add_argument("--zero-gradient-error-feedback", action="store_true",

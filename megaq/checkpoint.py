@@ -67,7 +67,8 @@ def error_feedback_file(ckpt_dir: str, rank: int) -> str:
 
 
 # what the qgZ residuals depend on besides the layout: a change of these restarts them
-_EF_ARGS = ("zero_quantized_gradients_bits", "zero_quantization_block_size")
+_EF_ARGS = ("zero_quantized_gradients_bits", "zero_quantized_gradients_intra_bits",
+            "zero_quantization_block_size")
 
 
 # ------------------------------------------------------------------------ RNG streams

@@ -98,7 +98,7 @@ class ZeroPPConfig:
             hpz_size=int(g("zero_hpz_partition_size", 1)),
             quantized_gradients=bool(g("zero_quantized_gradients", False)),
             weight_bits=int(g("zero_quantized_weights_bits", 8)),
-            grad_bits_intra=int(bits),
+            grad_bits_intra=int(g("zero_quantized_gradients_intra_bits", bits)),
             grad_bits_inter=int(g("zero_quantized_gradients_inter_bits", bits)),
             block=int(g("zero_quantization_block_size", DEFAULT_BLOCK)),
             error_feedback=bool(g("zero_gradient_error_feedback", False)),
