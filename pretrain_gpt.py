@@ -50,7 +50,8 @@ def zero_config(args):
               quantized_gradients=args.zero_quantized_gradients,
               grad_bits_intra=args.zero_quantized_gradients_intra_bits or args.zero_quantized_gradients_bits,
               grad_bits_inter=args.zero_quantized_gradients_bits,
-              error_feedback=args.zero_gradient_error_feedback)
+              error_feedback=args.zero_gradient_error_feedback,
+              grad_exact_own_rows=not args.zero_quantized_gradients_quantize_own_rows)
     if args.zero_quantization_block_size:
         kw["block_size"] = args.zero_quantization_block_size
     if args.zero_quantized_gradients_chunk:

@@ -138,8 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--zero-quantized-gradients-bits")
     g.add_argument("--zero-quantization-block-size", type=int, default=None,
                    help="elements per quantization block (default: the engine's)")
-    g.add_argument("--zero-gradient-error-feedback", action="store_true",
-                   help="qgZ: carry the quantization residual into the next step")
+    g.add_argument("--zero-quantized-gradients-quantize-own-rows", action="store_true",
+                   help="qgZ: also quantize the all-to-all row each rank keeps for itself "
+                        "(DeepSpeed's way; the default keeps it exact, which costs no bytes)")
+    g.add_argument("--zero-gradient-error-feedback", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="qgZ: carry the quantization residual into the next step (default: on "
+                        "with --zero-quantized-gradients; costs fp32 residual memory, see "
+                        "docs/ZEROPP.md 'Fidelity')")
     g.add_argument("--zero-quantized-gradients-chunk", type=int, default=None,
                    help="qgZ: elements of each rank's gradient shard per chunk; the two "
                         "all-to-all hops of consecutive chunks overlap (default 4194304; "
@@ -347,6 +353,10 @@ def validate_args(args: argparse.Namespace, world_size: int,
     if zpp and args.zero_stage != 3:
         _fail("ZeRO++ switches (--zero-quantized-weights, --zero-hpz-partition-size > 1, "
               "--zero-quantized-gradients) need --zero-stage 3")
+    if args.zero_gradient_error_feedback is None:  # default: on whenever qgZ is
+        args.zero_gradient_error_feedback = bool(args.zero_quantized_gradients)
+    elif args.zero_gradient_error_feedback and not args.zero_quantized_gradients:
+        _fail("--zero-gradient-error-feedback needs --zero-quantized-gradients")
     chunk = args.zero_quantized_gradients_chunk
     if chunk is not None and chunk < 1:
         _fail(f"--zero-quantized-gradients-chunk {chunk} must be >= 1 element (e.g. 4194304)")

@@ -28,10 +28,12 @@ A configuration is ``zero3`` or tokens joined by ``+`` (each maps to flags):
     i4 / i8    --zero-quantized-gradients-intra-bits (the in-node hop's width)
     b<N>       --zero-quantization-block-size N
     ef / noef  --zero-gradient-error-feedback / --no-zero-gradient-error-feedback
-    sr / rn    --zero-quantized-gradients-rounding stochastic / nearest
+    qown       --zero-quantized-gradients-quantize-own-rows (also quantize the row a
+               rank keeps for itself in each all-to-all, as before issue 22)
 
-and the aliases ``zeropp`` (qwz+hpz+qgz with the current defaults) and ``zeropp_v1``
-(qwz+hpz+qgz with the defaults before issue 22 pinned: i4+g4+b2048+noef+rn). Runs are
+and the aliases ``zeropp`` (qwz+hpz+qgz with the current defaults), ``zeropp_v1`` and
+``qgz_v1`` (the qgZ defaults before issue 22 pinned: g4+i4+b2048+noef+qown); an alias
+may start a composite (``qgz_v1+ef``; a later token overrides an earlier one). Runs are
 cached by their exact argv under --cache-dir, so a table can be extended or re-plotted
 without re-training.
 """
@@ -58,8 +60,7 @@ TOKENS = {
     "qgz": ["--zero-quantized-gradients"],
     "ef": ["--zero-gradient-error-feedback"],
     "noef": ["--no-zero-gradient-error-feedback"],
-    "sr": ["--zero-quantized-gradients-rounding", "stochastic"],
-    "rn": ["--zero-quantized-gradients-rounding", "nearest"],
+    "qown": ["--zero-quantized-gradients-quantize-own-rows"],
 }
 PREFIX_TOKENS = {  # token prefix + integer -> flag
     "g": "--zero-quantized-gradients-bits",
@@ -68,10 +69,10 @@ PREFIX_TOKENS = {  # token prefix + integer -> flag
 }
 ALIASES = {
     "zeropp": "qwz+hpz+qgz",
-    "zeropp_v1": "qwz+hpz+qgz+g4+i4+b2048+noef+rn",
-    "qgz_v1": "qgz+g4+i4+b2048+noef+rn",
+    "zeropp_v1": "qwz+hpz+qgz+g4+i4+b2048+noef+qown",
+    "qgz_v1": "qgz+g4+i4+b2048+noef+qown",
 }
-GRAD_ONLY = ("ef", "noef", "sr", "rn", "g", "i")  # need qgz
+GRAD_ONLY = ("ef", "noef", "qown")  # need qgz
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,

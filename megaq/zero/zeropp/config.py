@@ -12,6 +12,8 @@ Flags (megaq/arguments.py) -> fields:
     --zero-quantized-gradients-bits B    grad_bits_intra and grad_bits_inter (default 4)
     --zero-quantization-block-size B     block                (default kernels.DEFAULT_BLOCK)
     --zero-gradient-error-feedback       error_feedback
+    --zero-quantized-gradients-intra-bits B   grad_bits_intra (default: the bits above)
+    --zero-quantized-gradients-quantize-own-rows   exact_own_rows = False
 
 Optional attributes the namespace may carry (not flags yet; per-hop control):
 ``zero_quantized_weights_bits`` (8), ``zero_quantized_gradients_inter_bits``
@@ -45,6 +47,9 @@ class ZeroPPConfig:
     block: int = DEFAULT_BLOCK
     error_feedback: bool = False
     grad_chunk: int = DEFAULT_GRAD_CHUNK
+    # qgZ: the row of each all-to-all that a rank keeps for itself never crosses a link;
+    # True keeps it exact (fp32) instead of quantizing it (docs/ZEROPP.md "Fidelity").
+    exact_own_rows: bool = True
 
     def __post_init__(self):
         for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
@@ -85,6 +90,7 @@ class ZeroPPConfig:
             block=int(z.block_size),
             error_feedback=bool(z.error_feedback),
             grad_chunk=int(z.grad_chunk),
+            exact_own_rows=bool(getattr(z, "grad_exact_own_rows", True)),
         )
 
     @classmethod
@@ -103,6 +109,7 @@ class ZeroPPConfig:
             block=int(g("zero_quantization_block_size", DEFAULT_BLOCK)),
             error_feedback=bool(g("zero_gradient_error_feedback", False)),
             grad_chunk=int(g("zero_quantized_gradients_chunk", DEFAULT_GRAD_CHUNK)),
+            exact_own_rows=not bool(g("zero_quantized_gradients_quantize_own_rows", False)),
         )
 
 
