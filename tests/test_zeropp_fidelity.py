@@ -105,3 +105,52 @@ def test_error_feedback_reduces_accumulated_error_of_a_gradient_sequence():
         assert off["max_over_bound"] > 1.0 and fb["mean"] < off["mean"] / 2, (rank, fb, off)
         # A residual kept in bf16 stalls and breaks the bound the same way.
         assert bf16["max_over_bound"] > 1.0 and fb["mean"] < bf16["mean"] / 1.5, (rank, fb, bf16)
+
+
+# ------------------------------------------------------- the convergence harness
+def _harness():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tools", "bench", "convergence.py")
+    spec = importlib.util.spec_from_file_location("bench_convergence", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_harness_configs_reach_the_intended_settings():
+    """Each configuration name of tools/bench/convergence.py parses into the ZeRO++
+    settings it claims (the decomposition table is only as good as this mapping)."""
+    import pytest
+    from megaq.arguments import parse_args
+    cv = _harness()
+    a = cv.parse(["--iters", "20", "--tail", "5"])
+
+    def settings(name):
+        args = parse_args(cv.model_argv(a, 1234, "bf16") + cv.config_flags(name, 2),
+                          world_size=4, ranks_per_node=2)
+        return (args.zero_quantized_weights, args.zero_hpz_partition_size, args.zero_quantized_gradients,
+                args.zero_gradient_error_feedback, args.zero_quantized_gradients_quantize_own_rows,
+                args.zero_quantized_gradients_intra_bits or args.zero_quantized_gradients_bits,
+                args.zero_quantized_gradients_bits, args.zero_quantization_block_size)
+
+    assert settings("zero3") == (False, 1, False, False, False, 4, 4, None)
+    assert settings("zeropp") == (True, 2, True, True, False, 4, 4, None)  # current defaults
+    assert settings("zeropp_v1") == (True, 2, True, False, True, 4, 4, 2048)  # before issue 22
+    assert settings("qgz_v1+ef") == (False, 1, True, True, True, 4, 4, 2048)  # later token wins
+    assert settings("qgz+i8+b512") == (False, 1, True, True, False, 8, 4, 512)
+    with pytest.raises(cv.ConfigError):
+        cv.config_flags("qwz+ef", 2)  # a qgZ option without qgZ
+    with pytest.raises(cv.ConfigError):
+        cv.config_flags("qgz+x7", 2)
+
+
+def test_harness_interval_is_students_t():
+    cv = _harness()
+    st = cv.mean_ci([0.01, 0.02, 0.03])
+    # mean 0.02, sd 0.01, t(0.975, 2 df) = 4.303: half-width 4.303 * 0.01 / sqrt(3)
+    assert abs(st["mean"] - 0.02) < 1e-12 and abs(st["sd"] - 0.01) < 1e-12
+    half = 4.303 * 0.01 / 3 ** 0.5
+    assert abs(st["ci95"][0] - (0.02 - half)) < 1e-9 and abs(st["ci95"][1] - (0.02 + half)) < 1e-9
+    assert cv.mean_ci([0.5])["ci95"] is None
