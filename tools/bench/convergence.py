@@ -170,8 +170,9 @@ def _bytes_per_iter(metrics: str) -> dict:
             "by_phase": comm}
 
 
-def run_one(argv: list[str], a, label: str) -> dict:
-    """Train once (or read the cached result of the same argv)."""
+def run_one(argv: list[str], a, label: str) -> dict | None:
+    """Train once (or read the cached result of the same argv; None with --cached-only
+    when there is none)."""
     from megaq.parallel.launch import run_on_ranks
 
     key = hashlib.sha256(json.dumps([argv, a.world]).encode()).hexdigest()[:16]
@@ -179,6 +180,8 @@ def run_one(argv: list[str], a, label: str) -> dict:
     if os.path.exists(cache):
         with open(cache) as f:
             return json.load(f)
+    if a.cached_only:
+        return None
     os.makedirs(a.cache_dir, exist_ok=True)
     metrics = os.path.join(a.cache_dir, f"{key}.metrics.jsonl")
     if os.path.exists(metrics):
@@ -210,20 +213,28 @@ def final_val(run: dict) -> float | None:
     return run["val"][max(run["val"], key=int)]
 
 
+def paired_seeds(runs: dict, c: str, seeds: list[int], prec: str, baseline: str) -> list[int]:
+    """The seeds on which both the config and the baseline have a run."""
+    return [s for s in seeds if (c, s, prec) in runs and (baseline, s, prec) in runs]
+
+
 def summarize(runs: dict, configs: list[str], seeds: list[int], precisions: list[str],
               baseline: str, tail: int) -> dict:
     table = {}
     for prec in precisions:
         for c in configs:
-            rows = [runs[(c, s, prec)] for s in seeds]
-            base = [runs[(baseline, s, prec)] for s in seeds]
+            seeds_c = paired_seeds(runs, c, seeds, prec, baseline)
+            if not seeds_c:
+                continue
+            rows = [runs[(c, s, prec)] for s in seeds_c]
+            base = [runs[(baseline, s, prec)] for s in seeds_c]
             d_train = [(tail_mean(r, tail) - tail_mean(b, tail)) / tail_mean(b, tail)
                        for r, b in zip(rows, base)]
             d_val = [(final_val(r) - final_val(b)) / final_val(b) for r, b in zip(rows, base)
                      if final_val(r) is not None and final_val(b) is not None]
             by = rows[0]["bytes_per_node_per_iter"]
             table[f"{c}/{prec}"] = {
-                "config": c, "precision": prec, "seeds": seeds,
+                "config": c, "precision": prec, "seeds": seeds_c,
                 "tail_loss": [tail_mean(r, tail) for r in rows],
                 "diff_train_tail": d_train, "diff_train_tail_stats": mean_ci(d_train),
                 "diff_val": d_val, "diff_val_stats": mean_ci(d_val) if d_val else None,
@@ -238,7 +249,7 @@ def _pct(x):
     return "n/a" if x is None else f"{100 * x:+.2f}%"
 
 
-def print_table(table: dict, baseline: str, tail: int) -> str:
+def print_table(table: dict, baseline: str, tail: int, table_seeds: list[int]) -> str:
     lines = [f"paired difference of the last-{tail}-iteration mean training loss vs {baseline} "
              f"(per seed; mean; 95% t interval over seeds)",
              "| config | prec | per-seed | mean | 95% CI | val mean | in-node B/it | cross-node B/it |",
@@ -247,8 +258,9 @@ def print_table(table: dict, baseline: str, tail: int) -> str:
         st = row["diff_train_tail_stats"]
         ci = st["ci95"]
         vs = row["diff_val_stats"]
+        seeds = "" if len(row["seeds"]) == len(table_seeds) else f" (seeds {','.join(map(str, row['seeds']))})"
         lines.append(
-            f"| {row['config']} | {row['precision']} | {', '.join(_pct(x) for x in row['diff_train_tail'])} "
+            f"| {row['config']}{seeds} | {row['precision']} | {', '.join(_pct(x) for x in row['diff_train_tail'])} "
             f"| {_pct(st['mean'])} | {'n/a' if ci is None else f'[{_pct(ci[0])}, {_pct(ci[1])}]'} "
             f"| {_pct(vs['mean']) if vs else 'n/a'} "
             f"| {row['intra_node_bytes_per_node_per_iter']:.0f} | {row['inter_node_bytes_per_node_per_iter']:.0f} |")
@@ -277,18 +289,23 @@ def plot(runs: dict, configs, seeds, precisions, baseline: str, path: str, title
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for prec in precisions:
         for c in configs:
-            rs = [runs[(c, s, prec)] for s in seeds]
-            bs = [runs[(baseline, s, prec)] for s in seeds]
+            seeds_c = paired_seeds(runs, c, seeds, prec, baseline)
+            if not seeds_c:
+                continue
+            rs = [runs[(c, s, prec)] for s in seeds_c]
+            bs = [runs[(baseline, s, prec)] for s in seeds_c]
             its = sorted(rs[0]["train"], key=int)
             mean = [sum(r["train"][i] for r in rs) / len(rs) for i in its]
             rel = [sum((r["train"][i] - b["train"][i]) / b["train"][i] for r, b in zip(rs, bs)) / len(rs)
                    for i in its]
             x = [int(i) for i in its]
             label = f"{c} ({prec})" if len(precisions) > 1 else c
+            if len(seeds_c) < len(seeds):
+                label += f" [{len(seeds_c)} seeds]"
             ax1.plot(x, smooth(mean, 20), label=label, lw=1)
             if c != baseline:
                 ax2.plot(x, [100 * v for v in smooth(rel, 50)], label=label, lw=1)
-    ax1.set(title=f"training loss, mean of {len(seeds)} seeds (20-it mean)", xlabel="iteration",
+    ax1.set(title=f"training loss, mean over seeds (20-it mean)", xlabel="iteration",
             ylabel="lm loss")
     ax2.axhline(0, color="k", lw=0.5)
     ax2.set(title=f"paired difference vs {baseline} (50-it mean)", xlabel="iteration",
@@ -326,6 +343,9 @@ def parse(argv):
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--cache-dir", default=os.path.join(REPO, "data_cache", "convergence_runs"),
                    help="finished runs by argv hash (reused; delete to re-train)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="train nothing: report the runs already in --cache-dir (a table over "
+                        "the seeds each config has; the row's seeds say which)")
     p.add_argument("--out", default="convergence", help="output prefix (.json, .png)")
     a = p.parse_args(argv)
     if a.world % 2 or a.world < 4:
@@ -360,11 +380,14 @@ def main(argv=None) -> dict:
             for c in a.config_list:
                 argv_c = model_argv(a, s, prec) + config_flags(c, a.world // 2)
                 r = run_one(argv_c, a, f"{c}@{s}/{prec}")
+                if r is None:
+                    print(f"{c} seed {s} {prec}: no cached run (--cached-only)", flush=True)
+                    continue
                 runs[(c, s, prec)] = r
                 print(f"{c} seed {s} {prec}: last-{a.tail} loss {tail_mean(r, a.tail):.4f}, "
                       f"{r['wall_s']:.0f} s", flush=True)
     table = summarize(runs, a.config_list, a.seed_list, a.precisions, a.baseline, a.tail)
-    text = print_table(table, a.baseline, a.tail)
+    text = print_table(table, a.baseline, a.tail, a.seed_list)
     corpus = a.data_path or "built-in corpus"
     out = {"settings": {k: v for k, v in vars(a).items()}, "corpus": corpus,
            "metric": f"relative difference of the mean training loss of the last {a.tail} "
