@@ -305,7 +305,7 @@ def plot(runs: dict, configs, seeds, precisions, baseline: str, path: str, title
             ax1.plot(x, smooth(mean, 20), label=label, lw=1)
             if c != baseline:
                 ax2.plot(x, [100 * v for v in smooth(rel, 50)], label=label, lw=1)
-    ax1.set(title=f"training loss, mean over seeds (20-it mean)", xlabel="iteration",
+    ax1.set(title="training loss, mean over seeds (20-it mean)", xlabel="iteration",
             ylabel="lm loss")
     ax2.axhline(0, color="k", lw=0.5)
     ax2.set(title=f"paired difference vs {baseline} (50-it mean)", xlabel="iteration",

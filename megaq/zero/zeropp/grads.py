@@ -13,6 +13,12 @@ node, S = my shard), DP rank ``a*m + j`` (node a, local index j) must end with
 5. dequantize the k rows, sum in fp32, times 1/n (n = DP size, not the node count),
    added into the fp32 accumulator shard.
 
+Own rows exact (``exact_own_rows``, default): the row of each all-to-all that a rank
+sends to itself crosses no link, so steps 3 and 5 add that row's exact fp32 values
+(step 1's input, step 3's sum) to the dequantized rows of the peers, instead of
+quantizing it: no byte changes, m-1 instead of m quantized contributions in hop 1 and
+k-1 instead of k in hop 2. Off, step 3 is one fused kernel (dequant_reduce_quantize).
+
 The shard is cut into chunks of ``grad_chunk`` elements (block aligned) and the two
 hops are pipelined: chunk i+1's in-node all-to-all is issued before chunk i's
 cross-node one is waited on. A shard that is not a multiple of the block size is
@@ -20,9 +26,11 @@ zero-padded per chunk; the padding never reaches the accumulator. One node: hop 
 empty and step 5 reduces hop 2's rows directly; one rank per node: hop 2 is empty
 and step 1 quantizes straight into hop 4's layout (one quantization either way).
 
-Error feedback (option): each rank keeps the residual ``x - dequant(quant(x))`` of
-both of its quantizations (hop 1 on the full reordered gradient, hop 3 on its node
-partial sums) per (unit, chunk), in fp32, and adds it to the same values next call.
+Error feedback (on by default with qgZ): each rank keeps the residual
+``x - dequant(quant(x))`` of both of its quantizations (hop 1 on the full reordered gradient, hop 3 on its node
+partial sums) per (unit, chunk), in fp32 whatever the gradient dtype (a bf16 residual
+stalls once it is large: tests/test_zeropp_fidelity.py), and adds it to the same values
+next call; the exact own rows leave none.
 The cumulative error over T calls is then one residual, not T errors.
 
 Every collective here is tagged ``grad_reduce``.
@@ -152,7 +160,8 @@ class QuantizedGradReducer:
         return r
 
     def _issue_hop1(self, key, i, bounds, grad2d):
-        """Quantize chunk i and post its in-node all-to-all; returns (recv, handle)."""
+        """Quantize chunk i and post its in-node all-to-all; returns (recv, handle, own):
+        own = my own row in fp32 ([k * s]) when own rows stay exact, else None."""
         lo, hi = bounds
         s = hi - lo
         cfg, r = self.cfg, self.rails
