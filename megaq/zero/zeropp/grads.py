@@ -27,11 +27,11 @@ empty and step 5 reduces hop 2's rows directly; one rank per node: hop 2 is empt
 and step 1 quantizes straight into hop 4's layout (one quantization either way).
 
 Error feedback (on by default with qgZ): each rank keeps the residual
-``x - dequant(quant(x))`` of both of its quantizations (hop 1 on the full reordered gradient, hop 3 on its node
-partial sums) per (unit, chunk), in fp32 whatever the gradient dtype (a bf16 residual
-stalls once it is large: tests/test_zeropp_fidelity.py), and adds it to the same values
-next call; the exact own rows leave none.
-The cumulative error over T calls is then one residual, not T errors.
+``x - dequant(quant(x))`` of both of its quantizations (hop 1 on the full reordered
+gradient, hop 3 on its node partial sums) per (unit, chunk), in fp32 whatever the
+gradient dtype (a bf16 residual stalls once it is large: tests/test_zeropp_fidelity.py),
+and adds it to the same values next call; the exact own rows leave none. The
+cumulative error over T calls is then one residual, not T errors.
 
 Every collective here is tagged ``grad_reduce``.
 """
