@@ -287,8 +287,10 @@ def plot(runs: dict, configs, seeds, precisions, baseline: str, path: str, title
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for prec in precisions:
-        for c in configs:
+    colors = plt.get_cmap("tab20").colors
+    for pi, prec in enumerate(precisions):
+        for ci, c in enumerate(configs):
+            color = colors[(ci + 10 * pi) % len(colors)]  # one colour per line in both panels
             seeds_c = paired_seeds(runs, c, seeds, prec, baseline)
             if not seeds_c:
                 continue
@@ -302,9 +304,9 @@ def plot(runs: dict, configs, seeds, precisions, baseline: str, path: str, title
             label = f"{c} ({prec})" if len(precisions) > 1 else c
             if len(seeds_c) < len(seeds):
                 label += f" [{len(seeds_c)} seeds]"
-            ax1.plot(x, smooth(mean, 20), label=label, lw=1)
+            ax1.plot(x, smooth(mean, 20), label=label, lw=1, color=color)
             if c != baseline:
-                ax2.plot(x, [100 * v for v in smooth(rel, 50)], label=label, lw=1)
+                ax2.plot(x, [100 * v for v in smooth(rel, 50)], label=label, lw=1, color=color)
     ax1.set(title="training loss, mean over seeds (20-it mean)", xlabel="iteration",
             ylabel="lm loss")
     ax2.axhline(0, color="k", lw=0.5)
