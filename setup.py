@@ -1,23 +1,14 @@
-"""megaq: installs the `megaq` package and ships `kernels/` as `megaq.kernels`.
+"""Ships `kernels/` as `megaq.kernels` next to the `megaq` package (metadata: pyproject.toml).
 
 `kernels/` lives at the top level of the repository for visibility, but an unrelated
 PyPI package owns the import name `kernels`, so it is only ever importable as
-`megaq.kernels`.
+`megaq.kernels`. A checkout with no install serves the same name from the same folder
+(megaq/__init__.py).
 """
 
 from setuptools import find_packages, setup
 
-packages = find_packages(include=["megaq", "megaq.*"]) + ["megaq.kernels"]
-
 setup(
-    name="megaq",
-    version="0.1.0",
-    description="GPT pretraining: Megatron-style TP/PP with a ZeRO-3 engine speaking ZeRO++",
-    python_requires=">=3.10",
-    packages=packages,
+    packages=find_packages(include=["megaq", "megaq.*"]) + ["megaq.kernels"],
     package_dir={"megaq.kernels": "kernels"},
-    # torch is deliberately not pinned here: scripts/setup_env.sh installs the CPU
-    # build only where no torch is importable, and never replaces a CUDA build.
-    install_requires=["numpy", "sentencepiece", "tqdm"],
-    extras_require={"test": ["pytest"], "plot": ["matplotlib"]},
 )

@@ -96,3 +96,22 @@ def check_reorder(numel: int, k: int, m: int, block: int) -> int:
             f"pad the gradient to a multiple of n * block = {n * block}"
         )
     return S
+
+
+def check_residual(residual, grad) -> None:
+    """The qgZ error-feedback buffer: fp32, contiguous, one element per gradient element."""
+    import torch
+
+    if residual.dtype != torch.float32 or residual.numel() != grad.numel() or not residual.is_contiguous():
+        raise ValueError(
+            f"residual must be a contiguous float32 tensor of {grad.numel()} elements "
+            f"(got {residual.dtype}, {residual.numel()} elements)"
+        )
+
+
+def check_out(out, S: int) -> None:
+    """The fp32 accumulator dequant_reduce adds into: contiguous, S elements."""
+    import torch
+
+    if out.dtype != torch.float32 or out.numel() != S or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of {S} elements (got {out.dtype}, {out.numel()})")

@@ -39,11 +39,12 @@ from .format import (
     TINY,
     check_float_input,
     check_format,
+    check_out,
     check_packed,
     check_reorder,
+    check_residual,
     packed_len,
 )
-from .reference import _check_out, _check_residual
 
 __all__ = [
     "packed_len",
@@ -527,12 +528,12 @@ def _dequant_reduce_kernel(
 
 
 # Launch shape: warps per program and blocks per program (NB). The defaults come from
-# the sweep in tools/bench_kernels.py on an H200; the overrides exist for that sweep.
+# the sweep in tools/bench/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
 NB_OVERRIDE = None
 # The int4 word kernels: elements per thread and blocks per program by default (the
 # float-output kernel, and the hop, which wants more elements per thread to spread its
-# per-block work), and the overrides tools/sweep_kernels.py sets (False = the byte
+# per-block work), and the overrides tools/bench/sweep_kernels.py sets (False = the byte
 # kernel; MAGIC False = int -> float conversion instructions instead of the exponent
 # trick in _nibble).
 WORDS_PER_THREAD = 32
@@ -648,7 +649,7 @@ def reorder_quantize(
     S = check_reorder(grad.numel(), k, m, block)
     check_format(S, bits, block)
     if residual is not None:
-        _check_residual(residual, grad)
+        check_residual(residual, grad)
     return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block)
 
 
@@ -670,7 +671,7 @@ def dequant_reduce(
     flat = recv.contiguous().reshape(-1, recv.shape[-1])
     accumulate = out is not None
     if accumulate:
-        _check_out(out, S)
+        check_out(out, S)
     else:
         out = torch.empty(S, dtype=torch.float32, device=recv.device)
     return _dequant_reduce_launch(flat, out, 1, flat.shape[0], S, bits, 0, 0, S, 0, block, float(scale), accumulate)

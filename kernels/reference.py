@@ -24,8 +24,10 @@ from .format import (
     TINY,
     check_float_input,
     check_format,
+    check_out,
     check_packed,
     check_reorder,
+    check_residual,
     packed_len,
 )
 
@@ -136,7 +138,7 @@ def reorder_quantize(
     S = check_reorder(grad.numel(), k, m, block)
     x = grad.reshape(-1).to(torch.float32)
     if residual is not None:
-        _check_residual(residual, grad)
+        check_residual(residual, grad)
         x = x + residual
     xr = x.reshape(k, m, S).transpose(0, 1).reshape(m, k * S)
     packed = _quantize_fp32(xr, bits, block)
@@ -146,12 +148,6 @@ def reorder_quantize(
     return packed
 
 
-def _check_residual(residual: torch.Tensor, grad: torch.Tensor) -> None:
-    if residual.dtype != torch.float32 or residual.numel() != grad.numel() or not residual.is_contiguous():
-        raise ValueError(
-            f"residual must be a contiguous float32 tensor of {grad.numel()} elements "
-            f"(got {residual.dtype}, {residual.numel()} elements)"
-        )
 
 
 def dequant_reduce_quantize(
@@ -212,10 +208,5 @@ def dequant_reduce(
     res = _sum_rows(rows) * float(scale)  # fp32 tensor * python float: fp32(scale) multiply
     if out is None:
         return res
-    _check_out(out, S)
+    check_out(out, S)
     return out.add_(res)
-
-
-def _check_out(out: torch.Tensor, S: int) -> None:
-    if out.dtype != torch.float32 or out.numel() != S or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor of {S} elements (got {out.dtype}, {out.numel()})")

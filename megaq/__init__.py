@@ -33,9 +33,14 @@ def _serve_checkout_kernels() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     if os.path.isdir(os.path.join(here, "kernels")):
         return  # an installed copy: megaq/kernels/ is a real subpackage
-    folder = os.path.join(os.path.dirname(here), "kernels")
-    if os.path.isfile(os.path.join(folder, "__init__.py")):
-        sys.meta_path.insert(0, _CheckoutKernels(folder))
+    checkout = os.path.dirname(here)
+    folder = os.path.join(checkout, "kernels")
+    # a checkout (its pyproject.toml beside megaq/), never some other `kernels` package
+    # that happens to sit next to megaq/ in a site-packages folder
+    if not (os.path.isfile(os.path.join(checkout, "pyproject.toml"))
+            and os.path.isfile(os.path.join(folder, "__init__.py"))):
+        return
+    sys.meta_path.insert(0, _CheckoutKernels(folder))
 
 
 _serve_checkout_kernels()

@@ -5,7 +5,8 @@ Layout under --save DIR::
     latest_checkpointed_iteration.txt        the iteration of the newest complete save
     iter_0000100/
       mp_rank_{tp:02d}_{pp:03d}/model_optim.pt   one per TP x PP rank, written by DP rank 0:
-                                             args, iteration, consumed samples, LR schedule,
+                                             the run's configuration (RunConfig.to_dict()),
+                                             iteration, consumed samples, LR schedule,
                                              layout, and engine.full_state() (full fp32
                                              master weights + AdamW moments by name, so any
                                              DP size / ZeRO++ setting can load it)
@@ -27,16 +28,23 @@ a complete previous checkpoint; a stale ``.tmp`` directory is removed by the nex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from megaq.arguments import ARCHITECTURE_ARGS, args_to_dict
+from megaq.config import FLAG_CLASSES, RunConfig
+from megaq.flags import dest, flag_fields, to_dict
+from megaq.model import GPTConfig, GPTModel
 from megaq.parallel import comm
-from megaq.parallel.topology import Layout
+from megaq.parallel.pipeline.split import stage_layer_ranges
+from megaq.parallel.tensor_parallel import shard_of, single_rank_group
+from megaq.parallel.topology import Layout, Topology
+from megaq.zero import ZeroConfig
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 1
@@ -67,8 +75,7 @@ def error_feedback_file(ckpt_dir: str, rank: int) -> str:
 
 
 # what the qgZ residuals depend on besides the layout: a change of these restarts them
-_EF_ARGS = ("zero_quantized_gradients_bits", "zero_quantized_gradients_intra_bits",
-            "zero_quantization_block_size")
+_EF_SETTINGS = ("grad_bits_intra", "grad_bits_inter", "block_size", "grad_exact_own_rows")
 
 
 # ------------------------------------------------------------------------ RNG streams
@@ -159,13 +166,9 @@ def _barrier(topo) -> None:
 
 
 # ------------------------------------------------------------------------------ save
-def save_checkpoint(root: str, iteration: int, *, args, topo, engine, lr_schedule,
-                    consumed_samples: int, extra: dict | None = None, fault=None) -> str:
-    """Collective over every rank. Returns the final directory.
-
-    `fault(stage)` (tests only) is called at "files_written" / "before_rename" /
-    "before_tracker"; it may raise or kill the process to simulate a crash there.
-    """
+def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engine, lr_schedule,
+                    consumed_samples: int, extra: dict | None = None) -> str:
+    """Collective over every rank. Returns the final directory."""
     full = engine.full_state()  # collective over DP: full fp32 weights + moments
     rank = topo.rank if topo is not None else 0
     final = iteration_dir(root, iteration)
@@ -183,7 +186,7 @@ def save_checkpoint(root: str, iteration: int, *, args, topo, engine, lr_schedul
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "args": args_to_dict(args),
+            "config": config.to_dict(),
             "layout": _layout_dict(layout),
             "lr_scheduler": lr_schedule.state_dict(),
             "extra": extra or {},
@@ -193,15 +196,11 @@ def save_checkpoint(root: str, iteration: int, *, args, topo, engine, lr_schedul
     residuals = engine.error_feedback_state()
     if residuals:
         _save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
-    if fault is not None:
-        fault("files_written")
     _barrier(topo)  # every rank's files are on disk
 
     if rank == 0:
         for dirpath, _, _ in os.walk(tmp):
             _fsync_dir(dirpath)
-        if fault is not None:
-            fault("before_rename")
         if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
             old = os.path.join(root, f".{os.path.basename(final)}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -211,8 +210,6 @@ def save_checkpoint(root: str, iteration: int, *, args, topo, engine, lr_schedul
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-        if fault is not None:
-            fault("before_tracker")
         _write_tracker(root, iteration)
     _barrier(topo)
     return final
@@ -224,13 +221,64 @@ def _layout_dict(layout) -> dict:
 
 
 # ------------------------------------------------------------------------------ load
-def _check_architecture(saved: dict, args, path: str, ignore=()) -> None:
-    diffs = []
-    for name in ARCHITECTURE_ARGS:
-        if name in ignore:
-            continue
-        if name in saved and hasattr(args, name) and saved[name] != getattr(args, name):
-            diffs.append(f"--{name.replace('_', '-')} {getattr(args, name)} (checkpoint: {saved[name]})")
+class _SavedFlags(SimpleNamespace):
+    def __getattr__(self, name):  # a flag the saving version did not have
+        return None
+
+
+def saved_config(sd: dict) -> dict:
+    """The configuration a model_optim.pt file was saved with, as RunConfig.to_dict()
+    nests it; files written before RunConfig (a flat "args" dict of flag values) are
+    read through the same flag declarations."""
+    if "config" in sd:
+        return sd["config"]
+    args = sd["args"]
+    flags = _SavedFlags(**args)
+    sections = dict(zip(("model", "parallel", "zero", "training", "optimizer", "data",
+                         "checkpointing", "logging"), FLAG_CLASSES))
+    out = {}
+    for section, cls in sections.items():
+        out[section] = {f.name: (f.metadata["value"](flags) if f.metadata["value"]
+                                 else getattr(flags, dest(f), None)) for f in flag_fields(cls)}
+    out["model"].update(vocab_size=args.get("vocab_size"), seed=args.get("seed", 1234))
+    out["model"] = to_dict(GPTConfig.from_dict(out["model"]))
+    out["training"]["global_batch_size"] = args.get("global_batch_size")
+    bits = args.get("zero_quantized_gradients_bits")
+    out["zero"] = {"grad_bits_intra": args.get("zero_quantized_gradients_intra_bits") or bits,
+                   "grad_bits_inter": bits,
+                   "block_size": args.get("zero_quantization_block_size") or ZeroConfig.block_size,
+                   # files from before the flag quantized every row (own rows were not exact)
+                   "grad_exact_own_rows": not args.get("zero_quantized_gradients_quantize_own_rows",
+                                                       True)}
+    return out
+
+
+def saved_virtual_pipeline_size(cfg: dict) -> int:
+    per_chunk = cfg["parallel"].get("num_layers_per_virtual_pipeline_stage")
+    if not per_chunk:
+        return 1
+    return cfg["model"]["num_layers"] // cfg["parallel"]["pipeline_model_parallel_size"] // per_chunk
+
+
+def _architecture_name(field_name: str) -> str:
+    """How a refusal names a setting: its flag, unless the flag says it the other way
+    round (--disable-bias-linear sets add_bias_linear False)."""
+    for f in flag_fields(GPTConfig):
+        if f.name == field_name and f.metadata["value"] is None:
+            return f.metadata["flag"]
+    return field_name
+
+
+def _check_architecture(saved: dict, config: RunConfig, path: str, same_tp: bool) -> None:
+    """Refuse a checkpoint whose model differs in shape or meaning, in one line."""
+    have = {name: getattr(config.model, name) for name in GPTConfig.ARCHITECTURE}
+    want = {name: saved["model"].get(name) for name in GPTConfig.ARCHITECTURE}
+    if same_tp:  # the padded vocab depends on the TP size; a TP change re-pads it
+        have["padded_vocab_size"] = config.padded_vocab_size
+        want["padded_vocab_size"] = GPTConfig.from_dict(saved["model"]).padded_vocab_size(
+            saved["parallel"]["tensor_model_parallel_size"])
+    diffs = [f"{_architecture_name(name)} {have[name]} (checkpoint: {want[name]})"
+             for name in have if want[name] is not None and want[name] != have[name]]
     if diffs:
         raise CheckpointError(f"{path} was saved with a different architecture: "
                               + "; ".join(diffs)
@@ -257,7 +305,7 @@ def checkpoint_layout(ckpt_dir: str) -> tuple[int, int]:
     return max(tps) + 1, max(pps) + 1
 
 
-def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=None,
+def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, model_chunks=None,
                     load_rng: bool = True, load_optim: bool = True) -> dict | None:
     """Load the newest checkpoint under `root` into engine / schedule / RNG.
 
@@ -275,7 +323,7 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=
                               f"{ckpt} does not exist; point it at an existing iter_* directory")
     saved_tp, saved_pp = checkpoint_layout(ckpt)
     same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
-    # Common args/metadata live in every mp_rank file; read this rank's, or (new
+    # The configuration and metadata live in every mp_rank file; read this rank's, or (new
     # TP/PP layout) the first one.
     path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
     if not os.path.isfile(path):
@@ -285,18 +333,19 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=
     except Exception as e:  # noqa: BLE001 - corrupted file / foreign pickle
         raise CheckpointError(f"{path} cannot be read safely ({type(e).__name__}: "
                               f"{str(e).splitlines()[0]}); it is damaged or not a megaq checkpoint")
-    _check_architecture(sd["args"], args, path, ignore=() if same_mp else ("padded_vocab_size",))
+    saved = saved_config(sd)
+    _check_architecture(saved, config, path, same_tp=same_mp)
     if same_mp:
         state = sd["model_optim"]
     elif model_chunks is None:
         _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
     else:
-        state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks, args)
+        state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks)
     if not load_optim:
         state = engine_weights_only(state)
     engine.load_full_state(state)
     if load_optim:
-        _load_error_feedback(ckpt, sd, args, topo, engine)
+        _load_error_feedback(ckpt, sd, saved, config, topo, engine)
     lr_schedule.load_state_dict(sd["lr_scheduler"])
 
     if load_rng and not same_mp:
@@ -326,22 +375,22 @@ def load_checkpoint(root: str, *, args, topo, engine, lr_schedule, model_chunks=
                                   f"(or pass --no-load-rng)")
     return {"iteration": int(sd["iteration"]), "consumed_samples": int(sd["consumed_samples"]),
             "extra": sd.get("extra", {}), "path": ckpt,
-            "args_global_batch_size": sd["args"].get("global_batch_size")}
+            "saved_global_batch_size": saved["training"].get("global_batch_size")}
 
 
-def _load_error_feedback(ckpt: str, sd: dict, args, topo, engine) -> None:
+def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, topo,
+                         engine) -> None:
     """Restore this rank's qgZ error-feedback residuals when this run uses them and
     they still mean the same thing: same layout (each residual is one rank's own
     quantization error) and the same qgZ bits and block. Otherwise they restart from
     zero, as after any weight load, and rank 0 says why."""
-    if not (getattr(args, "zero_quantized_gradients", False)
-            and getattr(args, "zero_gradient_error_feedback", False)):
+    if not (config.zero.quantized_gradients and config.zero.error_feedback):
         return
     path = error_feedback_file(ckpt, topo.rank)
     if sd["layout"] != _layout_dict(topo.layout):
         reason = f"the layout changed ({sd['layout']} -> {_layout_dict(topo.layout)})"
-    elif any(sd["args"].get(k) != getattr(args, k, None) for k in _EF_ARGS):
-        reason = "the qgZ bits or block size changed"
+    elif any(saved["zero"].get(k) != getattr(config.zero, k) for k in _EF_SETTINGS):
+        reason = "the qgZ bits, block size or own-rows setting changed"
     elif not os.path.isfile(path):
         reason = "the checkpoint holds none (saved without error feedback, or at DP=1)"
     else:
@@ -375,18 +424,27 @@ def global_to_local_names(model_chunks, ranges) -> dict[str, tuple[str, torch.nn
     return out
 
 
-def concat_tp_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """Inverse of tensor_parallel.shard_of: the full tensor from every TP rank's shard."""
+def concat_tp_shards(parts: list[torch.Tensor], dim: int, stride: int = 1,
+                     name: str = "a parameter") -> torch.Tensor:
+    """Inverse of tensor_parallel.shard_of: the full tensor from every TP rank's shard.
+
+    Checked by re-slicing: a shard that does not come back unchanged (a layout that is
+    not invertible) is refused rather than used scrambled."""
     blocks = [list(x.chunk(stride, dim=dim)) for x in parts]  # [rank][block]
-    return torch.cat([torch.cat([blocks[r][b] for r in range(len(parts))], dim=dim)
+    full = torch.cat([torch.cat([blocks[r][b] for r in range(len(parts))], dim=dim)
                       for b in range(stride)], dim=dim)
+    for r, part in enumerate(parts):
+        if not torch.equal(shard_of(full, dim, r, len(parts), stride), part):
+            raise CheckpointError(f"cannot consolidate {name} from TP={len(parts)} shards (its "
+                                  f"layout does not invert); load it with the training layout")
+    return full
 
 
 def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
-    """(saved args, {global name: [per old TP rank {param, exp_avg, exp_avg_sq}]})."""
-    from megaq.parallel.pipeline.split import stage_layer_ranges
+    """(saved configuration, {"step", "params": {global name: [per old TP rank
+    {param, exp_avg, exp_avg_sq}]}})."""
     entries: dict[str, list] = {}
-    args = None
+    cfg = None
     step = 0
     for p in range(pp):
         for t in range(tp):
@@ -394,14 +452,14 @@ def read_all_stages(ckpt_dir: str, tp: int, pp: int) -> tuple[dict, dict]:
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
             sd = torch.load(path, map_location="cpu", weights_only=True)
-            args = args or sd["args"]
+            cfg = cfg or saved_config(sd)
             step = int(sd["model_optim"]["step"])
-            vp = args.get("virtual_pipeline_model_parallel_size") or 1
-            ranges = stage_layer_ranges(args["num_layers"], pp, vp, p)
+            ranges = stage_layer_ranges(cfg["model"]["num_layers"], pp,
+                                        saved_virtual_pipeline_size(cfg), p)
             for name, entry in sd["model_optim"]["params"].items():
                 g = local_to_global_name(name, ranges)
                 entries.setdefault(g, [None] * tp)[t] = entry
-    return args, {"step": step, "params": entries}
+    return cfg, {"step": step, "params": entries}
 
 
 def _fit_rows(full: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
@@ -416,16 +474,14 @@ def _fit_rows(full: torch.Tensor, dim: int, size: int, name: str) -> torch.Tenso
     return torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
 
 
-def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks, args) -> dict:
+def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) -> dict:
     """This rank's engine.full_state()-shaped dict from a checkpoint of another TP x PP
     layout: stages stitched by global layer index, TP shards concatenated along each
     parameter's partition dimension and re-split for this rank (weights and both AdamW
     moments alike). Every rank reads every shard file: memory of one full model."""
-    from megaq.parallel.pipeline.split import stage_layer_ranges
-    from megaq.parallel.tensor_parallel import shard_of
     _, saved = read_all_stages(ckpt_dir, saved_layout["tp"], saved_layout["pp"])
-    vp = len(model_chunks)
-    ranges = stage_layer_ranges(args.num_layers, topo.layout.pp, vp, topo.pp_rank)
+    num_layers = sum(c.layer_end - c.layer_start for c in model_chunks) * topo.layout.pp
+    ranges = stage_layer_ranges(num_layers, topo.layout.pp, len(model_chunks), topo.pp_rank)
     tp, tp_rank = topo.layout.tp, topo.tp_rank
     params = {}
     for g, (key, p) in global_to_local_names(model_chunks, ranges).items():
@@ -441,7 +497,7 @@ def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks, ar
             shards = [x[k] for x in parts]
             if getattr(p, "tensor_model_parallel", False):
                 dim, stride = p.partition_dim, p.partition_stride
-                full = concat_tp_shards(shards, dim, stride)
+                full = concat_tp_shards(shards, dim, stride, name=g)
                 if stride == 1:
                     full = _fit_rows(full, dim, p.shape[dim] * tp, g)
                 entry[k] = shard_of(full, dim, tp_rank, tp, stride)
@@ -459,3 +515,36 @@ def engine_weights_only(state: dict) -> dict:
     params = {name: {k: (v if k == "param" else torch.zeros_like(v)) for k, v in entry.items()}
               for name, entry in state["params"].items()}
     return {"step": 0, "params": params}
+
+
+# ------------------------------------------------------- one process, whole model
+def one_process_topology() -> Topology:
+    """TP = PP = DP = 1 without any process group (tools that need no training ranks)."""
+    g = single_rank_group()
+    return Topology(layout=Layout(1), rank=0, tp=g, dp=g, pp=g, embedding=g, intra=g,
+                    inter=g, hpz=g, world=g)
+
+
+def consolidated_model_config(saved: dict) -> GPTConfig:
+    """The model of a saved configuration for one process (TP = PP = 1, fp32, no
+    recomputation), its vocabulary padded as the checkpoint's TP size padded it."""
+    model = GPTConfig.from_dict(saved["model"])
+    tp = saved["parallel"]["tensor_model_parallel_size"]
+    return dataclasses.replace(
+        model, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by * tp,
+        sequence_parallel=False, recompute_activations=False, params_dtype=torch.float32)
+
+
+def load_consolidated_model(ckpt_dir: str) -> tuple[GPTModel, dict]:
+    """A checkpoint of any TP x PP x DP layout as one process's whole GPTModel (weights
+    only; pipeline stages stitched by global layer index, TP shards concatenated), and
+    the configuration it was saved with (saved_config's nesting)."""
+    tp, pp = checkpoint_layout(ckpt_dir)
+    sd = torch.load(model_file(ckpt_dir, 0, 0), map_location="cpu", weights_only=True)
+    saved = saved_config(sd)
+    model = GPTModel(consolidated_model_config(saved))
+    state = reshard_full_state(ckpt_dir, {"tp": tp, "pp": pp}, one_process_topology(), [model])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state["params"][name]["param"])
+    return model, saved

@@ -32,9 +32,11 @@ class LRSchedule:
             raise ValueError(f"unknown lr decay style {self.decay_style!r}")
 
     @classmethod
-    def from_args(cls, args) -> "LRSchedule":
-        return cls(max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
-                   decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style)
+    def from_config(cls, optimizer) -> "LRSchedule":
+        """From a megaq.config.OptimizerConfig (which checked the values)."""
+        return cls(max_lr=optimizer.lr, min_lr=optimizer.min_lr,
+                   warmup_steps=optimizer.lr_warmup_iters, decay_steps=optimizer.lr_decay_iters,
+                   decay_style=optimizer.lr_decay_style)
 
     def lr_at(self, step: int) -> float:
         if self.warmup_steps > 0 and step <= self.warmup_steps:

@@ -52,9 +52,9 @@ class TrainState:
 
 @dataclass
 class TrainingParts:
-    """What the loop drives; built by pretrain_gpt.main."""
+    """What the loop drives; built by megaq.pretrain.build_trainer."""
 
-    args: object
+    config: object  # megaq.config.RunConfig
     topo: object
     model_chunks: list
     engine: object
@@ -67,30 +67,29 @@ class TrainingParts:
     zero_model_bytes: int = 0
 
 
-def _dtype(args) -> torch.dtype:
-    return torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
-
-
 class Trainer:
     def __init__(self, parts: TrainingParts, state: TrainState | None = None):
         self.p = parts
-        self.args, self.topo = parts.args, parts.topo
+        self.config, self.topo = parts.config, parts.topo
         self.state = state or TrainState()
-        a = self.args
+        c = self.config
+        # the settings the loop reads all the time
+        self.training, self.logging = c.training, c.logging
         vp = len(parts.model_chunks)
         self.forward_backward = get_forward_backward_func(self.topo.layout.pp, vp)
-        self.tensor_shape = pipeline_tensor_shape(a.seq_length, a.micro_batch_size, a.hidden_size,
-                                                  self.topo.layout.tp, a.sequence_parallel)
+        self.tensor_shape = pipeline_tensor_shape(c.model.seq_length, c.training.micro_batch_size,
+                                                  c.model.hidden_size, self.topo.layout.tp,
+                                                  c.parallel.sequence_parallel)
         self.rank0 = self.topo.rank == 0
-        self.metrics = MetricsWriter(a.metrics_file, enabled=self.rank0)
-        self.tb = TensorBoard(a.tensorboard_dir, enabled=self.rank0)
+        self.metrics = MetricsWriter(c.logging.metrics_file, enabled=self.rank0)
+        self.tb = TensorBoard(c.logging.tensorboard_dir, enabled=self.rank0)
         self.device = next(parts.model_chunks[0].parameters()).device
         # reduce the loss over the ranks that hold it: last stage, all TP x DP ranks
         self._loss_divisor = self.topo.layout.tp * self.topo.layout.dp
         self._t_start = time.time()
         self._signal_received: str | None = None
         self._stop_agreed = False
-        if a.exit_signal_handler:
+        if c.training.exit_signal_handler:
             self._install_signal_handler()
 
     # ------------------------------------------------------------------ one step
@@ -103,12 +102,11 @@ class Trainer:
                  for k, v in mb.items()} for mb in batches]
 
     def _run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
-        a = self.args
+        t = self.training
         batches = self._on_device(batches)
         losses = self.forward_backward(
-            self.p.model_chunks, batches, a.num_micro_batches, self.topo,
-            tensor_shape=self.tensor_shape, dtype=_dtype(a), forward_only=forward_only,
-            no_sync=getattr(self.p.engine, "no_sync", None) if not forward_only else None)
+            self.p.model_chunks, batches, t.num_micro_batches, self.topo,
+            tensor_shape=self.tensor_shape, dtype=t.params_dtype, forward_only=forward_only)
         if losses:
             return torch.stack([x.float() for x in losses]).sum().double()
         return torch.zeros((), dtype=torch.float64, device=self.device)
@@ -127,11 +125,10 @@ class Trainer:
         return loss_sum / (self._loss_divisor * micro_batches)
 
     def _stop_vote(self) -> bool:
-        a = self.args
+        minutes = self.training.exit_duration_in_mins
         if self._signal_received is not None:
             return True
-        return bool(a.exit_duration_in_mins
-                     and time.time() - self._t_start > a.exit_duration_in_mins * 60)
+        return bool(minutes and time.time() - self._t_start > minutes * 60)
 
     def _install_signal_handler(self) -> None:
         def handler(signum, frame):  # noqa: ARG001 - signal API
@@ -145,8 +142,8 @@ class Trainer:
         engine.zero_grad()
         loss_sum = self._run_schedule(batches, forward_only=False)
         engine.finish_grad_sync()
-        norm = engine.clip_grad_norm(self.args.clip_grad)
-        loss = self._global_mean(loss_sum, self.args.num_micro_batches)  # the one host sync
+        norm = engine.clip_grad_norm(self.config.optimizer.clip_grad)
+        loss = self._global_mean(loss_sum, self.training.num_micro_batches)  # the one host sync
         grad_norm = float(norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             engine.skip_step()
@@ -157,25 +154,25 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int, where: str = "", final: bool = False) -> float | None:
-        a, vb = self.args, self.p.valid_batches
-        if vb is None or a.eval_iters == 0:
+        t, log, vb = self.training, self.logging, self.p.valid_batches
+        if vb is None or log.eval_iters == 0:
             return None
         # Each evaluation reads the next eval_iters global batches of the validation
         # split (as Megatron's persistent validation iterator), a pure function of the
         # number of evaluations so far, so resumed runs see the same batches. The final
         # evaluation (end of training, off the interval) reads the batches after those.
-        n_evals = iteration // a.eval_interval + (1 if final else 0)
-        start = max(0, n_evals - 1) * a.eval_iters * a.global_batch_size
+        n_evals = iteration // log.eval_interval + (1 if final else 0)
+        start = max(0, n_evals - 1) * log.eval_iters * t.global_batch_size
         with SetAside(), torch.no_grad():
             for c in self.p.model_chunks:
                 c.eval()
             it = vb(start)
             total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for _ in range(a.eval_iters):
+            for _ in range(log.eval_iters):
                 total = total + self._run_schedule(next(it), forward_only=True)
             for c in self.p.model_chunks:
                 c.train()
-            loss = self._global_mean(total, a.num_micro_batches * a.eval_iters)
+            loss = self._global_mean(total, t.num_micro_batches * log.eval_iters)
         self.state.val_losses[iteration] = loss
         if self.rank0:
             line = validation_log_line(iteration, loss, where)
@@ -188,38 +185,39 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoint
     def save(self) -> None:
-        a, s = self.args, self.state
+        s = self.state
         with SetAside():
             t0 = time.perf_counter()
             path = ckpt.save_checkpoint(
-                a.save, s.iteration, args=a, topo=self.topo, engine=self.p.engine,
-                lr_schedule=self.p.lr_schedule, consumed_samples=s.consumed_samples,
-                extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total},
-                fault=getattr(a, "_checkpoint_fault", None))
+                self.config.checkpointing.save, s.iteration, config=self.config, topo=self.topo,
+                engine=self.p.engine, lr_schedule=self.p.lr_schedule,
+                consumed_samples=s.consumed_samples,
+                extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total})
         if self.rank0:
             print(f" saved checkpoint at iteration {s.iteration:7d} to {path} "
                   f"({(time.perf_counter() - t0) * 1000:.0f} ms)", flush=True)
 
     # ---------------------------------------------------------------------- loop
     def train(self) -> TrainState:
-        comm.STATS.timing = self.args.log_comm_time  # this run's setting, never the next one's
+        comm.STATS.timing = self.logging.log_comm_time  # this run's setting, never the next one's
         try:
             return self._train_loop()
         finally:
             comm.STATS.timing = False
 
     def _train_loop(self) -> TrainState:
-        a, s = self.args, self.state
+        t, log, s = self.training, self.logging, self.state
+        save_dir, save_interval = self.config.checkpointing.save, self.config.checkpointing.save_interval
         batches = self.p.train_batches(s.consumed_samples)
         interval = {"t0": time.perf_counter(), "iters": 0, "loss": 0.0, "counted": 0,
                     "skipped": 0, "nan": 0}
         comm.STATS.reset()
         last_saved = s.iteration
-        while s.iteration < a.train_iters:
+        while s.iteration < t.train_iters:
             lr = self.p.lr_schedule.get_lr()
             loss, grad_norm, applied = self.train_step(next(batches))
             s.iteration += 1
-            s.consumed_samples += a.global_batch_size
+            s.consumed_samples += t.global_batch_size
             s.losses[s.iteration] = loss
             s.grad_norms[s.iteration] = grad_norm
             interval["iters"] += 1
@@ -233,7 +231,7 @@ class Trainer:
                 s.nan_total += 1
                 interval["skipped"] += 1
                 interval["nan"] += 1
-                if s.consecutive_bad >= a.max_consecutive_skipped_iters:
+                if s.consecutive_bad >= t.max_consecutive_skipped_iters:
                     raise TrainingDiverged(
                         f"stopping at iteration {s.iteration}: {s.consecutive_bad} iterations in a "
                         f"row had a non-finite loss or gradient norm (last loss {loss}, grad norm "
@@ -241,44 +239,44 @@ class Trainer:
                         f"--max-consecutive-skipped-iters")
 
             reason = self._exit_reason()
-            if s.iteration % a.log_interval == 0 or s.iteration == a.train_iters or reason:
+            if s.iteration % log.log_interval == 0 or s.iteration == t.train_iters or reason:
                 self._log(interval, lr, grad_norm)
                 interval.update(t0=time.perf_counter(), iters=0, loss=0.0, counted=0,
                                 skipped=0, nan=0)
             t_aside = time.perf_counter()  # evaluation and saving are not training time
-            if a.eval_iters and s.iteration % a.eval_interval == 0:
+            if log.eval_iters and s.iteration % log.eval_interval == 0:
                 self.evaluate(s.iteration)
-            if a.save and a.save_interval and s.iteration % a.save_interval == 0:
+            if save_dir and save_interval and s.iteration % save_interval == 0:
                 self.save()
                 last_saved = s.iteration
             interval["t0"] += time.perf_counter() - t_aside
             if reason:
-                if a.save and s.iteration != last_saved:
+                if save_dir and s.iteration != last_saved:
                     self.save()
                     last_saved = s.iteration
                 if self.rank0:
                     print(f" exiting program at iteration {s.iteration}: {reason}", flush=True)
                 s.exit_reason = reason
                 break
-        if a.save and s.iteration != last_saved and s.iteration > 0:
+        if save_dir and s.iteration != last_saved and s.iteration > 0:
             self.save()
-        if a.eval_iters and s.iteration not in s.val_losses and s.exit_reason is None:
+        if log.eval_iters and s.iteration not in s.val_losses and s.exit_reason is None:
             self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()
         self.tb.close()
         return s
 
     def _exit_reason(self) -> str | None:
-        a, s = self.args, self.state
-        if a.exit_interval and s.iteration % a.exit_interval == 0:
-            return f"--exit-interval {a.exit_interval}"
+        t, s = self.training, self.state
+        if t.exit_interval and s.iteration % t.exit_interval == 0:
+            return f"--exit-interval {t.exit_interval}"
         if self._stop_agreed:
             return ("a rank received a signal (--exit-signal-handler) or --exit-duration-in-mins "
-                    f"{a.exit_duration_in_mins} passed")
+                    f"{t.exit_duration_in_mins} passed")
         return None
 
     def _log(self, interval: dict, lr: float, grad_norm: float) -> None:
-        a, s, topo = self.args, self.state, self.topo
+        t, s, topo = self.training, self.state, self.topo
         iters = interval["iters"]
         elapsed = time.perf_counter() - interval["t0"]
         comm_bytes = comm_per_node_per_iteration(topo.world, iters)  # collective
@@ -288,14 +286,14 @@ class Trainer:
         comm.STATS.reset()
         elapsed_ms = elapsed * 1000.0 / iters
         tflops = self.p.flops_per_iteration / (elapsed_ms / 1000.0) / topo.layout.world_size / 1e12
-        tokens_per_s = a.global_batch_size * a.seq_length * iters / elapsed
+        tokens_per_s = t.global_batch_size * self.config.model.seq_length * iters / elapsed
         loss = interval["loss"] / interval["counted"] if interval["counted"] else float("nan")
         if not self.rank0:
             return
         print(training_log_line(
-            iteration=s.iteration, train_iters=a.train_iters, consumed_samples=s.consumed_samples,
+            iteration=s.iteration, train_iters=t.train_iters, consumed_samples=s.consumed_samples,
             elapsed_ms=elapsed_ms, tflops_per_gpu=tflops, lr=lr,
-            global_batch_size=a.global_batch_size, lm_loss=loss, loss_scale=1.0,
+            global_batch_size=t.global_batch_size, lm_loss=loss, loss_scale=1.0,
             grad_norm=grad_norm, skipped=interval["skipped"], nan=interval["nan"]), flush=True)
         if comm_ms is not None:
             print(" communication time per iteration (ms, mean over ranks, collectives run "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two emulated nodes on one machine (network namespaces + a tc-limited veth link).
 # Thin wrapper: installs iproute2 when missing, prepares the Python environment, then
-# hands over to tools/emulate_cluster.py (or tools/netns_zero_bench.py for `bench`).
+# hands over to tools/cluster/emulate_cluster.py (or tools/cluster/netns_zero_bench.py for `bench`).
 #
 #   scripts/emulate_cluster.sh probe --rate 1gbit                  # gloo check
 #   scripts/emulate_cluster.sh run --rate 500mbit -- pretrain_gpt.py --mock-data ...
@@ -25,10 +25,10 @@ fi
 . "$repo/scripts/setup_env.sh"
 cd "$repo"
 
-driver=tools/emulate_cluster.py
+driver=tools/cluster/emulate_cluster.py
 if [ "${1:-}" = "bench" ]; then
   shift
-  driver=tools/netns_zero_bench.py
+  driver=tools/cluster/netns_zero_bench.py
 fi
 
 # Run the driver as a child (not exec) so this shell can clean up after it even when
@@ -42,7 +42,7 @@ cleanup() {
     wait "$child" 2>/dev/null || true
   fi
   if [ -n "$child" ]; then
-    python tools/emulate_cluster.py sweep --owner "$child" >/dev/null 2>&1 || true
+    python tools/cluster/emulate_cluster.py sweep --owner "$child" >/dev/null 2>&1 || true
   fi
 }
 trap 'cleanup; exit 130' INT

@@ -7,7 +7,7 @@
 #   bash scripts/multigpu_check.sh --out docs/results/multigpu_h200x2.json
 #   bash scripts/multigpu_check.sh --device cpu --gpus 2 --model tiny --steps 2   # no GPU
 #
-# Arguments go to tools/multigpu_check.py (see --help there and docs/MULTIGPU.md).
+# Arguments go to tools/cluster/multigpu_check.py (see --help there and docs/MULTIGPU.md).
 # NVLink multicast stays off in every process this starts (it can take a shared
 # host's GPUs out of service): the three variables below are exported here and set
 # again by the driver for each child.
@@ -16,9 +16,9 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_MNNVL_ENABLE=0
 export PYTHONUNBUFFERED=1
-PY="${PYTHON:-python3}"
-if [ -n "${VIRTUAL_ENV:-}" ]; then PY=python; fi
-# The driver makes megaq importable for its children (installed copy, else
-# `pip install -e .`, else a PYTHONPATH shim mapping megaq.kernels -> kernels/).
+# $PYTHON if set, else the active virtualenv's python, else python3
+if [ -n "${VIRTUAL_ENV:-}" ]; then PY="${PYTHON:-python}"; else PY="${PYTHON:-python3}"; fi
+# The driver puts this checkout first on its children's PYTHONPATH (megaq/ serves
+# megaq.kernels from the top-level kernels/), installed copy or not.
 cd "$repo"
-exec "$PY" tools/multigpu_check.py "$@"
+exec "$PY" tools/cluster/multigpu_check.py "$@"

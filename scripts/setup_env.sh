@@ -3,7 +3,11 @@
 # - uses the active virtualenv, or creates/activates .venv in the repo root;
 # - installs torch==2.13.0 (CPU build) only when no torch is importable: a user's
 #   CUDA torch is never replaced;
-# - installs triton, sentencepiece, numpy, pytest, tqdm, matplotlib and megaq itself (editable).
+# - installs triton, sentencepiece, numpy, pytest, tqdm, matplotlib, setuptools (with
+#   bdist_wheel: tests/test_install.py builds a wheel offline), pyflakes==4.1.0 (the lint
+#   step of .ci/run) and megaq itself (editable);
+# - MEGAQ_TEST_EXTRAS: more pip requirements to install (.ci/run passes pyproject.toml's
+#   `test` extra: the pinned interop clients).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${VIRTUAL_ENV:-}" ]; then
@@ -23,8 +27,21 @@ missing=$($PY - <<'PYEOF'
 import importlib.util as u
 need = {"triton": "triton", "sentencepiece": "sentencepiece", "numpy": "numpy",
         "pytest": "pytest", "tqdm": "tqdm", "matplotlib": "matplotlib",
-        "setuptools": "setuptools"}  # setuptools: the editable install below (3.12+ venvs lack it)
-print(" ".join(p for m, p in need.items() if u.find_spec(m) is None))
+        "setuptools": "setuptools",  # the editable install below (3.12+ venvs lack it)
+        "pyflakes": "pyflakes==4.1.0"}  # the lint step of .ci/run
+missing = [p for m, p in need.items() if u.find_spec(m) is None]
+if "setuptools" not in missing:
+    # building a wheel (tests/test_install.py) needs bdist_wheel: part of setuptools
+    # since 70.1 (the wheel package now only re-exports it), so an older one is upgraded
+    import os
+    here = u.find_spec("setuptools").submodule_search_locations[0]
+    if not os.path.isfile(os.path.join(here, "command", "bdist_wheel.py")):
+        missing.append("setuptools==84.2.1")
+if "pyflakes" not in missing:
+    from importlib.metadata import version
+    if version("pyflakes") != "4.1.0":
+        missing.append("pyflakes==4.1.0")
+print(" ".join(missing))
 PYEOF
 )
 if [ -n "$missing" ]; then

@@ -6,3 +6,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
+# the data tests' session fixtures (tiny_corpus, tiny_tokenizer, tiny_dataset)
+pytest_plugins = ["data_fixtures"]
+

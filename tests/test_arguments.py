@@ -1,12 +1,19 @@
-"""Flag parsing and validation: Megatron names, derived values, one-line refusals."""
+"""Flag parsing and validation: Megatron names, derived values, one-line refusals, and
+the parser generated from the configuration classes."""
 
+import io
+import os
 import subprocess
 import sys
-import os
 
 import pytest
+import torch
 
-from megaq.arguments import ArgumentsError, build_parser, parse_args
+import dataclasses
+
+from megaq.arguments import ArgumentsError, build_parser, parse_config
+from megaq.config import FLAG_CLASSES
+from megaq.flags import dest, flag_fields
 from megaq.lr_schedule import LRSchedule
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -16,22 +23,47 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse(extra, world=8, rpn=None):
-    return parse_args(BASE + extra, world_size=world, ranks_per_node=rpn)
+    return parse_config(BASE + extra, world_size=world, ranks_per_node=rpn)
 
 
 def test_derived_values():
-    a = parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    c = parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                "--global-batch-size", "16"])
-    assert a.data_parallel_size == 2
-    assert a.num_micro_batches == 16 // (2 * 2)
-    assert a.kv_channels == 16 and a.ffn_hidden_size == 256
-    assert a.max_position_embeddings == 32 and a.lr_decay_iters == 10
-    a = parse([], world=4)
-    assert a.global_batch_size == 2 * 4 and a.num_micro_batches == 1  # default: mb x DP
-    a = parse(["--swiglu", "--hidden-size", "96", "--num-attention-heads", "4"], world=1)
-    assert a.ffn_hidden_size == 256  # Megatron: int(4h * 2/3 / 64) * 64
-    a = parse(["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "8"], world=1)
-    assert a.lr_warmup_iters == 2
+    assert c.parallel.dp == 2 and c.training.data_parallel_size == 2
+    assert c.training.num_micro_batches == 16 // (2 * 2)
+    assert c.model.kv_channels == 16 and c.model.ffn_hidden_size == 256
+    assert c.model.max_position_embeddings == 32 and c.optimizer.lr_decay_iters == 10
+    assert c.model.num_query_groups == 4 and c.model.vocab_size is None  # set by the tokenizer
+    c = parse([], world=4)
+    assert c.training.global_batch_size == 2 * 4 and c.training.num_micro_batches == 1  # mb x DP
+    c = parse(["--swiglu", "--hidden-size", "96", "--num-attention-heads", "4"], world=1)
+    assert c.model.ffn_hidden_size == 256  # Megatron: int(4h * 2/3 / 64) * 64
+    c = parse(["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "8"], world=1)
+    assert c.optimizer.lr_warmup_iters == 2
+    # flags spelled the other way round, or counting only together with another
+    c = parse(["--disable-bias-linear", "--num-query-groups", "2"], world=1)
+    assert c.model.add_bias_linear is False and c.model.num_query_groups == 4  # no GQA flag
+    c = parse(["--group-query-attention", "--num-query-groups", "2", "--bf16",
+               "--sequence-parallel"], world=1)
+    assert c.model.num_query_groups == 2 and c.model.params_dtype == torch.bfloat16
+    assert c.parallel.sequence_parallel is False and c.model.sequence_parallel is False  # TP=1
+    c = parse(["--tensor-model-parallel-size", "2", "--sequence-parallel"], world=2)
+    assert c.parallel.sequence_parallel and c.model.sequence_parallel
+    assert c.zero.block_size == c.zero.__class__().block_size  # one default: the engine's
+
+
+def test_configuration_is_frozen_and_serialisable():
+    c = parse(["--zero-quantized-gradients"], world=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.training.train_iters = 5
+    d = c.resolved(c.data, 1024).to_dict()
+    assert d["model"]["vocab_size"] == 1024 and d["model"]["params_dtype"] == "torch.float32"
+    assert d["zero"]["quantized_gradients"] is True and d["parallel"]["layout"]["world_size"] == 1
+    # plain values only: a checkpoint holding it loads with weights_only=True
+    buf = io.BytesIO()
+    torch.save(d, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True) == d
 
 
 @pytest.mark.parametrize("extra,world,needle", [
@@ -50,7 +82,14 @@ def test_derived_values():
     (["--group-query-attention"], 1, "--group-query-attention needs --num-query-groups"),
     (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "exceeds --max-position-embeddings"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs --pipeline-model-parallel-size > 1"),
-    (["--split", "a,b"], 1, "--split 'a,b' does not parse"),
+    (["--split", "a,b"], 1, "--split 'a,b': not numbers"),
+    (["--num-layers", "0"], 1, "--num-layers must be >= 1"),
+    (["--micro-batch-size", "0"], 1, "--micro-batch-size must be >= 1"),
+    (["--log-interval", "0"], 1, "--log-interval must be >= 1"),
+    (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], 1, "are both set; pass only one"),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"], 4,
+     "interleaved schedule needs the number of micro-batches (3)"),
     (["--zero-stage", "2"], 1, "argument --zero-stage: invalid choice"),
     (["--zero-quantized-gradients-chunk", "0"], 1, "--zero-quantized-gradients-chunk 0 must be >= 1"),
 ])
@@ -61,24 +100,57 @@ def test_refusals_name_the_flag(extra, world, needle):
     assert needle in msg and "\n" not in msg
 
 
-def test_qgz_chunk_reaches_the_zeropp_config():
-    """The flag travels args -> ZeroConfig (pretrain_gpt.zero_config) -> ZeroPPConfig."""
-    import pretrain_gpt
-    from megaq.zero.zeropp import zeropp_config
-    from megaq.zero.zeropp.config import DEFAULT_GRAD_CHUNK
-    a = parse(["--zero-quantized-gradients"], world=1)
-    assert zeropp_config(pretrain_gpt.zero_config(a)).grad_chunk == DEFAULT_GRAD_CHUNK
-    a = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096"], world=1)
-    assert zeropp_config(pretrain_gpt.zero_config(a)).grad_chunk == 4096
-    assert zeropp_config(a).grad_chunk == 4096  # straight from the namespace too
+def test_zero_flags_reach_the_engine_config():
+    """Each --zero-* flag lands in the engine's ZeroConfig (built once, at parse time)."""
+    from megaq.zero import ZeroConfig
+    z = parse(["--zero-quantized-gradients"], world=1).zero
+    assert isinstance(z, ZeroConfig) and z.grad_chunk == ZeroConfig().grad_chunk
+    z = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096",
+               "--zero-quantized-gradients-bits", "8", "--zero-quantization-block-size", "64",
+               "--zero-gradient-error-feedback", "--zero-quantized-weights", "--bf16",
+               "--adam-beta2", "0.95", "--weight-decay", "0.1"], world=1).zero
+    assert (z.grad_chunk, z.grad_bits_intra, z.grad_bits_inter, z.block_size) == (4096, 8, 8, 64)
+    assert z.error_feedback and z.quantized_weights and z.gather_dtype == torch.bfloat16
+    assert z.betas == (0.9, 0.95) and z.weight_decay == 0.1 and z.lr == 1e-3
+
+
+def test_every_flag_is_one_config_field():
+    """The parser is generated from the configuration classes: every flag is exactly one
+    field, no flag is declared twice, and every documented default is the field's."""
+    seen = {}
+    for cls in FLAG_CLASSES:
+        for f in flag_fields(cls):
+            assert f.metadata["flag"] not in seen, f.metadata["flag"]
+            seen[f.metadata["flag"]] = cls
+    parser = build_parser()
+    actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings
+               and a.option_strings[0] != "-h"}
+    assert set(actions) == set(seen)
+    for cls in FLAG_CLASSES:
+        for f in flag_fields(cls):
+            a = actions[f.metadata["flag"]]
+            assert a.dest == dest(f)
+            if f.metadata["value"] is None and not a.required and a.const is None:
+                assert a.default == f.default, f.name
+
+
+def test_demo_corpus_resolves_to_a_data_path():
+    """The data setup turns --demo-corpus into the built files: the resolved config is an
+    ordinary --data-path run (it passes the one-source check) that names the tokenizer."""
+    argv = [x for x in BASE if x != "--mock-data"] + ["--demo-corpus"]
+    data = parse_config(argv, world_size=1).data
+    assert data.demo_corpus == "" and data.data_path is None
+    built = data.with_built_corpus("/c/corpus_text_document", "/c/tokenizer.model")
+    assert built.demo_corpus is None and built.data_path == ("/c/corpus_text_document",)
+    assert built.tokenizer_model == "/c/tokenizer.model"
 
 
 def test_data_source_required():
     argv = [x for x in BASE if x != "--mock-data"]
     with pytest.raises(ArgumentsError, match="no training data: pass --data-path"):
-        parse_args(argv, world_size=1)
+        parse_config(argv, world_size=1)
     with pytest.raises(ArgumentsError, match="needs --tokenizer-model"):
-        parse_args(argv + ["--data-path", "x"], world_size=1)
+        parse_config(argv + ["--data-path", "x"], world_size=1)
 
 
 def test_help_lists_megatron_and_zeropp_flags():
@@ -103,6 +175,13 @@ def test_cli_refusal_is_one_line_and_nonzero():
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: --global-batch-size 3")
+
+
+def test_help_keeps_working_from_the_command_line():
+    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--zero-quantized-gradients-chunk" in r.stdout
+    assert "elements per quantization block (default: " in r.stdout
 
 
 def test_lr_schedule_values():

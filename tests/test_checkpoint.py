@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megaq import checkpoint as ckpt
-from megaq.arguments import parse_args
+from megaq.arguments import parse_config
 from megaq.lr_schedule import LRSchedule
 from megaq.parallel.comm import Group
 from megaq.parallel.topology import Layout, Topology
@@ -48,28 +48,32 @@ class DictEngine:
         return {}  # no qgZ error feedback here (tests/test_checkpoint_resume.py has it)
 
 
+def run_config(argv=ARGV):
+    config = parse_config(argv, world_size=1)
+    return config.resolved(config.data, vocab_size=1024)  # as the tokenizer would
+
+
 def setup(tmp_path, value=1.0):
-    args = parse_args(ARGV, world_size=1)
-    args.vocab_size, args.padded_vocab_size = 1024, 1024
-    sched = LRSchedule.from_args(args)
-    return args, one_rank_topology(), DictEngine(value), sched
+    config = run_config()
+    sched = LRSchedule.from_config(config.optimizer)
+    return config, one_rank_topology(), DictEngine(value), sched
 
 
-def save(root, it, args, topo, engine, sched, fault=None):
-    return ckpt.save_checkpoint(root, it, args=args, topo=topo, engine=engine, lr_schedule=sched,
-                                consumed_samples=it * 4, fault=fault)
+def save(root, it, config, topo, engine, sched):
+    return ckpt.save_checkpoint(root, it, config=config, topo=topo, engine=engine,
+                                lr_schedule=sched, consumed_samples=it * 4)
 
 
-def load(root, args, topo, engine, sched):
-    return ckpt.load_checkpoint(root, args=args, topo=topo, engine=engine, lr_schedule=sched)
+def load(root, config, topo, engine, sched):
+    return ckpt.load_checkpoint(root, config=config, topo=topo, engine=engine, lr_schedule=sched)
 
 
 def test_layout_and_roundtrip(tmp_path):
-    args, topo, engine, sched = setup(tmp_path)
+    config, topo, engine, sched = setup(tmp_path)
     for _ in range(3):
         sched.step()
     random.seed(5); np.random.seed(5); torch.manual_seed(5)
-    save(tmp_path, 3, args, topo, engine, sched)
+    save(tmp_path, 3, config, topo, engine, sched)
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert (tmp_path / "iter_0000003" / "mp_rank_00_000" / "model_optim.pt").is_file()
     assert (tmp_path / "iter_0000003" / "rng" / "rank_00000.pt").is_file()
@@ -77,8 +81,8 @@ def test_layout_and_roundtrip(tmp_path):
     # every stream moves on, then the load rewinds all of them
     random.random(); np.random.rand(); torch.rand(1)
     fresh = DictEngine(0.0)
-    sched2 = LRSchedule.from_args(args)
-    got = load(tmp_path, args, topo, fresh, sched2)
+    sched2 = LRSchedule.from_config(config.optimizer)
+    got = load(tmp_path, config, topo, fresh, sched2)
     assert got["iteration"] == 3 and got["consumed_samples"] == 12
     assert torch.equal(fresh.loaded["params"]["w"]["param"], engine.state["params"]["w"]["param"])
     assert sched2.num_steps == 3
@@ -88,67 +92,100 @@ def test_layout_and_roundtrip(tmp_path):
 
 
 def test_no_checkpoint_means_fresh_start(tmp_path):
-    args, topo, engine, sched = setup(tmp_path)
-    assert load(tmp_path / "empty", args, topo, engine, sched) is None
+    config, topo, engine, sched = setup(tmp_path)
+    assert load(tmp_path / "empty", config, topo, engine, sched) is None
 
 
-@pytest.mark.parametrize("stage", ["files_written", "before_rename", "before_tracker"])
-def test_crash_during_save_keeps_previous(tmp_path, stage):
-    args, topo, engine, sched = setup(tmp_path, value=1.0)
-    save(tmp_path, 2, args, topo, engine, sched)
+class FailingEngine(DictEngine):
+    """An engine whose error-feedback state cannot be produced: the save fails after the
+    model and RNG files are written (as a crash between the files and the rename would)."""
 
-    def crash(where):
-        if where == stage:
-            raise KeyboardInterrupt(f"killed at {where}")
+    def error_feedback_state(self):
+        raise KeyboardInterrupt("killed after the model file was written")
 
+
+def test_crash_during_save_keeps_previous(tmp_path):
+    config, topo, engine, sched = setup(tmp_path, value=1.0)
+    save(tmp_path, 2, config, topo, engine, sched)
     with pytest.raises(KeyboardInterrupt):
-        save(tmp_path, 4, args, topo, DictEngine(9.0), sched, fault=crash)
+        save(tmp_path, 4, config, topo, FailingEngine(9.0), sched)
+    assert (tmp_path / ".iter_0000004.tmp" / "mp_rank_00_000" / "model_optim.pt").is_file()
     fresh = DictEngine(0.0)
-    got = load(tmp_path, args, topo, fresh, LRSchedule.from_args(args))
+    got = load(tmp_path, config, topo, fresh, LRSchedule.from_config(config.optimizer))
     assert got["iteration"] == 2
     assert torch.equal(fresh.loaded["params"]["w"]["param"], torch.full((3, 2), 1.0))
     # the next save cleans up the debris and completes
-    save(tmp_path, 4, args, topo, DictEngine(9.0), sched)
-    assert load(tmp_path, args, topo, fresh, LRSchedule.from_args(args))["iteration"] == 4
+    save(tmp_path, 4, config, topo, DictEngine(9.0), sched)
+    assert load(tmp_path, config, topo, fresh, LRSchedule.from_config(config.optimizer))["iteration"] == 4
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
 def test_refuses_other_architecture(tmp_path):
-    args, topo, engine, sched = setup(tmp_path)
-    save(tmp_path, 1, args, topo, engine, sched)
-    other = parse_args(ARGV[:1] + ["3"] + ARGV[2:] + ["--swiglu"], world_size=1)
-    other.vocab_size, other.padded_vocab_size = 1024, 1024
+    config, topo, engine, sched = setup(tmp_path)
+    save(tmp_path, 1, config, topo, engine, sched)
+    other = run_config(ARGV[:1] + ["3"] + ARGV[2:] + ["--swiglu", "--disable-bias-linear"])
     with pytest.raises(ckpt.CheckpointError) as e:
         load(tmp_path, other, topo, engine, sched)
     msg = str(e.value)
     assert "--num-layers 3 (checkpoint: 2)" in msg and "--swiglu True (checkpoint: False)" in msg
+    assert "add_bias_linear False (checkpoint: True)" in msg and "\n" not in msg
+    # the stored configuration is the run's, nested as RunConfig.to_dict() nests it
+    sd = torch.load(tmp_path / "iter_0000001" / "mp_rank_00_000" / "model_optim.pt",
+                    weights_only=True)
+    assert sd["config"] == config.to_dict()
+
+
+def test_reads_checkpoints_saved_before_the_typed_configuration(tmp_path):
+    """Files written before RunConfig hold a flat "args" dict of flag values: they load,
+    and an architecture change is still refused."""
+    config, topo, engine, sched = setup(tmp_path)
+    save(tmp_path, 1, config, topo, engine, sched)
+    path = tmp_path / "iter_0000001" / "mp_rank_00_000" / "model_optim.pt"
+    sd = torch.load(path, weights_only=True)
+    del sd["config"]
+    sd["args"] = {  # what megaq.arguments.args_to_dict wrote
+        "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 128, "num_attention_heads": 4,
+        "group_query_attention": False, "num_query_groups": 4, "kv_channels": 8,
+        "seq_length": 16, "max_position_embeddings": 16,
+        "position_embedding_type": "learned_absolute", "rotary_base": 10000,
+        "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False,
+        "untie_embeddings_and_output_weights": False, "disable_bias_linear": False,
+        "vocab_size": 1024, "padded_vocab_size": 1024, "make_vocab_size_divisible_by": 128,
+        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+        "global_batch_size": 1, "train_iters": 10, "lr": 1e-3, "seed": 1234,
+        "zero_quantized_gradients_bits": 4, "zero_quantization_block_size": None}
+    torch.save(sd, path)
+    assert load(tmp_path, config, topo, DictEngine(0.0), sched)["saved_global_batch_size"] == 1
+    with pytest.raises(ckpt.CheckpointError, match="--hidden-size 64 \\(checkpoint: 32\\)"):
+        load(tmp_path, run_config(ARGV[:2] + ["--hidden-size", "64"] + ARGV[4:]), topo,
+             DictEngine(0.0), sched)
 
 
 def test_refuses_other_tp_pp(tmp_path):
-    args, topo, engine, sched = setup(tmp_path)
-    save(tmp_path, 1, args, topo, engine, sched)
+    config, topo, engine, sched = setup(tmp_path)
+    save(tmp_path, 1, config, topo, engine, sched)
     d = tmp_path / "iter_0000001"
     shutil.copytree(d / "mp_rank_00_000", d / "mp_rank_00_001")  # as if saved with PP=2
     # Without the model chunks to reshard into, a TP/PP change is refused.
     with pytest.raises(ckpt.CheckpointError, match="--pipeline-model-parallel-size 2"):
-        load(tmp_path, args, topo, engine, sched)
+        load(tmp_path, config, topo, engine, sched)
 
 
 def test_bad_tracker_and_missing_dir(tmp_path):
-    args, topo, engine, sched = setup(tmp_path)
+    config, topo, engine, sched = setup(tmp_path)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana\n")
     with pytest.raises(ckpt.CheckpointError, match="not an iteration number"):
-        load(tmp_path, args, topo, engine, sched)
+        load(tmp_path, config, topo, engine, sched)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
     with pytest.raises(ckpt.CheckpointError, match="iter_0000007 does not exist"):
-        load(tmp_path, args, topo, engine, sched)
+        load(tmp_path, config, topo, engine, sched)
 
 
 def test_no_load_optim_keeps_weights_resets_adam(tmp_path):
-    args, topo, engine, sched = setup(tmp_path, value=2.0)
-    save(tmp_path, 1, args, topo, engine, sched)
+    config, topo, engine, sched = setup(tmp_path, value=2.0)
+    save(tmp_path, 1, config, topo, engine, sched)
     fresh = DictEngine(0.0)
-    ckpt.load_checkpoint(tmp_path, args=args, topo=topo, engine=fresh, lr_schedule=sched,
+    ckpt.load_checkpoint(tmp_path, config=config, topo=topo, engine=fresh, lr_schedule=sched,
                          load_optim=False)
     w = fresh.loaded["params"]["w"]
     assert fresh.loaded["step"] == 0 and torch.equal(w["param"], torch.full((3, 2), 2.0))

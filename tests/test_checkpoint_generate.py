@@ -1,13 +1,15 @@
-"""tools/generate.py's consolidation: a TP=2 x PP=2 checkpoint loaded on one process
-computes the same validation loss the 4-rank run computed."""
+"""Consolidation onto one process (megaq.checkpoint.load_consolidated_model, what
+tools/generate.py loads): a TP=2 x PP=2 checkpoint loaded on one process computes the
+same validation loss the 4-rank run computed."""
 
-import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-import pretrain_gpt
+from megaq import pretrain
 from megaq import checkpoint as ckpt
 from megaq.data.gpt_dataset import MockGPTDataset
 from megaq.parallel.launch import run_on_ranks
@@ -15,16 +17,8 @@ from megaq.parallel.launch import run_on_ranks
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("generate_tool",
-                                                  os.path.join(REPO, "tools", "generate.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _train(topo, argv):
-    s = pretrain_gpt.main(argv, topo=topo)
+    s = pretrain.main(argv, topo=topo)
     return s.val_losses
 
 
@@ -46,16 +40,29 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
             "--data-cache-path", str(tmp_path / "cache"), *model_flags]
     val = run_on_ranks(_train, 4, tp=2, pp=2, args=(argv,))[0][2]
 
-    gen = _load_tool()
-    args, shards, tp = gen.load_consolidated(ckpt.iteration_dir(str(tmp_path / "ck"), 2))
-    assert tp == 2
-    model, views = gen.build_model(args, tp)
-    gen.consolidate_into(model, views, shards, tp)
+    ckpt_dir = ckpt.iteration_dir(str(tmp_path / "ck"), 2)
+    assert ckpt.checkpoint_layout(ckpt_dir) == (2, 2)
+    model, saved = ckpt.load_consolidated_model(ckpt_dir)
     model.eval()
-    valid = MockGPTDataset(4, 16, args.seed, 100, "valid")
+    valid = MockGPTDataset(4, 16, saved["training"]["seed"], 100, "valid")
     tokens = torch.stack([torch.from_numpy(valid[i]["tokens"]) for i in range(4)])
     with torch.no_grad():
         loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).mean().item()
     # Same weights, same samples; TP=2 splits matmuls and the vocab-parallel softmax,
     # so only fp32 summation order differs.
     assert loss == pytest.approx(val, rel=1e-5)
+
+
+def test_generate_refuses_a_mock_data_checkpoint_in_one_line(tmp_path):
+    """The tool end to end on a real checkpoint: it consolidates the model, then finds no
+    tokenizer (mock data) and says so in one line."""
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-2",
+            "--mock-data", "--vocab-size", "100", "--eval-iters", "0",
+            "--save", str(tmp_path / "ck"), "--data-cache-path", str(tmp_path / "cache")]
+    run_on_ranks(_train, 1, args=(argv,))
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "generate.py"), "--load",
+                        str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: tokenizer model None not found")
+    assert len(r.stderr.strip().splitlines()) == 1

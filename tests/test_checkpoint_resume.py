@@ -7,7 +7,7 @@ Runs (each a few iterations of a tiny model on mock data, fp32 on CPU):
   D: TP=2 x DP=2 with dropout and eval: uninterrupted vs resumed, bit-identical
      (exercises the TP RNG tracker and the per-rank RNG files);
   E: TP=2 x PP=2 saved, resumed as TP=1 x PP=2 x DP=2 (TP/PP reshard);
-  and a single-rank run SIGKILLed in the middle of a save.
+  and the real command SIGKILLed in the middle of a save.
 """
 
 import json
@@ -16,10 +16,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-import pretrain_gpt
+from megaq import pretrain
 from megaq import checkpoint as ckpt
 from megaq.parallel.launch import run_on_ranks
 
@@ -37,7 +38,7 @@ def model_argv(tmp, iters, extra=()):
 
 
 def _train(topo, argv):
-    s = pretrain_gpt.main(argv, topo=topo)
+    s = pretrain.main(argv, topo=topo)
     return {"losses": s.losses, "val": s.val_losses, "iteration": s.iteration}
 
 
@@ -143,28 +144,48 @@ def test_exact_resume_with_tp_dropout_and_eval(tmp_path):
     assert resumed[0]["val"][2] == full[0]["val"][2]
 
 
+def _kill_when_second_save_starts(proc, ck: str, timeout: float = 300.0) -> None:
+    """SIGKILL `proc` as soon as the save of iteration 4 shows up on disk."""
+    deadline = time.monotonic() + timeout
+    tmp, final = os.path.join(ck, ".iter_0000004.tmp"), os.path.join(ck, "iter_0000004")
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.exists(tmp) or os.path.exists(final):
+            break
+        time.sleep(0.0005)
+    proc.kill()
+
+
 def test_killed_during_save_resumes_from_previous(tmp_path):
-    """A real process SIGKILLed while writing its second checkpoint."""
+    """The real command, SIGKILLed the moment its second save starts writing (a real kill
+    at a moment the test does not choose exactly). Whatever was on disk then, `latest`
+    names a complete checkpoint, and the resumed run continues from it and cleans up."""
     ck = tmp_path / "ck"
-    code = (
-        "import os, signal, sys\n"
-        f"sys.path.insert(0, {REPO!r})\n"
-        "import pretrain_gpt\n"
-        "def fault(stage):\n"
-        "    if stage == 'before_rename' and os.path.exists(os.path.join(sys.argv[1], 'iter_0000002')):\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "pretrain_gpt.main(sys.argv[2:], hooks={'_checkpoint_fault': fault})\n")
-    argv = model_argv(str(tmp_path), 4, ["--save", str(ck), "--save-interval", "2"])
-    r = subprocess.run([sys.executable, "-c", code, str(ck)] + argv, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"})
-    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    assert ckpt.read_tracker(str(ck)) == 2  # the save at 4 never completed
-    assert os.path.isdir(ck / ".iter_0000004.tmp") and not os.path.exists(ck / "iter_0000004")
-    # Resume: loads iteration 2, trains 3..4, and its save at 4 cleans the debris.
-    out = run_on_ranks(_train, 1, args=(model_argv(str(tmp_path), 4, [
+    argv = model_argv(str(tmp_path), 6, ["--save", str(ck), "--save-interval", "2"])
+    env = {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    mid_save = False
+    for _ in range(3):  # a kill that lands after the save finished proves less: retry
+        shutil.rmtree(ck, ignore_errors=True)
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + argv,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        _kill_when_second_save_starts(proc, str(ck))
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+        latest = ckpt.read_tracker(str(ck))
+        mid_save = latest == 2  # the save of iteration 4 never completed
+        assert latest in (2, 4)
+        latest_dir = ckpt.iteration_dir(str(ck), latest)
+        assert os.path.isfile(ckpt.model_file(latest_dir, 0, 0))
+        assert os.path.isfile(ckpt.rng_file(latest_dir, 0))
+        if mid_save:
+            break
+    assert mid_save, "three kills all landed after the save had completed"
+    assert ckpt.read_tracker(str(ck)) == 2 and not os.path.exists(ck / "iter_0000004")
+    # Resume: loads iteration 2, trains 3..6, and its save at 4 cleans the debris.
+    out = run_on_ranks(_train, 1, args=(model_argv(str(tmp_path), 6, [
         "--load", str(ck), "--save", str(ck), "--save-interval", "2"]),))
-    assert sorted(out[0]["losses"]) == [3, 4]
-    assert ckpt.read_tracker(str(ck)) == 4 and not os.path.exists(ck / ".iter_0000004.tmp")
+    assert sorted(out[0]["losses"]) == [3, 4, 5, 6]
+    assert ckpt.read_tracker(str(ck)) == 6
+    assert not [n for n in os.listdir(ck) if n.startswith(".")]
 
 
 def test_tp_pp_reshard(tmp_path):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from data_fixtures import token_stream, tiny_corpus, tiny_dataset, tiny_tokenizer  # noqa: F401
+from data_fixtures import token_stream
 from megaq.data.blending import build_blending_indices, parse_data_path
 from megaq.data.errors import DataError
 from megaq.data.gpt_dataset import (GPTDataset, build_train_valid_test_datasets, parse_split,

@@ -7,7 +7,6 @@ import warnings
 import numpy as np
 import pytest
 
-from data_fixtures import tiny_corpus, tiny_dataset, tiny_tokenizer  # noqa: F401
 from megaq.data.errors import DataError
 from megaq.data.indexed import IndexedDataset, IndexedDatasetWriter
 

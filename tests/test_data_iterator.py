@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from data_fixtures import tiny_corpus, tiny_dataset, tiny_tokenizer  # noqa: F401
 from megaq.data.iterator import BatchIterator, global_micro_batch_order
 
 SEQ = 8

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data_fixtures import REPO, quiet, run_tool, tiny_corpus, tiny_tokenizer, write_jsonl  # noqa: F401
+from data_fixtures import REPO, quiet, run_tool, write_jsonl
 from megaq.data.errors import DataError
 from megaq.data.indexed import IndexedDataset, resolve_dtype
 from megaq.data.preprocess import preprocess

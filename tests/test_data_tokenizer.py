@@ -5,7 +5,7 @@ import os
 import pytest
 import sentencepiece as spm
 
-from data_fixtures import TINY_VOCAB, quiet, run_tool, tiny_corpus, tiny_tokenizer, write_jsonl  # noqa: F401
+from data_fixtures import TINY_VOCAB, quiet, run_tool, write_jsonl
 from megaq.data.errors import DataError
 from megaq.data.tokenizer import build_tokenizer
 from megaq.data.tokenizer_training import train_sentencepiece

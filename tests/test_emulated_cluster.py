@@ -1,5 +1,5 @@
 """Two emulated nodes on one machine: pretrain_gpt.py for two steps across a tc-limited
-veth link between two network namespaces (tools/emulate_cluster.py).
+veth link between two network namespaces (tools/cluster/emulate_cluster.py).
 
 Needs root and network namespaces; skips with the reason otherwise. Budget: < 60 s.
 """
@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(REPO, "tools", "cluster")
 sys.path.insert(0, TOOLS)
 import emulate_cluster as emu  # noqa: E402
 import netns_link  # noqa: E402

@@ -291,7 +291,7 @@ def test_compiled_blocks_match_eager():
     """compile_blocks (torch.compile of each block's forward) captures the blocks with
     the fused ops tracing their references and computes the same loss and gradients.
     The aot_eager backend keeps this test fast (no inductor code generation; the
-    inductor path is exercised on the GPU by tools/bench_train.py). fp32: 1e-5."""
+    inductor path is exercised on the GPU by tools/bench/bench_train.py). fp32: 1e-5."""
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
     labels = torch.roll(ids, -1, 1)

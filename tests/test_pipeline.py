@@ -17,7 +17,7 @@ lr * delta / eps. With eps=1e-8 that is O(lr) per noisy element; with 1e-4 it is
 Because Adam hides gradient scale, the step-1 gradients are compared directly.
 """
 
-import contextlib
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -25,15 +25,16 @@ import pytest
 import torch
 
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.pipeline import (PipelineConfigError, PipelineP2P, allreduce_sequence_parallel_grads,
-                                     build_model_chunks, check_num_microbatches, chunk_layer_range,
+from megaq.model import build_model_chunks
+from megaq.parallel.pipeline import (PipelineConfigError, PipelineP2P,
+                                     check_num_microbatches, chunk_layer_range,
                                      forward_backward_no_pipelining, get_forward_backward_func,
                                      num_microbatches_per_step, pipeline_tensor_shape,
-                                     sync_shared_embedding_grads, sync_shared_embedding_weights,
                                      virtual_pipeline_size)
 from megaq.parallel.tensor_parallel import shard_of, single_rank_group
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
+from megaq.zero import ZeroConfig, build_engine, wants_weight_decay
 
 RTOL = 1e-5
 STEPS, MBS, SEQ = 3, 2, 8
@@ -78,7 +79,11 @@ def named_params(chunks):
 
 def reference(cfg: GPTConfig, batches) -> dict:
     model = GPTModel(cfg, single_rank_group())
-    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    named = list(model.named_parameters())
+    decay = ADAM["weight_decay"]  # Megatron's rule, as the engine: none on biases and 1-D
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if wants_weight_decay(n, p)]},
+                             {"params": [p for n, p in named if not wants_weight_decay(n, p)],
+                              "weight_decay": 0.0}], **dict(ADAM, weight_decay=decay))
     losses, grads = [], {}
     for step, mbs in enumerate(batches):
         opt.zero_grad(set_to_none=True)
@@ -97,24 +102,32 @@ def _stage_batches(topo, mbs):
     return None if not keep else [{k: mb[k] for k in keep} for mb in mbs]
 
 
+def _engine_grads(engine) -> dict:
+    """{id(param): its fp32 gradient} read from the engine's accumulators (stage 0, DP=1:
+    the accumulator of a partition is its whole flat gradient)."""
+    accum = engine.grads.read()
+    return {id(slot.param): accum[part.name][slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for part in engine.partitions for slot in part.slots}
+
+
 def _train_on_rank(topo, cfg, vp, batches):
+    """The production gradient path: the stage-0 engine at DP=1 sums sequence-parallel
+    grads over TP and the tied embedding copies over the first and last stage."""
     chunks = build_model_chunks(cfg, topo, vp)
-    sync_shared_embedding_weights(chunks, topo)
-    params = [p for c in chunks for p in c.parameters()]
-    opt = torch.optim.AdamW(params, **ADAM)
+    engine = build_engine(chunks, topo, ZeroConfig(stage=0, lr=ADAM["lr"], betas=ADAM["betas"],
+                                                   eps=ADAM["eps"], weight_decay=ADAM["weight_decay"]))
     schedule = get_forward_backward_func(topo.layout.pp, vp)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, grads = [], {}
     for step, mbs in enumerate(batches):
-        opt.zero_grad(set_to_none=True)
+        engine.zero_grad()
         out = schedule(chunks, _stage_batches(topo, mbs), len(mbs), topo, tensor_shape=shape)
         losses.append(torch.stack(out) if out else None)
-        if cfg.sequence_parallel:
-            allreduce_sequence_parallel_grads(chunks, topo)
-        sync_shared_embedding_grads(chunks, topo)
+        engine.finish_grad_sync()
         if step == 0:
-            grads = {n: p.grad.clone() for n, p, _ in named_params(chunks)}
-        opt.step()
+            by_id = _engine_grads(engine)
+            grads = {n: by_id[id(p)].clone() for n, p, _ in named_params(chunks)}
+        engine.step(ADAM["lr"])
     meta = {n: dict(dim=getattr(p, "partition_dim", -1), stride=getattr(p, "partition_stride", 1),
                     tp=getattr(p, "tensor_model_parallel", False), copy=copy,
                     shared=getattr(p, "shared_embedding", False))
@@ -167,7 +180,7 @@ def test_pipeline_matches_single_process(family, layers, pp, vp, tp, sp, m):
     check_against_reference(cfg, results, ref)
 
 
-# ------------------------------------------------------- memory, eval mode, hooks
+# ------------------------------------------------------------ memory, eval mode
 def _count_live_activations(topo, cfg, vp, batches):
     """Max number of micro-batch activations a rank holds (forward done, backward not yet).
 
@@ -191,25 +204,18 @@ def _count_live_activations(topo, cfg, vp, batches):
     kw = dict(tensor_shape=shape, dtype=cfg.params_dtype)
     eval_losses = schedule(chunks, mbs, len(batches[0]), topo, forward_only=True, **kw)
     grads_after_eval = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
-    no_sync_calls = []
-
-    def no_sync(chunk):
-        no_sync_calls.append(chunk)
-        return contextlib.nullcontext()
-
-    train_losses = schedule(chunks, mbs, len(batches[0]), topo, no_sync=no_sync, **kw)
+    train_losses = schedule(chunks, mbs, len(batches[0]), topo, **kw)
     grads_ok = all(p.grad is not None and p.grad.dtype == cfg.params_dtype and p.grad.isfinite().all()
                    for c in chunks for p in c.parameters())
     return dict(peak=peak[0], live_at_end=live[0], eval=eval_losses, train=train_losses,
-                grads_after_eval=len(grads_after_eval), no_sync=no_sync_calls, grads_ok=grads_ok)
+                grads_after_eval=len(grads_after_eval), grads_ok=grads_ok)
 
 
 @pytest.mark.parametrize("vp,dtype", [(None, torch.bfloat16), (2, torch.float32)])
-def test_activation_memory_eval_mode_and_no_sync(vp, dtype):
+def test_activation_memory_and_eval_mode(vp, dtype):
     """Also runs one layout in bf16: activations and gradients cross stages in that dtype."""
     pp, m = 4, 8
-    cfg = make_config("llama", 8)
-    cfg.params_dtype = dtype
+    cfg = dataclasses.replace(make_config("llama", 8), params_dtype=dtype)
     out = run_on_ranks(_count_live_activations, pp, pp=pp, args=(cfg, vp, make_batches(cfg, m)))
     v = vp or 1
     for stage, r in enumerate(out):
@@ -223,8 +229,6 @@ def test_activation_memory_eval_mode_and_no_sync(vp, dtype):
         assert r["live_at_end"] == 0
         assert r["grads_after_eval"] == 0  # forward-only builds no graph
         assert r["grads_ok"]  # every parameter got a finite gradient of its own dtype
-        # no_sync wraps every backward of a chunk but its last micro-batch.
-        assert sorted(r["no_sync"]) == sorted(c for c in range(v) for _ in range(m - 1))
     assert out[0]["peak"] < m * v
     last = out[-1]
     assert len(last["eval"]) == m and all(not r["eval"] for r in out[:-1])

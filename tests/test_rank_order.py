@@ -9,7 +9,7 @@ the summation order inside gloo's reductions may differ, hence 1e-6 relative).
 import json
 import os
 
-import pretrain_gpt
+from megaq import pretrain
 from megaq.parallel.launch import run_on_ranks
 
 
@@ -24,7 +24,7 @@ def _argv(tmp, order_flag):
 
 
 def _train(topo, argv):
-    state = pretrain_gpt.main(argv, topo=topo)
+    state = pretrain.main(argv, topo=topo)
     return {"losses": state.losses, "dp_nodes": sorted(set(topo.dp.nodes))}
 
 

@@ -1,6 +1,6 @@
 """Every Python file of the project compiles: tools and scripts that no other test
 imports (GPU benchmarks, device-only checks) would otherwise break unnoticed, as
-tools/bench_train.py once did with an indentation error."""
+tools/bench/bench_train.py once did with an indentation error."""
 
 import glob
 import os
@@ -15,7 +15,7 @@ FILES = sorted(p for pattern in ("*.py", "megaq/**/*.py", "kernels/*.py", "tools
 
 
 def test_the_file_list_is_not_empty():
-    assert any(p.endswith(os.path.join("tools", "bench_train.py")) for p in FILES)
+    assert any(p.endswith(os.path.join("tools", "bench", "bench_train.py")) for p in FILES)
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: os.path.relpath(p, REPO))

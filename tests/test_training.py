@@ -1,14 +1,22 @@
 """The training loop: Megatron log lines, non-finite steps skipped and counted, a run
-that keeps diverging stopped, metrics and TensorBoard outputs."""
+that keeps diverging stopped, early exits (--exit-interval, --exit-duration-in-mins, a
+signal), metrics and TensorBoard outputs. Faults are real: an inf in the data's loss
+mask, a learning rate that overflows the weights, a real SIGTERM; nothing is patched."""
 
+import dataclasses
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
 
-
-import pretrain_gpt
+from megaq import pretrain
+from megaq.training import Trainer, TrainingDiverged
 from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
 from megaq.parallel.launch import run_on_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def argv(tmp, iters, extra=()):
@@ -36,36 +44,50 @@ def test_training_log_line_fields_in_megatron_order():
     assert f"lm loss PPL: {math.exp(2.0):.6E}" in v
 
 
-def _with_nan_at_iteration(topo, args, bad_iterations):
-    # Make the loss of chosen iterations non-finite on every rank (process-local patch in
-    # the forked rank), as a fp overflow would.
-    from megaq import training
-    real = training.Trainer.train_step
+def _with_batches(train_batches, gbs: int, on_step):
+    """train_batches (TrainingParts' public callable) with `on_step(step, micro_batches)`
+    applied to the micro-batches of each step before the loop gets them."""
+    def make(consumed):
+        step = consumed // gbs
+        for micro_batches in train_batches(consumed):
+            step += 1
+            yield on_step(step, micro_batches)
+    return make
 
-    def patched(self, batches):
-        loss, norm, applied = real(self, batches) if self.state.iteration + 1 not in bad_iterations \
-            else _nan_step(self, batches)
-        return loss, norm, applied
 
-    def _nan_step(self, batches):
-        self.p.engine.zero_grad()
-        self._run_schedule(batches, forward_only=False)
-        self.p.engine.finish_grad_sync()
-        self.p.engine.skip_step()
-        return float("nan"), float("nan"), False
+def _inf_in_loss_mask(bad_steps):
+    """A real non-finite loss and gradient: an inf in the loss mask of every micro-batch
+    of the chosen steps makes sum(loss * mask) / sum(mask) = inf / inf = NaN, and its
+    gradient NaN, through the real forward, backward, clipping and skip logic."""
+    def on_step(step, micro_batches):
+        if step not in bad_steps:
+            return micro_batches
+        out = []
+        for mb in micro_batches:
+            mask = mb["loss_mask"].clone()
+            mask[0, 0] = float("inf")
+            out.append({**mb, "loss_mask": mask})
+        return out
+    return on_step
 
-    training.Trainer.train_step = patched
-    try:
-        s = pretrain_gpt.main(args, topo=topo)
-        return {"losses": s.losses, "skipped": s.skipped_total, "nan": s.nan_total}
-    except training.TrainingDiverged as e:
-        return {"diverged": str(e)}
+
+def _train_with(topo, argv, on_step):
+    """pretrain.main's setup, then the loop over batches passed through `on_step`."""
+    from megaq.arguments import parse_config
+    config = parse_config(argv, world_size=topo.layout.world_size,
+                          ranks_per_node=topo.layout.ranks_per_node)
+    trainer = pretrain.build_trainer(config, topo)
+    parts = dataclasses.replace(trainer.p, train_batches=_with_batches(
+        trainer.p.train_batches, config.training.global_batch_size, on_step))
+    s = Trainer(parts, trainer.state).train()
+    return {"losses": s.losses, "skipped": s.skipped_total, "nan": s.nan_total,
+            "iteration": s.iteration, "reason": s.exit_reason}
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     metrics = str(tmp_path / "m.jsonl")
-    out = run_on_ranks(_with_nan_at_iteration, 2,
-                       args=(argv(str(tmp_path), 4, ["--metrics-file", metrics]), {2}))
+    out = run_on_ranks(_train_with, 2, args=(argv(str(tmp_path), 4, ["--metrics-file", metrics]),
+                                             _inf_in_loss_mask({2})))
     r = out[0]
     assert r["skipped"] == 1 and r["nan"] == 1
     assert math.isnan(r["losses"][2]) and all(math.isfinite(r["losses"][i]) for i in (1, 3, 4))
@@ -76,19 +98,66 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     assert rows[2]["lr"] == rows[1]["lr"]
 
 
+def _train(topo, argv):
+    try:
+        s = pretrain.main(argv, topo=topo)
+    except TrainingDiverged as e:
+        return {"diverged": str(e)}
+    return {"losses": s.losses, "iteration": s.iteration, "reason": s.exit_reason}
+
+
 def test_many_nonfinite_in_a_row_stop_the_run(tmp_path):
-    out = run_on_ranks(_with_nan_at_iteration, 1, args=(
-        argv(str(tmp_path), 10, ["--max-consecutive-skipped-iters", "3"]), {2, 3, 4, 5}))
-    msg = out[0]["diverged"]
-    assert "stopping at iteration 4: 3 iterations in a row had a non-finite loss" in msg
-    assert "--max-consecutive-skipped-iters" in msg
+    """A learning rate of 1e30: the first update throws the weights to ~1e30, every later
+    forward overflows to a non-finite loss, and --max-consecutive-skipped-iters 3 stops
+    the run after iterations 2, 3 and 4 (no patched code: the real loop and engine)."""
+    out = run_on_ranks(_train, 2, args=(
+        argv(str(tmp_path), 10, ["--lr", "1e30", "--max-consecutive-skipped-iters", "3"]),))
+    for r in out:  # every rank stops, with the same message
+        msg = r["diverged"]
+        assert "stopping at iteration 4: 3 iterations in a row had a non-finite loss" in msg
+        assert "--max-consecutive-skipped-iters" in msg
+
+
+def test_cli_stops_a_diverging_run_with_one_error_line(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")]
+                       + argv(str(tmp_path), 10, ["--lr", "1e30",
+                                                  "--max-consecutive-skipped-iters", "2"]),
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: stopping at iteration 3: 2 iterations")
+    assert "number of skipped iterations:   1" in r.stdout  # iteration 2, logged before the stop
+
+
+def test_exit_interval_saves_and_stops_every_rank(tmp_path):
+    ck = str(tmp_path / "ck")
+    out = run_on_ranks(_train, 2, args=(argv(str(tmp_path), 10, [
+        "--exit-interval", "3", "--save", ck, "--save-interval", "2"]),))
+    assert [r["iteration"] for r in out] == [3, 3]
+    assert out[0]["reason"] == "--exit-interval 3" and sorted(out[0]["losses"]) == [1, 2, 3]
+    from megaq import checkpoint as ckpt
+    assert ckpt.read_tracker(ck) == 3  # saved at the exit, off the save interval
+    assert os.path.isdir(ckpt.iteration_dir(ck, 2))
+
+
+def test_exit_duration_saves_and_stops_every_rank(tmp_path):
+    """--exit-duration-in-mins: a budget shorter than one iteration ends the run after its
+    first iteration, on every rank alike (the stop vote rides on the loss all-reduce)."""
+    ck = str(tmp_path / "ck")
+    out = run_on_ranks(_train, 2, args=(argv(str(tmp_path), 10, [
+        "--exit-duration-in-mins", "1e-6", "--save", ck]),))
+    assert [r["iteration"] for r in out] == [1, 1]
+    assert "--exit-duration-in-mins 1e-06 passed" in out[0]["reason"]
+    from megaq import checkpoint as ckpt
+    assert ckpt.read_tracker(ck) == 1
 
 
 def test_tensorboard_optional(tmp_path, capsys):
     tb = TensorBoard(str(tmp_path / "tb"))
     try:
-        import torch.utils.tensorboard  # noqa: F401
-        has_tb = True
+        from torch.utils.tensorboard import SummaryWriter
+        has_tb = SummaryWriter is not None
     except Exception:  # noqa: BLE001
         has_tb = False
     if has_tb:
@@ -103,24 +172,21 @@ def test_tensorboard_optional(tmp_path, capsys):
         tb.scalars({"lm loss": 1.0}, 1)  # a no-op, never an error
 
 
-def _signal_rank1_at_iteration_2(topo, args):
-    import signal as sig
-    from megaq import training
-    real = training.Trainer.train_step
+def _sigterm_on_rank1_at_step_2(topo):
+    def on_step(step, micro_batches):
+        if topo.rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # e.g. slurm preempting one node
+        return micro_batches
+    return on_step
 
-    def patched(self, batches):
-        if topo.rank == 1 and self.state.iteration + 1 == 2:
-            os.kill(os.getpid(), sig.SIGTERM)  # e.g. slurm preempting one node
-        return real(self, batches)
 
-    training.Trainer.train_step = patched
-    s = pretrain_gpt.main(args, topo=topo)
-    return {"iteration": s.iteration, "reason": s.exit_reason}
+def _signalled(topo, args):
+    return _train_with(topo, args, _sigterm_on_rank1_at_step_2(topo))
 
 
 def test_signal_on_one_rank_stops_all_after_a_save(tmp_path):
     from megaq import checkpoint as ckpt
-    out = run_on_ranks(_signal_rank1_at_iteration_2, 2, args=(argv(str(tmp_path), 6, [
+    out = run_on_ranks(_signalled, 2, args=(argv(str(tmp_path), 6, [
         "--exit-signal-handler", "--save", str(tmp_path / "ck"), "--save-interval", "5"]),))
     assert [r["iteration"] for r in out] == [2, 2]
     assert "signal" in out[0]["reason"]
@@ -140,9 +206,8 @@ def test_plot_metrics_writes_png(tmp_path):
         w.write({"type": "validation", "iteration": 3, "val_loss": 2.5, "val_ppl": 12.2})
         w.close()
         paths.append(str(tmp_path / f"m{run}.jsonl"))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("plot_metrics",
-                                                  os.path.join(repo, "tools", "plot_metrics.py"))
+                                                  os.path.join(REPO, "tools", "plot_metrics.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "curves.png"
@@ -151,7 +216,7 @@ def test_plot_metrics_writes_png(tmp_path):
 
 
 def _train_with_metrics(topo, args):
-    s = pretrain_gpt.main(args, topo=topo)
+    s = pretrain.main(args, topo=topo)
     return s.losses
 
 

@@ -3,8 +3,7 @@ ZeRO++ seam selection, config validation, and a DP=1 engine against torch AdamW.
 
 from __future__ import annotations
 
-import sys
-import types
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from megaq.parallel.topology import Layout, build_topology
 from megaq.zero import ZeroConfig, ZeroConfigError, build_engine
 from megaq.zero.collectives import GradReducer, WeightGatherer, make_gatherer, make_reducer
 from megaq.zero.partition import FlatPartition
+from megaq.zero.zeropp import QuantizedGradReducer, ZeroPPWeightGatherer
 
 
 def _odd_module():
@@ -65,23 +65,37 @@ def test_grad_norm_ranges_count_tp_replicated_params_once():
     assert tp1.counted_ranges() == [(0, 35)]
 
 
-def test_zeropp_switches_refused_until_provided(monkeypatch):
+def test_zeropp_switches_select_the_seams():
     topo = build_topology(Layout(1), 0)
     assert isinstance(make_gatherer(topo, ZeroConfig()), WeightGatherer)
     assert isinstance(make_reducer(topo, ZeroConfig()), GradReducer)
-    monkeypatch.setitem(sys.modules, "megaq.zero.zeropp", types.ModuleType("megaq.zero.zeropp"))
-    with pytest.raises(ZeroConfigError, match="qwZ.*make_gatherer"):
-        make_gatherer(topo, ZeroConfig(quantized_weights=True))
-    with pytest.raises(ZeroConfigError, match="qgZ.*make_reducer"):
-        make_reducer(topo, ZeroConfig(quantized_gradients=True))
+    assert isinstance(make_gatherer(topo, ZeroConfig(quantized_weights=True)), ZeroPPWeightGatherer)
+    # qgZ changes only the reducer, qwZ only the gatherer
+    assert isinstance(make_reducer(topo, ZeroConfig(quantized_gradients=True)), QuantizedGradReducer)
+    assert isinstance(make_gatherer(topo, ZeroConfig(quantized_gradients=True)), WeightGatherer)
+    assert isinstance(make_reducer(topo, ZeroConfig(quantized_weights=True)), GradReducer)
 
 
 @pytest.mark.parametrize("kw, match", [({"stage": 2}, "stage 2"), ({"grad_sync": "x"}, "grad_sync"),
                                        ({"block_size": 3}, "block_size"),
-                                       ({"stage": 0, "quantized_gradients": True}, "stage 3")])
+                                       ({"stage": 0, "quantized_gradients": True}, "stage 3"),
+                                       ({"weight_bits": 2}, "weight_bits=2.*use 8 or 4"),
+                                       ({"grad_bits_inter": 3}, "grad_bits_inter=3"),
+                                       ({"hpz_partition_size": 0}, "hpz_partition_size 0"),
+                                       ({"grad_chunk": 0}, "grad_chunk 0"),
+                                       ({"error_feedback": True}, "needs quantized_gradients")])
 def test_config_errors_name_the_setting(kw, match):
     with pytest.raises(ZeroConfigError, match=match):
         ZeroConfig(**kw)
+
+
+def test_config_is_frozen_with_one_default_per_setting():
+    cfg = ZeroConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_size = 64
+    # the block training uses unless --zero-quantization-block-size says otherwise
+    assert cfg.block_size == 2048 and cfg.weight_bits == 8 and cfg.grad_chunk == 1 << 22
+    assert not cfg.zeropp_enabled and ZeroConfig(hpz_partition_size=2).weights_need_zeropp
 
 
 def test_dtype_mismatch_is_refused():
@@ -121,9 +135,8 @@ def test_single_rank_engine_matches_torch_adamw(stage):
     # At DP=1 there is nothing to reduce: each grad goes into the fp32 accumulator during
     # backward, as its parameter's grad is ready (never deferred to finish_grad_sync).
     accumulated_in_backward = []
-    for st in engine.optimizer.states:
-        st.accumulate_slot = (lambda inner: lambda *a: (
-            accumulated_in_backward.append(engine._in_backward), inner(*a))[1])(st.accumulate_slot)
+    inner = engine.grads._add_slot
+    engine.grads._add_slot = lambda *a: (accumulated_in_backward.append(engine._in_backward), inner(*a))[1]
     named = list(ref.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for n, p in named if wants_weight_decay(n, p)],
                               "weight_decay": 0.1},
@@ -186,8 +199,8 @@ def test_direct_accumulation_at_dp1_matches_the_reduce_path(stage):
         model = _Chunk()
         engine = build_engine([model], build_topology(Layout(1), 0),
                               ZeroConfig(stage=stage, block_size=4, weight_decay=0.1, lr=1e-2))
-        assert engine._direct
-        engine._direct = direct
+        assert engine.grads.direct
+        engine.grads.direct = direct
         norms = []
         for step, ids in enumerate(batches()):
             engine.zero_grad()
@@ -248,7 +261,7 @@ def test_fused_adamw_applies_the_clip_factor_in_its_own_pass():
             engine.finish_grad_sync()
             coefs.append(0.1 / engine.clip_grad_norm(0.1))
             engine.step(1e-2)
-        grads = torch.cat([st.grad for st in engine.optimizer.states])
+        grads = torch.cat(list(engine.grads.read().values()))
         return torch.stack(coefs), grads, engine.full_state()["params"]
 
     coef_f, grads_f, state_f = run(fused=True)

@@ -23,14 +23,11 @@ from __future__ import annotations
 import torch
 
 from megaq.parallel.launch import run_on_ranks
-from megaq.zero.zeropp import QuantizedGradReducer, ZeroPPConfig, rails_of
+from megaq.zero import ZeroConfig
+from megaq.zero.zeropp import QuantizedGradReducer, rails_of
 
 BLOCK, S, STEPS = 64, 64, 800
 SLACK = 1e-5  # relative: fp32 rounding of scales and sums
-
-
-class _Unit:
-    name = "unit"
 
 
 def _grad(rank: int, t: int, n: int) -> torch.Tensor:
@@ -49,8 +46,8 @@ def _grad(rank: int, t: int, n: int) -> torch.Tensor:
 class _Bf16Residuals(QuantizedGradReducer):
     """Mutant: residuals rounded to bf16 after every call (a bf16 store)."""
 
-    def start_reduce(self, unit, full_grad_flat, out):
-        h = super().start_reduce(unit, full_grad_flat, out)
+    def start_reduce_flat(self, key, full_grad_flat, out):
+        h = super().start_reduce_flat(key, full_grad_flat, out)
         h.wait()
         for store in (self._res1, self._res2):
             for r in store.values():
@@ -61,8 +58,8 @@ class _Bf16Residuals(QuantizedGradReducer):
 def _worker(topo):
     n, me = topo.dp.size, topo.dp.rank
     rails = rails_of(topo)
-    cfg_on = ZeroPPConfig(quantized_gradients=True, error_feedback=True, block=BLOCK)
-    cfg_off = ZeroPPConfig(quantized_gradients=True, error_feedback=False, block=BLOCK)
+    cfg_on = ZeroConfig(quantized_gradients=True, error_feedback=True, block_size=BLOCK)
+    cfg_off = ZeroConfig(quantized_gradients=True, error_feedback=False, block_size=BLOCK)
     variants = {"feedback": (QuantizedGradReducer, cfg_on), "off": (QuantizedGradReducer, cfg_off),
                 "bf16_residual": (_Bf16Residuals, cfg_on)}
     grads = [[_grad(r, t, n) for r in range(n)] for t in range(STEPS)]
@@ -87,7 +84,7 @@ def _worker(topo):
         red = cls(topo, cfg)
         acc = torch.zeros(S, dtype=torch.float32)
         for t in range(STEPS):
-            red.start_reduce(_Unit(), grads[t][me], acc).wait()
+            red.start_reduce_flat("unit", grads[t][me], acc).wait()
         err = (acc.double() - exact).abs()
         out[name] = {"mean": float(err.mean()), "max_over_bound": float((err / bound).max())}
     return out
@@ -123,23 +120,24 @@ def test_harness_configs_reach_the_intended_settings():
     """Each configuration name of tools/bench/convergence.py parses into the ZeRO++
     settings it claims (the decomposition table is only as good as this mapping)."""
     import pytest
-    from megaq.arguments import parse_args
+    from megaq.arguments import parse_config
     cv = _harness()
     a = cv.parse(["--iters", "20", "--tail", "5"])
 
     def settings(name):
-        args = parse_args(cv.model_argv(a, 1234, "bf16") + cv.config_flags(name, 2),
-                          world_size=4, ranks_per_node=2)
-        return (args.zero_quantized_weights, args.zero_hpz_partition_size, args.zero_quantized_gradients,
-                args.zero_gradient_error_feedback, args.zero_quantized_gradients_quantize_own_rows,
-                args.zero_quantized_gradients_intra_bits or args.zero_quantized_gradients_bits,
-                args.zero_quantized_gradients_bits, args.zero_quantization_block_size)
+        z = parse_config(cv.model_argv(a, 1234, "bf16") + cv.config_flags(name, 2),
+                         world_size=4, ranks_per_node=2).zero
+        return (z.quantized_weights, z.hpz_partition_size, z.quantized_gradients,
+                z.error_feedback, not z.grad_exact_own_rows, z.grad_bits_intra,
+                z.grad_bits_inter, z.block_size)
 
-    assert settings("zero3") == (False, 1, False, False, False, 4, 4, None)
-    assert settings("zeropp") == (True, 2, True, True, False, 4, 4, None)  # current defaults
+    assert settings("zero3") == (False, 1, False, False, False, 4, 4, 2048)
+    assert settings("zeropp") == (True, 2, True, False, False, 4, 4, 2048)  # the shipped defaults
+    assert settings("zeropp+ef") == (True, 2, True, True, False, 4, 4, 2048)
     assert settings("zeropp_v1") == (True, 2, True, False, True, 4, 4, 2048)  # before issue 22
-    assert settings("qgz_v1+ef") == (False, 1, True, True, True, 4, 4, 2048)  # later token wins
-    assert settings("qgz+i8+b512") == (False, 1, True, True, False, 8, 4, 512)
+    assert settings("qgz_v1+ef") == (False, 1, True, True, True, 4, 4, 2048)
+    assert settings("qgz+i8+b512") == (False, 1, True, False, False, 8, 4, 512)
+    assert settings("qgz_v1+b512") == (False, 1, True, False, True, 4, 4, 512)  # later token wins
     with pytest.raises(cv.ConfigError):
         cv.config_flags("qwz+ef", 2)  # a qgZ option without qgZ
     with pytest.raises(cv.ConfigError):

@@ -34,8 +34,9 @@ from megaq.kernels.format import QMAX
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA, Group
 from megaq.parallel.launch import run_on_ranks
-from megaq.zero.zeropp import (QuantizedGradReducer, RailOrderError, ZeroPPConfig,
-                               ZeroPPWeightGatherer, make_gatherer, make_reducer,
+from megaq.zero import ZeroConfig, ZeroConfigError
+from megaq.zero.collectives import GradReducer, make_gatherer, make_reducer
+from megaq.zero.zeropp import (QuantizedGradReducer, RailOrderError, ZeroPPWeightGatherer,
                                padded, rails_of, volume)
 
 BLOCK = 64
@@ -49,8 +50,18 @@ class _Unit:  # what the seams read of an engine partition
         self.name, self.shard, self.full = name, shard, full
 
 
-def _cfg(**kw) -> ZeroPPConfig:
-    return ZeroPPConfig(block=BLOCK, grad_chunk=CHUNK, **kw)
+class _Into:
+    """What a reducer writes through (the engine's GradState): one fp32 tensor per name."""
+
+    def __init__(self, **accums):
+        self.accums = accums
+
+    def accumulator_for_add(self, name):
+        return self.accums[name]
+
+
+def _cfg(**kw) -> ZeroConfig:
+    return ZeroConfig(block_size=BLOCK, grad_chunk=CHUNK, **kw)
 
 
 def _weights(u: int, n: int, S: int, topo) -> torch.Tensor:
@@ -105,13 +116,13 @@ def _world_totals(topo) -> dict[str, dict[str, int]]:
     return out
 
 
-def _run_step(topo, cfg: ZeroPPConfig | None, units, grads):
+def _run_step(topo, cfg: ZeroConfig | None, units, grads):
     """One step with one micro-batch: fwd gather, bwd gather, grad reduce (per unit).
 
     cfg None = plain ZeRO-3 through comm directly. Returns what each stage produced.
     """
     dp, n = topo.dp, topo.dp.size
-    gatherer = make_gatherer(topo, cfg) if cfg and cfg.gatherer_needed else None
+    gatherer = make_gatherer(topo, cfg) if cfg and cfg.weights_need_zeropp else None
     reducer = make_reducer(topo, cfg) if cfg and cfg.quantized_gradients else None
     fwd, bwd, red = [], [], []
     for unit in units:
@@ -135,7 +146,7 @@ def _run_step(topo, cfg: ZeroPPConfig | None, units, grads):
         out = torch.zeros(S, dtype=torch.float32)
         mine = g[topo.dp.rank]
         if reducer:
-            handles.append(reducer.start_reduce(unit, mine, out))  # all started, then waited
+            handles.append(reducer.start_reduce(unit, mine, _Into(**{unit.name: out})))  # all started, then waited
         else:
             tmp = torch.empty(S, dtype=mine.dtype)
             comm.reduce_scatter(tmp, mine, dp, "grad_reduce")
@@ -231,11 +242,11 @@ def _check(results, cases, hpz, tp_pp):
                 assert rec["g_ratio"] > 0, (name, r)  # really quantized
             # hpZ or not, backward must see exactly the weights forward used
             assert rec["bwd_equals_fwd"], (name, r)
-            if kw is not None and kw.get("hpz_size", 1) > 1:
+            if kw is not None and kw.get("hpz_partition_size", 1) > 1:
                 full = sum(2 * S * k * m for S in SHARDS)  # bytes of the bf16 full units
-                assert rec["mem"]["hpz_secondary"] == full // kw["hpz_size"], rec["mem"]
+                assert rec["mem"]["hpz_secondary"] == full // kw["hpz_partition_size"], rec["mem"]
     for name, kw in cases.items():
-        if kw is not None and kw.get("hpz_size", 1) > 1 and not name.endswith("@aligned"):
+        if kw is not None and kw.get("hpz_partition_size", 1) > 1 and not name.endswith("@aligned"):
             assert results[0][name]["bytes"]["weight_gather_bwd"][INTER] == 0
 
 
@@ -244,11 +255,11 @@ def _cases(hpz):
         "zero3": None,
         "qwz": dict(quantized_weights=True),
         "qwz4": dict(quantized_weights=True, weight_bits=4),
-        "hpz": dict(hpz_size=hpz),
+        "hpz": dict(hpz_partition_size=hpz),
         "qgz": dict(quantized_gradients=True),
         "qgz8": dict(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=8),
         "qgz84": dict(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4),
-        "all": dict(ALL_ON, hpz_size=hpz),
+        "all": dict(ALL_ON, hpz_partition_size=hpz),
     }
 
 
@@ -287,7 +298,7 @@ def _feedback_worker(topo, steps):
         unit = _Unit("u", None, None)
         acc = torch.zeros(S)
         for _ in range(steps):
-            red.start_reduce(unit, g[topo.dp.rank], acc).wait()
+            red.start_reduce(unit, g[topo.dp.rank], _Into(u=acc)).wait()
         mine = g.reshape(n, n, S)[:, topo.dp.rank].double()
         err = (acc.double() - steps * mine.sum(0) / n).abs()
         bound = _block_absmax(mine).sum(0) / n * _qgz_coef(rails, cfg, feedback=fb)
@@ -329,7 +340,7 @@ def _order_worker(topo):
         n, S = topo.dp.size, 4 * CHUNK
         g = _grads(5, n, S, topo)
         red = QuantizedGradReducer(topo, _cfg(quantized_gradients=True))
-        red.start_reduce(_Unit("u", None, None), g[topo.dp.rank], torch.zeros(S)).wait()
+        red.start_reduce(_Unit("u", None, None), g[topo.dp.rank], _Into(u=torch.zeros(S))).wait()
     finally:
         comm.all_to_all = real
     return events
@@ -364,20 +375,17 @@ def test_rail_order_mismatch_is_refused():
         rails_of(t)
 
 
-def test_factories_read_the_engine_config_and_refuse_bad_settings():
-    from megaq.zero import ZeroConfig
-
+def test_seams_read_the_engine_config_and_refuse_bad_settings():
     z = ZeroConfig(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4,
-                   block_size=256, error_feedback=True, hpz_partition_size=1)
-    pp = ZeroPPConfig.from_zero_config(z)
-    assert (pp.grad_bits_intra, pp.grad_bits_inter, pp.block, pp.error_feedback) == (8, 4, 256, True)
-    assert not pp.gatherer_needed
-    with pytest.raises(ValueError, match="qgZ is off"):
-        make_reducer(_FakeTopo(), ZeroConfig(quantized_weights=True))
-    with pytest.raises(ValueError, match="needs --zero-quantized-gradients"):
-        ZeroPPConfig(error_feedback=True)
-    with pytest.raises(ValueError, match="use 8 or 4"):
-        ZeroPPConfig(weight_bits=2)
+                   block_size=256, error_feedback=True)
+    red = make_reducer(_FakeTopo(), z)
+    assert isinstance(red, QuantizedGradReducer) and red.cfg is z
+    assert not z.weights_need_zeropp
+    assert isinstance(make_reducer(_FakeTopo(), ZeroConfig(quantized_weights=True)), GradReducer)
+    with pytest.raises(ZeroConfigError, match="needs quantized_gradients"):
+        ZeroConfig(error_feedback=True)
+    with pytest.raises(ZeroConfigError, match="use 8 or 4"):
+        ZeroConfig(weight_bits=2)
     g = make_gatherer(_FakeTopo(), ZeroConfig(quantized_weights=True))
     assert isinstance(g, ZeroPPWeightGatherer)
 

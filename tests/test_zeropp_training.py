@@ -16,9 +16,10 @@ import torch
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.pipeline import build_model_chunks, get_forward_backward_func, pipeline_tensor_shape
+from megaq.model import build_model_chunks
+from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.zero import ZeroConfig, build_engine
-from megaq.zero.zeropp import ZeroPPConfig, rails_of, volume
+from megaq.zero.zeropp import rails_of, volume
 
 from zero_harness import BETAS, EPS, MBS, SEQ, WD, model_config
 
@@ -117,7 +118,7 @@ def _totals(traffic):
 
 
 def _expected(units, k, m, zkw, groups):
-    z = ZeroPPConfig.from_zero_config(ZeroConfig(**zkw))
+    z = ZeroConfig(**zkw)
     total = {}
     for S in units:
         for phase, links in volume.step(S, k, m, 2, 2, z).items():

@@ -11,8 +11,8 @@ import torch._dynamo  # noqa: F401 - torch.optim imports it lazily (~3 s of CPU)
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
 from megaq.parallel import comm
-from megaq.parallel.pipeline import (build_model_chunks, get_forward_backward_func,
-                                     masked_mean_loss, pipeline_tensor_shape)
+from megaq.model import build_model_chunks
+from megaq.parallel.pipeline import get_forward_backward_func, masked_mean_loss, pipeline_tensor_shape
 from megaq.parallel.tensor_parallel import shard_of
 from megaq.zero import ZeroConfig, build_engine, wants_weight_decay
 

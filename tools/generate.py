@@ -3,11 +3,11 @@
 
     python tools/generate.py --load CKPT_DIR --prompt "def main(" --max-new-tokens 80
 
-Any TP x PP x DP layout loads: the checkpoint holds full (DP-consolidated) weights per
-TP x PP rank; pipeline stages are stitched back by global layer index and TP shards
-concatenated along each parameter's partition dimension (checked by re-slicing:
-if any shard does not round-trip, the tool refuses rather than sample from a
-scrambled model).
+Any TP x PP x DP layout loads (megaq.checkpoint.load_consolidated_model): the
+checkpoint holds full (DP-consolidated) weights per TP x PP rank; pipeline stages are
+stitched back by global layer index and TP shards concatenated along each parameter's
+partition dimension (checked by re-slicing: if any shard does not round-trip, the tool
+refuses rather than sample from a scrambled model).
 """
 
 from __future__ import annotations
@@ -15,70 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaq import checkpoint as ckpt  # noqa: E402
-from megaq.parallel.comm import Group  # noqa: E402
-from megaq.parallel.tensor_parallel import shard_of  # noqa: E402
 
 
 class GenerateError(RuntimeError):
     """A checkpoint or tokenizer problem; the message names it and the fix."""
-
-
-def _fake_tp_group(rank: int, size: int) -> Group:
-    # Only shapes and slicing are needed (no collective runs while building a model).
-    return Group(ranks=list(range(size)), nodes=[0] * size, pg=None, rank_index=rank)
-
-
-def load_consolidated(ckpt_dir: str):
-    """-> (args namespace, {global name: [per TP rank full-state entry]}, TP size)."""
-    tp, pp = ckpt.checkpoint_layout(ckpt_dir)
-    args, saved = ckpt.read_all_stages(ckpt_dir, tp, pp)
-    return SimpleNamespace(**args), saved["params"], tp
-
-
-def build_model(args, tp_ckpt: int):
-    import pretrain_gpt
-    from megaq.model import GPTModel
-
-    # Same padded vocab as the checkpoint: pad to (divisible_by x old TP) at TP = 1.
-    args.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by * tp_ckpt
-    args.sequence_parallel, args.recompute_activations, args.bf16 = False, False, False
-    config = pretrain_gpt.model_config(args)
-    model = GPTModel(config)
-    tp_views = [GPTModel(config, _fake_tp_group(r, tp_ckpt)) for r in range(tp_ckpt)] \
-        if tp_ckpt > 1 else None
-    return model, tp_views
-
-
-def consolidate_into(model, tp_views, shards: dict, tp: int) -> None:
-    own = dict(model.named_parameters())
-    missing = [n for n in own if n not in shards]
-    if missing:
-        raise GenerateError(f"checkpoint lacks {len(missing)} parameters (e.g. {missing[:3]})")
-    views = [dict(v.named_parameters()) for v in tp_views] if tp_views else None
-    with torch.no_grad():
-        for name, param in own.items():
-            parts = [x["param"] for x in shards[name]]
-            if tp == 1 or not getattr(views[0][name], "tensor_model_parallel", False):
-                full = parts[0]
-            else:
-                dim, stride = views[0][name].partition_dim, views[0][name].partition_stride
-                full = ckpt.concat_tp_shards(parts, dim, stride)
-                for r in range(tp):
-                    if not torch.equal(shard_of(full, dim, r, tp, stride), parts[r]):
-                        raise GenerateError(f"cannot consolidate {name} from TP={tp} shards "
-                                            f"(layout not invertible); sample with the "
-                                            f"training layout instead")
-            if full.shape != param.shape:
-                raise GenerateError(f"{name}: consolidated shape {tuple(full.shape)} != model "
-                                    f"{tuple(param.shape)}")
-            param.copy_(full)
 
 
 @torch.no_grad()
@@ -119,23 +65,22 @@ def main(argv=None) -> int:
                 raise GenerateError(f"{ckpt_dir} holds no {ckpt.TRACKER_FILE}; pass a checkpoint "
                                     f"directory written by pretrain_gpt.py --save")
             ckpt_dir = ckpt.iteration_dir(ckpt_dir, it)
-        args, shards, tp = load_consolidated(ckpt_dir)
-        model, views = build_model(args, tp)
-        consolidate_into(model, views, shards, tp)
-        tok_path = a.tokenizer_model or args.tokenizer_model
+        tp, _ = ckpt.checkpoint_layout(ckpt_dir)
+        model, saved = ckpt.load_consolidated_model(ckpt_dir)
+        data = saved["data"]
+        tok_path = a.tokenizer_model or data.get("tokenizer_model")
         if not tok_path or not os.path.isfile(tok_path):
             raise GenerateError(f"tokenizer model {tok_path!r} not found (the run used mock data, "
                                 f"or the file moved); pass --tokenizer-model")
         from megaq.data.tokenizer import build_tokenizer
         # the run's own tokenizer type: its eod/vocab rules differ between types
-        tok = build_tokenizer(getattr(args, "tokenizer_type", None) or "SentencePieceTokenizer",
-                              tok_path)
+        tok = build_tokenizer(data.get("tokenizer_type") or "SentencePieceTokenizer", tok_path)
     except (GenerateError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(a.seed)
     ids = tok.tokenize(a.prompt)
-    out = sample(model, ids, a.max_new_tokens, args.vocab_size, args.seq_length,
+    out = sample(model, ids, a.max_new_tokens, model.config.vocab_size, model.config.seq_length,
                  a.temperature, a.top_k, g)
     print(f"[generate] {ckpt_dir} (trained with TP={tp}; consolidated to one process)")
     print(tok.detokenize(out))

@@ -51,7 +51,7 @@ class SelfAttention(nn.Module):
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_query_groups * self.head_dim
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype)
+                      params_dtype=config.params_dtype, fp8=config.fp8)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, q_size + 2 * kv_size, tp_group,
             init_weight=init.normal("self_attention.linear_qkv.weight"), **common)

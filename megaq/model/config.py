@@ -2,76 +2,160 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 
+from megaq.flags import flag, flag_name, set_derived, switch
+from megaq.parallel.fp8 import FP8Recipe
 from megaq.parallel.tensor_parallel import pad_vocab_size
 
 
-@dataclass
+class ModelConfigError(ValueError):
+    """An impossible model shape; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
 class GPTConfig:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    vocab_size: int = 256
-    seq_length: int = 32
-    ffn_hidden_size: int | None = None          # default 4h (SwiGLU: ~8h/3, multiple of 64)
-    num_query_groups: int | None = None         # GQA; default = num_attention_heads (MHA)
-    kv_channels: int | None = None              # head dim; default hidden / heads
-    max_position_embeddings: int | None = None  # default seq_length
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: int = 10000
-    normalization: str = "LayerNorm"            # or "RMSNorm"
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
-    add_bias_linear: bool = True                # Megatron's --disable-bias-linear sets False
-    untie_embeddings_and_output_weights: bool = False
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    init_method_std: float = 0.02
-    make_vocab_size_divisible_by: int = 128
-    sequence_parallel: bool = False
-    recompute_activations: bool = False
-    params_dtype: torch.dtype = field(default=torch.float32)
-    seed: int = 1234
+    """The model's hyper-parameters (Megatron's TransformerConfig names); the fields made
+    with flag()/switch() are also pretrain_gpt.py's model flags (megaq.flags)."""
+
+    FLAG_GROUP: ClassVar[str] = "model"
+
+    num_layers: int = flag("--num-layers", "transformer layers", 2, type=int, required=True)
+    hidden_size: int = flag("--hidden-size", "model width", 64, type=int, required=True)
+    ffn_hidden_size: int | None = flag(
+        "--ffn-hidden-size", "MLP width (default 4 x hidden, or Megatron's 2/3 of that rounded "
+        "to 64 with --swiglu)", type=int)
+    num_attention_heads: int = flag("--num-attention-heads", "attention (query) heads", 4,
+                                    type=int, required=True)
+    group_query_attention: bool = switch(
+        "--group-query-attention", "grouped-query attention (needs --num-query-groups)")
+    # GQA; default = num_attention_heads (MHA). The flag counts only with --group-query-attention.
+    num_query_groups: int | None = flag(
+        "--num-query-groups", "KV heads for GQA", type=int,
+        value=lambda a: a.num_query_groups if a.group_query_attention else None)
+    kv_channels: int | None = flag("--kv-channels", "head dim (default hidden / heads)", type=int)
+    seq_length: int = flag("--seq-length", "tokens per sample", 32, type=int, required=True)
+    max_position_embeddings: int | None = flag(
+        "--max-position-embeddings",
+        "positions of the learned embedding table (default --seq-length)", type=int)
+    position_embedding_type: str = flag(
+        "--position-embedding-type", "learned absolute positions (GPT-2) or rotary (Llama)",
+        "learned_absolute", choices=["learned_absolute", "rope"])
+    rotary_base: int = flag("--rotary-base", "RoPE base", 10000, type=int)
+    normalization: str = flag("--normalization", "norm layer type", "LayerNorm",
+                              choices=["LayerNorm", "RMSNorm"])
+    layernorm_epsilon: float = flag("--norm-epsilon", "epsilon of the norm layers", 1e-5,
+                                    type=float)
+    swiglu: bool = switch("--swiglu", "SwiGLU MLP (Llama style)")
+    untie_embeddings_and_output_weights: bool = switch(
+        "--untie-embeddings-and-output-weights",
+        "separate output layer instead of reusing the word embedding")
+    add_bias_linear: bool = flag(
+        "--disable-bias-linear", "no biases in linear layers (Llama style)", True,
+        action="store_true", value=lambda a: not a.disable_bias_linear)
+    attention_dropout: float = flag("--attention-dropout", "dropout on attention probabilities",
+                                    0.1, type=float)
+    hidden_dropout: float = flag("--hidden-dropout", "dropout on the residual branches", 0.1,
+                                 type=float)
+    init_method_std: float = flag("--init-method-std",
+                                  "std of the normal weight initialisation", 0.02, type=float)
+    make_vocab_size_divisible_by: int = flag(
+        "--make-vocab-size-divisible-by", "pad the vocab to a multiple of this x TP", 128,
+        type=int)
+    recompute_activations: bool = switch(
+        "--recompute-activations",
+        "recompute each layer's activations in backward (not counted in TFLOP/s)")
     # ---- speed knobs (no effect on the math beyond rounding; see docs/MODEL.md) ----
-    compile_blocks: bool = False       # torch.compile each block's forward (hooks stay eager)
-    attention_repeat_kv: bool = False  # GQA by repeating k/v heads instead of enable_gqa
+    compile_blocks: bool = switch(
+        "--compile-blocks", "torch.compile each transformer block's forward (the ZeRO hooks "
+        "stay eager); pays off on GPU, costs compile time on CPU")
+    attention_repeat_kv: bool = switch(
+        "--attention-repeat-kv", "GQA by repeating k/v heads instead of SDPA's enable_gqa")
+    # ---- FP8 GEMMs in the blocks' linear layers (megaq.parallel.fp8; docs/MODEL.md) ----
+    fp8_format: str | None = flag(
+        "--fp8-format", "FP8 GEMMs in the transformer blocks' linear layers (torch._scaled_mm on "
+        "Hopper, an exact-cast fp32 emulation elsewhere): e4m3 everywhere, or hybrid (E5M2 "
+        "output gradients); embedding, output layer, norms stay bf16", choices=["e4m3", "hybrid"])
+    fp8_recipe: str = flag(
+        "--fp8-recipe", "FP8 scaling with --fp8-format: one dynamic scale per tensor, or per row "
+        "(power-of-two scales)", "tensorwise", choices=["tensorwise", "rowwise"])
+    # ---- set by the run, not by model flags ----
+    vocab_size: int | None = 256  # the tokenizer's (None: not known yet)
+    sequence_parallel: bool = False  # --sequence-parallel (ParallelConfig) with TP > 1
+    params_dtype: torch.dtype = field(default=torch.float32)  # --bf16 (TrainingConfig)
+    seed: int = 1234  # --seed (TrainingConfig)
+
+    # Fields that define parameter shapes or meaning: a checkpoint whose values differ
+    # is refused (megaq.checkpoint).
+    ARCHITECTURE: ClassVar[tuple[str, ...]] = (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
+        "rotary_base", "normalization", "layernorm_epsilon", "swiglu",
+        "untie_embeddings_and_output_weights", "add_bias_linear", "vocab_size")
 
     def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"{flag_name(GPTConfig, name)} must be >= 1 "
+                                       f"(got {getattr(self, name)})")
         h, heads = self.hidden_size, self.num_attention_heads
-        if self.num_query_groups is None:
-            self.num_query_groups = heads
-        if self.kv_channels is None:
-            if h % heads:
-                raise ValueError(f"--hidden-size {h} is not divisible by --num-attention-heads "
-                                 f"{heads}; pick sizes that divide or set --kv-channels")
-            self.kv_channels = h // heads
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = (int(4 * h * 2 / 3) // 64) * 64 if self.swiglu else 4 * h
-            self.ffn_hidden_size = max(self.ffn_hidden_size, 1)
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        if heads % self.num_query_groups:
-            raise ValueError(f"--num-attention-heads {heads} is not divisible by --num-query-groups "
-                             f"{self.num_query_groups}; each query group needs a whole number of heads")
+        if self.kv_channels is None and h % heads:
+            raise ModelConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads "
+                                   f"{heads}; change one or set --kv-channels")
+        if self.group_query_attention and not self.num_query_groups:
+            raise ModelConfigError("--group-query-attention needs --num-query-groups N "
+                                   "(N dividing the heads)")
+        groups = self.num_query_groups or heads
+        if heads % groups:
+            raise ModelConfigError(f"--num-query-groups {groups} does not divide "
+                                   f"--num-attention-heads {heads}; use a divisor")
+        ffn = self.ffn_hidden_size
+        if ffn is None:  # Megatron's SwiGLU default keeps the parameter count of a 4h GeLU MLP
+            ffn = max((int(4 * h * 2 / 3) // 64) * 64, 1) if self.swiglu else 4 * h
+        set_derived(self, num_query_groups=groups, kv_channels=self.kv_channels or h // heads,
+                    ffn_hidden_size=ffn,
+                    max_position_embeddings=self.max_position_embeddings or self.seq_length)
         if self.position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"--position-embedding-type {self.position_embedding_type!r} is not "
-                             f"supported; use learned_absolute or rope")
+            raise ModelConfigError(f"--position-embedding-type {self.position_embedding_type!r} "
+                                   f"is not supported; use learned_absolute or rope")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"--normalization {self.normalization!r} is not supported; "
-                             f"use LayerNorm or RMSNorm")
+            raise ModelConfigError(f"--normalization {self.normalization!r} is not supported; "
+                                   f"use LayerNorm or RMSNorm")
+        if self.fp8_format is not None:
+            FP8Recipe(self.fp8_format, self.fp8_recipe)  # raises on an unknown format / recipe
         if (self.position_embedding_type == "learned_absolute"
                 and self.seq_length > self.max_position_embeddings):
-            raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-                             f"{self.max_position_embeddings}; raise the latter")
+            raise ModelConfigError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings}; raise the latter or use "
+                f"--position-embedding-type rope")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        """Inverse of megaq.flags.to_dict (a checkpoint's stored model configuration)."""
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        if isinstance(kw.get("params_dtype"), str):
+            kw["params_dtype"] = getattr(torch, kw["params_dtype"].rsplit(".", 1)[-1])
+        return cls(**kw)
+
+    @property
+    def fp8(self) -> FP8Recipe | None:
+        """The FP8 recipe of the transformer blocks' linear layers, or None. The embedding,
+        the output layer, norms and attention's softmax stay in the params dtype."""
+        if self.fp8_format is None:
+            return None
+        return FP8Recipe(self.fp8_format, self.fp8_recipe)
 
     @property
     def tie_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 
     def padded_vocab_size(self, tp_size: int) -> int:
+        if self.vocab_size is None:
+            raise ModelConfigError("the vocabulary size is not known yet (set by the tokenizer)")
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp_size)
 
     @classmethod

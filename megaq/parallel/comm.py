@@ -77,16 +77,24 @@ class CommStats:
 STATS = CommStats()  # this process's counters (one process = one rank)
 
 
-class _Handle:
-    """Async handle; wait() is safe to call on an already-finished op."""
+class Handle:
+    """The one async handle of megaq: what every ``async_op=True`` collective here
+    returns, and what the ZeRO seams return for work built on top of collectives.
+
+    ``wait()`` waits for ``work`` (a torch ``Work``, another :class:`Handle`, a list of
+    either, or None for work already done), then runs ``then`` (local work that needs
+    the collective's result: an unpack, an accumulate, the rest of a pipeline) once.
+    Waiting again is harmless.
+    """
 
     def __init__(self, work=None, then: Callable[[], None] | None = None):
         self._work, self._then = work, then
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
-            self._work = None
+            work, self._work = self._work, None
+            for w in (work if isinstance(work, list) else (work,)):
+                w.wait()
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -168,15 +176,15 @@ def _charge_ring(group: Group, phase: str, full_bytes: int, passes: int = 1) -> 
     STATS.add(phase, INTER if group.ring_successor_is_remote() else INTRA, sent)
 
 
-def _run(fn, *args, async_op: bool, **kw) -> _Handle | None:
+def _run(fn, *args, async_op: bool, **kw) -> Handle | None:
     work = fn(*args, async_op=async_op, **kw)
     if async_op:
-        return _Handle(work)
+        return Handle(work)
     return None
 
 
-def _done(async_op: bool) -> _Handle | None:
-    return _Handle() if async_op else None
+def _done(async_op: bool) -> Handle | None:
+    return Handle() if async_op else None
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -198,7 +206,7 @@ def _timed(phase: str, t: torch.Tensor):
     STATS.add_time(phase, time.perf_counter() - t0)
 
 
-def _timed_run(phase: str, t: torch.Tensor, fn, *args, async_op: bool, **kw) -> _Handle | None:
+def _timed_run(phase: str, t: torch.Tensor, fn, *args, async_op: bool, **kw) -> Handle | None:
     """_run, synchronous and timed while STATS.timing is on (a finished handle then)."""
     if not STATS.timing:
         return _run(fn, *args, async_op=async_op, **kw)
@@ -299,7 +307,7 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
 
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-              group: Group, phase: str) -> _Handle:
+              group: Group, phase: str) -> Handle:
     """Post sends (tensor, member index) and receives together; returns one handle."""
     ops = []
     for t, j in sends:
@@ -308,20 +316,13 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     for t, j in recvs:
         ops.append(dist.P2POp(dist.irecv, t, group.ranks[j], group=group.pg))
     if not ops:
-        return _Handle()
+        return Handle()
     if STATS.timing:
         with _timed(phase, (sends or recvs)[0][0]):
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        return _Handle()
-    works = dist.batch_isend_irecv(ops)
-
-    class _Many:
-        def wait(self):
-            for w in works:
-                w.wait()
-
-    return _Handle(_Many())
+        return Handle()
+    return Handle(dist.batch_isend_irecv(ops))
 
 
 def barrier(group: Group | None = None) -> None:

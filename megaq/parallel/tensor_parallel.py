@@ -35,6 +35,8 @@ from torch import nn
 
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
+from megaq.parallel.fp8 import FP8Recipe
+from megaq.parallel.fp8 import linear as fp8_or_bf16_linear
 
 PHASE = "tp"
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -369,15 +371,17 @@ class ColumnParallelLinear(nn.Module):
     `init_weight(full_shape)` returns the full (un-split) weight, which is sliced here,
     so every TP size starts from the same weights. `stride` > 1 keeps fused blocks
     (e.g. SwiGLU's [gate; up]) whole per rank. With `skip_weight=True` the weight is
-    passed to forward (the tied output layer uses the word embedding's).
+    passed to forward (the tied output layer uses the word embedding's). With an
+    `fp8` recipe the GEMMs run in FP8 (megaq.parallel.fp8).
     """
 
     def __init__(self, input_size: int, output_size: int, tp_group: Group, *,
                  init_weight: InitFn | None, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, stride: int = 1, skip_weight: bool = False,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, fp8: FP8Recipe | None = None):
         super().__init__()
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.fp8 = fp8
         self.output_size_per_partition = divide(output_size, tp_group.size, "output size")
         if skip_weight:
             self.weight = None
@@ -397,7 +401,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, output_grad_is_partial=True)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias)
+        y = fp8_or_bf16_linear(x, weight, self.bias, self.fp8, self.tp_group, "column")
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -406,14 +410,16 @@ class RowParallelLinear(nn.Module):
 
     The partial products are summed with an all-reduce, or reduce-scattered along
     the sequence under sequence parallelism. The bias is added once, after the sum;
-    it is replicated, so under sequence parallelism its gradient is partial.
+    it is replicated, so under sequence parallelism its gradient is partial. With an
+    `fp8` recipe the GEMMs run in FP8 (megaq.parallel.fp8).
     """
 
     def __init__(self, input_size: int, output_size: int, tp_group: Group, *,
                  init_weight: InitFn, bias: bool = True, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, fp8: FP8Recipe | None = None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.fp8 = fp8
         self.input_size_per_partition = divide(input_size, tp_group.size, "input size")
         full = init_weight((output_size, input_size))
         self.weight = nn.Parameter(shard_of(full, 1, tp_group.rank, tp_group.size).to(params_dtype))
@@ -425,7 +431,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = fp8_or_bf16_linear(x, self.weight, None, self.fp8, self.tp_group, "row")
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

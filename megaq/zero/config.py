@@ -1,9 +1,9 @@
-"""ZeroConfig: every knob of the data-parallel engine, validated once.
+"""ZeroConfig: every setting of the data-parallel engine and its ZeRO++ part, validated once.
 
 Stage 0 is plain data parallelism (replicated weights, all-reduced gradients);
-stage 3 shards weights, gradients and optimizer state over the DP group.
-The ZeRO++ switches (qwZ, hpZ, qgZ) are implemented in megaq.zero.zeropp; the
-engine refuses them until that module provides them (see collectives.make_gatherer).
+stage 3 shards weights, gradients and optimizer state over the DP group. The ZeRO++
+settings (qwZ, hpZ, qgZ; implemented in megaq.zero.zeropp) are fields of the same
+frozen dataclass, each with one name and one default; docs/ZERO.md lists them all.
 """
 
 from __future__ import annotations
@@ -12,21 +12,35 @@ from dataclasses import dataclass
 
 import torch
 
-from megaq.zero.zeropp.config import DEFAULT_GRAD_CHUNK
+from megaq.kernels.format import QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
+
+# Elements per quantization block: the ZeRO-3 flat buffers are padded to a multiple
+# of dp_size * block_size, and qwZ / qgZ keep one fp32 scale per block. Training has
+# always used 2048 (--zero-quantization-block-size overrides it); the kernel
+# benchmarks choose their own block explicitly.
+DEFAULT_BLOCK_SIZE = 2048
+
+# Elements of each rank's shard per qgZ chunk: big enough that one chunk's collectives
+# outweigh their fixed per-call cost, small enough that a large unit gives several
+# chunks whose hops overlap. Measured on 2 H200s split into 2 "nodes" over NCCL's socket
+# transport (1.1B model, docs/PERFORMANCE.md "Several GPUs"): 2^20 -> 476 ms per step,
+# 2^22 -> 408 ms, 2^24 -> 405 ms. A chunk never exceeds the unit's shard, so a larger
+# value costs no memory beyond the unit's own gradient.
+DEFAULT_GRAD_CHUNK = 1 << 22
 
 
 class ZeroConfigError(ValueError):
     """A bad engine setting; the message names the setting and the fix."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 3  # 0: plain DP (all-reduce), 3: ZeRO-3
     # Quantization block (elements). Flat buffers are padded to a multiple of
     # dp_size * block_size so every DP shard and every block is aligned.
-    block_size: int = 2048
+    block_size: int = DEFAULT_BLOCK_SIZE
     # How many sites (units gathered together) ahead to all-gather while the
     # current one computes; 0 = no prefetch. Live gathered memory is bounded by
     # (1 + prefetch) sites plus a borrowed tied embedding.
@@ -51,13 +65,14 @@ class ZeroConfig:
     use_apex: bool | None = None  # None: apex FusedAdam when importable
     # torch's fused AdamW (when apex is not used); None: on CUDA only (CPU: foreach)
     fused_adamw: bool | None = None
-    # ---- ZeRO++ (implemented by megaq.zero.zeropp) ----
-    quantized_weights: bool = False     # qwZ: int8 blockwise forward all-gather
-    hpz_partition_size: int = 1         # hpZ: secondary in-node shard for backward gathers
+    # ---- ZeRO++ (megaq.zero.zeropp; DeepSpeed's switch names, docs/ZEROPP.md) ----
+    quantized_weights: bool = False     # qwZ: blockwise-quantized forward all-gather
+    weight_bits: int = 8                # qwZ: bits per weight (8 or 4)
+    hpz_partition_size: int = 1         # hpZ (> 1): secondary in-node shard for later gathers
     quantized_gradients: bool = False   # qgZ: two-hop quantized all-to-all reduce
-    grad_bits_intra: int = 4
-    grad_bits_inter: int = 4
-    error_feedback: bool = False
+    grad_bits_intra: int = 4            # qgZ: bits of the in-node hop (8 or 4)
+    grad_bits_inter: int = 4            # qgZ: bits of the cross-node hop (8 or 4)
+    error_feedback: bool = False        # qgZ: carry each quantization's residual forward
     grad_chunk: int = DEFAULT_GRAD_CHUNK  # qgZ: shard elements per chunk (hops of chunks overlap)
     grad_exact_own_rows: bool = True    # qgZ: a rank's own all-to-all row stays fp32 (no link)
 
@@ -65,8 +80,9 @@ class ZeroConfig:
         if self.stage not in (0, 3):
             raise ZeroConfigError(f"zero stage {self.stage} is not supported; use 0 (plain DP) or 3")
         if self.block_size < 1 or self.block_size % 2:
-            raise ZeroConfigError(f"block_size {self.block_size} must be a positive even number "
-                                  f"(int4 packs two values per byte); e.g. 2048")
+            raise ZeroConfigError(f"block_size {self.block_size} (--zero-quantization-block-size) must "
+                                  f"be a positive even number (int4 packs two values per byte); "
+                                  f"e.g. {DEFAULT_BLOCK_SIZE}")
         if self.prefetch < 0:
             raise ZeroConfigError(f"prefetch {self.prefetch} must be >= 0")
         if self.reduce_bucket_size < 1:
@@ -76,16 +92,32 @@ class ZeroConfig:
                                   f"torch.float32 or torch.bfloat16")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise ZeroConfigError(f"grad_sync {self.grad_sync!r} unknown; use one of {GRAD_SYNC_MODES}")
+        for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
+            if getattr(self, name) not in QMAX:
+                raise ZeroConfigError(f"ZeRO++ {name}={getattr(self, name)} is not supported; "
+                                      f"use 8 or 4")
         if self.hpz_partition_size < 1:
-            raise ZeroConfigError(f"hpz_partition_size {self.hpz_partition_size} must be >= 1")
+            raise ZeroConfigError(f"hpz_partition_size {self.hpz_partition_size} "
+                                  f"(--zero-hpz-partition-size) must be >= 1 (1 = off)")
+        if self.grad_chunk < 1:
+            raise ZeroConfigError(f"grad_chunk {self.grad_chunk} (--zero-quantized-gradients-chunk) "
+                                  f"must be >= 1 element (e.g. {DEFAULT_GRAD_CHUNK})")
+        if self.error_feedback and not self.quantized_gradients:
+            raise ZeroConfigError("error_feedback (--zero-gradient-error-feedback) needs "
+                                  "quantized_gradients (--zero-quantized-gradients)")
         if self.stage == 0 and self.zeropp_enabled:
             raise ZeroConfigError("ZeRO++ switches need --zero-stage 3 (they change how ZeRO-3 "
                                   "gathers weights and reduces gradients)")
 
     @property
-    def zeropp_enabled(self) -> bool:
-        return self.quantized_weights or self.hpz_partition_size > 1 or self.quantized_gradients
+    def hpz(self) -> bool:
+        return self.hpz_partition_size > 1
 
     @property
     def weights_need_zeropp(self) -> bool:
-        return self.quantized_weights or self.hpz_partition_size > 1
+        """qwZ or hpZ: the ZeRO++ weight gatherer replaces the plain all-gather."""
+        return self.quantized_weights or self.hpz
+
+    @property
+    def zeropp_enabled(self) -> bool:
+        return self.weights_need_zeropp or self.quantized_gradients

@@ -21,16 +21,12 @@ Hooks (stage 3; see units.py for sites and units):
   grads are in, so it is gathered once per pass;
 * output-tensor hook (fires before the site's backward): gather again
   ('weight_gather_bwd') and prefetch the previous sites;
-* post-accumulate-grad hook on every parameter: copy the grad into the partition's
-  padded flat grad buffer and drop ``param.grad``; when a partition's buffer is
-  complete, start its reduction (reduce-scatter, tag 'grad_reduce') into the fp32
-  shard accumulator, averaging over DP once; when all of a site's own parameters
-  have their grads, release the site's weights. At most ``cfg.reduce_bucket_size``
-  bytes of grad buffers are in flight; older reductions are waited for first. At DP=1
-  there is nothing to reduce: the grad goes straight into its
-  slice of the fp32 accumulator, and the step's first write overwrites (zero_grad only
-  marks the accumulators stale);
-* an end-of-backward callback flushes partially filled buffers (unused params) and
+* post-accumulate-grad hook on every parameter: hand the grad to the gradient state
+  (megaq.zero.grads.GradState: it fills the partition's reduce bucket and starts the
+  reduction into the fp32 shard accumulator once the bucket is complete) and drop
+  ``param.grad``; when all of a site's own parameters have their grads, release the
+  site's weights;
+* an end-of-backward callback flushes partially filled buckets (unused params) and
   releases anything still gathered, so each micro-batch's backward starts clean.
 
 Micro-batches (PP and gradient accumulation): weights are gathered per micro-batch
@@ -49,16 +45,17 @@ backward is recognised and neither releases weights nor hooks outputs.
 from __future__ import annotations
 
 import weakref
-from collections import deque
 
 import torch
 from torch import nn
 
-from megaq.parallel import comm
+from megaq.parallel.comm import Handle
 from megaq.zero import state as state_io
-from megaq.zero.collectives import Handle, make_gatherer, make_reducer, start_allreduce_mean
+from megaq.zero.collectives import ReplicatedReducer, make_gatherer, make_reducer
 from megaq.zero.config import ZeroConfig
+from megaq.zero.grads import GradState
 from megaq.zero.optimizer import ShardedAdamW
+from megaq.zero.partition import FlatPartition
 from megaq.zero.units import Site, Unit, all_partitions, build_sites, check_params
 
 FWD, BWD = "weight_gather_fwd", "weight_gather_bwd"
@@ -75,17 +72,17 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-def _weak_hook(method):
-    """`method` called through a weak reference to its object. A parameter's hooks are
-    held where Python's garbage collector cannot see them (autograd's C++ side), so a
-    strong reference there would keep the engine, and through it the model, alive
-    after the user drops both."""
+def _weak_hook(method, *bound):
+    """`method(*bound, *args)` called through a weak reference to its object. A
+    parameter's hooks are held where Python's garbage collector cannot see them
+    (autograd's C++ side), so a strong reference there would keep the engine, and
+    through it the model, alive after the user drops both."""
     ref = weakref.WeakMethod(method)
 
     def hook(*args):
         target = ref()
         if target is not None:
-            target(*args)
+            target(*bound, *args)
     return hook
 
 
@@ -99,40 +96,32 @@ class ZeroEngine:
         self.gatherer = make_gatherer(topo, cfg) if self.stage3 else None
         self.reducer = make_reducer(topo, cfg) if self.stage3 else None
         self.sites: list[Site] = build_sites(self.chunks, topo, cfg)
-        self._site_index = {id(s): i for i, s in enumerate(self.sites)}
+        # Sites, units and partitions are keyed by name (unique on a rank) everywhere.
+        self._site_index = {s.name: i for i, s in enumerate(self.sites)}
         # Sites using each unit, in forward order: more than one when a tied head on the
         # embedding's stage borrows the embedding unit. Such a unit stays gathered
         # between its uses (forward: first -> last user; backward: last -> first), so it
         # is gathered once per pass, not once per user.
-        self._users: dict[Unit, list[int]] = {}
+        self._users: dict[str, list[int]] = {}
         for i, site in enumerate(self.sites):
             for unit in site.gathered_units:
-                self._users.setdefault(unit, []).append(i)
+                self._users.setdefault(unit.name, []).append(i)
         self.partitions = all_partitions(self.sites)
-        self.optimizer = ShardedAdamW(self.partitions, cfg, topo)
-        self._state_of = {id(st.part): st for st in self.optimizer.states}
-        self._part_of, self._site_of = {}, {}
-        for site in self.sites:
-            for unit in site.owned:
-                for part in unit.parts:
-                    for slot in part.slots:
-                        self._part_of[id(slot.param)] = part
-                        self._site_of[id(slot.param)] = site
+        self._owner: dict[str, tuple[FlatPartition, Site]] = {  # partition name -> (it, its site)
+            part.name: (part, site) for site in self.sites for unit in site.owned for part in unit.parts}
+        # The one owner of gradient state: reduce buckets, fp32 accumulators, staleness.
+        replicated = ReplicatedReducer(topo.dp, "dp_misc" if self.stage3 else "grad_reduce")
+        self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
+        self.optimizer = ShardedAdamW(self.partitions, cfg, topo, self.grads)
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
         self.zero_model_bytes = sum(p.full_bytes for p in self.partitions if p.sharded)
         self.skipped_steps = 0
         self._norm: torch.Tensor | None = None
-        self._pending_gathers: dict[Unit, tuple[Handle, str]] = {}
-        self._pending_reduces: deque[tuple[Handle, int]] = deque()
-        self._inflight_bytes = 0
-        self._grad_bufs: dict[int, list] = {}      # id(part) -> [flat grad, params seen]
-        self._full_grads: dict[int, torch.Tensor] = {}  # last_microbatch: fp32 full grads
-        # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
-        # (qgZ too: at DP=1 it has nothing to exchange and adds exactly, residuals unused)
-        self._direct = topo.dp.size == 1 and cfg.grad_sync == "per_microbatch"
+        # unit name -> (unit, its gather's handle, phase)
+        self._pending_gathers: dict[str, tuple[Unit, Handle, str]] = {}
         self._in_backward = False
-        self._bwd_started: set[int] = set()
-        self._site_remaining: dict[int, int] = {}
+        self._bwd_started: set[str] = set()
+        self._site_remaining: dict[str, int] = {}
         self.device = self.partitions[0].device if self.partitions else torch.device("cpu")
         self._stream = (torch.cuda.Stream(self.device)
                         if (self.stage3 and self.device.type == "cuda") else None)
@@ -146,10 +135,10 @@ class ZeroEngine:
                 lambda mod, args, site=site: self._pre_forward(site)))
             self._hooks.append(site.modules[-1].register_forward_hook(
                 lambda mod, args, out, site=site: self._post_forward(site, out)))
-        for part in self.partitions:
-            for slot in part.slots:
+        for name, (part, _) in self._owner.items():
+            for i, slot in enumerate(part.slots):  # bound by name and index: no strong refs
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    _weak_hook(self._on_grad)))
+                    _weak_hook(self._on_grad, name, i)))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -157,7 +146,7 @@ class ZeroEngine:
         self._hooks.clear()
 
     def _neighbours(self, site: Site, step: int) -> list[Site]:
-        i = self._site_index[id(site)]
+        i = self._site_index[site.name]
         out = []
         for k in range(1, self.cfg.prefetch + 1):
             j = i + step * k
@@ -183,64 +172,42 @@ class ZeroEngine:
                 if t.requires_grad:
                     t.register_hook(lambda grad, site=site: self._pre_backward(site))
         if self.stage3:
-            here = self._site_index[id(site)]
+            here = self._site_index[site.name]
             for unit in site.gathered_units:
-                if self._users[unit][-1] == here:  # no later site of this forward needs it
+                if self._users[unit.name][-1] == here:  # no later site of this forward needs it
                     self._release(unit)
 
     def _pre_backward(self, site: Site) -> None:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if id(site) in self._bwd_started:
+        if site.name in self._bwd_started:
             return
-        self._bwd_started.add(id(site))
+        self._bwd_started.add(site.name)
         if self.stage3:
-            self._site_remaining.setdefault(id(site), site.owned_param_count)
+            self._site_remaining.setdefault(site.name, site.owned_param_count)
             self._ensure(site.gathered_units, BWD)
             for prev in self._neighbours(site, -1):
                 self._prefetch(prev.gathered_units, BWD)
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        grad = param.grad
-        if getattr(param, "sequence_parallel", False) and self.topo.tp.size > 1:
-            comm.all_reduce(grad, self.topo.tp, "tp")  # partial per TP rank under SP
-        part = self._part_of[id(param)]
-        slot = part.slot_of[id(param)]
-        if self._direct:  # DP = 1: nothing to reduce
-            self._state_of[id(part)].accumulate_slot(slot.offset, grad.reshape(-1))
-        elif self.cfg.grad_sync == "per_microbatch":
-            entry = self._grad_bufs.get(id(part))
-            if entry is None:
-                buf = torch.zeros(part.padded_numel, dtype=grad.dtype, device=grad.device)
-                entry = self._grad_bufs[id(part)] = [buf, 0]
-            entry[0][slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
-            entry[1] += 1
-            if entry[1] == len(part.slots):
-                del self._grad_bufs[id(part)]
-                self._launch_reduce(part, entry[0])
-        else:
-            full = self._full_grads.get(id(part))
-            if full is None:
-                full = self._full_grads[id(part)] = torch.zeros(
-                    part.padded_numel, dtype=torch.float32, device=grad.device)
-            full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+    def _on_grad(self, part_name: str, slot_index: int, param: torch.Tensor) -> None:
+        part, site = self._owner[part_name]
+        self.grads.add(part, part.slots[slot_index], param.grad)
         param.grad = None
         if self.stage3:
-            site = self._site_of[id(param)]
-            left = self._site_remaining.setdefault(id(site), site.owned_param_count) - 1
-            self._site_remaining[id(site)] = left
+            left = self._site_remaining.setdefault(site.name, site.owned_param_count) - 1
+            self._site_remaining[site.name] = left
             if left == 0 and self._in_backward:
-                here = self._site_index[id(site)]
+                here = self._site_index[site.name]
                 for unit in site.gathered_units:
-                    if self._users[unit][0] == here:  # no earlier site's backward needs it
+                    if self._users[unit.name][0] == here:  # no earlier site's backward needs it
                         self._release(unit)
 
     def _end_backward(self) -> None:
         self._in_backward = False
         self._bwd_started.clear()
         self._site_remaining.clear()
-        self._flush_partial_grads()
+        self.grads.flush()
         if self.stage3:
             self._release_all()
 
@@ -254,10 +221,10 @@ class ZeroEngine:
                 handle = self.gatherer.start_gather(part, phase)
         else:
             handle = self.gatherer.start_gather(part, phase)
-        self._pending_gathers[unit] = (handle, phase)
+        self._pending_gathers[unit.name] = (unit, handle, phase)
 
     def _wait_gather(self, unit: Unit) -> None:
-        handle, phase = self._pending_gathers.pop(unit)
+        _, handle, phase = self._pending_gathers.pop(unit.name)
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 handle.wait()
@@ -270,21 +237,21 @@ class ZeroEngine:
 
     def _prefetch(self, units: list[Unit], phase: str) -> None:
         for u in units:
-            if u not in self._pending_gathers and not u.sharded.is_materialized:
+            if u.name not in self._pending_gathers and not u.sharded.is_materialized:
                 self._start_gather(u, phase)
 
     def _ensure(self, units: list[Unit], phase: str) -> None:
         self._prefetch(units, phase)
         for u in units:
-            if u in self._pending_gathers:
+            if u.name in self._pending_gathers:
                 self._wait_gather(u)
 
     def _release(self, unit: Unit) -> None:
-        if unit not in self._pending_gathers:  # a prefetch for a later site: keep it
+        if unit.name not in self._pending_gathers:  # a prefetch for a later site: keep it
             unit.sharded.release()
 
     def _release_all(self) -> None:
-        for unit in list(self._pending_gathers):
+        for unit, _, _ in list(self._pending_gathers.values()):
             self._wait_gather(unit)
         for part in self.partitions:
             part.release()
@@ -293,52 +260,17 @@ class ZeroEngine:
         return sum(p.full_storage_bytes() for p in self.partitions)
 
     # ================================================================ grads
-    def _launch_reduce(self, part, flat: torch.Tensor) -> None:
-        accum = self._state_of[id(part)].grad_for_add()
-        if part.sharded:
-            handle = self.reducer.start_reduce(part, flat, accum)
-        else:  # stage 0, or params below the persistence threshold
-            phase = "grad_reduce" if not self.stage3 else "dp_misc"
-            handle = start_allreduce_mean(flat, accum, self.topo.dp, phase)
-        nbytes = flat.numel() * flat.element_size()
-        self._pending_reduces.append((handle, nbytes))
-        self._inflight_bytes += nbytes
-        while self._inflight_bytes > self.cfg.reduce_bucket_size and len(self._pending_reduces) > 1:
-            self._wait_oldest_reduce()
-
-    def _wait_oldest_reduce(self) -> None:
-        handle, nbytes = self._pending_reduces.popleft()
-        handle.wait()
-        self._inflight_bytes -= nbytes
-
-    def _flush_partial_grads(self) -> None:
-        for part in self.partitions:  # partition order: same on every DP rank
-            entry = self._grad_bufs.pop(id(part), None)
-            if entry is not None:
-                self._launch_reduce(part, entry[0])
-
     def finish_grad_sync(self) -> None:
-        """Finish every gradient reduction of the step (call after the last backward)."""
-        self._flush_partial_grads()
-        for part in self.partitions:
-            full = self._full_grads.pop(id(part), None)
-            if full is not None:
-                self._launch_reduce(part, full.to(part.dtype) if part.dtype != full.dtype else full)
-        while self._pending_reduces:
-            self._wait_oldest_reduce()
+        """Finish every gradient reduction of the step (call after the last backward):
+        the fp32 accumulators are then complete, settled, and tied copies summed."""
+        self.grads.finish()
         if self.stage3:
             self._release_all()
-        self.optimizer.settle_grads()  # zero what no grad reached (unused params, padding)
-        if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
-            for st in self.optimizer.states:
-                if st.part.shared_embedding:
-                    comm.all_reduce(st.grad, self.topo.embedding, "embedding")
 
     # ================================================================ step
     def zero_grad(self) -> None:
+        self.grads.zero()
         self.optimizer.zero_grad()
-        self._full_grads.clear()
-        self._grad_bufs.clear()
         self._norm = None
         # A step that died mid-forward/backward (exception) must not leak state into this one.
         self._in_backward = False
@@ -408,11 +340,8 @@ class ZeroEngine:
             return t.numel() * t.element_size()
         shards = sum(nb(p.shard) for p in self.partitions)
         gathered = self.live_gathered_bytes()
-        opt = self.optimizer.memory_bytes()
-        grads = opt["grads"] + sum(nb(e[0]) for e in self._grad_bufs.values()) \
-            + sum(nb(t) for t in self._full_grads.values())
-        rep = {"params": shards + gathered, "gathered": gathered, "grads": grads,
-               "optimizer": opt["optimizer"]}
+        rep = {"params": shards + gathered, "gathered": gathered,
+               "grads": self.grads.memory_bytes(), "optimizer": self.optimizer.memory_bytes()}
         # ZeRO++ state (hpZ secondary shards, qwZ packed shards, qgZ residuals), itemised
         zeropp = {}
         for seam in (self.gatherer, self.reducer):

@@ -1,9 +1,10 @@
-"""Sharded fp32 AdamW: master weights, moments and grad accumulators for this rank's
-shards only, plus global grad-norm clipping.
+"""Sharded fp32 AdamW: master weights and moments for this rank's shards only, plus
+global grad-norm clipping.
 
-Per partition this rank holds four fp32 buffers of ``shard_numel`` elements: the
-master weights (aliasing the model shard itself when the gather dtype is fp32), the
-gradient accumulator, ``exp_avg`` and ``exp_avg_sq``. The update runs on *leaf
+Per partition this rank holds three fp32 buffers of ``shard_numel`` elements: the
+master weights (aliasing the model shard itself when the gather dtype is fp32),
+``exp_avg`` and ``exp_avg_sq``; the gradient is the fp32 accumulator that
+megaq.zero.grads.GradState owns (read, never written, here). The update runs on *leaf
 tensors that view* these buffers, one per (partition, decay group): at most two per
 partition because partitions are laid out decay-first. The inner optimizer is apex
 FusedAdam (adam_w_mode) when importable on CUDA, else torch.optim.AdamW with
@@ -23,6 +24,7 @@ import torch
 
 from megaq.parallel import comm
 from megaq.zero.config import ZeroConfig
+from megaq.zero.grads import GradState
 from megaq.zero.partition import FlatPartition
 
 
@@ -35,7 +37,7 @@ def _apex_fused_adam():
 
 
 class PartitionState:
-    """The fp32 buffers of one partition on this rank."""
+    """The fp32 master weights and AdamW moments of one partition on this rank."""
 
     def __init__(self, part: FlatPartition):
         self.part = part
@@ -44,49 +46,8 @@ class PartitionState:
         else:
             self.master = part.initial_master
         part.initial_master = None
-        self.grad = torch.zeros_like(self.master)
-        # True from zero_grad() until settle(): the accumulator's contents are stale, and
-        # each slot's first write of the step overwrites instead of adding (no zeroing
-        # pass and no read of zeros: 8 bytes per element per step). `_written` holds the
-        # offsets of the slots written while stale.
-        self.grad_stale = False
-        self._written: set[int] = set()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-
-    def mark_stale(self) -> None:
-        self.grad_stale = True
-        self._written.clear()
-
-    def accumulate_slot(self, offset: int, src: torch.Tensor) -> None:
-        """Add a parameter's flat grad into its slice (upcasting): the first write of a
-        step to a stale accumulator copies instead."""
-        dst = self.grad[offset:offset + src.numel()]
-        if self.grad_stale and offset not in self._written:
-            dst.copy_(src)
-            self._written.add(offset)
-        else:
-            dst.add_(src)
-
-    def settle(self) -> None:
-        """End the stale state: zero what no write reached (unused slots, padding)."""
-        if not self.grad_stale:
-            return
-        end = 0
-        for slot in self.part.slots:  # in offset order
-            if slot.offset in self._written:
-                if end < slot.offset:
-                    self.grad[end:slot.offset].zero_()
-                end = slot.offset + slot.numel
-        if end < self.grad.numel():
-            self.grad[end:].zero_()
-        self.grad_stale = False
-        self._written.clear()
-
-    def grad_for_add(self) -> torch.Tensor:
-        """The settled accumulator: for writers that add a whole shard into it."""
-        self.settle()
-        return self.grad
 
     def write_back(self) -> None:
         if self.master is not self.part.shard:
@@ -94,8 +55,8 @@ class PartitionState:
 
 
 class ShardedAdamW:
-    def __init__(self, partitions: list[FlatPartition], cfg: ZeroConfig, topo):
-        self.cfg, self.topo = cfg, topo
+    def __init__(self, partitions: list[FlatPartition], cfg: ZeroConfig, topo, grads: GradState):
+        self.cfg, self.topo, self.grads = cfg, topo, grads
         self.states = [PartitionState(p) for p in partitions]
         self.step_count = 0
         device = partitions[0].device if partitions else torch.device("cpu")
@@ -105,7 +66,7 @@ class ShardedAdamW:
         for st in self.states:
             for a, b, decay in st.part.local_groups():
                 leaf = torch.nn.Parameter(st.master[a:b])  # aliases the master buffer
-                leaf.grad = st.grad[a:b]
+                leaf.grad = grads.accumulator(st.part.name)[a:b]  # a view: GradState writes it
                 groups[decay].append(leaf)
                 self._leaves.append((leaf, st, a, b))
         param_groups = [{"params": groups[d], "weight_decay": cfg.weight_decay if d else 0.0}
@@ -149,25 +110,19 @@ class ShardedAdamW:
 
     # ------------------------------------------------------------------ grads
     def zero_grad(self) -> None:
-        """Mark every accumulator stale (see PartitionState.grad_stale); nothing runs."""
-        self._grad_scale = None  # a clip factor of a skipped step must not carry over
-        for st in self.states:
-            st.mark_stale()
-
-    def settle_grads(self) -> None:
-        """Zero whatever no grad reached this step (unused parameters, padding)."""
-        for st in self.states:
-            st.settle()
+        """A clip factor of a skipped step must not carry over."""
+        self._grad_scale = None
 
     def local_sq_norm(self) -> torch.Tensor:
-        self.settle_grads()
-        dev = self.states[0].grad.device if self.states else torch.device("cpu")
+        grads = self.grads.read()
+        dev = self.states[0].master.device if self.states else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=dev)
         for st in self.states:
             if not st.part.sharded and self.topo.dp.rank != 0:
                 continue  # replicated over DP: counted once per DP group
+            grad = grads[st.part.name]
             for a, b in st.part.counted_ranges():
-                g = st.grad[a:b]
+                g = grad[a:b]
                 total += torch.dot(g, g)
         return total
 
@@ -181,19 +136,17 @@ class ShardedAdamW:
         torch's fused AdamW does it inside its own pass, as AMP's unscale (grads divided
         by ``grad_scale = 1 / coef``), which saves a read and a write of every grad;
         the other optimizers get a separate in-place multiply."""
-        self.settle_grads()
         if self.kind == "fused":
             self._grad_scale = (1.0 / coef).to(torch.float32)
             return
-        for st in self.states:
-            st.grad.mul_(coef)
+        self.grads.scale(coef)
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float) -> None:
         self.step_count += 1
         if self.inner is None:
             return
-        self.settle_grads()
+        self.grads.read()  # settled: the leaves' .grad view these accumulators
         for g in self.inner.param_groups:
             g["lr"] = lr
         self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it; else None
@@ -202,10 +155,10 @@ class ShardedAdamW:
         for st in self.states:
             st.write_back()
 
-    def memory_bytes(self) -> dict[str, int]:
+    def memory_bytes(self) -> int:
+        """AdamW moments + fp32 master (when it is not the model shard itself)."""
         def nb(t):
             return t.numel() * t.element_size()
-        grads = sum(nb(st.grad) for st in self.states)
         opt = sum(nb(st.exp_avg) + nb(st.exp_avg_sq) for st in self.states)
         master = sum(nb(st.master) for st in self.states if st.master is not st.part.shard)
-        return {"grads": grads, "optimizer": opt + master}
+        return opt + master

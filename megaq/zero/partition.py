@@ -29,6 +29,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def padded(n: int, block: int) -> int:
+    """Smallest multiple of `block` that holds n elements (at least one block)."""
+    return round_up(max(n, 1), block)
+
+
 def wants_weight_decay(name: str, param: torch.Tensor) -> bool:
     """Megatron's rule: no weight decay on biases and on 1-D tensors (norm weights)."""
     return not (name.endswith("bias") or param.dim() <= 1)
@@ -71,7 +76,6 @@ class FlatPartition:
         self.shard_numel = self.padded_numel // self.world
         self.lo = self.rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        self.slot_of = {id(s.param): s for s in self.slots}
 
         # Build the flat copy of the current weights (fp32 kept for the master).
         flat32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)

@@ -1,7 +1,7 @@
 """Paired convergence comparison of ZeRO(++) configurations over several seeds.
 
 Trains a tiny Llama-style model (RMSNorm, SwiGLU, RoPE, untied embeddings; 4 layers,
-hidden 64 by default) through pretrain_gpt.main on CPU gloo ranks posing as 2 nodes
+hidden 64 by default) through megaq.pretrain.main on CPU gloo ranks posing as 2 nodes
 (4 ranks = 2 nodes x 2), once per (configuration, seed, precision), and compares each
 configuration with the baseline (ZeRO-3) *on the same seed*: same model init, same
 data order, so the seed-to-seed spread of the loss (~3% here) cancels and a 0.5%
@@ -27,15 +27,16 @@ A configuration is ``zero3`` or tokens joined by ``+`` (each maps to flags):
     g4 / g8    --zero-quantized-gradients-bits (both hops; the cross-node hop's width)
     i4 / i8    --zero-quantized-gradients-intra-bits (the in-node hop's width)
     b<N>       --zero-quantization-block-size N
-    ef / noef  --zero-gradient-error-feedback / --no-zero-gradient-error-feedback
+    ef         --zero-gradient-error-feedback (opt-in: an fp32 residual of 4 bytes per
+               parameter per rank)
     qown       --zero-quantized-gradients-quantize-own-rows (also quantize the row a
                rank keeps for itself in each all-to-all, as before issue 22)
 
-and the aliases ``zeropp`` (qwz+hpz+qgz with the current defaults), ``zeropp_v1`` and
-``qgz_v1`` (the qgZ defaults before issue 22 pinned: g4+i4+b2048+noef+qown); an alias
-may start a composite (``qgz_v1+ef``; a later token overrides an earlier one). Runs are
-cached by their exact argv under --cache-dir, so a table can be extended or re-plotted
-without re-training.
+and the aliases ``zeropp`` (qwz+hpz+qgz with the current defaults: own rows exact, no
+error feedback), ``zeropp_v1`` and ``qgz_v1`` (the qgZ defaults before issue 22 pinned:
+g4+i4+b2048+qown); an alias may start a composite (``zeropp+ef``, ``qgz_v1+ef``; a later
+token overrides an earlier one). Runs are cached by their exact argv (and CACHE_EPOCH)
+under --cache-dir, so a table can be extended or re-plotted without re-training.
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # pretrain_gpt.py lives at the repository root
+    sys.path.insert(0, REPO)  # a plain checkout: megaq/ lives at the repository root
 
 DEFAULT_SEEDS = "1234,4321,777"  # issue 22's seeds
+# Part of every run's cache key: bump it when the same argv starts to mean another
+# configuration. 2: error feedback became opt-in again (under epoch 1, a bare
+# --zero-quantized-gradients ran with it), so no epoch-1 run is read as a current one.
+CACHE_EPOCH = 2
 
 TOKENS = {
     "qwz": ["--zero-quantized-weights"],
     "hpz": ["--zero-hpz-partition-size", "{hpz}"],
     "qgz": ["--zero-quantized-gradients"],
     "ef": ["--zero-gradient-error-feedback"],
-    "noef": ["--no-zero-gradient-error-feedback"],
     "qown": ["--zero-quantized-gradients-quantize-own-rows"],
 }
 PREFIX_TOKENS = {  # token prefix + integer -> flag
@@ -69,10 +73,10 @@ PREFIX_TOKENS = {  # token prefix + integer -> flag
 }
 ALIASES = {
     "zeropp": "qwz+hpz+qgz",
-    "zeropp_v1": "qwz+hpz+qgz+g4+i4+b2048+noef+qown",
-    "qgz_v1": "qgz+g4+i4+b2048+noef+qown",
+    "zeropp_v1": "qwz+hpz+qgz+g4+i4+b2048+qown",
+    "qgz_v1": "qgz+g4+i4+b2048+qown",
 }
-GRAD_ONLY = ("ef", "noef", "qown")  # need qgz
+GRAD_ONLY = ("ef", "qown")  # need qgz
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -148,10 +152,10 @@ def _rank_main(topo, argv, metrics):
     import torch
 
     torch.set_num_threads(1)
-    import pretrain_gpt
+    from megaq import pretrain
     if topo.rank == 0:
         argv = argv + ["--metrics-file", metrics]
-    state = pretrain_gpt.main(argv, topo=topo)
+    state = pretrain.main(argv, topo=topo)
     return {"losses": dict(state.losses), "val": dict(state.val_losses)}
 
 
@@ -175,7 +179,7 @@ def run_one(argv: list[str], a, label: str) -> dict | None:
     when there is none)."""
     from megaq.parallel.launch import run_on_ranks
 
-    key = hashlib.sha256(json.dumps([argv, a.world]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([argv, a.world, CACHE_EPOCH]).encode()).hexdigest()[:16]
     cache = os.path.join(a.cache_dir, f"{key}.json")
     if os.path.exists(cache):
         with open(cache) as f:

@@ -2,26 +2,22 @@
 
 Typical step on one rank::
 
-    chunks = build_model_chunks(config, topo, vp_size)
+    chunks = megaq.model.build_model_chunks(config, topo, vp_size)
     forward_backward = get_forward_backward_func(topo.layout.pp, len(chunks))
     losses = forward_backward(chunks, microbatches, num_microbatches, topo,
                               tensor_shape=pipeline_tensor_shape(s, b, h, tp, sp))
-    allreduce_sequence_parallel_grads(chunks, topo)   # if --sequence-parallel
-    sync_shared_embedding_grads(chunks, topo)         # tied embeddings, PP > 1
-    optimizer.step()
+    engine.finish_grad_sync()   # megaq.zero: sequence-parallel and tied-embedding grads too
+    engine.step(lr)
 
 See docs/PIPELINE.md.
 """
 
-from megaq.parallel.pipeline.grads import (allreduce_sequence_parallel_grads,
-                                           sync_shared_embedding_grads,
-                                           sync_shared_embedding_weights)
 from megaq.parallel.pipeline.interleaved import forward_backward_pipelining_with_interleaving
 from megaq.parallel.pipeline.p2p import PipelineP2P, StepTimer, pipeline_tensor_shape
 from megaq.parallel.pipeline.schedules import (forward_backward_no_pipelining,
                                                forward_backward_pipelining_without_interleaving,
                                                masked_mean_loss)
-from megaq.parallel.pipeline.split import (PipelineConfigError, build_model_chunks,
+from megaq.parallel.pipeline.split import (PipelineConfigError, build_stage_chunks,
                                            check_layer_split, check_num_microbatches,
                                            chunk_layer_range, num_microbatches_per_step,
                                            stage_layer_ranges, virtual_pipeline_size)
@@ -42,11 +38,10 @@ def get_forward_backward_func(pp_size: int, vp_size: int | None = 1):
 
 
 __all__ = [
-    "PipelineConfigError", "PipelineP2P", "StepTimer", "allreduce_sequence_parallel_grads",
-    "build_model_chunks", "check_layer_split", "check_num_microbatches", "chunk_layer_range",
+    "PipelineConfigError", "PipelineP2P", "StepTimer",
+    "build_stage_chunks", "check_layer_split", "check_num_microbatches", "chunk_layer_range",
     "forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
     "masked_mean_loss", "num_microbatches_per_step", "pipeline_tensor_shape",
-    "stage_layer_ranges", "sync_shared_embedding_grads", "sync_shared_embedding_weights",
-    "virtual_pipeline_size",
+    "stage_layer_ranges", "virtual_pipeline_size",
 ]

@@ -10,13 +10,11 @@ micro-batches per chunk, which is why the number of micro-batches must be a mult
 The bookkeeping below follows Megatron-LM's forward_backward_pipelining_with_interleaving
 step for step (same warm-up count, same "who sends what" decisions), because the peer
 ranks' batched p2p calls must pair up exactly; see the module docstring of schedules.py
-for the loss convention and the hooks.
+for the loss convention.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable
 
 import torch
 
@@ -28,13 +26,12 @@ from megaq.parallel.pipeline.schedules import _setup
 def forward_backward_pipelining_with_interleaving(
         model_chunks, microbatches, num_microbatches: int, topo, *, tensor_shape,
         dtype: torch.dtype = torch.float32, forward_only: bool = False,
-        no_sync: Callable[[int], contextlib.AbstractContextManager] | None = None,
         timer: StepTimer | None = None) -> list[torch.Tensor]:
     if topo is None or topo.layout.pp < 2:
         raise PipelineConfigError("the interleaved schedule needs --pipeline-model-parallel-size "
                                   "> 1; use forward_backward_no_pipelining for PP=1")
     runner, p2p, pp_rank, pp = _setup(model_chunks, microbatches, num_microbatches, topo,
-                                      tensor_shape, dtype, forward_only, no_sync, timer, False)
+                                      tensor_shape, dtype, forward_only, timer, False)
     vp, m = len(model_chunks), num_microbatches
     total = m * vp
     first_rank, last_rank = pp_rank == 0, pp_rank == pp - 1

@@ -16,16 +16,15 @@ with RoPE and custom positions, give every stage its micro-batches); other ranks
 pass None.
 
 Data-parallel engines act through autograd (module forward hooks, parameter grad hooks)
-since backward is a plain ``torch.autograd.backward(output, grad)``. For engines that
-want Megatron's ``no_sync`` instead, ``no_sync(chunk_index)`` (optional) returns a context
-manager entered around every backward of that chunk except its last micro-batch.
+since backward is a plain ``torch.autograd.backward(output, grad)``: the schedules know
+nothing about data parallelism.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
@@ -71,10 +70,10 @@ class _Runner:
     """Forward and backward of one micro-batch on one chunk, shared by every schedule."""
 
     def __init__(self, chunks, microbatches, num_microbatches, pp_rank, pp_size,
-                 forward_only, no_sync, timer):
+                 forward_only, timer):
         self.chunks, self.m = list(chunks), num_microbatches
         self.first_stage, self.last_stage = pp_rank == 0, pp_rank == pp_size - 1
-        self.forward_only, self.no_sync, self.timer = forward_only, no_sync, timer
+        self.forward_only, self.timer = forward_only, timer
         self.data = _Microbatches(microbatches)
         self.forwards_done = [0] * len(self.chunks)   # next micro-batch id per chunk
         self.backwards_done = [0] * len(self.chunks)
@@ -119,11 +118,7 @@ class _Runner:
         """Backprop one micro-batch through one chunk; returns the grad of its input."""
         t0 = time.perf_counter()
         self.backwards_done[chunk] += 1
-        last_of_chunk = self.backwards_done[chunk] == self.m
-        ctx = (self.no_sync(chunk) if self.no_sync is not None and not last_of_chunk
-               else contextlib.nullcontext())
-        with ctx:
-            torch.autograd.backward(output_tensor, grad_tensors=output_grad)
+        torch.autograd.backward(output_tensor, grad_tensors=output_grad)
         grad = None if input_tensor is None else input_tensor.grad
         if self.timer is not None:
             self.timer.compute_s += time.perf_counter() - t0
@@ -132,7 +127,7 @@ class _Runner:
 
 
 def _setup(model_chunks, microbatches, num_microbatches, topo, tensor_shape, dtype,
-           forward_only, no_sync, timer, one_chunk: bool):
+           forward_only, timer, one_chunk: bool):
     pp_size = 1 if topo is None else topo.layout.pp
     pp_rank = 0 if topo is None else topo.pp_rank
     vp = len(model_chunks)
@@ -141,7 +136,7 @@ def _setup(model_chunks, microbatches, num_microbatches, topo, tensor_shape, dty
                                   f"use the interleaved schedule for virtual pipeline stages")
     check_num_microbatches(num_microbatches, pp_size, vp)
     runner = _Runner(model_chunks, microbatches, num_microbatches, pp_rank, pp_size,
-                     forward_only, no_sync, timer)
+                     forward_only, timer)
     p2p = None
     if pp_size > 1:
         if tensor_shape is None:
@@ -155,14 +150,13 @@ def _setup(model_chunks, microbatches, num_microbatches, topo, tensor_shape, dty
 def forward_backward_no_pipelining(model_chunks, microbatches, num_microbatches: int, topo=None,
                                    *, tensor_shape=None, dtype: torch.dtype = torch.float32,
                                    forward_only: bool = False,
-                                   no_sync: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                                   timer: StepTimer | None = None) -> list[torch.Tensor]:
+                                                              timer: StepTimer | None = None) -> list[torch.Tensor]:
     """PP=1: forward then backward of each micro-batch in turn (gradient accumulation)."""
     if topo is not None and topo.layout.pp != 1:
         raise PipelineConfigError(f"forward_backward_no_pipelining needs PP=1 "
                                   f"(got {topo.layout.pp}); use get_forward_backward_func")
     runner, _, _, _ = _setup(model_chunks, microbatches, num_microbatches, None, tensor_shape,
-                             dtype, forward_only, no_sync, timer, True)
+                             dtype, forward_only, timer, True)
     for _ in range(num_microbatches):
         out = runner.forward(0, None)
         if not forward_only:
@@ -173,13 +167,12 @@ def forward_backward_no_pipelining(model_chunks, microbatches, num_microbatches:
 def forward_backward_pipelining_without_interleaving(
         model_chunks, microbatches, num_microbatches: int, topo, *, tensor_shape,
         dtype: torch.dtype = torch.float32, forward_only: bool = False,
-        no_sync: Callable[[int], contextlib.AbstractContextManager] | None = None,
         timer: StepTimer | None = None) -> list[torch.Tensor]:
     """1F1B: stage p runs pp-p-1 warm-up forwards, then alternates one forward / one
     backward, then drains the remaining backwards. Stage p holds at most pp-p micro-batches'
     activations (the first stage: pp), instead of all of them."""
     runner, p2p, pp_rank, pp_size = _setup(model_chunks, microbatches, num_microbatches, topo,
-                                           tensor_shape, dtype, forward_only, no_sync, timer, True)
+                                           tensor_shape, dtype, forward_only, timer, True)
     first, last = runner.is_first(0), runner.is_last(0)
     m = num_microbatches
     warmup = m if forward_only else min(pp_size - pp_rank - 1, m)

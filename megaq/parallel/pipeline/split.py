@@ -93,19 +93,15 @@ def num_microbatches_per_step(global_batch_size: int, micro_batch_size: int, dp:
     return global_batch_size // per_step
 
 
-def build_model_chunks(config, topo, vp_size: int | None = None, model_cls=None) -> list:
-    """This rank's model chunks (one per virtual stage), each a GPTModel over its layers.
+def build_stage_chunks(make_chunk, num_layers: int, topo, vp_size: int | None = None) -> list:
+    """This rank's model chunks, one per virtual stage, from a factory.
 
-    `model_cls` defaults to megaq.model.gpt.GPTModel; any class with the same
-    constructor (config, tp_group, pre_process, post_process, layer_start, layer_end) works.
+    ``make_chunk(layer_start, layer_end, pre_process, post_process)`` builds one chunk
+    holding the global layers ``[layer_start, layer_end)``; ``pre_process`` marks the
+    chunk that owns the input embedding, ``post_process`` the one that owns the output
+    layer and loss. The split knows layers and stages, never the model class
+    (megaq.model.build_model_chunks is the GPT factory).
     """
-    if model_cls is None:
-        from megaq.model.gpt import GPTModel as model_cls  # imported late: model is optional here
     pp, stage, vp = topo.layout.pp, topo.pp_rank, vp_size or 1
-    chunks = []
-    for v, (start, end) in enumerate(stage_layer_ranges(config.num_layers, pp, vp, stage)):
-        chunks.append(model_cls(config, topo.tp,
-                                pre_process=(stage == 0 and v == 0),
-                                post_process=(stage == pp - 1 and v == vp - 1),
-                                layer_start=start, layer_end=end))
-    return chunks
+    return [make_chunk(start, end, stage == 0 and v == 0, stage == pp - 1 and v == vp - 1)
+            for v, (start, end) in enumerate(stage_layer_ranges(num_layers, pp, vp, stage))]

@@ -13,7 +13,7 @@ node, S = my shard), DP rank ``a*m + j`` (node a, local index j) must end with
 5. dequantize the k rows, sum in fp32, times 1/n (n = DP size, not the node count),
    added into the fp32 accumulator shard.
 
-Own rows exact (``exact_own_rows``, default): the row of each all-to-all that a rank
+Own rows exact (``grad_exact_own_rows``, default): the row of each all-to-all that a rank
 sends to itself crosses no link, so steps 3 and 5 add that row's exact fp32 values
 (step 1's input, step 3's sum) to the dequantized rows of the peers, instead of
 quantizing it: no byte changes, m-1 instead of m quantized contributions in hop 1 and
@@ -26,12 +26,14 @@ zero-padded per chunk; the padding never reaches the accumulator. One node: hop 
 empty and step 5 reduces hop 2's rows directly; one rank per node: hop 2 is empty
 and step 1 quantizes straight into hop 4's layout (one quantization either way).
 
-Error feedback (on by default with qgZ): each rank keeps the residual
+Error feedback (opt-in, ``error_feedback``): each rank keeps the residual
 ``x - dequant(quant(x))`` of both of its quantizations (hop 1 on the full reordered
 gradient, hop 3 on its node partial sums) per (unit, chunk), in fp32 whatever the
 gradient dtype (a bf16 residual stalls once it is large: tests/test_zeropp_fidelity.py),
 and adds it to the same values next call; the exact own rows leave none. The
-cumulative error over T calls is then one residual, not T errors.
+cumulative error over T calls is then one residual, not T errors. It is off by
+default: the residuals are as large as each unit's full gradient on every rank
+(4 bytes per parameter per rank), which undoes ZeRO-3's memory savings at scale.
 
 Every collective here is tagged ``grad_reduce``.
 """
@@ -42,8 +44,10 @@ import torch
 
 from megaq.kernels import ops
 from megaq.parallel import comm
+from megaq.parallel.comm import Handle
+from megaq.zero.config import ZeroConfig
+from megaq.zero.partition import padded
 
-from .config import ZeroPPConfig, padded
 from .rails import rails_of
 
 PHASE = "grad_reduce"
@@ -56,20 +60,9 @@ def chunk_bounds(S: int, block: int, chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, S_pad)) for lo in range(0, S_pad, step)]
 
 
-class _ReduceHandle:
-    """Drives the rest of the pipeline on wait(); wait() twice is harmless."""
-
-    def __init__(self, run):
-        self._run = run
-
-    def wait(self) -> None:
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
-
-
 class QuantizedGradReducer:
-    """Engine seam: ``start_reduce(unit, full_grad_flat, out_accum_fp32_shard)``.
+    """Engine seam: ``start_reduce(part, full_grad_flat, grads)`` adds into
+    ``grads.accumulator_for_add(part.name)`` (see megaq.zero.collectives).
 
     The handle must be waited before ``full_grad_flat`` is overwritten or freed
     (chunks after the first are quantized from it inside ``wait()``), and handles
@@ -77,17 +70,17 @@ class QuantizedGradReducer:
     a group's collectives in issue order).
     """
 
-    def __init__(self, topo, cfg: ZeroPPConfig):
+    def __init__(self, topo, cfg: ZeroConfig):
         self.cfg = cfg
         self.rails = rails_of(topo)
         self.intra, self.inter = topo.intra, topo.inter
         self.n = topo.dp.size
-        self._res1: dict[tuple, torch.Tensor] = {}  # (key, chunk) -> fp32 [n * s]
-        self._res2: dict[tuple, torch.Tensor] = {}  # (key, chunk) -> fp32 [k, s]
+        self._res1: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [n * s]
+        self._res2: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [k, s]
 
     # ------------------------------------------------------------------ engine seam
-    def start_reduce(self, unit, full_grad_flat: torch.Tensor, out: torch.Tensor):
-        return self.start_reduce_flat(_unit_key(unit), full_grad_flat, out)
+    def start_reduce(self, part, full_grad_flat: torch.Tensor, grads) -> Handle:
+        return self.start_reduce_flat(part.name, full_grad_flat, grads.accumulator_for_add(part.name))
 
     def memory_bytes(self) -> dict[str, int]:
         """Persistent memory this reducer holds (error-feedback residuals)."""
@@ -115,7 +108,7 @@ class QuantizedGradReducer:
             stores[hop][(key, int(i))] = t.to(device=device, dtype=torch.float32).clone()
 
     # ---------------------------------------------------------------------- protocol
-    def start_reduce_flat(self, key, grad: torch.Tensor, out: torch.Tensor) -> _ReduceHandle:
+    def start_reduce_flat(self, key: str, grad: torch.Tensor, out: torch.Tensor) -> Handle:
         n, S = self.n, out.numel()
         if grad.numel() != n * S:
             raise ValueError(f"qgZ: full gradient has {grad.numel()} elements but the DP size "
@@ -125,8 +118,8 @@ class QuantizedGradReducer:
         grad2d = grad.reshape(n, S)
         if n == 1:  # nothing to exchange: exact
             out.add_(grad2d[0].to(torch.float32))
-            return _ReduceHandle(None)
-        bounds = chunk_bounds(S, self.cfg.block, self.cfg.grad_chunk)
+            return Handle()
+        bounds = chunk_bounds(S, self.cfg.block_size, self.cfg.grad_chunk)
         first = self._issue_hop1(key, 0, bounds[0], grad2d)
 
         def run():
@@ -141,7 +134,7 @@ class QuantizedGradReducer:
                 cur = nxt
             self._finish(*pending, out)
 
-        return _ReduceHandle(run)
+        return Handle(then=run)
 
     def _chunk_input(self, grad2d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Flat [n * (hi - lo)] in chunk order, zero-padded past the shard's end."""
@@ -169,21 +162,21 @@ class QuantizedGradReducer:
         if r.m == 1:
             # No in-node peers: quantize straight into the cross-node layout [k, P(s)].
             bits = cfg.grad_bits_inter
-            own = x.reshape(r.k, s)[r.a].to(torch.float32) if cfg.exact_own_rows else None
+            own = x.reshape(r.k, s)[r.a].to(torch.float32) if cfg.grad_exact_own_rows else None
             if cfg.error_feedback:
                 res = self._residual(self._res2, key, i, (r.k, s), x.device)
                 y = x.reshape(r.k, s).to(torch.float32) + res
-                q = ops.quantize(y, bits, cfg.block)
-                res.copy_(y - ops.dequantize(q, s, bits, cfg.block, torch.float32))
+                q = ops.quantize(y, bits, cfg.block_size)
+                res.copy_(y - ops.dequantize(q, s, bits, cfg.block_size, torch.float32))
                 if own is not None:
                     res[r.a].zero_()  # my own row is used exactly: it leaves no residual
             else:
-                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block)
+                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block_size)
             return q, None, own
         res = self._residual(self._res1, key, i, (x.numel(),), x.device) if cfg.error_feedback else None
-        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block, res)
+        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block_size, res)
         own = None
-        if cfg.exact_own_rows:  # row j stays on this rank: keep it exact (fp32), not quantized
+        if cfg.grad_exact_own_rows:  # row j stays on this rank: keep it exact (fp32), not quantized
             own = x.reshape(r.k, r.m, s)[:, r.j].to(torch.float32).reshape(-1)
             if res is not None:
                 res.view(r.k, r.m, s)[:, r.j].zero_()
@@ -205,24 +198,24 @@ class QuantizedGradReducer:
             send, own2 = recv1, own1
         elif cfg.error_feedback or own1 is not None:
             if own1 is not None:  # the peers' rows dequantized, plus my own row exactly
-                y = _reduce_rows(recv1, r.j, r.k * s, cfg.grad_bits_intra, cfg.block, own1)
+                y = _reduce_rows(recv1, r.j, r.k * s, cfg.grad_bits_intra, cfg.block_size, own1)
             else:
-                rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block, torch.float32)
+                rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block_size, torch.float32)
                 y = _sum_rows(rows)
             y = y.reshape(r.k, s)
             if cfg.error_feedback:
                 res = self._residual(self._res2, key, i, (r.k, s), recv1.device)
                 y = y + res
-            send = ops.quantize(y, cfg.grad_bits_inter, cfg.block)
+            send = ops.quantize(y, cfg.grad_bits_inter, cfg.block_size)
             if cfg.error_feedback:
-                res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block, torch.float32))
+                res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block_size, torch.float32))
             if own1 is not None:
                 own2 = y[r.a].clone()  # my node's partial sum of my chunk: exact (no residual)
                 if cfg.error_feedback:
                     res[r.a].zero_()
         else:
             send = ops.dequant_reduce_quantize(recv1, r.k, s, cfg.grad_bits_intra,
-                                               cfg.grad_bits_inter, cfg.block)
+                                               cfg.grad_bits_inter, cfg.block_size)
         recv2 = torch.empty_like(send)
         h2 = comm.all_to_all(recv2, send, self.inter, PHASE, async_op=True)
         return recv2, h2, cfg.grad_bits_inter, own2
@@ -236,12 +229,12 @@ class QuantizedGradReducer:
         scale = 1.0 / self.n  # the DP size, exactly once
         if own is not None:  # the other rows dequantized plus my own exact row, then / n
             me = self.rails.j if self.rails.k == 1 else self.rails.a
-            part = _reduce_rows(recv, me, hi - lo, bits, self.cfg.block, own) * scale
+            part = _reduce_rows(recv, me, hi - lo, bits, self.cfg.block_size, own) * scale
             out[lo:min(hi, S)].add_(part[:min(hi, S) - lo])
         elif hi <= S:
-            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block, scale, out[lo:hi])
+            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, out[lo:hi])
         else:  # the chunk reaches into the padding: only the real part is accumulated
-            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block, scale)
+            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale)
             out[lo:S].add_(part[:S - lo])
 
 
@@ -262,7 +255,3 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
         acc += rows[r]
     return acc
 
-
-def _unit_key(unit):
-    key = getattr(unit, "name", None)  # FlatPartition.name: stable across steps
-    return id(unit) if key is None else key

@@ -13,7 +13,10 @@ from __future__ import annotations
 from megaq.kernels.format import packed_len
 from megaq.parallel.comm import INTER, INTRA
 
-from .config import ZeroPPConfig, padded
+from megaq.zero.config import ZeroConfig
+from megaq.zero.partition import padded
+
+from .grads import chunk_bounds
 
 
 def ring(size: int, nodes: int, full_bytes: int) -> dict[str, int]:
@@ -29,42 +32,40 @@ def add(*parts: dict[str, int], times: int = 1) -> dict[str, int]:
     return {link: times * sum(p[link] for p in parts) for link in (INTRA, INTER)}
 
 
-def qgz_rank(S: int, k: int, m: int, cfg: ZeroPPConfig) -> dict[str, int]:
+def qgz_rank(S: int, k: int, m: int, cfg: ZeroConfig) -> dict[str, int]:
     """Bytes one DP rank sends for one qgZ call on a unit of shard S (all chunks)."""
-    from .grads import chunk_bounds
-
     intra = inter = 0
-    for lo, hi in chunk_bounds(S, cfg.block, cfg.grad_chunk):
+    for lo, hi in chunk_bounds(S, cfg.block_size, cfg.grad_chunk):
         s = hi - lo
         if m > 1:
-            intra += (m - 1) * packed_len(k * s, cfg.grad_bits_intra, cfg.block)
+            intra += (m - 1) * packed_len(k * s, cfg.grad_bits_intra, cfg.block_size)
         if k > 1:
-            inter += (k - 1) * packed_len(s, cfg.grad_bits_inter, cfg.block)
+            inter += (k - 1) * packed_len(s, cfg.grad_bits_inter, cfg.block_size)
     return {INTRA: intra, INTER: inter}
 
 
-def weight_gather(S: int, k: int, m: int, elem: int, cfg: ZeroPPConfig, backward: bool) -> dict[str, int]:
+def weight_gather(S: int, k: int, m: int, elem: int, cfg: ZeroConfig, backward: bool) -> dict[str, int]:
     """One gather of a unit (shard S elements of `elem` bytes) over one DP group.
 
     backward=True: a gather after the forward one in the same step (hpZ applies).
     """
     n = k * m
     if backward and cfg.hpz:
-        h = cfg.hpz_size
+        h = cfg.hpz_partition_size
         return add(ring(h, 1, n * S * elem), times=n // h)
     if cfg.quantized_weights:
-        return ring(n, k, n * packed_len(padded(S, cfg.block), cfg.weight_bits, cfg.block))
+        return ring(n, k, n * packed_len(padded(S, cfg.block_size), cfg.weight_bits, cfg.block_size))
     return ring(n, k, n * S * elem)
 
 
-def grad_reduce(S: int, k: int, m: int, grad_elem: int, cfg: ZeroPPConfig) -> dict[str, int]:
+def grad_reduce(S: int, k: int, m: int, grad_elem: int, cfg: ZeroConfig) -> dict[str, int]:
     """One gradient reduction of a unit over one DP group (plain = ring reduce-scatter)."""
     if cfg.quantized_gradients:
         return add(qgz_rank(S, k, m, cfg), times=k * m)
     return ring(k * m, k, k * m * S * grad_elem)
 
 
-def step(S: int, k: int, m: int, elem: int, grad_elem: int, cfg: ZeroPPConfig) -> dict[str, dict[str, int]]:
+def step(S: int, k: int, m: int, elem: int, grad_elem: int, cfg: ZeroConfig) -> dict[str, dict[str, int]]:
     """Per phase, one step with one micro-batch: forward gather, backward gather, reduce."""
     return {
         "weight_gather_fwd": weight_gather(S, k, m, elem, cfg, backward=False),

@@ -26,64 +26,45 @@ import torch
 
 from megaq.kernels import ops
 from megaq.parallel import comm
-
-from .config import ZeroPPConfig, padded
-
-
-class _Then:
-    """A collective's handle plus the local work to run once it has landed."""
-
-    def __init__(self, handle, then=None):
-        self._h, self._then = handle, then
-
-    def wait(self) -> None:
-        if self._h is not None:
-            self._h.wait()
-            self._h = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
+from megaq.parallel.comm import Handle
+from megaq.zero.config import ZeroConfig
+from megaq.zero.partition import padded
 
 
 class ZeroPPWeightGatherer:
-    """Engine seam: ``start_gather(unit, phase)``, ``on_forward_gathered(unit)``,
+    """Engine seam: ``start_gather(part, phase)``, ``on_forward_gathered(part)``,
     ``invalidate()``, ``memory_bytes()``.
 
-    A unit exposes its shard (``S`` elements of the gather dtype, the values to
-    gather) and its full buffer (``n * S`` elements, n = DP size) through
-    :func:`unit_buffers`.
+    A partition brings its ``name`` (the key of everything cached for it), its
+    ``shard`` (``S`` elements of the gather dtype, the values to gather) and its
+    ``full`` buffer (``n * S`` elements, n = DP size).
     """
 
-    def __init__(self, topo, cfg: ZeroPPConfig):
-        if cfg.hpz and topo.hpz.size != cfg.hpz_size:
-            raise ValueError(f"--zero-hpz-partition-size {cfg.hpz_size} but the topology's hpZ "
-                             f"group has {topo.hpz.size} ranks; build the topology with "
-                             f"hpz_size={cfg.hpz_size}")
+    def __init__(self, topo, cfg: ZeroConfig):
+        if cfg.hpz and topo.hpz.size != cfg.hpz_partition_size:
+            raise ValueError(f"--zero-hpz-partition-size {cfg.hpz_partition_size} but the topology's "
+                             f"hpZ group has {topo.hpz.size} ranks; build the topology with "
+                             f"hpz_size={cfg.hpz_partition_size}")
         self.cfg = cfg
         self.dp, self.hpz = topo.dp, topo.hpz
-        self._packed: dict[object, torch.Tensor] = {}     # key -> my packed shard (qwZ)
-        self._secondary: dict[object, torch.Tensor] = {}  # key -> my hpZ slice of the full unit
-        self._stamp: dict[object, tuple] = {}  # key -> the shard's (storage, version) when cached
+        self._packed: dict[str, torch.Tensor] = {}     # name -> my packed shard (qwZ)
+        self._secondary: dict[str, torch.Tensor] = {}  # name -> my hpZ slice of the full unit
+        self._stamp: dict[str, tuple] = {}  # name -> the shard's (storage, version) when cached
 
     # ------------------------------------------------------------------ engine seam
-    def start_gather(self, unit, phase: str):
-        key, shard, full = unit_buffers(unit)
-        return self.start_gather_flat(key, shard, full, phase)
+    def start_gather(self, part, phase: str) -> Handle:
+        return self.start_gather_flat(part.name, part.shard, part.full, phase)
 
-    def on_forward_gathered(self, unit) -> None:
-        key, shard, full = unit_buffers(unit)
-        self.keep_secondary(key, full, shard)
+    def on_forward_gathered(self, part) -> None:
+        self.keep_secondary(part.name, part.full, part.shard)
 
-    def invalidate(self, unit=None) -> None:
-        """Forget cached packed shards and hpZ slices (all, or one unit's)."""
-        if unit is None:
-            self._packed.clear()
-            self._secondary.clear()
-            self._stamp.clear()
-        else:
-            self._forget(unit_buffers(unit)[0])
+    def invalidate(self) -> None:
+        """Forget every cached packed shard and hpZ slice (the shards changed)."""
+        self._packed.clear()
+        self._secondary.clear()
+        self._stamp.clear()
 
-    def _forget(self, key) -> None:
+    def _forget(self, key: str) -> None:
         self._packed.pop(key, None)
         self._secondary.pop(key, None)
         self._stamp.pop(key, None)
@@ -92,11 +73,8 @@ class ZeroPPWeightGatherer:
         nb = lambda d: sum(t.numel() * t.element_size() for t in d.values())  # noqa: E731
         return {"hpz_secondary": nb(self._secondary), "qwz_packed_shards": nb(self._packed)}
 
-    def has_secondary(self, unit) -> bool:
-        return unit_buffers(unit)[0] in self._secondary
-
     # ---------------------------------------------------------------------- protocol
-    def start_gather_flat(self, key, shard: torch.Tensor, full: torch.Tensor, phase: str):
+    def start_gather_flat(self, key: str, shard: torch.Tensor, full: torch.Tensor, phase: str) -> Handle:
         n, S = self.dp.size, shard.numel()
         if full.numel() != n * S:
             raise ValueError(f"ZeRO++ gather: full buffer has {full.numel()} elements, expected "
@@ -112,13 +90,13 @@ class ZeroPPWeightGatherer:
         h = comm.all_gather(gathered, packed, self.dp, phase, async_op=True)
 
         def unpack():
-            B, bits = self.cfg.block, self.cfg.weight_bits
+            B, bits = self.cfg.block_size, self.cfg.weight_bits
             rows = ops.dequantize(gathered.view(n, -1), padded(S, B), bits, B, full.dtype)
             full.reshape(n, S).copy_(rows[:, :S])
 
-        return _Then(h, unpack)
+        return Handle(h, unpack)
 
-    def keep_secondary(self, key, full: torch.Tensor, shard: torch.Tensor) -> None:
+    def keep_secondary(self, key: str, full: torch.Tensor, shard: torch.Tensor) -> None:
         """After a forward gather: keep my hpZ slice of the full weights (once per step)."""
         if not self.cfg.hpz or key in self._secondary:
             return
@@ -129,10 +107,10 @@ class ZeroPPWeightGatherer:
                              f"ranks; pad the unit to a multiple of the DP size")
         self._secondary[key] = full.reshape(h, -1)[self.hpz.rank].clone()
 
-    def _packed_shard(self, key, shard: torch.Tensor) -> torch.Tensor:
+    def _packed_shard(self, key: str, shard: torch.Tensor) -> torch.Tensor:
         packed = self._packed.get(key)
         if packed is None:
-            B, bits, S = self.cfg.block, self.cfg.weight_bits, shard.numel()
+            B, bits, S = self.cfg.block_size, self.cfg.weight_bits, shard.numel()
             x = shard.reshape(-1)
             if S % B:
                 x = torch.zeros(padded(S, B), dtype=shard.dtype, device=shard.device)
@@ -141,7 +119,7 @@ class ZeroPPWeightGatherer:
             self._stamp.setdefault(key, _stamp(shard))
         return packed
 
-    def _drop_if_written(self, key, shard: torch.Tensor) -> None:
+    def _drop_if_written(self, key: str, shard: torch.Tensor) -> None:
         """Safety net for weight writes the engine did not announce with invalidate():
         every in-place write to the shard bumps its version counter. (All DP ranks
         write their shards together, so all of them drop the copies together.)"""
@@ -152,11 +130,3 @@ class ZeroPPWeightGatherer:
 
 def _stamp(shard: torch.Tensor) -> tuple:
     return shard.data_ptr(), shard._version
-
-
-def unit_buffers(unit):
-    """(key, shard, full) of an engine partition (megaq.zero.partition.FlatPartition:
-    ``name``, ``shard``, ``full``); adapt here if those names change."""
-    key = getattr(unit, "name", None)
-    return (id(unit) if key is None else key), unit.shard, unit.full
-

@@ -8,7 +8,7 @@ one JSON line per iteration in the trainer's metrics-file shape (megaq.metrics):
     {"type": "train", "iteration": i, "elapsed_ms": t, "nodes": k,
      "comm": {phase: {"intra_node": B, "inter_node": B}}}   # B: bytes sent per node
 
-Usage (under torchrun): python tools/netns_gloo_probe.py --numel 1000000 --iters 3 \
+Usage (under torchrun): python tools/cluster/netns_gloo_probe.py --numel 1000000 --iters 3 \
     --metrics-file out.jsonl
 """
 
@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 
-from megaq.metrics import MetricsWriter, comm_per_node_per_iteration
-from megaq.parallel import comm
-from megaq.parallel.launch import init_from_env
-from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+from megaq.metrics import MetricsWriter, comm_per_node_per_iteration  # noqa: E402
+from megaq.parallel import comm  # noqa: E402
+from megaq.parallel.launch import init_from_env  # noqa: E402
+from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env  # noqa: E402
 
 
 def run_op(op: str, world, rank: int, shard, full, reduced) -> None:

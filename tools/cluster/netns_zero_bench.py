@@ -2,7 +2,7 @@
 
 The same small Llama-style model and batch run as four configurations (ZeRO-3, qwZ,
 qwZ + hpZ, full ZeRO++ = qwZ + hpZ + qgZ). Each configuration is one launch on a
-freshly built link (tools/emulate_cluster.py) whose rate is switched in place through
+freshly built link (tools/cluster/emulate_cluster.py) whose rate is switched in place through
 the rate schedule; `--repeats` passes go over the configurations in alternating order.
 Per (config, rate): median step time over the timed iterations of all passes, bytes
 over the link (veth counters) per iteration vs megaq's own inter-node accounting, the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Preprocessing throughput vs SentencePiece's raw encode speed, measured in one run.
 
-  python tools/bench_preprocess.py [--input corpus.jsonl --tokenizer-model tok.model]
+  python tools/bench/bench_preprocess.py [--input corpus.jsonl --tokenizer-model tok.model]
       [--workers 1 2 8] [--repeat 4] [--rounds 3] [--out bench.json]
 
 Without --input it uses the built-in corpus and tokenizer (built on first use).
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 
 from megaq.data.errors import run_cli  # noqa: E402
 from megaq.data.preprocess import CHUNK_DOCS, preprocess  # noqa: E402

@@ -1,7 +1,7 @@
 """Several GPUs of one host (or CPU ranks): numerics, NCCL transports, ZeRO-3 vs ZeRO++ timings.
 
-    python tools/multigpu_check.py                       # all GPUs of this host, nccl
-    python tools/multigpu_check.py --device cpu --gpus 2 --model tiny --steps 2   # gloo ranks
+    python tools/cluster/multigpu_check.py                       # all GPUs of this host, nccl
+    python tools/cluster/multigpu_check.py --device cpu --gpus 2 --model tiny --steps 2   # gloo ranks
 
 Three stages, each a short pretrain_gpt.py training run started through torchrun
 (--nproc-per-node G), so what is checked is the real training path:
@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1", "NCCL_MNNVL_ENABLE": "0"}
 PHASES = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce")
@@ -123,7 +123,7 @@ def layouts(g: int, m: dict) -> list[tuple[int, int, int]]:
 
 
 # ------------------------------------------------------------------ environment
-def child_env(device: str, gpus: int, log_dir: str) -> dict:
+def child_env(device: str, gpus: int) -> dict:
     env = dict(os.environ)
     env.update(NO_MULTICAST)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -133,44 +133,10 @@ def child_env(device: str, gpus: int, log_dir: str) -> dict:
     else:  # torchrun would set 1; the model is initialised on the CPU before moving
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, gpus))))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    env.update(megaq_import_env(env, log_dir))
+    # the checkout first on the path, installed copy or not: its megaq/ serves
+    # megaq.kernels from the top-level kernels/ (megaq/__init__.py)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (REPO, env.get("PYTHONPATH", "")) if x)
     return env
-
-
-def megaq_import_env(env: dict, log_dir: str) -> dict:
-    """Make `import megaq, megaq.kernels` resolve to this checkout in child processes.
-
-    Installed (editable) already: nothing. Else `pip install --no-deps -e .`; if that
-    fails, a shim folder on PYTHONPATH: megaq/ holding links to the repo's megaq/*
-    and kernels -> <repo>/kernels (setup.py's package_dir mapping).
-    """
-    probe = [sys.executable, "-c", "import megaq, megaq.kernels, os; print(os.path.dirname("
-             "os.path.dirname(os.path.realpath(megaq.__file__))))"]
-
-    def resolves(e) -> bool:
-        r = subprocess.run(probe, env=e, capture_output=True, text=True, cwd=tempfile.gettempdir())
-        return r.returncode == 0 and os.path.realpath(r.stdout.strip()) == os.path.realpath(REPO)
-
-    if resolves(env):
-        return {}
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        "--no-build-isolation", "-e", REPO], capture_output=True, text=True)
-    if r.returncode == 0 and resolves(env):
-        print("[multigpu_check] installed megaq (editable)", flush=True)
-        return {}
-    shim = os.path.join(log_dir, "pyshim")
-    pkg = os.path.join(shim, "megaq")
-    shutil.rmtree(shim, ignore_errors=True)
-    os.makedirs(pkg)
-    for name in os.listdir(os.path.join(REPO, "megaq")):
-        os.symlink(os.path.join(REPO, "megaq", name), os.path.join(pkg, name))
-    os.symlink(os.path.join(REPO, "kernels"), os.path.join(pkg, "kernels"))
-    path = os.pathsep.join(x for x in (shim, env.get("PYTHONPATH", "")) if x)
-    if not resolves({**env, "PYTHONPATH": path}):
-        raise CheckError(f"cannot import megaq from {REPO}: pip install -e failed "
-                         f"({r.stderr.strip()[-200:]}) and so did the PYTHONPATH shim")
-    print(f"[multigpu_check] megaq via PYTHONPATH shim {shim}", flush=True)
-    return {"PYTHONPATH": path}
 
 
 # ---------------------------------------------------------------------- launching
@@ -576,11 +542,9 @@ def worker(plan_path: str) -> int:
     split = plan.get("split_hosts")
     if split:  # each half of the host is its own "host" to NCCL: NET between halves
         os.environ["NCCL_HOSTID"] = f"megaq-half{local // split}"
-    # appended, not prepended: the installed megaq (or the driver's shim, which maps
-    # megaq.kernels) must win over <repo>/megaq; the repo is only there for pretrain_gpt
-    sys.path.append(REPO)
+    sys.path.insert(0, REPO)  # the checkout's megaq, as the driver's
     import torch
-    import pretrain_gpt
+    from megaq import pretrain
     from megaq.parallel.launch import init_from_env
     device = plan["device"]
     init_from_env("nccl" if device == "cuda" else "gloo")
@@ -598,7 +562,7 @@ def worker(plan_path: str) -> int:
             continue
         if rank == 0:
             print(f"[worker] === {e['label']} ===", flush=True)
-        pretrain_gpt.main(e["argv"])
+        pretrain.main(e["argv"])
         gc.collect()
         if device == "cuda":
             if rank == 0:
@@ -689,7 +653,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs launch()'s cleanup
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="multigpu_check.")
     os.makedirs(log_dir, exist_ok=True)
-    env = child_env(args.device, args.gpus, log_dir)
+    env = child_env(args.device, args.gpus)
     record = {"device": args.device, "ranks": args.gpus, "model": args.model,
               "model_shape": MODELS[args.model], "micro_batch_size": args.micro_batch_size,
               "seq_length": args.seq_length, "warmup": args.warmup, "steps": args.steps,

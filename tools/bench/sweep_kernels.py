@@ -4,9 +4,9 @@ For every size and variant it first checks the Triton result against kernels/ref
 bit for bit (on the GPU, at that size), then times it (CUDA-graph replays, bench_kernels'
 Timer); a copy of N bf16 elements is timed at each size for the "% of copy" figures.
 
-    python tools/sweep_kernels.py --sizes 65536 --block 512 --iters 5 \
+    python tools/bench/sweep_kernels.py --sizes 65536 --block 512 --iters 5 \
         --variants bytes-4x1 words-4x1 wordsnm-2x2      # CPU smoke test (interpreter)
-    python tools/sweep_kernels.py --out docs/results/kernels_h200_words.json \\
+    python tools/bench/sweep_kernels.py --out docs/results/kernels_h200_sweep_hop.json \\
         --variants bytes-4x1 words-4x1 words-8x2 wordsnm-4x1 bytes-4x1
 
 A variant is KIND-WARPSxNB: KIND `bytes` (the byte kernel, _dequant_reduce_kernel),
@@ -16,7 +16,7 @@ kernel with int -> float conversion instructions); WARPS warps per program, NB b
 per program. `default` times whatever the kernels pick with no override. List a
 variant twice to see the run-to-run spread.
 
-Operations (k=2 nodes x m=4 ranks, as tools/bench_kernels.py; effective GB/s = bytes read
+Operations (k=2 nodes x m=4 ranks, as tools/bench/bench_kernels.py; effective GB/s = bytes read
 + written): dequant_reduce_quantize4 (int4 [m, N/m] -> int4 [k, N/(k m)]), dequantize4
 (int4 [N] -> bf16 [N]), dequant_reduce4 (int4 [k, N/k] -> fp32 [N/k], scaled sum).
 """
@@ -65,7 +65,7 @@ def main(argv=None):
     rows = []
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__,
             "triton": __import__("triton").__version__, "block": block, "k_nodes": k, "m_ranks": m,
-            "iters": args.iters, "command": "python tools/sweep_kernels.py " + " ".join(argv or sys.argv[1:])}
+            "iters": args.iters, "command": "python tools/bench/sweep_kernels.py " + " ".join(argv or sys.argv[1:])}
     for n in args.sizes:
         torch.manual_seed(n % 1000003)
         x = torch.randn(n, device=device, dtype=torch.bfloat16)

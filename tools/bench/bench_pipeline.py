@@ -34,7 +34,7 @@ The model's total cost is fixed (--layers layers), so interleaving splits the sa
 per-stage work into v chunks. Each layout runs one warm-up step and reports the
 median of --steps timed steps.
 
-    python tools/bench_pipeline.py [--fwd-ms 25 --bwd-ms 50 --layers 8 --steps 2]
+    python tools/bench/bench_pipeline.py [--fwd-ms 25 --bwd-ms 50 --layers 8 --steps 2]
         [--out bench_pipeline.json]
 """
 
@@ -52,9 +52,11 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from megaq.parallel import comm
-from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.pipeline import StepTimer, build_model_chunks, get_forward_backward_func
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+from megaq.parallel import comm  # noqa: E402
+from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.model import build_model_chunks  # noqa: E402
+from megaq.parallel.pipeline import StepTimer, get_forward_backward_func  # noqa: E402
 
 SEQ, MBS, HIDDEN = 8, 1, 16
 
@@ -153,7 +155,7 @@ def main(argv=None):
               f"{r['measured_worst_rank']:>10.3f} {r['p2p_fraction']:>10.3f} "
               f"{r['step_s']:>8.3f} {r['compute_s']:>10.3f} {r['nominal_compute_s']:>10.3f}",
               flush=True)
-    meta = dict(command="python tools/bench_pipeline.py " + " ".join(argv or sys.argv[1:]),
+    meta = dict(command="python tools/bench/bench_pipeline.py " + " ".join(argv or sys.argv[1:]),
                 machine=f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
                         f"load avg {os.getloadavg()[0]:.1f}",
                 fwd_ms=args.fwd_ms, bwd_ms=args.bwd_ms, layers=args.layers, steps=args.steps)

@@ -11,6 +11,12 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
   ref-eager       a nanoGPT-style Llama written here: fp32 weights, bf16 autocast,
                   SDPA, torch fused AdamW
   ref-comp        the same under torch.compile
+  megaq-fp8tw-comp  megaq-s0-comp with FP8 GEMMs in the blocks (--fp8-format hybrid
+                  --fp8-recipe tensorwise: E4M3 forward, E5M2 grads, per-tensor scales)
+  megaq-fp8rw-comp  the same with --fp8-format e4m3 --fp8-recipe rowwise
+  ao-tw-comp      ref-comp with its block linears converted by torchao's
+  ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
+                  output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
 
 Every step clips the global grad norm to 1.0 and has no host synchronisation.
 Reports tokens/s, model TFLOP/s with 6 x non-embedding params + 12 x layers x hidden
@@ -20,13 +26,16 @@ parameter sizes as a fraction of the measured megaq step. Optional extras: CUDA
 checks of the fused kernels (--check), kernel and GQA micro-benchmarks (--micro),
 profiler tables (--profile SIZE:VARIANT).
 
-    python tools/bench_train.py --out docs/results/bench_train_h200.json --check --micro
-    python tools/bench_train.py --sizes 125M --variants megaq-s0 ref-eager --steps 3   # quick
+    python tools/bench/bench_train.py --out docs/results/bench_train_h200.json --check --micro
+    python tools/bench/bench_train.py --sizes 125M --variants megaq-s0 ref-eager --steps 3   # quick
+    python tools/bench/bench_train.py --sizes 1.3B 3B --variants megaq-s0-comp megaq-fp8tw-comp \
+        megaq-fp8rw-comp ao-tw-comp ao-rw-comp --fp8-check --out docs/results/bench_fp8_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -38,13 +47,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 SEQ, VOCAB = 2048, 32000
 # name: (layers, hidden, heads, micro-batch)
-SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 16), "1.3B": (24, 2048, 16, 8)}
-VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp"]
+SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 16), "1.3B": (24, 2048, 16, 8),
+         "3B": (28, 3072, 24, 4)}
+VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp",
+            "megaq-fp8tw-comp", "megaq-fp8rw-comp", "ao-tw-comp", "ao-rw-comp"]
+DEFAULT_VARIANTS = VARIANTS[:5]
+# variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
+# megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
+FP8_VARIANTS = {"fp8tw": ("hybrid", "tensorwise"), "fp8rw": ("e4m3", "rowwise")}
+AO_VARIANTS = {"ao-tw": "tensorwise", "ao-rw": "rowwise"}
 
 
 def ffn_size(h: int) -> int:
@@ -163,7 +179,20 @@ def cpu_megaq_model(size):
     return _CPU_MODELS[size]
 
 
-def build_megaq(size, stage, compiled, dev):
+def use_fp8(model, fp8_format, fp8_recipe):
+    """Switch a built model's blocks to FP8 GEMMs, as GPTConfig(fp8_format=...) would have
+    built them (the CPU model is built once per size: its init is the slow part)."""
+    import dataclasses
+
+    model.config = dataclasses.replace(model.config, fp8_format=fp8_format, fp8_recipe=fp8_recipe)
+    for layer in model.layers:
+        for m in layer.modules():
+            if hasattr(m, "fp8"):
+                m.fp8 = model.config.fp8
+    return model
+
+
+def build_megaq(size, stage, compiled, dev, fp8=None):
     import copy
 
     from megaq.model.gpt import compile_blocks
@@ -171,6 +200,8 @@ def build_megaq(size, stage, compiled, dev):
     from megaq.zero import ZeroConfig, build_engine
 
     model = copy.deepcopy(cpu_megaq_model(size)).to(dev)
+    if fp8:
+        use_fp8(model, *fp8)
     if compiled:
         compile_blocks(model)
     topo = build_topology(Layout(world_size=1), 0)
@@ -198,9 +229,14 @@ def free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-def build_ref(size, compiled, dev):
+def build_ref(size, compiled, dev, ao_recipe=None):
     L, h, nh, _ = SIZES[size]
     model = RefLlama(L, h, nh).to(dev)
+    if ao_recipe:  # torchao's own FP8 training, on the blocks' linears (the head stays bf16)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(ao_recipe),
+                                   module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
     run = torch.compile(model) if compiled else model
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
@@ -225,8 +261,10 @@ def build_ref(size, compiled, dev):
 
 def build(size, variant, dev):
     if variant.startswith("megaq"):
-        return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev)
-    return build_ref(size, variant.endswith("comp"), dev)
+        fp8 = next((v for k, v in FP8_VARIANTS.items() if f"-{k}" in variant), None)
+        return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev, fp8)
+    ao = next((v for k, v in AO_VARIANTS.items() if variant.startswith(k)), None)
+    return build_ref(size, variant.endswith("comp"), dev, ao)
 
 
 # ----------------------------------------------------------------- timing
@@ -511,10 +549,64 @@ def zeropp_kernel_table(dev, step_ms):
             "step_ms": step_ms, "rows": rows, **rows_floor}
 
 
+def fp8_check(dev, tokens=2048):
+    """FP8 GEMMs (torch._scaled_mm) against the fp32 emulation that the CPU tests use, on the
+    1.3B model's linear shapes, forward and both backward GEMMs of megaq.parallel.fp8.linear:
+    GPU FP8 vs the emulation on the GPU and on the CPU (same FP8 operands, so the gap is
+    accumulation order, fast accumulation in forward and the bf16 output rounding), and
+    FP8 vs bf16 for scale (the FP8 rounding itself)."""
+    from megaq.parallel import fp8
+    from megaq.parallel.tensor_parallel import single_rank_group
+
+    def rel(a, b):
+        return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+    h, f = 2048, ffn_size(2048)
+    shapes = {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 2 * f), "fc2": (f, h)}
+    g = torch.Generator(device=dev).manual_seed(7)
+    out = {"fp8_gemm_available": fp8.fp8_gemm_available(dev)}
+    group = single_rank_group()
+    for fmt, recipe in FP8_VARIANTS.values():
+        rec = fp8.FP8Recipe(fmt, recipe)
+        for name, (k, n) in shapes.items():
+            x = torch.randn(tokens, k, device=dev, generator=g).bfloat16()
+            x[::97, ::13] *= 8  # some outlier structure, as activations have
+            w = (0.02 * torch.randn(n, k, device=dev, generator=g)).bfloat16()
+            dy = (1e-3 * torch.randn(tokens, n, device=dev, generator=g)).bfloat16()
+
+            def run(device, emulate, fp8_on=True):
+                xx = x.detach().clone().to(device).requires_grad_()
+                ww = w.detach().clone().to(device).requires_grad_()
+                ctx = fp8.emulation() if emulate else contextlib.nullcontext()
+                with ctx:
+                    y = fp8.linear(xx, ww, None, rec if fp8_on else None, group, "column")
+                    y.backward(dy.to(device))
+                return y.detach(), xx.grad, ww.grad
+
+            gpu, emu, cpu = run(dev, False), run(dev, True), run("cpu", True)
+            bf16 = run(dev, False, fp8_on=False)
+            row = {}
+            for i, t in enumerate(("y", "dx", "dw")):
+                row[t] = {"gpu_vs_gpu_emulation": rel(gpu[i], emu[i]),
+                          "gpu_vs_cpu_emulation": rel(gpu[i], cpu[i]),
+                          "fp8_vs_bf16": rel(gpu[i], bf16[i])}
+            xq_gpu, _ = fp8.quantize(x, rec.forward_dtype, -1 if rec.rowwise else None, rec.rowwise)
+            xq_cpu, _ = fp8.quantize(x.cpu(), rec.forward_dtype, -1 if rec.rowwise else None, rec.rowwise)
+            row["input_cast_bit_identical_gpu_cpu"] = bool(torch.equal(xq_gpu.cpu().view(torch.uint8),
+                                                                       xq_cpu.view(torch.uint8)))
+            out[f"{fmt}-{recipe} {name} [{tokens}x{k}]x[{k}x{n}]"] = row
+            print(f"fp8-check {fmt:6s} {recipe:10s} {name:4s} " + "  ".join(
+                f"{t}: gpu~emu {row[t]['gpu_vs_gpu_emulation']:.1e} gpu~cpu {row[t]['gpu_vs_cpu_emulation']:.1e}"
+                f" fp8~bf16 {row[t]['fp8_vs_bf16']:.1e}" for t in ("y", "dx", "dw"))
+                + f"  cast bits equal: {row['input_cast_bit_identical_gpu_cpu']}", flush=True)
+    return out
+
+
 def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
     """Does the megaq step learn on the GPU like the reference? A small Llama (4 x 512,
     seq 512) trains `steps` steps on two fixed batches with the Triton kernels, with
-    the torch references (MEGAQ_KERNELS=torch) and as the plain reference loop; plus
+    the torch references (MEGAQ_KERNELS=torch), as the plain reference loop, and with
+    FP8 GEMMs (megaq's and torchao's, each recipe, eager); plus
     SDPA on megaq's [s, b, heads, d]-strided layout against the math backend."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -526,7 +618,11 @@ def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
         batches = make_batches("check", dev, n=2)
         for label, variant, env in (("megaq triton", "megaq-s0", "auto"),
                                     ("megaq torch refs", "megaq-s0", "torch"),
-                                    ("reference", "ref-eager", None)):
+                                    ("reference", "ref-eager", None),
+                                    ("megaq fp8 tensorwise", "megaq-s0-fp8tw", "auto"),
+                                    ("megaq fp8 rowwise", "megaq-s0-fp8rw", "auto"),
+                                    ("torchao tensorwise", "ao-tw-eager", None),
+                                    ("torchao rowwise", "ao-rw-eager", None)):
             os.environ["MEGAQ_KERNELS"] = env or "auto"
             _CPU_MODELS.clear()
             keep, fwd_bwd, opt_step, _ = build("check", variant, dev)
@@ -556,15 +652,20 @@ def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
 # ----------------------------------------------------------------- report
 def print_tables(results, zpp):
     print("\n| size | variant | micro-batch | step ms (fwd+bwd / opt) | tokens/s | TFLOP/s | MFU | "
-          "MFU incl. head | peak GiB | vs ref-comp |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "MFU incl. head | peak GiB | vs ref-comp | vs megaq-s0-comp | vs torchao same recipe |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def ratio(r, variant):
+        other = next((x for x in results if x["size"] == r["size"] and x["variant"] == variant), None)
+        return f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
+
     for r in results:
-        ref = next((x for x in results if x["size"] == r["size"] and x["variant"] == "ref-comp"), None)
-        rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        ao = {"megaq-fp8tw-comp": "ao-tw-comp", "megaq-fp8rw-comp": "ao-rw-comp"}.get(r["variant"])
         print(f"| {r['size']} | {r['variant']} | {r['micro_batch']} | {r['step_ms']:.1f} "
               f"({r['fwd_bwd_ms']:.1f} / {r['optimizer_ms']:.1f}) | {r['tokens_per_s'] / 1e3:.1f}K | "
               f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {100 * r['mfu_with_head']:.1f}% | "
-              f"{r['peak_mem_gib']:.1f} | {rel} |")
+              f"{r['peak_mem_gib']:.1f} | {ratio(r, 'ref-comp')} | {ratio(r, 'megaq-s0-comp')} | "
+              f"{ratio(r, ao) if ao else '-'} |")
     if zpp:
         print(f"\nZeRO++ kernels, 1.3B ({zpp['params'] / 1e9:.2f}B params, block {zpp['block']}, "
               f"qgZ k={zpp['k_nodes']} x m={zpp['m_ranks']}), step {zpp['step_ms']:.1f} ms")
@@ -576,7 +677,7 @@ def print_tables(results, zpp):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="*", default=["1.3B", "350M", "125M"], choices=list(SIZES))
-    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=VARIANTS)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="JSON results (written after every variant)")
@@ -585,6 +686,9 @@ def main(argv=None):
     p.add_argument("--train-check", action="store_true",
                    help="first train a small model briefly (megaq Triton / references / plain loop)")
     p.add_argument("--no-zeropp", action="store_true", help="skip the ZeRO++ kernel table")
+    p.add_argument("--fp8-check", action="store_true",
+                   help="first compare FP8 GEMMs (torch._scaled_mm) with the fp32 emulation, on the "
+                        "GPU and on the CPU, at the 1.3B model's layer shapes")
     p.add_argument("--profile", nargs="*", default=[], metavar="SIZE:VARIANT",
                    help="also profile two steps of these variants (table next to --out)")
     p.add_argument("--micro-batch", nargs="*", default=[], metavar="SIZE:MB",
@@ -620,6 +724,9 @@ def main(argv=None):
         save()
     if args.micro:
         report["micro"] = micro_benchmarks(dev)
+        save()
+    if args.fp8_check:
+        report["fp8_check"] = fp8_check(dev)
         save()
     for size in args.sizes:
         for variant in args.variants:

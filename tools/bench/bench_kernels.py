@@ -4,8 +4,8 @@ For each size N (elements of the operation's full-precision side) it times the T
 kernel, the plain-PyTorch reference (eager, and torch.compile'd), and a device-to-device
 copy of N bf16 elements, all in the same run. Prints a table and writes JSON (--out).
 
-    python tools/bench_kernels.py --out docs/results/kernels_h200.json          # GPU
-    python tools/bench_kernels.py --device cpu --sizes 65536 --block 1024     # smoke test
+    python tools/bench/bench_kernels.py --out docs/results/kernels_h200.json          # GPU
+    python tools/bench/bench_kernels.py --device cpu --sizes 65536 --block 1024     # smoke test
 
 Operations (bf16 input/output, fp32 accumulation):
   quantize8 / quantize4        bf16 [N] -> packed int8 / int4
@@ -21,6 +21,8 @@ import os
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 
 DEFAULT_SIZES = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
 K_NODES, M_RANKS = 2, 4

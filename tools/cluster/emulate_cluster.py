@@ -1,6 +1,6 @@
 """Run a torchrun job as two "nodes" joined by a rate-limited link, on one machine.
 
-Each node is a network namespace (tools/netns_link.py) running one torchrun agent
+Each node is a network namespace (tools/cluster/netns_link.py) running one torchrun agent
 with --nproc-per-node ranks; the agents meet through c10d rendezvous on the first
 namespace's veth address. gloo is pinned to the veth interface
 (GLOO_SOCKET_IFNAME), so every rank advertises its namespace's veth address: peers
@@ -10,9 +10,9 @@ counts the bytes. The record of a run holds the link counters before/after, the
 trainer's metrics (step time, megaq's own inter-node byte accounting) and both
 compared.
 
-    python tools/emulate_cluster.py probe --rate 1gbit            # gloo-only check
-    python tools/emulate_cluster.py run --rate 500mbit -- pretrain_gpt.py ...args
-    python tools/emulate_cluster.py sweep                          # stale namespaces
+    python tools/cluster/emulate_cluster.py probe --rate 1gbit            # gloo-only check
+    python tools/cluster/emulate_cluster.py run --rate 500mbit -- pretrain_gpt.py ...args
+    python tools/cluster/emulate_cluster.py sweep                          # stale namespaces
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netns_link import EmulatedLink, NetnsError, sweep_stale, why_unavailable  # noqa: E402
 from netns_measure import IterationSampler, Segment, plan_segments, whole_run, window  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RDZV_PORT = 29400        # free by construction: the namespaces have nothing else listening
 
 
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="emulated_cluster_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         if args.cmd == "probe":
-            script = [os.path.join(REPO, "tools", "netns_gloo_probe.py"),
+            script = [os.path.join(REPO, "tools", "cluster", "netns_gloo_probe.py"),
                       "--numel", str(args.numel),
                       "--iters", str(args.iters), "--ops", args.ops, "--metrics-file", metrics]
         else:

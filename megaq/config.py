@@ -1,0 +1,325 @@
+"""RunConfig: one run's whole configuration, as frozen dataclasses, validated once.
+
+    RunConfig
+      model          megaq.model.GPTConfig          --num-layers, --hidden-size, --swiglu, ...
+      parallel       megaq.parallel.ParallelConfig  --tensor-model-parallel-size, ... (+ Layout)
+      zero           megaq.zero.ZeroConfig          built from ZeroFlags (--zero-*) + optimizer
+      data           megaq.data.DataConfig          --data-path, --split, --mock-data, ...
+      training       TrainingConfig                 --micro-batch-size, --train-iters, --bf16, ...
+      optimizer      OptimizerConfig                --lr, --lr-decay-style, --adam-beta1, ...
+      checkpointing  CheckpointConfig               --save, --load, --save-interval, ...
+      logging        LoggingConfig                  --log-interval, --eval-iters, --metrics-file, ...
+
+Each class declares its flags as fields (megaq.flags: name, help, default live on the
+field) and checks its own values in ``__post_init__``, next to what it guards; checks
+that span two classes (heads vs TP, layers vs pipeline stages, micro-batches vs
+interleaving) live in :meth:`RunConfig.__post_init__`, and call the helper of the layer
+that owns the rule. :meth:`RunConfig.from_flags` is the one builder from parsed flags
+(megaq.arguments.parse_config parses and calls it).
+
+A run's vocabulary is only known once the tokenizer is loaded: the model's
+``vocab_size`` is None until :meth:`RunConfig.resolved` fills it in with the data setup's
+answer (``dataclasses.replace``; nothing is mutated).
+
+Adding a flag: add a field made with ``flag(...)`` / ``switch(...)`` to the class it
+configures (its --help section is the class's FLAG_GROUP), then use it where the class
+is read. Library code takes these objects, never an argparse namespace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from megaq.data.config import DataConfig
+from megaq.flags import flag, from_flags, set_derived, switch, to_dict
+from megaq.model.config import GPTConfig
+from megaq.parallel.config import ParallelConfig
+from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatches_per_step,
+                                           virtual_pipeline_size)
+from megaq.parallel.topology import check_model_fits_tp
+from megaq.zero import ZeroConfig
+
+
+class ConfigError(ValueError):
+    """A bad setting or combination; the message names the flag and the fix."""
+
+
+def _at_least(cfg, minimum, *names) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {minimum} (got {value})")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    FLAG_GROUP: ClassVar[str] = "training"
+
+    micro_batch_size: int = flag("--micro-batch-size", "samples per micro-batch per DP rank", 1,
+                                 type=int, required=True)
+    global_batch_size: int | None = flag(
+        "--global-batch-size", "samples per step (default micro-batch x DP); must be a multiple "
+        "of micro-batch x DP (the quotient is the gradient accumulation count)", type=int)
+    train_iters: int = flag("--train-iters",
+                            "optimizer steps to train for (in total, across resumes)", 0,
+                            type=int, required=True)
+    seed: int = flag("--seed", "seed of weights, dropout and data order", GPTConfig.seed, type=int)
+    bf16: bool = switch("--bf16", "bf16 weights/activations (fp32 master)")
+    fp16: bool = switch("--fp16", "not supported (no loss scaling): use --bf16")
+    max_consecutive_skipped_iters: int = flag(
+        "--max-consecutive-skipped-iters",
+        "stop when this many iterations in a row had a non-finite loss or grad", 10, type=int)
+    exit_interval: int | None = flag(
+        "--exit-interval", "save (with --save) and exit when the iteration is a multiple of this",
+        type=int)
+    exit_duration_in_mins: float | None = flag(
+        "--exit-duration-in-mins", "save and exit after this many minutes of training (job time "
+        "limits)", type=float)
+    exit_signal_handler: bool = switch(
+        "--exit-signal-handler", "on SIGTERM / SIGUSR1 (any rank): finish the iteration, save, exit")
+    # ---- derived ----
+    data_parallel_size: int = 1   # from the layout
+    num_micro_batches: int = 0    # global batch / (micro batch x DP): gradient accumulation
+
+    def __post_init__(self):
+        if self.fp16 and self.bf16:
+            raise ConfigError("--fp16 and --bf16 are both set; pass only one (--bf16 is the "
+                              "supported one)")
+        if self.fp16:
+            raise ConfigError("--fp16 is not supported (megaq has no loss scaling); use --bf16 or "
+                              "fp32 (neither)")
+        _at_least(self, 1, "micro_batch_size", "max_consecutive_skipped_iters", "exit_interval")
+        _at_least(self, 0, "train_iters")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError("--exit-duration-in-mins must be > 0")
+        gbs = self.global_batch_size or self.micro_batch_size * self.data_parallel_size
+        set_derived(self, global_batch_size=gbs, num_micro_batches=num_microbatches_per_step(
+            gbs, self.micro_batch_size, self.data_parallel_size))
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and the learning-rate schedule (megaq.lr_schedule.LRSchedule.from_config)."""
+
+    FLAG_GROUP: ClassVar[str] = "optimizer and learning rate"
+
+    lr: float = flag("--lr", "peak learning rate", 1e-4, type=float, required=True)
+    min_lr: float = flag("--min-lr", "learning rate at the end of the decay", 0.0, type=float)
+    lr_decay_style: str = flag("--lr-decay-style", "decay after warm-up", "linear",
+                               choices=["constant", "linear", "cosine"])
+    lr_decay_iters: int | None = flag(
+        "--lr-decay-iters", "default --train-iters", type=int,
+        value=lambda a: a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters)
+    lr_warmup_iters: int = flag("--lr-warmup-iters", "linear warm-up steps from 0 to --lr", 0,
+                                type=int)
+    lr_warmup_fraction: float | None = flag(
+        "--lr-warmup-fraction",
+        "warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)", type=float)
+    weight_decay: float = flag("--weight-decay", "AdamW weight decay (not on biases and norms)",
+                               0.01, type=float)
+    adam_beta1: float = flag("--adam-beta1", "AdamW beta1", 0.9, type=float)
+    adam_beta2: float = flag("--adam-beta2", "AdamW beta2", 0.999, type=float)
+    adam_eps: float = flag("--adam-eps", "AdamW epsilon", 1e-8, type=float)
+    clip_grad: float = flag("--clip-grad", "global grad-norm clip (0 = off)", 1.0, type=float)
+
+    def __post_init__(self):
+        if self.lr < 0 or self.min_lr < 0:
+            raise ConfigError("--lr and --min-lr must be >= 0")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; use a --min-lr "
+                              f"<= --lr")
+        if self.lr_decay_iters is None:
+            raise ConfigError("--lr-decay-iters is not set (it defaults to --train-iters)")
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are both set; pass "
+                                  "only one")
+            if not 0 <= self.lr_warmup_fraction <= 1:
+                raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
+            set_derived(self, lr_warmup_iters=int(self.lr_warmup_fraction * self.lr_decay_iters))
+        _at_least(self, 0, "lr_warmup_iters")
+        if self.lr_decay_style != "constant" and self.lr_warmup_iters > self.lr_decay_iters:
+            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters "
+                              f"{self.lr_decay_iters}; shorten the warm-up or lengthen the decay")
+        if self.clip_grad < 0:
+            raise ConfigError("--clip-grad must be >= 0 (0 turns clipping off)")
+
+
+@dataclass(frozen=True)
+class ZeroFlags:
+    """The command-line face of megaq.zero.ZeroConfig (DeepSpeed's names). Defaults are
+    ZeroConfig's own; :meth:`engine_config` builds the engine's config (which checks it)."""
+
+    FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"
+
+    zero_stage: int = flag(
+        "--zero-stage", "3: ZeRO-3 sharded params/grads/optimizer; 0: replicated, all-reduce",
+        ZeroConfig.stage, type=int, choices=[0, 3])
+    zero_quantized_weights: bool = switch("--zero-quantized-weights",
+                                          "qwZ: int8 blockwise forward weight all-gather")
+    zero_hpz_partition_size: int = flag(
+        "--zero-hpz-partition-size",
+        "hpZ: secondary weight shard over this many in-node DP ranks (1 = off)",
+        ZeroConfig.hpz_partition_size, type=int)
+    zero_quantized_gradients: bool = switch(
+        "--zero-quantized-gradients", "qgZ: quantized two-hop all-to-all gradient reduce-scatter")
+    zero_quantized_gradients_bits: int = flag(
+        "--zero-quantized-gradients-bits", "qgZ bits per value of the cross-node hop (and of "
+        "the in-node hop unless --zero-quantized-gradients-intra-bits is given)",
+        ZeroConfig.grad_bits_inter, type=int, choices=[4, 8])
+    zero_quantized_gradients_intra_bits: int | None = flag(
+        "--zero-quantized-gradients-intra-bits", "qgZ bits of the in-node hop only (in-node "
+        "bytes, never cross-node; docs/ZEROPP.md 'Fidelity' has the trade-off); default: "
+        "--zero-quantized-gradients-bits", type=int, choices=[4, 8])
+    zero_quantization_block_size: int = flag("--zero-quantization-block-size",
+                                             "elements per quantization block",
+                                             ZeroConfig.block_size, type=int)
+    zero_quantized_gradients_quantize_own_rows: bool = switch(
+        "--zero-quantized-gradients-quantize-own-rows",
+        "qgZ: also quantize the all-to-all row each rank keeps for itself (DeepSpeed's way; "
+        "the default keeps it exact, which costs no bytes)")
+    zero_gradient_error_feedback: bool = switch(
+        "--zero-gradient-error-feedback", "qgZ: carry the quantization residual into the next "
+        "step (an fp32 residual as large as each unit's full gradient on every rank: 4 bytes "
+        "per parameter per rank; docs/ZEROPP.md 'Fidelity')")
+    zero_quantized_gradients_chunk: int = flag(
+        "--zero-quantized-gradients-chunk", "qgZ: elements of each rank's gradient shard per "
+        "chunk; the two all-to-all hops of consecutive chunks overlap (larger chunks mean fewer, "
+        "bigger collectives)", ZeroConfig.grad_chunk, type=int)
+
+    def __post_init__(self):
+        chunk = self.zero_quantized_gradients_chunk
+        if chunk < 1:
+            raise ConfigError(f"--zero-quantized-gradients-chunk {chunk} must be >= 1 element "
+                              f"(e.g. {ZeroConfig.grad_chunk})")
+
+    def engine_config(self, training: TrainingConfig, optimizer: OptimizerConfig) -> ZeroConfig:
+        return ZeroConfig(
+            stage=self.zero_stage, gather_dtype=training.params_dtype, lr=optimizer.lr,
+            betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
+            weight_decay=optimizer.weight_decay, quantized_weights=self.zero_quantized_weights,
+            hpz_partition_size=self.zero_hpz_partition_size,
+            quantized_gradients=self.zero_quantized_gradients,
+            grad_bits_intra=(self.zero_quantized_gradients_intra_bits
+                             or self.zero_quantized_gradients_bits),
+            grad_bits_inter=self.zero_quantized_gradients_bits,
+            error_feedback=self.zero_gradient_error_feedback,
+            grad_exact_own_rows=not self.zero_quantized_gradients_quantize_own_rows,
+            block_size=self.zero_quantization_block_size,
+            grad_chunk=self.zero_quantized_gradients_chunk)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    FLAG_GROUP: ClassVar[str] = "checkpointing"
+
+    save: str | None = flag("--save", "checkpoint directory to write")
+    save_interval: int | None = flag("--save-interval", "iterations between saves", type=int)
+    load: str | None = flag("--load", "checkpoint directory to resume from (starts fresh if it "
+                                      "holds none)")
+    no_load_rng: bool = switch("--no-load-rng", "do not restore RNG streams")
+    no_load_optim: bool = switch("--no-load-optim", "load weights only (fresh AdamW moments)")
+
+    def __post_init__(self):
+        _at_least(self, 1, "save_interval")
+        if self.save_interval and not self.save:
+            raise ConfigError("--save-interval needs --save DIR (where to write checkpoints)")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    FLAG_GROUP: ClassVar[str] = "logging and evaluation"
+
+    log_interval: int = flag("--log-interval", "iterations per log line / metrics line", 100,
+                             type=int)
+    eval_interval: int = flag("--eval-interval",
+                              "iterations between evaluations on the validation split", 1000,
+                              type=int)
+    eval_iters: int = flag("--eval-iters",
+                           "validation batches per evaluation (0 = no evaluation)", 100, type=int)
+    tensorboard_dir: str | None = flag(
+        "--tensorboard-dir", "write TensorBoard scalars here (needs tensorboard installed)")
+    metrics_file: str | None = flag(
+        "--metrics-file", "append one JSON object per logged iteration (and per evaluation)")
+    log_comm_time: bool = switch(
+        "--log-comm-time", "time every collective and log milliseconds per phase "
+        "(weight_gather_fwd, grad_reduce, ...) per iteration; collectives then run synchronously "
+        "with a device sync around each, so steps are slower (no overlap): use it to see where "
+        "communication time goes, not to measure step time")
+
+    def __post_init__(self):
+        _at_least(self, 1, "log_interval")
+        if self.eval_interval < 1:
+            raise ConfigError("--eval-interval must be >= 1 (use --eval-iters 0 to turn "
+                              "evaluation off)")
+        _at_least(self, 0, "eval_iters")
+
+
+# The flag groups of --help, in order (megaq.arguments.build_parser).
+FLAG_CLASSES = (GPTConfig, ParallelConfig, ZeroFlags, TrainingConfig, OptimizerConfig,
+                DataConfig, CheckpointConfig, LoggingConfig)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: GPTConfig
+    parallel: ParallelConfig
+    zero: ZeroConfig
+    data: DataConfig
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    checkpointing: CheckpointConfig
+    logging: LoggingConfig
+
+    def __post_init__(self):
+        # Rules that span two classes, each checked by the helper of the layer owning it.
+        m, p = self.model, self.parallel
+        check_model_fits_tp(p.tp, m.num_attention_heads,
+                            m.num_query_groups if m.group_query_attention else None)
+        check_num_microbatches(self.training.num_micro_batches, p.pp, self.virtual_pipeline_size)
+
+    @classmethod
+    def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":
+        """The run's configuration from parsed flags (an argparse namespace) and the
+        launcher's world size and ranks per node."""
+        zero = from_flags(ZeroFlags, flags)
+        parallel = from_flags(ParallelConfig, flags, world_size=world_size,
+                              ranks_per_node=ranks_per_node, hpz_size=zero.zero_hpz_partition_size)
+        training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
+        optimizer = from_flags(OptimizerConfig, flags)
+        model = from_flags(GPTConfig, flags, vocab_size=None,
+                           sequence_parallel=parallel.sequence_parallel,
+                           params_dtype=training.params_dtype, seed=training.seed)
+        return cls(model=model, parallel=parallel, zero=zero.engine_config(training, optimizer),
+                   data=from_flags(DataConfig, flags), training=training, optimizer=optimizer,
+                   checkpointing=from_flags(CheckpointConfig, flags),
+                   logging=from_flags(LoggingConfig, flags))
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per pipeline stage (1 without interleaving)."""
+        return virtual_pipeline_size(self.model.num_layers, self.parallel.pp,
+                                     self.parallel.num_layers_per_virtual_pipeline_stage)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.model.padded_vocab_size(self.parallel.tp)
+
+    def resolved(self, data: DataConfig, vocab_size: int) -> "RunConfig":
+        """This configuration once the data setup has resolved the data sources (e.g.
+        --demo-corpus's files) and the tokenizer has given the vocabulary size."""
+        return dataclasses.replace(
+            self, data=data, model=dataclasses.replace(self.model, vocab_size=vocab_size))
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (what a checkpoint stores)."""
+        return {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}

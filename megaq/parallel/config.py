@@ -1,0 +1,67 @@
+"""ParallelConfig: how the ranks are laid out (pretrain_gpt.py's parallelism flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from megaq.flags import flag, set_derived, switch
+from megaq.parallel.topology import Layout, LayoutError
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    FLAG_GROUP: ClassVar[str] = "parallelism"
+
+    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size",
+                                           "TP: ranks splitting each layer", 1, type=int)
+    pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size",
+                                             "PP: pipeline stages", 1, type=int)
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B: layers per model chunk",
+        type=int)
+    sequence_parallel: bool = switch(
+        "--sequence-parallel", "split LayerNorm/dropout activations over TP (ignored when TP = 1)")
+    gpus_per_node: int | None = flag(
+        "--gpus-per-node", "ranks per node for the node map (default: from torchrun/slurm); a "
+        "smaller value makes one machine pose as several nodes", type=int)
+    use_tp_pp_dp_mapping: bool = switch(
+        "--use-tp-pp-dp-mapping", "rank order TP fastest, then PP, then DP (Megatron's flag); "
+        "the default order puts DP before PP, which keeps a pipeline stage's DP groups on as "
+        "few nodes as possible")
+    distributed_backend: str | None = flag("--distributed-backend",
+                                           "default: nccl with CUDA, else gloo",
+                                           choices=["nccl", "gloo"])
+    # ---- from the launcher and the ZeRO flags, not from these flags ----
+    world_size: int = 1
+    ranks_per_node: int | None = None  # the launcher's; --gpus-per-node overrides it
+    hpz_size: int = 1                  # --zero-hpz-partition-size (the hpZ groups)
+    layout: Layout | None = None       # derived: the validated rank grid
+
+    def __post_init__(self):
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise LayoutError(f"--gpus-per-node must be >= 1 (got {self.gpus_per_node})")
+        layout = Layout(world_size=self.world_size, tp=self.tensor_model_parallel_size,
+                        pp=self.pipeline_model_parallel_size,
+                        ranks_per_node=self.gpus_per_node or self.ranks_per_node,
+                        hpz_size=self.hpz_size, order=self.rank_order)
+        # as Megatron: with TP = 1 there is nothing to split the sequence over
+        set_derived(self, layout=layout,
+                    sequence_parallel=self.sequence_parallel and layout.tp > 1)
+
+    @property
+    def rank_order(self) -> str:
+        """The topology's rank order named by --use-tp-pp-dp-mapping."""
+        return "tp-pp-dp" if self.use_tp_pp_dp_mapping else "tp-dp-pp"
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp

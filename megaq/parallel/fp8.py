@@ -1,0 +1,246 @@
+"""FP8 GEMMs for the tensor-parallel linear layers, with a CPU emulation.
+
+The one entry point is :func:`linear`, which ColumnParallelLinear and RowParallelLinear
+call in place of ``F.linear``. With a recipe it computes ``y = x W^T`` and, in
+backward, ``dX = dY W`` and ``dW = dY^T X`` as FP8 GEMMs; without one it is F.linear.
+
+Recipe (dynamic "current" scaling, as torchao's float8 training):
+
+* ``--fp8-format e4m3``: every operand in E4M3. ``hybrid``: activations and weights in
+  E4M3, the output gradient dY in E5M2 (more range, less precision).
+* ``--fp8-recipe tensorwise``: one scale per tensor, ``scale = fp8_max / amax``.
+  ``rowwise``: one scale per row of each operand along the GEMM's reduction dim
+  (per token for X, per output feature for W in forward, ...), rounded down to a
+  power of two so that dequantising is exact. Scales are computed from the tensor
+  being cast, every step: no amax history, nothing to checkpoint.
+* The GEMM runs ``torch._scaled_mm`` on CUDA GPUs with FP8 tensor cores (compute
+  capability >= 8.9): it multiplies the FP8 operands, accumulates in fp32 and
+  multiplies by the inverse scales. Forward uses fast accumulation, the two
+  backward GEMMs do not (torchao's defaults). Elsewhere (CPU, older GPUs, or inside
+  :func:`emulation`) the same FP8 operands with the same scales are upcast to fp32
+  and multiplied there: FP8 x FP8 products are exact in fp32, so the two paths
+  differ only in accumulation order and in the final rounding to the output dtype.
+
+TP consistency. A scale whose amax spans a TP-sharded dimension is reduced with a
+MAX all-reduce over the TP group (``comm``, phase ``"tp"``), so every TP split casts
+every element exactly as TP=1 does: a column-parallel layer's weight (tensorwise),
+its dY and, rowwise, the weight's columns for dX; a row-parallel layer's X and
+weight along the input features. Row-parallel partial products and column-parallel
+partial dX are then summed by the layers' usual collectives.
+
+Why torch._scaled_mm rather than torchao's Float8Linear: torchao's module swap and
+its Float8TrainingTensor subclass wrap ``nn.Linear`` and reduce amaxes over a
+DTensor device mesh; megaq's layers are not nn.Linear, shard with their own
+``comm`` groups and must put the amax reduction exactly where a shard boundary
+cuts a scaling group. The cast itself is a few lines; the reduction placement is
+the part that matters here, so megaq owns it and keeps torchao optional (used only
+as the benchmark's reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megaq.parallel import comm
+from megaq.parallel.comm import Group
+
+PHASE = "tp"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """What GPTConfig(fp8_format=..., fp8_recipe=...) turns on (frozen: hashable, so a
+    compiled block can key its graph on it)."""
+
+    format: str = "hybrid"
+    scaling: str = "tensorwise"
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"--fp8-format {self.format!r} is not supported; use one of {FORMATS}")
+        if self.scaling not in RECIPES:
+            raise ValueError(f"--fp8-recipe {self.scaling!r} is not supported; use one of {RECIPES}")
+
+    @property
+    def rowwise(self) -> bool:
+        return self.scaling == "rowwise"
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return E4M3
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E5M2 if self.format == "hybrid" else E4M3
+
+
+# ----------------------------------------------------------------- emulation switch
+_FORCE_EMULATION = False
+_SCALE_LOG: list | None = None
+
+
+@contextlib.contextmanager
+def emulation():
+    """Run FP8 GEMMs through the fp32 emulation even where FP8 tensor cores exist
+    (the GPU check compares the two paths on the same operands)."""
+    global _FORCE_EMULATION
+    saved, _FORCE_EMULATION = _FORCE_EMULATION, True
+    try:
+        yield
+    finally:
+        _FORCE_EMULATION = saved
+
+
+@contextlib.contextmanager
+def capture_scales():
+    """Collect (role, inverse scale) of every cast made inside (eager only; for tests)."""
+    global _SCALE_LOG
+    saved, _SCALE_LOG = _SCALE_LOG, []
+    try:
+        yield _SCALE_LOG
+    finally:
+        _SCALE_LOG = saved
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """FP8 tensor cores: CUDA, compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
+    if _FORCE_EMULATION or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# ----------------------------------------------------------------------- casting
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
+             group: Group | None = None, role: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast x to FP8 with dynamic scaling; returns (x_fp8, inverse scale).
+
+    dim None: one scale (a 0-d tensor); else one per slice along `dim` (keepdim
+    shape). `group`: the amax is MAX-reduced over it first (x is one TP shard of a
+    tensor whose scaling group the shard boundary cuts). `pow2`: round the scale
+    down to a power of two. Saturating cast, as torchao: values past the format's
+    max (impossible with current scaling, but cheap to guard) clamp to it.
+    """
+    amax = (x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)).float()
+    if group is not None and group.size > 1:
+        amax = amax.contiguous()
+        comm.all_reduce(amax, group, PHASE, op=dist.ReduceOp.MAX)
+    fmax = torch.finfo(dtype).max
+    # float64 division: eager and compiled graphs give bit-identical scales
+    scale = (fmax / amax.double().clamp(min=EPS)).float()
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    inv = scale.reciprocal()
+    if _SCALE_LOG is not None:
+        _SCALE_LOG.append((role, inv.detach().clone()))
+    return q, inv
+
+
+def _col_major(b: torch.Tensor) -> torch.Tensor:
+    return b if b.t().is_contiguous() else b.t().contiguous().t()
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+              out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """(a @ b) * a_inv * b_inv for FP8 a [M, K], b [K, N]; a_inv scalar or [M, 1],
+    b_inv scalar or [1, N]. torch._scaled_mm where FP8 tensor cores exist, else the
+    fp32 emulation of the same product."""
+    rowwise = a_inv.dim() > 0
+    if not fp8_gemm_available(a.device) or a.shape[1] % 16 or b.shape[1] % 16:
+        return ((a.float() @ b.float()) * a_inv * b_inv).to(out_dtype)
+    a, b = a.contiguous(), _col_major(b)
+    mm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
+    if rowwise and not fast_accum:
+        # the rowwise kernel is slow without fast accumulation: run the per-tensor
+        # kernel with unit scales and apply the row/column scales after (torchao's way);
+        # the scales are powers of two, so scaling the bf16 product rounds nothing more
+        one = a_inv.new_ones(())
+        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=mm_dtype)
+        return (y * a_inv * b_inv).to(out_dtype)
+    y = torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=mm_dtype,
+                         use_fast_accum=fast_accum)
+    return y.to(out_dtype)
+
+
+# ------------------------------------------------------------------ the FP8 linear
+def _maybe(group: Group, cond: bool) -> Group | None:
+    return group if cond and group.size > 1 else None
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T with FP8 GEMMs forward and backward.
+
+    `parallel` says which dimension TP splits: "column" (W's output rows; x is whole,
+    dY is split) or "row" (W's input columns; x is split, dY is whole). That decides
+    which amaxes cross a shard boundary and are reduced (module docstring).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe: FP8Recipe, group: Group, parallel: str):
+        col = parallel == "column"
+        rw, fwd = recipe.rowwise, recipe.forward_dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        # rowwise: scales along the input features, split only in a row-parallel layer;
+        # tensorwise: the weight is split in both kinds of layer, x only in row-parallel
+        xq, xs = quantize(x2, fwd, -1 if rw else None, rw, _maybe(group, not col), "input")
+        wq, ws = quantize(weight, fwd, 1 if rw else None, rw, _maybe(group, not (rw and col)), "weight")
+        y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype, fast_accum=True)
+        ctx.recipe, ctx.group, ctx.col = recipe, group, col
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        if rw:  # backward casts along other dims: keep the originals
+            ctx.save_for_backward(x2, weight)
+        else:   # one scale per tensor: the FP8 copies serve backward as they are (half the bytes)
+            ctx.save_for_backward(xq, xs, wq, ws)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe, group, col = ctx.recipe, ctx.group, ctx.col
+        gdt, rw = recipe.grad_dtype, recipe.rowwise
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = None
+        if rw:
+            x2, weight = ctx.saved_tensors
+            if ctx.needs_input_grad[0]:  # dX = dY W: reduction over output features
+                dyq, dys = quantize(dy2, gdt, -1, True, _maybe(group, col), "grad_output")
+                wq, ws = quantize(weight, recipe.forward_dtype, 0, True, _maybe(group, col),
+                                  "weight_for_grad_input")
+                dx = scaled_mm(dyq, wq, dys, ws, ctx.x_dtype, fast_accum=False)
+            if ctx.needs_input_grad[1]:  # dW = dY^T X: reduction over tokens (never split)
+                dyq, dys = quantize(dy2, gdt, 0, True, None, "grad_output_for_grad_weight")
+                xq, xs = quantize(x2, recipe.forward_dtype, 0, True, None, "input_for_grad_weight")
+                dw = scaled_mm(dyq.t(), xq, dys.t(), xs, ctx.w_dtype, fast_accum=False)
+        else:
+            xq, xs, wq, ws = ctx.saved_tensors
+            dyq, dys = quantize(dy2, gdt, None, False, _maybe(group, col), "grad_output")
+            if ctx.needs_input_grad[0]:
+                dx = scaled_mm(dyq, wq, dys, ws, ctx.x_dtype, fast_accum=False)
+            if ctx.needs_input_grad[1]:
+                dw = scaled_mm(dyq.t(), xq, dys, xs, ctx.w_dtype, fast_accum=False)
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        return dx, dw, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           recipe: FP8Recipe | None, group: Group, parallel: str) -> torch.Tensor:
+    """The TP layers' GEMM: F.linear without a recipe, else the FP8 GEMMs above."""
+    if recipe is None:
+        return F.linear(x, weight, bias)
+    if parallel not in ("column", "row"):
+        raise ValueError(f"parallel must be 'column' or 'row', not {parallel!r}")
+    y = _FP8Linear.apply(x, weight, recipe, group, parallel)
+    return y if bias is None else y + bias
+
+
+__all__ = ["FP8Recipe", "linear", "quantize", "scaled_mm", "emulation", "capture_scales",
+           "fp8_gemm_available", "FORMATS", "RECIPES"]

@@ -1,0 +1,194 @@
+"""GradState: the one owner of this rank's gradients, from a parameter's hook to the
+optimizer's fp32 shard.
+
+Per partition (keyed by ``part.name``, the one key every gradient structure uses) it
+holds:
+
+* the *reduce bucket*: the unit's padded flat gradient being filled by the
+  parameters' hooks (``grad_sync="per_microbatch"``), or the full fp32 gradient kept
+  across micro-batches (``"last_microbatch"``);
+* the *fp32 accumulator*: ``shard_numel`` elements, the reduced gradient of this
+  rank's shard, which the optimizer's leaves view;
+* whether the accumulator is *stale*: from ``zero()`` until it is settled, its
+  contents are last step's, and each slot's first write of the step overwrites
+  instead of adding (no zeroing pass, no read of zeros: 8 bytes per element per
+  step). Settling zeroes what no write reached (unused parameters, padding).
+
+Who calls what:
+
+* the engine's gradient hook: :meth:`add` (sequence-parallel grads are summed over
+  TP here first); the end-of-backward callback: :meth:`flush`; ``finish_grad_sync``:
+  :meth:`finish` (every reduction done, accumulators settled, tied-embedding copies
+  summed over ``topo.embedding``); ``zero_grad``: :meth:`zero`.
+* a reducer (the seam of megaq.zero.collectives, or qgZ) writes only through
+  :meth:`accumulator_for_add`, which settles the accumulator and hands it out to be
+  added into.
+* the optimizer reads through :meth:`read` (settled accumulators) and scales through
+  :meth:`scale`.
+
+Reductions in flight are bounded by ``cfg.reduce_bucket_size`` bytes of buckets: past
+it, the oldest is waited for (FIFO: every rank waits in the order it started, which
+is the order the collectives were issued).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from megaq.parallel import comm
+from megaq.zero.config import ZeroConfig
+from megaq.zero.partition import FlatPartition, ParamSlot
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class GradState:
+    def __init__(self, partitions: list[FlatPartition], topo, cfg: ZeroConfig, reducer, replicated):
+        """`reducer` reduces sharded partitions (None under stage 0, which has none),
+        `replicated` all-reduces replicated ones; both have the seam's ``start_reduce``."""
+        self.topo, self.cfg = topo, cfg
+        self.reducer, self.replicated = reducer, replicated
+        self.parts: dict[str, FlatPartition] = {}
+        for p in partitions:
+            if p.name in self.parts:
+                raise ValueError(f"two partitions are named {p.name!r}; gradient state is keyed by name")
+            self.parts[p.name] = p
+        self._accum = {name: torch.zeros(p.shard_numel, dtype=torch.float32, device=p.device)
+                       for name, p in self.parts.items()}
+        self._stale: set[str] = set()              # names whose accumulator is stale
+        self._written: dict[str, set[int]] = {}    # name -> slot offsets written while stale
+        self._buckets: dict[str, list] = {}        # name -> [padded flat grad, params seen]
+        self._full: dict[str, torch.Tensor] = {}   # last_microbatch: name -> full fp32 grad
+        self._pending: deque[tuple[comm.Handle, int]] = deque()
+        self.inflight_bytes = 0
+        # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
+        # (qgZ too: at DP=1 it has nothing to exchange and adds exactly, residuals unused)
+        self.direct = topo.dp.size == 1 and cfg.grad_sync == "per_microbatch"
+
+    # ------------------------------------------------------------ from the engine
+    def add(self, part: FlatPartition, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """A parameter's gradient of one micro-batch (its post-accumulate-grad hook)."""
+        if getattr(slot.param, "sequence_parallel", False) and self.topo.tp.size > 1:
+            comm.all_reduce(grad, self.topo.tp, "tp")  # partial per TP rank under SP
+        flat = grad.reshape(-1)
+        if self.direct:
+            self._add_slot(part.name, slot.offset, flat)
+        elif self.cfg.grad_sync == "per_microbatch":
+            bucket = self._buckets.get(part.name)
+            if bucket is None:
+                buf = torch.zeros(part.padded_numel, dtype=grad.dtype, device=grad.device)
+                bucket = self._buckets[part.name] = [buf, 0]
+            bucket[0][slot.offset:slot.offset + slot.numel].copy_(flat)
+            bucket[1] += 1
+            if bucket[1] == len(part.slots):
+                del self._buckets[part.name]
+                self._launch(part, bucket[0])
+        else:
+            full = self._full.get(part.name)
+            if full is None:
+                full = self._full[part.name] = torch.zeros(
+                    part.padded_numel, dtype=torch.float32, device=grad.device)
+            full[slot.offset:slot.offset + slot.numel].add_(flat)
+
+    def flush(self) -> None:
+        """Reduce partially filled buckets (parameters that got no grad this pass)."""
+        for name, part in self.parts.items():  # partition order: same on every DP rank
+            bucket = self._buckets.pop(name, None)
+            if bucket is not None:
+                self._launch(part, bucket[0])
+
+    def finish(self) -> None:
+        """Every reduction of the step done; accumulators settled; tied copies summed."""
+        self.flush()
+        for name, part in self.parts.items():
+            full = self._full.pop(name, None)
+            if full is not None:
+                self._launch(part, full.to(part.dtype) if part.dtype != full.dtype else full)
+        while self._pending:
+            self._wait_oldest()
+        accum = self.read()
+        if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
+            for name, part in self.parts.items():
+                if part.shared_embedding:
+                    comm.all_reduce(accum[name], self.topo.embedding, "embedding")
+
+    def zero(self) -> None:
+        """Start a step: accumulators become stale (nothing runs), buckets are dropped."""
+        self._stale = set(self.parts)
+        self._written = {name: set() for name in self.parts}
+        self._buckets.clear()
+        self._full.clear()
+
+    # ------------------------------------------------------------ reductions
+    def _launch(self, part: FlatPartition, flat: torch.Tensor) -> None:
+        reducer = self.reducer if part.sharded else self.replicated
+        handle = reducer.start_reduce(part, flat, self)
+        nbytes = _nbytes(flat)
+        self._pending.append((handle, nbytes))
+        self.inflight_bytes += nbytes
+        while self.inflight_bytes > self.cfg.reduce_bucket_size and len(self._pending) > 1:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        handle, nbytes = self._pending.popleft()
+        handle.wait()
+        self.inflight_bytes -= nbytes
+
+    def accumulator_for_add(self, name: str) -> torch.Tensor:
+        """The one way a reducer writes: partition `name`'s fp32 accumulator, settled,
+        for the reducer to ADD (sum over DP of this rank's slice) / DP size into."""
+        self._settle(name)
+        return self._accum[name]
+
+    # ------------------------------------------------------------ fp32 accumulator
+    def _add_slot(self, name: str, offset: int, src: torch.Tensor) -> None:
+        """Add a parameter's flat grad into its slice (upcasting): the first write of a
+        step to a stale accumulator copies instead."""
+        dst = self._accum[name][offset:offset + src.numel()]
+        if name in self._stale and offset not in self._written[name]:
+            dst.copy_(src)
+            self._written[name].add(offset)
+        else:
+            dst.add_(src)
+
+    def _settle(self, name: str) -> None:
+        """End the stale state: zero what no write reached (unused slots, padding)."""
+        if name not in self._stale:
+            return
+        grad, written, end = self._accum[name], self._written[name], 0
+        for slot in self.parts[name].slots:  # in offset order
+            if slot.offset in written:
+                if end < slot.offset:
+                    grad[end:slot.offset].zero_()
+                end = slot.offset + slot.numel
+        if end < grad.numel():
+            grad[end:].zero_()
+        self._stale.discard(name)
+        written.clear()
+
+    # ------------------------------------------------------------ for the optimizer
+    def accumulator(self, name: str) -> torch.Tensor:
+        """The accumulator tensor itself (the optimizer's leaves view it once, at build);
+        read values through :meth:`read`."""
+        return self._accum[name]
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """{name: settled fp32 accumulator}, in partition order."""
+        for name in self.parts:
+            self._settle(name)
+        return self._accum
+
+    def scale(self, coef: torch.Tensor) -> None:
+        """Multiply every accumulator by `coef` (0-d tensor: no host sync)."""
+        for g in self.read().values():
+            g.mul_(coef)
+
+    def memory_bytes(self) -> int:
+        """fp32 accumulators + buckets being filled + full grads kept across micro-batches."""
+        return (sum(_nbytes(t) for t in self._accum.values())
+                + sum(_nbytes(b[0]) for b in self._buckets.values())
+                + sum(_nbytes(t) for t in self._full.values()))

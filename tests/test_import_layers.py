@@ -1,0 +1,113 @@
+"""Dependencies flow one way: kernels, parallel, model, zero, data, config, checkpoint,
+training, CLI. Every import in every module under megaq/ and kernels/ (including the
+ones inside functions) may only point at its own layer or one below it.
+
+The walk reads the source (ast), so nothing is imported and an import hidden in a
+function body counts like one at the top.
+"""
+
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Lowest first. A module belongs to the layer of its longest matching prefix.
+LAYERS = [
+    ("kernels", ("kernels", "megaq.kernels", "megaq.flags", "megaq")),
+    ("parallel", ("megaq.parallel",)),
+    ("model", ("megaq.model",)),
+    ("zero", ("megaq.zero",)),
+    ("data", ("megaq.data",)),
+    ("config", ("megaq.config",)),
+    ("checkpoint", ("megaq.checkpoint",)),
+    ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils")),
+    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt")),
+]
+
+
+def layer_of(module: str) -> int | None:
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = i, len(p)
+    return best
+
+
+def modules():
+    for top in ("megaq", "kernels"):
+        for dirpath, _, files in os.walk(os.path.join(REPO, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                    yield rel[:-len(".__init__")] if rel.endswith(".__init__") else rel, path
+
+
+def imports_of(module: str, path: str, is_package: bool):
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for a in node.names:  # `from megaq import checkpoint` names a module; a name
+                yield f"{base}.{a.name}", node.lineno  # in a module has that module's layer
+
+
+def upward_imports():
+    bad = []
+    for module, path in modules():
+        mine = layer_of(module)
+        assert mine is not None, f"{module} belongs to no layer: add it to LAYERS"
+        for target, line in imports_of(module, path, path.endswith("__init__.py")):
+            theirs = layer_of(target)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{os.path.relpath(path, REPO)}:{line}: {module} "
+                           f"({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]})")
+    return bad
+
+
+def test_no_upward_import():
+    bad = upward_imports()
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_nothing_imports_the_entry_script():
+    """pretrain_gpt.py is a script; its code lives in megaq.pretrain."""
+    offenders = []
+    for top in ("megaq", "kernels", "tools", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(REPO, top)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+                    names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                             else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                    if "pretrain_gpt" in names:
+                        offenders.append(os.path.relpath(path, REPO))
+    assert not offenders
+
+
+@pytest.mark.parametrize("source,expect", [
+    ("from megaq.training import Trainer", "imports megaq.training.Trainer (training)"),
+    ("from megaq import checkpoint", "imports megaq.checkpoint (checkpoint)"),
+    ("def f():\n    import megaq.model.gpt", "imports megaq.model.gpt (model)"),
+])
+def test_the_walk_sees_an_upward_import(tmp_path, monkeypatch, source, expect):
+    """The checker itself: a parallel-layer module importing upward is reported."""
+    pkg = tmp_path / "megaq" / "parallel"
+    pkg.mkdir(parents=True)
+    (pkg / "bad.py").write_text(source + "\n")
+    monkeypatch.setattr(__import__(__name__), "REPO", str(tmp_path))
+    bad = upward_imports()
+    assert len(bad) == 1 and expect in bad[0] and "megaq.parallel.bad (parallel)" in bad[0]

@@ -1,0 +1,178 @@
+"""The install matrix: `megaq.kernels` imports, and `pretrain_gpt.py --help` and every
+user CLI's `--help` (tools/*.py) work, however megaq is installed and wherever it is
+run from.
+
+A copy of the checkout (megaq/, kernels/, tools/, the top-level scripts and build
+files) stands for "the repository". Each case gets a scratch virtual environment that
+sees this interpreter's site-packages as a plain path entry (torch, numpy, ... import),
+so the .pth files there, among them an editable install of megaq, never take effect:
+
+- checkout: nothing installed; scripts run from the checkout, `import megaq` with the
+  checkout on PYTHONPATH (as Megatron users run it);
+- wheel: `pip wheel` of the copy, installed non-editable; the checkout's megaq/ shadows
+  the installed one when run from the repository root (its kernels/ must follow);
+- editable: `pip install -e` of the copy.
+
+Each is run from the repository root and from another directory. Budget ~40 s on
+2 cores (mostly `import torch` in the CLIs that need it).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import site
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What the import check prints: where megaq and megaq.kernels were found, and that a
+# kernels submodule resolves through the package's __path__.
+PROBE = ("import megaq, megaq.kernels, megaq.kernels.format; "
+         "print(megaq.__file__); print(megaq.kernels.__file__)")
+
+
+def _why_no_build() -> str | None:
+    """Why this interpreter cannot build a wheel offline, or None.
+
+    Asked in a child process: probing pip in this one (even `find_spec("pip")`) makes
+    setuptools' distutils shim stand down for the rest of the session, and a later
+    `import setuptools` (torch.utils.cpp_extension, megatron-core) then fails.
+    """
+    probe = ("import setuptools\n"  # before pip: see above
+             "try:\n    import setuptools.command.bdist_wheel\n"
+             "except ImportError:\n    import wheel.bdist_wheel\n"
+             "import pip\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return (f"{last} (pip, and setuptools >= 70.1 or wheel, are needed; "
+                "scripts/setup_env.sh installs them)")
+    return None
+
+
+def _run(cmd: list[str], cwd: str, env: dict | None = None, timeout: float = 300):
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _copy_checkout(dst: str) -> None:
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for folder in ("megaq", "kernels", "tools"):
+        shutil.copytree(os.path.join(REPO, folder), os.path.join(dst, folder), ignore=skip)
+    top = {"pyproject.toml", "README.md"} | {n for n in os.listdir(REPO) if n.endswith(".py")}
+    for name in sorted(top):
+        shutil.copy2(os.path.join(REPO, name), dst)
+
+
+def _scratch_env(path: str) -> str:
+    """A venv whose python sees this interpreter's site-packages as plain path entries."""
+    r = _run([sys.executable, "-m", "venv", "--without-pip", path], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    python = os.path.join(path, "bin", "python")
+    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                   cwd=path).stdout.strip()
+    shared = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    with open(os.path.join(purelib, "_shared_site.pth"), "w") as f:
+        f.write("\n".join(shared) + "\n")
+    return python
+
+
+def _pip_install(env_dir: str, *what: str) -> None:
+    # --prefix into the scratch venv; --ignore-installed so pip never touches the copy
+    # of megaq that this interpreter's own environment may hold
+    r = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+              "--ignore-installed", "--prefix", env_dir, *what], cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> dict:
+    why = _why_no_build()
+    if why:
+        pytest.skip(f"cannot build a wheel offline: {why}")
+    root = tmp_path_factory.mktemp("install")
+    repo = str(root / "repo")
+    os.makedirs(repo)
+    _copy_checkout(repo)
+    elsewhere = str(root / "elsewhere")
+    os.makedirs(elsewhere)
+    dist = str(root / "dist")
+    r = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+              "-w", dist, repo], cwd=elsewhere)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    wheels = glob.glob(os.path.join(dist, "megaq-*.whl"))
+    assert len(wheels) == 1, os.listdir(dist)
+    return {"root": str(root), "repo": repo, "elsewhere": elsewhere, "wheel": wheels[0]}
+
+
+def _clis(repo: str) -> list[str]:
+    clis = ["pretrain_gpt.py"] + sorted(os.path.relpath(p, repo)
+                                        for p in glob.glob(os.path.join(repo, "tools", "*.py")))
+    # the user CLIs the README and docs/DATA.md name must be among them
+    for name in ("preprocess_data", "train_tokenizer", "generate", "plot_metrics", "build_corpus"):
+        assert os.path.join("tools", f"{name}.py") in clis
+    return clis
+
+
+@pytest.mark.parametrize("install", ["checkout", "wheel", "editable"])
+def test_install_matrix(install, checkout):
+    repo, elsewhere = checkout["repo"], checkout["elsewhere"]
+    env_dir = os.path.join(checkout["root"], f"env_{install}")
+    python = _scratch_env(env_dir)
+    if install == "wheel":
+        _pip_install(env_dir, checkout["wheel"])
+    elif install == "editable":
+        _pip_install(env_dir, "-e", repo)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.setdefault("TRITON_INTERPRET", "1")
+    installed_megaq = os.path.join(env_dir, "lib")  # the wheel's site-packages lie under it
+    if install == "checkout":  # the case only means something if no megaq is installed
+        r = _run([python, "-c", "import megaq"], cwd=elsewhere, env=env)
+        assert r.returncode != 0 and "No module named 'megaq'" in r.stderr, (
+            "the scratch environment sees an installed megaq: " + r.stdout + r.stderr)
+
+    jobs = []  # (what, cmd, cwd, env, expected megaq root or None)
+    for cwd in (repo, elsewhere):
+        where = "repository root" if cwd == repo else "another directory"
+        for cli in _clis(repo):
+            script = cli if cwd == repo else os.path.join(repo, cli)
+            jobs.append((f"{cli} --help from the {where}", [python, script, "--help"], cwd, env,
+                         None))
+        probe_env = env
+        if install == "checkout" and cwd == elsewhere:  # nothing installed: the checkout on the path
+            probe_env = dict(env, PYTHONPATH=repo)
+        # from the root the checkout's megaq/ shadows any installed copy; elsewhere the
+        # wheel's own copy answers; an editable install points into the checkout
+        expect = installed_megaq if (install == "wheel" and cwd == elsewhere) else repo
+        jobs.append((f"import megaq.kernels from the {where}", [python, "-c", PROBE], cwd,
+                     probe_env, expect))
+
+    def run(job):
+        what, cmd, cwd, job_env, expect = job
+        return job, _run(cmd, cwd=cwd, env=job_env)
+
+    failures = []
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        for (what, cmd, cwd, _, expect), r in pool.map(run, jobs):
+            if r.returncode != 0:
+                failures.append(f"{install}: {what}: exit {r.returncode}\n{r.stderr[-1500:]}")
+            elif expect is None:
+                if "usage:" not in r.stdout:
+                    failures.append(f"{install}: {what}: no usage text\n{r.stdout[-500:]}")
+            else:
+                megaq_file, kernels_file = r.stdout.split()
+                pkg_root = os.path.dirname(os.path.dirname(megaq_file))
+                # megaq.kernels is the kernels beside the megaq that was imported: the
+                # checkout's top-level kernels/, or the installed megaq/kernels/
+                if not megaq_file.startswith(expect + os.sep):
+                    failures.append(f"{install}: {what}: megaq from {megaq_file}, expected under {expect}")
+                beside = (os.path.join(pkg_root, "kernels") if pkg_root == repo
+                          else os.path.join(os.path.dirname(megaq_file), "kernels"))
+                if os.path.dirname(kernels_file) != beside:
+                    failures.append(f"{install}: {what}: megaq.kernels from {kernels_file}, "
+                                    f"expected {beside} (megaq from {megaq_file})")
+    assert not failures, "\n\n".join(failures)

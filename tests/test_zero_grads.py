@@ -1,0 +1,114 @@
+"""The gradient state's reduce back-pressure (megaq/zero/grads.py).
+
+At most ``reduce_bucket_size`` bytes of gradient buckets may be in flight (reduce
+started, not waited for); past it backward waits for the oldest reduction first. On 2
+gloo ranks (DP=2), with the bound set to the largest unit's bucket, every reduction a
+rank starts is logged with what is still in flight at that moment, and every wait is
+logged: the bound holds at every start, waits come in start order (oldest first), and
+some of them happen inside backward (the bound really pushed back). The run is then bit
+for bit the run with an unbounded bucket: waiting earlier changes when, not what, is
+added into the fp32 accumulators.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import zero_harness as H  # noqa: E402
+
+from megaq.parallel.comm import Handle  # noqa: E402
+from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.model import build_model_chunks  # noqa: E402
+from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape  # noqa: E402
+from megaq.zero import ZeroConfig, build_engine  # noqa: E402
+
+STEPS, N_MICRO = 2, 2
+
+
+class _Logged:
+    """A reducer seam that logs its starts (with the bytes still in flight) and waits."""
+
+    def __init__(self, inner, log: list, inflight: dict):
+        self.inner, self.log, self.inflight = inner, log, inflight
+
+    def start_reduce(self, part, flat, grads) -> Handle:
+        nbytes = flat.numel() * flat.element_size()
+        key = (part.name, len(self.log))
+        self.log.append(("start", key, nbytes, dict(self.inflight)))
+        self.inflight[key] = nbytes
+
+        def waited():
+            self.log.append(("wait", key))
+            del self.inflight[key]
+        return Handle(self.inner.start_reduce(part, flat, grads), then=waited)
+
+
+def _train(topo, bucket: int | None):
+    cfg = H.model_config()
+    if bucket is None:  # the largest unit's bucket: two of them in flight are too many
+        probe = build_engine(build_model_chunks(cfg, topo, 1), topo, ZeroConfig(block_size=8))
+        bucket = max(p.padded_numel * 4 for p in probe.partitions)  # fp32 grads
+        probe.remove_hooks()
+    torch.manual_seed(0)
+    chunks = build_model_chunks(cfg, topo, 1)
+    engine = build_engine(chunks, topo, ZeroConfig(block_size=8, reduce_bucket_size=bucket, lr=H.LR,
+                                                   betas=H.BETAS, eps=H.EPS, weight_decay=H.WD,
+                                                   param_persistence_threshold=30))
+    log, inflight = [], {}
+    engine.grads.reducer = _Logged(engine.grads.reducer, log, inflight)
+    engine.grads.replicated = _Logged(engine.grads.replicated, log, inflight)  # small params
+    fb = get_forward_backward_func(1, 1)
+    shape = pipeline_tensor_shape(H.SEQ, H.MBS, cfg.hidden_size, 1, False)
+    losses = []
+    for step in range(STEPS):
+        log.append(("zero_grad",))
+        engine.zero_grad()
+        mbs = H.microbatches(step, topo.dp_rank, topo.dp.size, N_MICRO, cfg.vocab_size)
+        losses.append([float(x) for x in fb(chunks, mbs, N_MICRO, topo, tensor_shape=shape)])
+        log.append(("finish_grad_sync",))
+        engine.finish_grad_sync()
+        engine.clip_grad_norm(H.CLIP)
+        engine.step(H.LR)
+    return {"bucket": bucket, "log": log, "losses": losses, "state": engine.full_state()}
+
+
+def _both(topo):
+    return _train(topo, None), _train(topo, 10 ** 12)
+
+
+def test_reduce_back_pressure_bounds_inflight_bytes_and_waits_oldest_first():
+    for bounded, free in run_on_ranks(_both, 2):
+        bucket, log = bounded["bucket"], bounded["log"]
+        starts = [e for e in log if e[0] == "start"]
+        waits = [e[1] for e in log if e[0] == "wait"]
+        assert len(starts) == len(waits) > 2 * STEPS  # every reduction waited for, once
+        # the bound: what was in flight when a reduction started is within it, or was a
+        # single (oversized) bucket the engine had to let go through on its own
+        for _, key, nbytes, before in starts:
+            assert sum(before.values()) <= bucket or len(before) == 1, (key, before, bucket)
+            assert nbytes <= bucket
+        # oldest first: waits in the order the reductions were started
+        assert waits == [key for _, key, _, _ in starts]
+        # the bound pushed back: some waits happened inside backward, before
+        # finish_grad_sync; without a bound every wait is left to finish_grad_sync
+        assert _waits_in_backward(log) > 0, log
+        assert _waits_in_backward(free["log"]) == 0, free["log"]
+        # same numbers, bit for bit
+        assert bounded["losses"] == free["losses"]
+        for name, st in free["state"]["params"].items():
+            for k, t in st.items():
+                assert torch.equal(bounded["state"]["params"][name][k], t), (name, k)
+
+
+def _waits_in_backward(log) -> int:
+    """Waits logged between a step's zero_grad and its finish_grad_sync."""
+    count, in_backward = 0, False
+    for e in log:
+        if e[0] in ("zero_grad", "finish_grad_sync"):
+            in_backward = e[0] == "zero_grad"
+        count += in_backward and e[0] == "wait"
+    return count

@@ -1,0 +1,98 @@
+"""FP8 training steps on one GPU under TP and ZeRO-3: do all layouts train alike?
+
+Gloo ranks forked on one machine all put their tensors on the same GPU (cuda:0), so
+TP and ZeRO-3 run with real FP8 GEMMs (torch._scaled_mm) while their collectives go
+through gloo. A small Llama (bf16 weights, fp32 masters, FP8 block GEMMs) trains a
+few steps on fixed batches as TP=1 and TP=2 under the ZeRO-3 engine; the losses are
+compared with TP=1's. Gloo moves CUDA tensors for all-reduce, broadcast and
+all-gather but has no CUDA send/recv, which megaq's gloo reduce-scatter (a ring of
+send/recv) needs: sequence parallelism and DP > 1 cannot run this way on one GPU
+(the CPU tests, tests/test_fp8.py, cover those layouts).
+
+    python tools/bench/check_fp8_gpu.py --out fp8_tp_zero3.json
+
+Run it in its own process: the ranks are forked, so the parent must not have touched
+CUDA yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+
+LAYOUTS = [(1, 1), (2, 1)]  # (tp, dp)
+
+
+def _steps(topo, fp8_format, fp8_recipe, steps, device):
+    from megaq.model import GPTConfig, GPTModel
+    from megaq.zero import ZeroConfig, build_engine
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=4096,
+                          seq_length=512, params_dtype=torch.bfloat16,
+                          fp8_format=fp8_format, fp8_recipe=fp8_recipe)
+    model = GPTModel(cfg, topo.tp).to(dev)
+    engine = build_engine([model], topo, ZeroConfig(stage=3, gather_dtype=torch.bfloat16, lr=1e-3,
+                                                    betas=(0.9, 0.95), weight_decay=0.1))
+    # the same global batch of 4 samples at every layout: DP ranks take their share
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 4096, (2, 4, 513), generator=g)
+    dp, dp_rank = topo.dp.size, topo.dp_rank
+    losses = []
+    for i in range(steps):
+        batch = data[i % 2].chunk(dp)[dp_rank].to(dev)
+        engine.zero_grad()
+        loss = model(batch[:, :-1], labels=batch[:, 1:]).float().mean()
+        loss.backward()
+        engine.finish_grad_sync()
+        engine.clip_grad_norm(1.0)
+        engine.step(1e-3)
+        total = loss.detach().clone()
+        if dp > 1:  # the global mean over DP ranks, for the comparison
+            from megaq.parallel import comm
+            comm.all_reduce(total, topo.dp, "dp")
+            total /= dp
+        losses.append(float(total))
+    return losses
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda:0", help="cpu: a quick dry run of the script itself")
+    args = p.parse_args(argv)
+    from megaq.parallel.launch import run_on_ranks
+
+    report = {"steps": args.steps, "results": {}}
+    for fmt, recipe in (("hybrid", "tensorwise"), ("e4m3", "rowwise")):
+        base = None
+        for tp, dp in LAYOUTS:
+            key = f"{fmt}-{recipe} tp{tp} dp{dp} zero3"
+            try:
+                losses = run_on_ranks(_steps, tp * dp, tp=tp, args=(fmt, recipe, args.steps, args.device))[0]
+            except Exception as e:  # noqa: BLE001 - report and go on with the other layouts
+                report["results"][key] = {"error": f"{type(e).__name__}: {e}"[-800:]}
+                print(f"{key}: FAILED {report['results'][key]['error']}", flush=True)
+                continue
+            base = base or losses
+            diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
+            report["results"][key] = {"losses": losses, "max_rel_diff_vs_tp1": diff}
+            print(f"{key}: losses " + " ".join(f"{x:.4f}" for x in losses)
+                  + f"  max rel diff vs TP=1 {diff:.1e}", flush=True)
+    if args.out:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    main()
