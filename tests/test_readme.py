@@ -106,7 +106,7 @@ def test_docs_results_holds_exactly_what_the_docs_cite():
         text = open(path).read()
         for stem, exts in re.findall(r"results/([\w.-]+?)\.\{([\w,]+)\}", text):  # name.{png,json}
             cited.update(f"{stem}.{e}" for e in exts.split(","))
-        cited.update(re.findall(r"results/([\w-]+\.(?:json|png))", text))
+        cited.update(re.findall(r"results/([\w.-]+?\.(?:json|png|txt))", text))
     present = set(os.listdir(os.path.join(REPO, "docs", "results")))
     assert not cited - present, f"cited but missing from docs/results/: {sorted(cited - present)}"
     assert not present - cited, f"in docs/results/ but cited by no doc: {sorted(present - cited)}"
