@@ -80,7 +80,7 @@ def error_feedback_file(ckpt_dir: str, rank: int) -> str:
 
 
 # what the qgZ residuals depend on besides the layout: a change of these restarts them
-_EF_SETTINGS = ("grad_bits_intra", "grad_bits_inter", "block_size")
+_EF_SETTINGS = ("grad_bits_intra", "grad_bits_inter", "block_size", "grad_exact_own_rows")
 
 
 # ------------------------------------------------------------------------ RNG streams
@@ -260,9 +260,13 @@ def saved_config(sd: dict) -> dict:
     out["model"].update(vocab_size=args.get("vocab_size"), seed=args.get("seed", 1234))
     out["model"] = to_dict(GPTConfig.from_dict(out["model"]))
     out["training"]["global_batch_size"] = args.get("global_batch_size")
-    out["zero"] = {"grad_bits_intra": args.get("zero_quantized_gradients_bits"),
-                   "grad_bits_inter": args.get("zero_quantized_gradients_bits"),
-                   "block_size": args.get("zero_quantization_block_size") or ZeroConfig.block_size}
+    bits = args.get("zero_quantized_gradients_bits")
+    out["zero"] = {"grad_bits_intra": args.get("zero_quantized_gradients_intra_bits") or bits,
+                   "grad_bits_inter": bits,
+                   "block_size": args.get("zero_quantization_block_size") or ZeroConfig.block_size,
+                   # files from before the flag quantized every row (own rows were not exact)
+                   "grad_exact_own_rows": not args.get("zero_quantized_gradients_quantize_own_rows",
+                                                       True)}
     return out
 
 
@@ -406,7 +410,7 @@ def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, to
     if sd["layout"] != layout_dict(topo.layout):
         reason = f"the layout changed ({sd['layout']} -> {layout_dict(topo.layout)})"
     elif any(saved["zero"].get(k) != getattr(config.zero, k) for k in _EF_SETTINGS):
-        reason = "the qgZ bits or block size changed"
+        reason = "the qgZ bits, block size or own-rows setting changed"
     elif not os.path.isfile(path):
         reason = "the checkpoint holds none (saved without error feedback, or at DP=1)"
     else:

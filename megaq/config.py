@@ -179,14 +179,25 @@ class ZeroFlags:
         ZeroConfig.hpz_partition_size, type=int)
     zero_quantized_gradients: bool = switch(
         "--zero-quantized-gradients", "qgZ: quantized two-hop all-to-all gradient reduce-scatter")
-    zero_quantized_gradients_bits: int = flag("--zero-quantized-gradients-bits",
-                                              "qgZ bits per value", ZeroConfig.grad_bits_intra,
-                                              type=int, choices=[4, 8])
+    zero_quantized_gradients_bits: int = flag(
+        "--zero-quantized-gradients-bits", "qgZ bits per value of the cross-node hop (and of "
+        "the in-node hop unless --zero-quantized-gradients-intra-bits is given)",
+        ZeroConfig.grad_bits_inter, type=int, choices=[4, 8])
+    zero_quantized_gradients_intra_bits: int | None = flag(
+        "--zero-quantized-gradients-intra-bits", "qgZ bits of the in-node hop only (in-node "
+        "bytes, never cross-node; docs/ZEROPP.md 'Fidelity' has the trade-off); default: "
+        "--zero-quantized-gradients-bits", type=int, choices=[4, 8])
     zero_quantization_block_size: int = flag("--zero-quantization-block-size",
                                              "elements per quantization block",
                                              ZeroConfig.block_size, type=int)
+    zero_quantized_gradients_quantize_own_rows: bool = switch(
+        "--zero-quantized-gradients-quantize-own-rows",
+        "qgZ: also quantize the all-to-all row each rank keeps for itself (DeepSpeed's way; "
+        "the default keeps it exact, which costs no bytes)")
     zero_gradient_error_feedback: bool = switch(
-        "--zero-gradient-error-feedback", "qgZ: carry the quantization residual into the next step")
+        "--zero-gradient-error-feedback", "qgZ: carry the quantization residual into the next "
+        "step (an fp32 residual as large as each unit's full gradient on every rank: 4 bytes "
+        "per parameter per rank; docs/ZEROPP.md 'Fidelity')")
     zero_quantized_gradients_chunk: int = flag(
         "--zero-quantized-gradients-chunk", "qgZ: elements of each rank's gradient shard per "
         "chunk; the two all-to-all hops of consecutive chunks overlap (larger chunks mean fewer, "
@@ -205,9 +216,11 @@ class ZeroFlags:
             weight_decay=optimizer.weight_decay, quantized_weights=self.zero_quantized_weights,
             hpz_partition_size=self.zero_hpz_partition_size,
             quantized_gradients=self.zero_quantized_gradients,
-            grad_bits_intra=self.zero_quantized_gradients_bits,
+            grad_bits_intra=(self.zero_quantized_gradients_intra_bits
+                             or self.zero_quantized_gradients_bits),
             grad_bits_inter=self.zero_quantized_gradients_bits,
             error_feedback=self.zero_gradient_error_feedback,
+            grad_exact_own_rows=not self.zero_quantized_gradients_quantize_own_rows,
             block_size=self.zero_quantization_block_size,
             grad_chunk=self.zero_quantized_gradients_chunk)
 

@@ -13,6 +13,12 @@ node, S = my shard), DP rank ``a*m + j`` (node a, local index j) must end with
 5. dequantize the k rows, sum in fp32, times 1/n (n = DP size, not the node count),
    added into the fp32 accumulator shard.
 
+Own rows exact (``grad_exact_own_rows``, default): the row of each all-to-all that a rank
+sends to itself crosses no link, so steps 3 and 5 add that row's exact fp32 values
+(step 1's input, step 3's sum) to the dequantized rows of the peers, instead of
+quantizing it: no byte changes, m-1 instead of m quantized contributions in hop 1 and
+k-1 instead of k in hop 2. Off, step 3 is one fused kernel (dequant_reduce_quantize).
+
 The shard is cut into chunks of ``grad_chunk`` elements (block aligned) and the two
 hops are pipelined: chunk i+1's in-node all-to-all is issued before chunk i's
 cross-node one is waited on. A shard that is not a multiple of the block size is
@@ -20,10 +26,14 @@ zero-padded per chunk; the padding never reaches the accumulator. One node: hop 
 empty and step 5 reduces hop 2's rows directly; one rank per node: hop 2 is empty
 and step 1 quantizes straight into hop 4's layout (one quantization either way).
 
-Error feedback (option): each rank keeps the residual ``x - dequant(quant(x))`` of
-both of its quantizations (hop 1 on the full reordered gradient, hop 3 on its node
-partial sums) per (unit, chunk), in fp32, and adds it to the same values next call.
-The cumulative error over T calls is then one residual, not T errors.
+Error feedback (opt-in, ``error_feedback``): each rank keeps the residual
+``x - dequant(quant(x))`` of both of its quantizations (hop 1 on the full reordered
+gradient, hop 3 on its node partial sums) per (unit, chunk), in fp32 whatever the
+gradient dtype (a bf16 residual stalls once it is large: tests/test_zeropp_fidelity.py),
+and adds it to the same values next call; the exact own rows leave none. The
+cumulative error over T calls is then one residual, not T errors. It is off by
+default: the residuals are as large as each unit's full gradient on every rank
+(4 bytes per parameter per rank), which undoes ZeRO-3's memory savings at scale.
 
 Every collective here is tagged ``grad_reduce``.
 """
@@ -143,7 +153,8 @@ class QuantizedGradReducer:
         return r
 
     def _issue_hop1(self, key, i, bounds, grad2d):
-        """Quantize chunk i and post its in-node all-to-all; returns (recv, handle)."""
+        """Quantize chunk i and post its in-node all-to-all; returns (recv, handle, own):
+        own = my own row in fp32 ([k * s]) when own rows stay exact, else None."""
         lo, hi = bounds
         s = hi - lo
         cfg, r = self.cfg, self.rails
@@ -151,56 +162,90 @@ class QuantizedGradReducer:
         if r.m == 1:
             # No in-node peers: quantize straight into the cross-node layout [k, P(s)].
             bits = cfg.grad_bits_inter
+            own = x.reshape(r.k, s)[r.a].to(torch.float32) if cfg.grad_exact_own_rows else None
             if cfg.error_feedback:
                 res = self._residual(self._res2, key, i, (r.k, s), x.device)
                 y = x.reshape(r.k, s).to(torch.float32) + res
                 q = ops.quantize(y, bits, cfg.block_size)
                 res.copy_(y - ops.dequantize(q, s, bits, cfg.block_size, torch.float32))
+                if own is not None:
+                    res[r.a].zero_()  # my own row is used exactly: it leaves no residual
             else:
                 q = ops.quantize(x.reshape(r.k, s), bits, cfg.block_size)
-            return q, None
+            return q, None, own
         res = self._residual(self._res1, key, i, (x.numel(),), x.device) if cfg.error_feedback else None
         send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block_size, res)
+        own = None
+        if cfg.grad_exact_own_rows:  # row j stays on this rank: keep it exact (fp32), not quantized
+            own = x.reshape(r.k, r.m, s)[:, r.j].to(torch.float32).reshape(-1)
+            if res is not None:
+                res.view(r.k, r.m, s)[:, r.j].zero_()
         recv = torch.empty_like(send)
-        return recv, comm.all_to_all(recv, send, self.intra, PHASE, async_op=True)
+        return recv, comm.all_to_all(recv, send, self.intra, PHASE, async_op=True), own
 
     def _issue_hop2(self, key, i, bounds, hop1):
         """Wait for chunk i's in-node rows, reduce + requantize, post the cross-node hop."""
         lo, hi = bounds
         s = hi - lo
         cfg, r = self.cfg, self.rails
-        recv1, h1 = hop1
+        recv1, h1, own1 = hop1
         if h1 is not None:
             h1.wait()
         if r.k == 1:
-            return recv1, None, cfg.grad_bits_intra  # one node: the rows are final
+            return recv1, None, cfg.grad_bits_intra, own1  # one node: the rows are final
+        own2 = None
         if r.m == 1:
-            send = recv1
-        elif cfg.error_feedback:
-            res = self._residual(self._res2, key, i, (r.k, s), recv1.device)
-            rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block_size, torch.float32)
-            y = _sum_rows(rows).reshape(r.k, s) + res
+            send, own2 = recv1, own1
+        elif cfg.error_feedback or own1 is not None:
+            if own1 is not None:  # the peers' rows dequantized, plus my own row exactly
+                y = _reduce_rows(recv1, r.j, r.k * s, cfg.grad_bits_intra, cfg.block_size, own1)
+            else:
+                rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block_size, torch.float32)
+                y = _sum_rows(rows)
+            y = y.reshape(r.k, s)
+            if cfg.error_feedback:
+                res = self._residual(self._res2, key, i, (r.k, s), recv1.device)
+                y = y + res
             send = ops.quantize(y, cfg.grad_bits_inter, cfg.block_size)
-            res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block_size, torch.float32))
+            if cfg.error_feedback:
+                res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block_size, torch.float32))
+            if own1 is not None:
+                own2 = y[r.a].clone()  # my node's partial sum of my chunk: exact (no residual)
+                if cfg.error_feedback:
+                    res[r.a].zero_()
         else:
             send = ops.dequant_reduce_quantize(recv1, r.k, s, cfg.grad_bits_intra,
                                                cfg.grad_bits_inter, cfg.block_size)
         recv2 = torch.empty_like(send)
         h2 = comm.all_to_all(recv2, send, self.inter, PHASE, async_op=True)
-        return recv2, h2, cfg.grad_bits_inter
+        return recv2, h2, cfg.grad_bits_inter, own2
 
     def _finish(self, bounds, hop2, out: torch.Tensor) -> None:
         lo, hi = bounds
-        recv, h, bits = hop2
+        recv, h, bits, own = hop2
         if h is not None:
             h.wait()
         S = out.numel()
         scale = 1.0 / self.n  # the DP size, exactly once
-        if hi <= S:
+        if own is not None:  # the other rows dequantized plus my own exact row, then / n
+            me = self.rails.j if self.rails.k == 1 else self.rails.a
+            part = _reduce_rows(recv, me, hi - lo, bits, self.cfg.block_size, own) * scale
+            out[lo:min(hi, S)].add_(part[:min(hi, S) - lo])
+        elif hi <= S:
             ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, out[lo:hi])
         else:  # the chunk reaches into the padding: only the real part is accumulated
             part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale)
             out[lo:S].add_(part[:S - lo])
+
+
+def _reduce_rows(recv: torch.Tensor, mine: int, L: int, bits: int, block: int,
+                 own: torch.Tensor) -> torch.Tensor:
+    """fp32 [L]: the packed rows of ``recv`` other than row ``mine`` dequantized and
+    summed in row order (one fused kernel), plus ``own`` (this rank's exact row, which
+    never crossed a link and so was never quantized)."""
+    others = [r for r in range(recv.shape[0]) if r != mine]
+    rows = recv[others] if others != list(range(len(others))) else recv[:len(others)]
+    return ops.dequant_reduce(rows, L, bits, block, 1.0) + own
 
 
 def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
