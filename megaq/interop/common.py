@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from megaq import checkpoint as ckpt
+from megaq import integrity
 
 
 class InteropError(RuntimeError):
@@ -166,6 +167,7 @@ def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
                                             {"step": 0, "params": shards[r]}, extra)
             ckpt.save_file(record, ckpt.model_file(ckpt.iteration_dir(root, 0), r, stage))
         del shards
+    integrity.write_manifest(ckpt.iteration_dir(root, 0))  # as a save: loads verify it
     ckpt.write_tracker(root, 0)
 
 
