@@ -133,7 +133,7 @@ def test_harness_configs_reach_the_intended_settings():
                 z.error_feedback, not z.grad_exact_own_rows, z.grad_bits_intra,
                 z.grad_bits_inter, z.block_size)
 
-    assert settings("zero3") == (False, 1, False, False, False, 4, 4, 2048)
+    assert settings("zero3") == (False, 1, False, False, True, 4, 4, 2048)
     # the shipped defaults: own rows quantized (the 5th field), no error feedback
     assert settings("zeropp") == (True, 2, True, False, True, 4, 4, 2048)
     assert settings("qgz") == (False, 1, True, False, True, 4, 4, 2048)
