@@ -264,9 +264,8 @@ def saved_config(sd: dict) -> dict:
     out["zero"] = {"grad_bits_intra": args.get("zero_quantized_gradients_intra_bits") or bits,
                    "grad_bits_inter": bits,
                    "block_size": args.get("zero_quantization_block_size") or ZeroConfig.block_size,
-                   # files from before the flag quantized every row (own rows were not exact)
-                   "grad_exact_own_rows": not args.get("zero_quantized_gradients_quantize_own_rows",
-                                                       True)}
+                   # flat-args files quantized every row (own rows were not exact)
+                   "grad_exact_own_rows": False}
     return out
 
 

@@ -190,10 +190,10 @@ class ZeroFlags:
     zero_quantization_block_size: int = flag("--zero-quantization-block-size",
                                              "elements per quantization block",
                                              ZeroConfig.block_size, type=int)
-    zero_quantized_gradients_quantize_own_rows: bool = switch(
-        "--zero-quantized-gradients-quantize-own-rows",
-        "qgZ: also quantize the all-to-all row each rank keeps for itself (DeepSpeed's way; "
-        "the default keeps it exact, which costs no bytes)")
+    zero_quantized_gradients_exact_own_rows: bool = switch(
+        "--zero-quantized-gradients-exact-own-rows",
+        "qgZ: keep the all-to-all row a rank keeps for itself exact (fp32, no bytes; "
+        "measured with error feedback, docs/ZEROPP.md)")
     zero_gradient_error_feedback: bool = switch(
         "--zero-gradient-error-feedback", "qgZ: carry the quantization residual into the next "
         "step (an fp32 residual as large as each unit's full gradient on every rank: 4 bytes "
@@ -220,7 +220,7 @@ class ZeroFlags:
                              or self.zero_quantized_gradients_bits),
             grad_bits_inter=self.zero_quantized_gradients_bits,
             error_feedback=self.zero_gradient_error_feedback,
-            grad_exact_own_rows=not self.zero_quantized_gradients_quantize_own_rows,
+            grad_exact_own_rows=self.zero_quantized_gradients_exact_own_rows,
             block_size=self.zero_quantization_block_size,
             grad_chunk=self.zero_quantized_gradients_chunk)
 

@@ -58,8 +58,10 @@ class _Bf16Residuals(QuantizedGradReducer):
 def _worker(topo):
     n, me = topo.dp.size, topo.dp.rank
     rails = rails_of(topo)
-    cfg_on = ZeroConfig(quantized_gradients=True, error_feedback=True, block_size=BLOCK)
-    cfg_off = ZeroConfig(quantized_gradients=True, error_feedback=False, block_size=BLOCK)
+    cfg_on = ZeroConfig(quantized_gradients=True, error_feedback=True, block_size=BLOCK,
+                        grad_exact_own_rows=True)
+    cfg_off = ZeroConfig(quantized_gradients=True, error_feedback=False, block_size=BLOCK,
+                         grad_exact_own_rows=True)
     variants = {"feedback": (QuantizedGradReducer, cfg_on), "off": (QuantizedGradReducer, cfg_off),
                 "bf16_residual": (_Bf16Residuals, cfg_on)}
     grads = [[_grad(r, t, n) for r in range(n)] for t in range(STEPS)]
@@ -131,15 +133,18 @@ def test_harness_configs_reach_the_intended_settings():
                 z.error_feedback, not z.grad_exact_own_rows, z.grad_bits_intra,
                 z.grad_bits_inter, z.block_size)
 
-    assert settings("zero3") == (False, 1, False, False, False, 4, 4, 2048)
-    assert settings("zeropp") == (True, 2, True, False, False, 4, 4, 2048)  # the shipped defaults
-    assert settings("zeropp+ef") == (True, 2, True, True, False, 4, 4, 2048)
-    assert settings("zeropp_v1") == (True, 2, True, False, True, 4, 4, 2048)  # before issue 22
-    assert settings("qgz_v1+ef") == (False, 1, True, True, True, 4, 4, 2048)
-    assert settings("qgz+i8+b512") == (False, 1, True, False, False, 8, 4, 512)
-    assert settings("qgz_v1+b512") == (False, 1, True, False, True, 4, 4, 512)  # later token wins
+    assert settings("zero3") == (False, 1, False, False, True, 4, 4, 2048)
+    # the shipped defaults: own rows quantized (the 5th field), no error feedback
+    assert settings("zeropp") == (True, 2, True, False, True, 4, 4, 2048)
+    assert settings("qgz") == (False, 1, True, False, True, 4, 4, 2048)
+    assert settings("zeropp+xown+ef") == (True, 2, True, True, False, 4, 4, 2048)
+    assert settings("qgz+ef") == (False, 1, True, True, True, 4, 4, 2048)
+    assert settings("qgz+i8+b512") == (False, 1, True, False, True, 8, 4, 512)
+    assert settings("qgz+b512+b1024") == (False, 1, True, False, True, 4, 4, 1024)  # later wins
     with pytest.raises(cv.ConfigError):
         cv.config_flags("qwz+ef", 2)  # a qgZ option without qgZ
+    with pytest.raises(cv.ConfigError):
+        cv.config_flags("qwz+xown", 2)
     with pytest.raises(cv.ConfigError):
         cv.config_flags("qgz+x7", 2)
 

@@ -74,7 +74,10 @@ class ZeroConfig:
     grad_bits_inter: int = 4            # qgZ: bits of the cross-node hop (8 or 4)
     error_feedback: bool = False        # qgZ: carry each quantization's residual forward
     grad_chunk: int = DEFAULT_GRAD_CHUNK  # qgZ: shard elements per chunk (hops of chunks overlap)
-    grad_exact_own_rows: bool = True    # qgZ: a rank's own all-to-all row stays fp32 (no link)
+    # qgZ: a rank's own all-to-all row stays fp32 (no link, no bytes). Opt-in: its loss
+    # was measured only together with error feedback, and with it the in-node hop runs an
+    # unfused dequant_reduce + quantize (H200 step time unmeasured), not the fused kernel.
+    grad_exact_own_rows: bool = False
 
     def __post_init__(self):
         if self.stage not in (0, 3):

@@ -29,13 +29,13 @@ A configuration is ``zero3`` or tokens joined by ``+`` (each maps to flags):
     b<N>       --zero-quantization-block-size N
     ef         --zero-gradient-error-feedback (opt-in: an fp32 residual of 4 bytes per
                parameter per rank)
-    qown       --zero-quantized-gradients-quantize-own-rows (also quantize the row a
-               rank keeps for itself in each all-to-all, as before issue 22)
+    xown       --zero-quantized-gradients-exact-own-rows (opt-in: keep the row a rank
+               keeps for itself in each all-to-all exact, fp32, instead of int4)
 
-and the aliases ``zeropp`` (qwz+hpz+qgz with the current defaults: own rows exact, no
-error feedback), ``zeropp_v1`` and ``qgz_v1`` (the qgZ defaults before issue 22 pinned:
-g4+i4+b2048+qown); an alias may start a composite (``zeropp+ef``, ``qgz_v1+ef``; a later
-token overrides an earlier one). Runs are cached by their exact argv (and CACHE_EPOCH)
+and the alias ``zeropp`` (qwz+hpz+qgz with the shipped defaults: int4 both hops, block
+2048, own rows quantized, no error feedback); an alias may start a composite
+(``zeropp+xown+ef``; a later token overrides an earlier one). The names ``qgz_v1`` and
+``zeropp_v1`` of older tables are today's ``qgz`` and ``zeropp``. Runs are cached by their exact argv (and CACHE_EPOCH)
 under --cache-dir, so a table can be extended or re-plotted without re-training.
 """
 
@@ -57,14 +57,16 @@ DEFAULT_SEEDS = "1234,4321,777"  # issue 22's seeds
 # Part of every run's cache key: bump it when the same argv starts to mean another
 # configuration. 2: error feedback became opt-in again (under epoch 1, a bare
 # --zero-quantized-gradients ran with it), so no epoch-1 run is read as a current one.
-CACHE_EPOCH = 2
+# 3: exact own rows became opt-in (under epoch 2, a bare --zero-quantized-gradients
+# kept them exact).
+CACHE_EPOCH = 3
 
 TOKENS = {
     "qwz": ["--zero-quantized-weights"],
     "hpz": ["--zero-hpz-partition-size", "{hpz}"],
     "qgz": ["--zero-quantized-gradients"],
     "ef": ["--zero-gradient-error-feedback"],
-    "qown": ["--zero-quantized-gradients-quantize-own-rows"],
+    "xown": ["--zero-quantized-gradients-exact-own-rows"],
 }
 PREFIX_TOKENS = {  # token prefix + integer -> flag
     "g": "--zero-quantized-gradients-bits",
@@ -73,10 +75,8 @@ PREFIX_TOKENS = {  # token prefix + integer -> flag
 }
 ALIASES = {
     "zeropp": "qwz+hpz+qgz",
-    "zeropp_v1": "qwz+hpz+qgz+g4+i4+b2048+qown",
-    "qgz_v1": "qgz+g4+i4+b2048+qown",
 }
-GRAD_ONLY = ("ef", "qown")  # need qgz
+GRAD_ONLY = ("ef", "xown")  # need qgz
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,

@@ -13,11 +13,12 @@ node, S = my shard), DP rank ``a*m + j`` (node a, local index j) must end with
 5. dequantize the k rows, sum in fp32, times 1/n (n = DP size, not the node count),
    added into the fp32 accumulator shard.
 
-Own rows exact (``grad_exact_own_rows``, default): the row of each all-to-all that a rank
+Own rows exact (``grad_exact_own_rows``, opt-in): the row of each all-to-all that a rank
 sends to itself crosses no link, so steps 3 and 5 add that row's exact fp32 values
 (step 1's input, step 3's sum) to the dequantized rows of the peers, instead of
 quantizing it: no byte changes, m-1 instead of m quantized contributions in hop 1 and
-k-1 instead of k in hop 2. Off, step 3 is one fused kernel (dequant_reduce_quantize).
+k-1 instead of k in hop 2. Off (the default), step 3 is one fused kernel
+(dequant_reduce_quantize).
 
 The shard is cut into chunks of ``grad_chunk`` elements (block aligned) and the two
 hops are pipelined: chunk i+1's in-node all-to-all is issued before chunk i's
