@@ -29,15 +29,16 @@ need = {"triton": "triton", "sentencepiece": "sentencepiece", "numpy": "numpy",
         "pytest": "pytest", "tqdm": "tqdm", "matplotlib": "matplotlib",
         "setuptools": "setuptools",  # the editable install below (3.12+ venvs lack it)
         "pyflakes": "pyflakes==4.1.0"}  # the lint step of .ci/run
-missing = [p for m, p in need.items() if u.find_spec(m) is None]
-if "setuptools" not in missing:
+absent = {m for m in need if u.find_spec(m) is None}  # module names
+missing = [need[m] for m in need if m in absent]       # what pip installs
+if "setuptools" not in absent:
     # building a wheel (tests/test_install.py) needs bdist_wheel: part of setuptools
     # since 70.1 (the wheel package now only re-exports it), so an older one is upgraded
     import os
     here = u.find_spec("setuptools").submodule_search_locations[0]
     if not os.path.isfile(os.path.join(here, "command", "bdist_wheel.py")):
         missing.append("setuptools==84.2.1")
-if "pyflakes" not in missing:
+if "pyflakes" not in absent:
     from importlib.metadata import version
     if version("pyflakes") != "4.1.0":
         missing.append("pyflakes==4.1.0")
