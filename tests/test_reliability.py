@@ -8,6 +8,7 @@ SIGKILL), a file-size limit standing in for a full disk, a learning rate that
 overflows the weights. One test starts real torchrun and SIGKILLs it.
 """
 
+import contextlib
 import os
 import resource
 import shutil
@@ -345,10 +346,8 @@ def test_sigkill_of_torchrun_leaves_no_rank_alive(tmp_path):
         assert not alive, f"ranks {alive} outlived torchrun"
     finally:
         for p in [proc.pid] + ranks:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         proc.wait()
 
 

@@ -14,6 +14,7 @@ their pids; getent answers the head node's name with the 127.0.1.1 loopback trap
    resubmission with the same EXPERIMENT resumes from that checkpoint.
 """
 
+import contextlib
 import json
 import os
 import shlex
@@ -247,10 +248,8 @@ def _kill_job(job, state):
     if job.poll() is None:
         pids = (state / "pids").read_text().split() if (state / "pids").exists() else []
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         job.kill()
         job.wait()
 

@@ -88,7 +88,7 @@ ROUTES = {("megaq", "hf"): megaq_to_hf, ("hf", "megaq"): hf_to_megaq,
 
 
 class _RouteMissing(RuntimeError):
-    pass
+    """A --from/--to pair whose converter module is not part of this install."""
 
 
 def build_parser() -> argparse.ArgumentParser:

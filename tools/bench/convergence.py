@@ -84,7 +84,7 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 
 
 class ConfigError(ValueError):
-    pass
+    """A configuration name the harness cannot parse; the message says which token."""
 
 
 def config_flags(name: str, hpz: int) -> list[str]:

@@ -22,6 +22,7 @@ Exit status 0 when every trial passed. docs/RELIABILITY.md holds a run's output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -94,10 +95,8 @@ class Job:
     def kill(self) -> None:
         pids = [self.proc.pid] + self.ranks()
         for p in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.wait(10)
         self.out.close()
 
