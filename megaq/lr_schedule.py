@@ -121,7 +121,12 @@ class LRSchedule:
         self.num_samples = int(sd.get("num_samples", self.num_steps * self.samples_per_step))
 
     def load_state_dict(self, sd: dict) -> None:
-        """Resume: the position, and the settings as Megatron decides (module docstring)."""
+        """Resume: the position, and the settings as Megatron decides (module docstring).
+        A state without settings (a converter's checkpoint of an imported model, like
+        Megatron's release checkpoints) gives the position only."""
+        if not any(k in sd for k, _ in self.SETTINGS):
+            self.restore_position(sd)
+            return
         saved = {"unit": "iterations", **{k: sd[k] for k, _ in self.SETTINGS if k in sd}}
         diffs = [f"{name} {getattr(self, k)} (checkpoint: {saved[k]})"
                  for k, name in self.SETTINGS if saved.get(k) != getattr(self, k)]

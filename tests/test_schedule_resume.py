@@ -162,6 +162,9 @@ def test_schedule_load_state_dict_rules():
     same = LRSchedule(1.0, 0.1, 2, 5, "cosine")
     same.load_state_dict(saved)  # equal settings: the position only
     assert same.num_steps == 3
+    imported = LRSchedule(**longer)  # a converter's checkpoint records no settings
+    imported.load_state_dict({"num_steps": 0, "num_samples": 0})
+    assert (imported.decay_steps, imported.num_steps) == (9, 0)
 
 
 # ------------------------------------------------------------------ training runs
