@@ -128,7 +128,7 @@ def build_trainer(config, topo, t_start: float | None = None):
     schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size)
     state = TrainState()
 
-    save, load = config.checkpointing.save, config.checkpointing.load
+    save = config.checkpointing.save
     if save:  # one job per directory; stale .tmp saves removed (megaq.checkpoint_guard)
         checkpoint_guard.claim_save_directory(save, topo)
     source, finetune = checkpoint_source(config.checkpointing)
