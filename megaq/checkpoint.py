@@ -9,7 +9,8 @@ Layout under --save DIR::
                                              iteration, consumed samples, LR schedule,
                                              layout, and engine.full_state() (full fp32
                                              master weights + AdamW moments by name, so any
-                                             DP size / ZeRO++ setting can load it)
+                                             DP size / ZeRO++ setting can load it; without
+                                             the moments under --no-save-optim)
       rng/rank_{rank:05d}.pt                 every rank's RNG streams: python, numpy, torch
                                              CPU, CUDA, the TP RNG tracker
       qgz/rank_{rank:05d}.pt                 with --zero-gradient-error-feedback: the rank's
@@ -177,9 +178,14 @@ def _verified(fn, *a):
 
 # ------------------------------------------------------------------------------ save
 def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engine, lr_schedule,
-                    consumed_samples: int, extra: dict | None = None) -> str:
-    """Collective over every rank. Returns the final directory."""
+                    consumed_samples: int, extra: dict | None = None,
+                    save_optim: bool = True) -> str:
+    """Collective over every rank. Returns the final directory. save_optim=False
+    (--no-save-optim) leaves out the AdamW moments and qgZ residuals: weights, RNG
+    streams, the LR schedule and the position only (see weights_only_state)."""
     full = engine.full_state()  # collective over DP: full fp32 weights + moments
+    if not save_optim:
+        full = weights_only_state(full)
     rank = topo.rank if topo is not None else 0
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".{os.path.basename(final)}.tmp")
@@ -199,7 +205,7 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
                                         lr_schedule.state_dict(), full, extra),
                       model_file(tmp, tp_rank, pp_rank))
         save_file(rng_state(), rng_file(tmp, rank))
-        residuals = engine.error_feedback_state()
+        residuals = engine.error_feedback_state() if save_optim else None
         if residuals:
             save_file({"residuals": residuals}, error_feedback_file(tmp, rank))
 
@@ -326,7 +332,9 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
     """Load the newest checkpoint under `root` into engine / schedule / RNG.
 
     Returns {"iteration", "consumed_samples", "extra"} or None when `root` holds no
-    checkpoint yet (a fresh run; lets job scripts always pass --load). A different DP
+    checkpoint yet (a fresh run; lets job scripts always pass --load). load_optim=False
+    loads fresh AdamW moments and only the LR schedule's position; lr_schedule=None
+    leaves the schedule alone (--finetune). A different DP
     size or ZeRO++ setting loads directly (full states are DP-independent); a different
     TP or PP size is resharded when `model_chunks` (this rank's) are given, else refused.
     """
@@ -355,12 +363,20 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
         _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
     else:
         state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks)
+    if load_optim and not has_optimizer_state(sd["model_optim"]):
+        raise CheckpointError(f"{ckpt} was saved with --no-save-optim (no optimizer state); "
+                              f"load it with --no-load-optim (fresh AdamW moments, same "
+                              f"iteration) or --finetune (weights only, iteration 0)")
     if not load_optim:
         state = engine_weights_only(state)
     engine.load_full_state(state)
     if load_optim:
         _load_error_feedback(ckpt, sd, saved, config, topo, engine)
-    lr_schedule.load_state_dict(sd["lr_scheduler"])
+    if lr_schedule is not None:  # None: --finetune (the flags' schedule from its start)
+        if load_optim:  # settings checked against the flags (megaq.lr_schedule)
+            lr_schedule.load_state_dict(sd["lr_scheduler"])
+        else:
+            lr_schedule.restore_position(sd["lr_scheduler"])
 
     if load_rng and not same_mp:
         # The TP/PP coordinates changed: no rank's streams map onto ours (the TP tracker's
@@ -515,7 +531,7 @@ def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) ->
                                   f"this model")
         parts = saved["params"][src]
         entry = {}
-        for k in ("param", "exp_avg", "exp_avg_sq"):
+        for k in [k for k in ("param", "exp_avg", "exp_avg_sq") if k in parts[0]]:
             shards = [x[k] for x in parts]
             if getattr(p, "tensor_model_parallel", False):
                 dim, stride = p.partition_dim, p.partition_stride
@@ -534,9 +550,22 @@ def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) ->
 
 def engine_weights_only(state: dict) -> dict:
     """--no-load-optim: keep the weights of a full state, reset AdamW (zero moments, step 0)."""
-    params = {name: {k: (v if k == "param" else torch.zeros_like(v)) for k, v in entry.items()}
+    params = {name: {"param": entry["param"], "exp_avg": torch.zeros_like(entry["param"]),
+                     "exp_avg_sq": torch.zeros_like(entry["param"])}
               for name, entry in state["params"].items()}
     return {"step": 0, "params": params}
+
+
+def weights_only_state(state: dict) -> dict:
+    """--no-save-optim: a full state without the AdamW moments (marked "optimizer":
+    False, so a load that wants them refuses it, and engine_weights_only fills zeros)."""
+    return {"step": 0, "optimizer": False,
+            "params": {name: {"param": entry["param"]} for name, entry in state["params"].items()}}
+
+
+def has_optimizer_state(model_optim: dict) -> bool:
+    """False for a model_optim saved by --no-save-optim (weights_only_state)."""
+    return model_optim.get("optimizer", True) is not False
 
 
 # ------------------------------------------------------- one process, whole model

@@ -64,9 +64,13 @@ class TrainingConfig:
     global_batch_size: int | None = flag(
         "--global-batch-size", "samples per step (default micro-batch x DP); must be a multiple "
         "of micro-batch x DP (the quotient is the gradient accumulation count)", type=int)
-    train_iters: int = flag("--train-iters",
-                            "optimizer steps to train for (in total, across resumes)", 0,
-                            type=int, required=True)
+    train_iters: int | None = flag(
+        "--train-iters", "optimizer steps to train for (in total, across resumes); this or "
+        "--train-samples is required", type=int)
+    train_samples: int | None = flag(
+        "--train-samples", "samples to train for (in total, across resumes), instead of "
+        "--train-iters: the run takes train-samples // global-batch-size steps and its LR "
+        "schedule counts samples (--lr-warmup-samples, --lr-decay-samples)", type=int)
     seed: int = flag("--seed", "seed of weights, dropout and data order", GPTConfig.seed, type=int)
     bf16: bool = switch("--bf16", "bf16 weights/activations (fp32 master)")
     fp16: bool = switch("--fp16", "not supported (no loss scaling): use --bf16")
@@ -98,7 +102,13 @@ class TrainingConfig:
             raise ConfigError("--fp16 is not supported (megaq has no loss scaling); use --bf16 or "
                               "fp32 (neither)")
         _at_least(self, 1, "micro_batch_size", "max_consecutive_skipped_iters", "exit_interval")
-        _at_least(self, 0, "train_iters")
+        _at_least(self, 0, "train_iters", "train_samples")
+        if self.train_iters is not None and self.train_samples is not None:
+            raise ConfigError("--train-iters and --train-samples are both set; pass only one "
+                              "(iteration-based or sample-based training, as in Megatron-LM)")
+        if self.train_iters is None and self.train_samples is None:
+            raise ConfigError("the run's length is not set; pass --train-iters N (optimizer "
+                              "steps) or --train-samples N (samples)")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ConfigError("--exit-duration-in-mins must be > 0")
         if self.hang_timeout_minutes is not None and not self.hang_timeout_minutes > 0:
@@ -107,6 +117,18 @@ class TrainingConfig:
         gbs = self.global_batch_size or self.micro_batch_size * self.data_parallel_size
         set_derived(self, global_batch_size=gbs, num_micro_batches=num_microbatches_per_step(
             gbs, self.micro_batch_size, self.data_parallel_size))
+        if self.train_samples is not None:
+            # Megatron-LM without batch-size ramp-up: whole global batches only
+            if self.train_samples and self.train_samples < gbs:
+                raise ConfigError(f"--train-samples {self.train_samples} is less than one global "
+                                  f"batch ({gbs}); pass at least {gbs} or a smaller "
+                                  f"--global-batch-size")
+            set_derived(self, train_iters=self.train_samples // gbs)
+
+    @property
+    def sample_based(self) -> bool:
+        """--train-samples: the run's length and LR schedule count samples."""
+        return self.train_samples is not None
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -124,19 +146,38 @@ class OptimizerConfig:
     lr_decay_style: str = flag("--lr-decay-style", "decay after warm-up", "linear",
                                choices=["constant", "linear", "cosine"])
     lr_decay_iters: int | None = flag(
-        "--lr-decay-iters", "default --train-iters", type=int,
-        value=lambda a: a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters)
+        "--lr-decay-iters", "steps from the start to the end of the decay (iteration-based runs; "
+        "default --train-iters)", type=int)
+    lr_decay_samples: int | None = flag(
+        "--lr-decay-samples", "samples from the start to the end of the decay (sample-based "
+        "runs, --train-samples; default --train-samples)", type=int)
     lr_warmup_iters: int = flag("--lr-warmup-iters", "linear warm-up steps from 0 to --lr", 0,
                                 type=int)
+    lr_warmup_samples: int = flag(
+        "--lr-warmup-samples", "linear warm-up from 0 to --lr over this many samples "
+        "(sample-based runs, --train-samples)", 0, type=int)
     lr_warmup_fraction: float | None = flag(
-        "--lr-warmup-fraction",
-        "warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)", type=float)
+        "--lr-warmup-fraction", "warm-up as a fraction of the decay (--lr-decay-iters or "
+        "--lr-decay-samples; instead of --lr-warmup-iters / --lr-warmup-samples)", type=float)
     weight_decay: float = flag("--weight-decay", "AdamW weight decay (not on biases and norms)",
                                0.01, type=float)
     adam_beta1: float = flag("--adam-beta1", "AdamW beta1", 0.9, type=float)
     adam_beta2: float = flag("--adam-beta2", "AdamW beta2", 0.999, type=float)
     adam_eps: float = flag("--adam-eps", "AdamW epsilon", 1e-8, type=float)
     clip_grad: float = flag("--clip-grad", "global grad-norm clip (0 = off)", 1.0, type=float)
+    override_opt_param_scheduler: bool = switch(
+        "--override-opt_param-scheduler", "on resume, take the LR schedule's settings (--lr, "
+        "--min-lr, warm-up, decay) from these flags even where the checkpoint's differ "
+        "(without it or --use-checkpoint-opt_param-scheduler a difference is refused)")
+    use_checkpoint_opt_param_scheduler: bool = switch(
+        "--use-checkpoint-opt_param-scheduler", "on resume, take the LR schedule's settings from "
+        "the checkpoint, ignoring these flags' (--lr, --min-lr, warm-up, decay)")
+    # ---- derived ----
+    # the run's length (TrainingConfig's, set by RunConfig.from_flags): the decay's default,
+    # and which unit the schedule counts in (samples when --train-samples is given)
+    train_iters: int | None = None
+    train_samples: int | None = None
+    schedule_unit: str = "iterations"  # "iterations" | "samples": megaq.lr_schedule.LRSchedule
 
     def __post_init__(self):
         if self.lr < 0 or self.min_lr < 0:
@@ -144,21 +185,48 @@ class OptimizerConfig:
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; use a --min-lr "
                               f"<= --lr")
-        if self.lr_decay_iters is None:
-            raise ConfigError("--lr-decay-iters is not set (it defaults to --train-iters)")
-        if self.lr_warmup_fraction is not None:
-            if self.lr_warmup_iters:
-                raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are both set; pass "
-                                  "only one")
-            if not 0 <= self.lr_warmup_fraction <= 1:
-                raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
-            set_derived(self, lr_warmup_iters=int(self.lr_warmup_fraction * self.lr_decay_iters))
-        _at_least(self, 0, "lr_warmup_iters")
-        if self.lr_decay_style != "constant" and self.lr_warmup_iters > self.lr_decay_iters:
-            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters "
-                              f"{self.lr_decay_iters}; shorten the warm-up or lengthen the decay")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("--override-opt_param-scheduler and "
+                              "--use-checkpoint-opt_param-scheduler are both set; pass only one "
+                              "(the flags' LR schedule, or the checkpoint's)")
+        self._derive_schedule()
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be >= 0 (0 turns clipping off)")
+
+    def _derive_schedule(self) -> None:
+        """Megatron-LM's rules: a run is iteration-based (--train-iters, --lr-decay-iters,
+        --lr-warmup-iters) or sample-based (--train-samples, --lr-decay-samples,
+        --lr-warmup-samples), never a mix; the decay defaults to the run's length."""
+        sample_based = self.train_samples is not None
+        unit = "samples" if sample_based else "iters"
+        other = "iters" if sample_based else "samples"
+        for kind in ("decay", "warmup"):
+            value = getattr(self, f"lr_{kind}_{other}")
+            if value is not None and value != 0:  # given (the warm-up's default is 0)
+                run = ("sample-based (--train-samples)" if sample_based
+                       else "iteration-based (--train-iters)")
+                raise ConfigError(f"--lr-{kind}-{other} {value} mixes iteration- and sample-based "
+                                  f"settings: this run is {run}; use --lr-{kind}-{unit} instead")
+        decay_name, warmup_name = f"lr_decay_{unit}", f"lr_warmup_{unit}"
+        decay = getattr(self, decay_name)
+        if decay is None:
+            decay = self.train_samples if sample_based else self.train_iters
+        if decay is None:
+            raise ConfigError(f"--lr-decay-{unit} is not set (it defaults to --train-{unit})")
+        set_derived(self, schedule_unit="samples" if sample_based else "iterations",
+                    **{decay_name: decay})
+        if self.lr_warmup_fraction is not None:
+            if getattr(self, warmup_name):
+                raise ConfigError(f"--lr-warmup-{unit} and --lr-warmup-fraction are both set; "
+                                  f"pass only one")
+            if not 0 <= self.lr_warmup_fraction <= 1:
+                raise ConfigError("--lr-warmup-fraction must be in [0, 1]")
+            set_derived(self, **{warmup_name: int(self.lr_warmup_fraction * decay)})
+        _at_least(self, 0, warmup_name, decay_name)
+        warmup = getattr(self, warmup_name)
+        if self.lr_decay_style != "constant" and warmup > decay:
+            raise ConfigError(f"--lr-warmup-{unit} {warmup} exceeds --lr-decay-{unit} {decay}; "
+                              f"shorten the warm-up or lengthen the decay")
 
 
 @dataclass(frozen=True)
@@ -234,7 +302,19 @@ class CheckpointConfig:
     load: str | None = flag("--load", "checkpoint directory to resume from (starts fresh if it "
                                       "holds none)")
     no_load_rng: bool = switch("--no-load-rng", "do not restore RNG streams")
-    no_load_optim: bool = switch("--no-load-optim", "load weights only (fresh AdamW moments)")
+    no_load_optim: bool = switch(
+        "--no-load-optim", "load weights only (fresh AdamW moments); the iteration, consumed "
+        "samples and the LR schedule's position still come from the checkpoint")
+    no_save_optim: bool = switch(
+        "--no-save-optim", "save without the AdamW moments (smaller checkpoints); such a "
+        "checkpoint loads only with --no-load-optim or --finetune")
+    finetune: bool = switch(
+        "--finetune", "start a fine-tuning run from the weights in --load: iteration and "
+        "consumed samples 0, fresh AdamW moments, LR schedule and RNG streams from the flags")
+    pretrained_checkpoint: str | None = flag(
+        "--pretrained-checkpoint", "when --load holds no checkpoint yet (or is not given), "
+        "start from this checkpoint's weights as --finetune does; once the run has saved to "
+        "--load, resumes load from there", metavar="DIR")
     save_hf: str | None = flag(
         "--save-hf", "at the end of training, also write the final model in Hugging Face "
         "transformers form to DIR (from the final --save checkpoint; docs/INTEROP.md)",
@@ -247,6 +327,9 @@ class CheckpointConfig:
         _at_least(self, 1, "save_interval")
         if self.save_interval and not self.save:
             raise ConfigError("--save-interval needs --save DIR (where to write checkpoints)")
+        if self.finetune and not (self.load or self.pretrained_checkpoint):
+            raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start "
+                              "from)")
         if self.save_hf and not self.save:
             raise ConfigError("--save-hf needs --save DIR (the HF export is written from the "
                               "final checkpoint)")
@@ -312,7 +395,8 @@ class RunConfig:
         parallel = from_flags(ParallelConfig, flags, world_size=world_size,
                               ranks_per_node=ranks_per_node, hpz_size=zero.zero_hpz_partition_size)
         training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
-        optimizer = from_flags(OptimizerConfig, flags)
+        optimizer = from_flags(OptimizerConfig, flags, train_iters=training.train_iters,
+                               train_samples=training.train_samples)
         model = from_flags(GPTConfig, flags, vocab_size=None,
                            sequence_parallel=parallel.sequence_parallel,
                            params_dtype=training.params_dtype, seed=training.seed)

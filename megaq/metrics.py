@@ -94,6 +94,38 @@ class MetricsWriter:
             self._f = None
 
 
+def drop_records_after(path: str, iteration: int) -> int:
+    """Remove the lines of iterations after `iteration` (any type), rewriting the file
+    through a temporary file + rename so a crash leaves the old or the new file, never
+    half of one. A resumed run calls it with its checkpoint's iteration: the lines the
+    stopped run logged after that save are repeated by the resumed run. A last line cut
+    off by a crash (not JSON) goes too; other lines stay as they are. Returns the number
+    of lines removed."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    keep = []
+    for n, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) - 1:
+                continue  # a line half written when the run was killed
+            keep.append(line)
+            continue
+        if not (isinstance(record, dict) and isinstance(record.get("iteration"), int)
+                and record["iteration"] > iteration):
+            keep.append(line if line.endswith("\n") else line + "\n")
+    dropped = len([x for x in lines if x.strip()]) - len([x for x in keep if x.strip()])
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 def read_metrics(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

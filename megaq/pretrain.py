@@ -116,7 +116,8 @@ def build_trainer(config, topo, t_start: float | None = None):
     n_evals = t.train_iters // log.eval_interval + 1 if log.eval_iters else 0
     data = build_data(config.data, topo, seq_length=config.model.seq_length, seed=t.seed,
                       global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                      num_samples=(t.train_iters * t.global_batch_size,
+                      # Megatron's sizes: --train-samples, or the steps' samples
+                      num_samples=(t.train_samples or t.train_iters * t.global_batch_size,
                                    n_evals * log.eval_iters * t.global_batch_size,
                                    0))  # the test split is never read in training: no samples
     config = config.resolved(data.config, data.vocab_size)
@@ -124,26 +125,34 @@ def build_trainer(config, topo, t_start: float | None = None):
     device = _device()
     chunks = [c.to(device) for c in chunks]
     engine = build_engine(chunks, topo, config.zero)
-    schedule = LRSchedule.from_config(config.optimizer)
+    schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size)
     state = TrainState()
 
-    save, load = config.checkpointing.save, config.checkpointing.load
+    save = config.checkpointing.save
     if save:  # one job per directory; stale .tmp saves removed (megaq.checkpoint_guard)
         checkpoint_guard.claim_save_directory(save, topo)
-    if load:
+    source, finetune = checkpoint_source(config.checkpointing)
+    if source:
         from megaq.interop.megatron import load_refusal
-        refusal = load_refusal(load)  # a Megatron-LM directory: say so, name the converter
+        refusal = load_refusal(source)  # a Megatron-LM directory: say so, name the converter
         if refusal:
             raise ckpt.CheckpointError(refusal)
-        # every rank reads its own files; all agree before anyone exits (megaq.failure)
+        # every rank reads its own files; all agree before anyone exits (megaq.failure).
+        # --finetune: weights only; iteration, samples, moments, schedule, RNG start fresh.
         with failure.agreed(topo.world):
-            loaded = ckpt.load_checkpoint(load, config=config, topo=topo, engine=engine,
-                                          lr_schedule=schedule, model_chunks=chunks,
-                                          load_rng=not config.checkpointing.no_load_rng,
-                                          load_optim=not config.checkpointing.no_load_optim)
+            loaded = ckpt.load_checkpoint(
+                source, config=config, topo=topo, engine=engine,
+                lr_schedule=None if finetune else schedule, model_chunks=chunks,
+                load_rng=not (finetune or config.checkpointing.no_load_rng),
+                load_optim=not (finetune or config.checkpointing.no_load_optim))
         if loaded is None:
             if rank0:
-                print(f" no checkpoint found in {load}: starting from scratch", flush=True)
+                print(f" no checkpoint found in {source}: starting from scratch", flush=True)
+        elif finetune:
+            if rank0:
+                print(f" fine-tuning from the weights of {loaded['path']} (its iteration "
+                      f"{loaded['iteration']}); iteration, consumed samples, optimizer state, "
+                      f"LR schedule and RNG start fresh", flush=True)
         else:
             if loaded["consumed_samples"] % t.global_batch_size:
                 raise ckpt.CheckpointError(
@@ -157,6 +166,7 @@ def build_trainer(config, topo, t_start: float | None = None):
             if rank0:
                 print(f" loaded checkpoint {loaded['path']} at iteration {state.iteration} "
                       f"(consumed samples {state.consumed_samples})", flush=True)
+                _truncate_metrics(config.logging.metrics_file, state.iteration)
 
     parts = TrainingParts(config=config, topo=topo, model_chunks=chunks, engine=engine,
                           lr_schedule=schedule, train_batches=data.train,
@@ -168,6 +178,38 @@ def build_trainer(config, topo, t_start: float | None = None):
         print(f" setup (process groups, data, model, engine, checkpoint) took "
               f"{time.perf_counter() - t_start:.1f} s; training", flush=True)
     return trainer
+
+
+def checkpoint_source(checkpointing) -> tuple[str | None, bool]:
+    """(directory to load, as a fine-tuning start?) under Megatron-LM's rules: --load,
+    resumed (or, with --finetune, its weights only); --pretrained-checkpoint DIR when
+    --load holds no checkpoint yet (a fine-tuning job's first start; its requeued runs
+    then resume from --load), as --finetune."""
+    from megaq import checkpoint as ckpt
+    c = checkpointing
+    if c.pretrained_checkpoint and (not c.load or ckpt.read_tracker(c.load) is None):
+        if ckpt.read_tracker(c.pretrained_checkpoint) is None:
+            raise ckpt.CheckpointError(
+                f"--pretrained-checkpoint {c.pretrained_checkpoint} holds no checkpoint (no "
+                f"{ckpt.TRACKER_FILE}); name a megaq checkpoint directory (tools/"
+                f"convert_checkpoint.py writes one from Megatron-LM or Hugging Face weights)")
+        return c.pretrained_checkpoint, True
+    if c.finetune and c.load and ckpt.read_tracker(c.load) is None:
+        raise ckpt.CheckpointError(f"--finetune: {c.load} holds no checkpoint to start from (no "
+                                   f"{ckpt.TRACKER_FILE}); name the pretrained checkpoint with "
+                                   f"--load, or use --pretrained-checkpoint DIR")
+    return c.load, c.finetune
+
+
+def _truncate_metrics(path: str | None, iteration: int) -> None:
+    """A resumed run repeats the iterations after its checkpoint: drop their lines, left
+    by the run that stopped, so the file (and its plots) keep one history."""
+    from megaq.metrics import drop_records_after
+    if path and os.path.isfile(path):
+        dropped = drop_records_after(path, iteration)
+        if dropped:
+            print(f" metrics file {path}: removed {dropped} line(s) after iteration {iteration}, "
+                  f"logged by the run that stopped before saving them", flush=True)
 
 
 def flops_per_iteration(config) -> float:

@@ -198,7 +198,8 @@ class Trainer:
                 self.config.checkpointing.save, s.iteration, config=self.config, topo=self.topo,
                 engine=self.p.engine, lr_schedule=self.p.lr_schedule,
                 consumed_samples=s.consumed_samples,
-                extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total})
+                extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total},
+                save_optim=not self.config.checkpointing.no_save_optim)
         if self.rank0:
             print(f" saved checkpoint at iteration {s.iteration:7d} to {path} "
                   f"({(time.perf_counter() - t0) * 1000:.0f} ms)", flush=True)

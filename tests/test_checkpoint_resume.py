@@ -79,7 +79,8 @@ def test_dp_reshard_4_to_2_with_other_zeropp_switches(run_a, tmp_path):
     copy_checkpoint(os.path.join(tmp, "ck"), 2, str(tmp_path / "ck"))
     # DP=2 on one node, and ZeRO++ switches the saving run did not have: hpZ (exact
     # copies) and qgZ (quantizes iteration 3's gradients, after its loss is computed).
-    argv = model_argv(str(tmp_path), 3, ["--load", str(tmp_path / "ck"),
+    # 3 iterations of A's schedule (its decay: 4 iterations; a different one is refused)
+    argv = model_argv(str(tmp_path), 3, ["--load", str(tmp_path / "ck"), "--lr-decay-iters", "4",
                                          "--untie-embeddings-and-output-weights",
                                          "--zero-hpz-partition-size", "2",
                                          "--zero-quantized-gradients"])

@@ -18,11 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Implemented flags that arrive with the typed configuration (issue 19, engineer B); until
 # that lands they are missing from megaq's parser.
-PENDING = {"--distributed-timeout-minutes", "--train-samples", "--lr-decay-samples",
-           "--lr-warmup-samples", "--optimizer", "--recompute-granularity",
+PENDING = {"--distributed-timeout-minutes", "--optimizer", "--recompute-granularity",
            "--train-data-path", "--valid-data-path", "--test-data-path", "--eod-mask-loss",
-           "--no-save-optim", "--finetune", "--pretrained-checkpoint",
-           "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler",
            "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
            "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir"}
 

@@ -30,7 +30,8 @@ def tiny_argv(iters, *extra):
     return ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
             "--seq-length", "8", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",
             "--vocab-size", "64", "--eval-iters", "0", "--log-interval", "1",
-            "--train-iters", str(iters), *extra]
+            # one LR schedule whatever the length, so runs of 2..4 iterations resume each other
+            "--lr-decay-iters", "4", "--train-iters", str(iters), *extra]
 
 
 def run(argv, world=4, **kw):

@@ -4,7 +4,8 @@
     python tools/plot_metrics.py run1.jsonl run2.jsonl --output curves.png [--labels a b]
 
 Panels: training loss (with validation loss as markers), learning rate, grad norm,
-throughput (tokens/s), and cross-node bytes per node per iteration. One line per file.
+throughput (tokens/s), and cross-node bytes per node per iteration. One line per file;
+iterations logged again after a resume are drawn once, from the resumed run.
 """
 
 from __future__ import annotations
@@ -29,9 +30,24 @@ def read(path: str) -> list[dict]:
     return out
 
 
+def one_history(records, kind="train"):
+    """The records of one type as one history: a run resumed from a checkpoint logs
+    the iterations after it again (files written before resumes truncated them), so
+    when a record's iteration is not past the previous one, the earlier records from
+    that iteration on are the stopped run's and are dropped. No zigzags."""
+    kept = []
+    for r in records:
+        if r.get("type", "train") != kind or not isinstance(r.get("iteration"), (int, float)):
+            continue
+        while kept and kept[-1]["iteration"] >= r["iteration"]:
+            kept.pop()
+        kept.append(r)
+    return kept
+
+
 def series(records, key, kind="train"):
-    pts = [(r["iteration"], r[key]) for r in records
-           if r.get("type", "train") == kind and r.get(key) is not None]
+    pts = [(r["iteration"], r[key]) for r in one_history(records, kind)
+           if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -65,9 +81,9 @@ def main(argv=None) -> int:
         ax_lr.plot(*series(recs, "lr"), label=label)
         ax_gn.plot(*series(recs, "grad_norm"), label=label)
         ax_tp.plot(*series(recs, "tokens_per_s"), label=label)
-        cx = [r["iteration"] for r in recs if r.get("type", "train") == "train" and "comm" in r]
-        cy = [sum(v.get("inter_node", 0) for v in r["comm"].values()) / 2**20
-              for r in recs if r.get("type", "train") == "train" and "comm" in r]
+        with_comm = [r for r in one_history(recs) if "comm" in r]
+        cx = [r["iteration"] for r in with_comm]
+        cy = [sum(v.get("inter_node", 0) for v in r["comm"].values()) / 2**20 for r in with_comm]
         ax_comm.plot(cx, cy, label=label)
     for ax, title in ((ax_loss, "lm loss (train; o = validation)"), (ax_val, "validation loss"),
                       (ax_lr, "learning rate"), (ax_gn, "grad norm"),

@@ -147,10 +147,11 @@ def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
     written stage by stage (memory: one stage). Each file holds what save_checkpoint
     writes (checkpoint.model_file_record). The AdamW moments are zero and the step 0,
     so `--load` starts a fresh optimizer."""
-    from megaq.lr_schedule import LRSchedule
     from megaq.parallel.tensor_parallel import shard_of
     tp, pp = config.parallel.tp, config.parallel.pp
-    lr_scheduler = LRSchedule.from_config(config.optimizer).state_dict()
+    # the position only: an imported model has no LR schedule of its own, so the run
+    # that loads it keeps its flags' (megaq.lr_schedule.LRSchedule.load_state_dict)
+    lr_scheduler = {"num_steps": 0, "num_samples": 0}
     zero = torch.zeros(1)
     for stage in range(pp):
         shards = [{} for _ in range(tp)]
