@@ -40,11 +40,15 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
         tok = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file,
                               data.merge_file)
         vocab_size, eod = tok.vocab_size, tok.eod
+    if data.eod_mask_loss and eod is None:
+        from megaq.data.errors import DataError
+        raise DataError(f"--eod-mask-loss: the {data.tokenizer_type} has no end-of-document id; "
+                        f"drop --eod-mask-loss or use a tokenizer with one")
     cache = data.data_cache_path or os.path.join(default_cache_dir(), "indices")
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         list(data.data_path or []), data.split, seq_length, seed, num_samples, cache,
         mock=data.mock_data, vocab_size=vocab_size, build=topo.rank == 0,
-        barrier=lambda: comm.barrier(topo.world))
+        barrier=lambda: comm.barrier(topo.world), per_split_paths=data.per_split_paths)
     needs_data = topo.is_first_stage or topo.is_last_stage
 
     def iterator(ds):
@@ -53,5 +57,5 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
         return lambda consumed: BatchIterator(ds, global_batch_size, micro_batch_size,
                                               topo.dp_rank, topo.layout.dp,
                                               consumed_samples=consumed, needs_data=needs_data,
-                                              eod=eod)
+                                              eod=eod, eod_mask_loss=data.eod_mask_loss)
     return Data(iterator(train_ds), iterator(valid_ds), vocab_size, data)
