@@ -554,7 +554,7 @@ def consolidated_model_config(saved: dict) -> GPTConfig:
     tp = saved["parallel"]["tensor_model_parallel_size"]
     return dataclasses.replace(
         model, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by * tp,
-        sequence_parallel=False, recompute_activations=False, params_dtype=torch.float32)
+        sequence_parallel=False, params_dtype=torch.float32, **GPTConfig.NO_RECOMPUTE)
 
 
 def load_consolidated_model(ckpt_dir: str) -> tuple[GPTModel, dict]:

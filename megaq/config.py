@@ -303,6 +303,11 @@ class RunConfig:
         check_model_fits_tp(p.tp, m.num_attention_heads,
                             m.num_query_groups if m.group_query_attention else None)
         check_num_microbatches(self.training.num_micro_batches, p.pp, self.virtual_pipeline_size)
+        per_chunk = m.num_layers // p.pp // self.virtual_pipeline_size
+        if m.recompute_num_layers is not None and m.recompute_num_layers > per_chunk:
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} exceeds the "
+                              f"{per_chunk} layers per pipeline stage (model chunk); use 1.."
+                              f"{per_chunk}")
 
     @classmethod
     def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":

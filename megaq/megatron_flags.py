@@ -73,7 +73,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction",
           "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
           "--optimizer", "--seed", "--bf16", "--recompute-activations",
-          "--recompute-granularity",
+          "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
           "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
           "--split", "--data-cache-path", "--mock-data", "--tokenizer-type",
           "--tokenizer-model", "--vocab-file", "--merge-file", "--vocab-size",
@@ -158,9 +158,6 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--use-pytorch-profiler", "see --profile"),
         _note("--deterministic-mode", "megaq does not change PyTorch's determinism settings "
               "(call torch.use_deterministic_algorithms yourself)"),
-        _note("--recompute-method", "megaq recomputes every layer (Megatron's uniform "
-              "method with one layer per group)", "str"),
-        _note("--recompute-num-layers", "see --recompute-method", "int"),
         # ---- refused: features megaq lacks ----------------------------------------------
         _refuse("--context-parallel-size", "context parallelism (--context-parallel-size > 1)",
                 "int", allowed=("1",)),

@@ -117,7 +117,8 @@ def megatron_launch_flags(tmp_path) -> list[str]:
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
         "--accumulate-allreduce-grads-in-fp32", "--no-gradient-accumulation-fusion",
         "--cross-entropy-loss-fusion", "--check-for-nan-in-loss-and-grad",
-        "--recompute-activations", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1",
         "--manual-gc", "--manual-gc-interval", "50",
         # parallelism
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
