@@ -42,6 +42,7 @@ from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatc
                                            virtual_pipeline_size)
 from megaq.parallel.topology import check_model_fits_tp
 from megaq.zero import ZeroConfig
+from megaq.zero.config import OPTIMIZER_NAMES
 
 
 class ConfigError(ValueError):
@@ -115,10 +116,14 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW and the learning-rate schedule (megaq.lr_schedule.LRSchedule.from_config)."""
+    """The optimizer (AdamW or momentum SGD) and the learning-rate schedule
+    (megaq.lr_schedule.LRSchedule.from_config)."""
 
     FLAG_GROUP: ClassVar[str] = "optimizer and learning rate"
 
+    optimizer: str = flag("--optimizer", "adam: AdamW (decoupled weight decay); sgd: SGD with "
+                          "--sgd-momentum and L2 weight decay (torch.optim.SGD, as Megatron)",
+                          "adam", choices=list(OPTIMIZER_NAMES))
     lr: float = flag("--lr", "peak learning rate", 1e-4, type=float, required=True)
     min_lr: float = flag("--min-lr", "learning rate at the end of the decay", 0.0, type=float)
     lr_decay_style: str = flag("--lr-decay-style", "decay after warm-up", "linear",
@@ -131,11 +136,13 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = flag(
         "--lr-warmup-fraction",
         "warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)", type=float)
-    weight_decay: float = flag("--weight-decay", "AdamW weight decay (not on biases and norms)",
+    weight_decay: float = flag("--weight-decay", "weight decay, not on biases and norms (AdamW: "
+                               "decoupled; SGD: L2, added to the gradient)",
                                0.01, type=float)
     adam_beta1: float = flag("--adam-beta1", "AdamW beta1", 0.9, type=float)
     adam_beta2: float = flag("--adam-beta2", "AdamW beta2", 0.999, type=float)
     adam_eps: float = flag("--adam-eps", "AdamW epsilon", 1e-8, type=float)
+    sgd_momentum: float = flag("--sgd-momentum", "momentum of --optimizer sgd", 0.9, type=float)
     clip_grad: float = flag("--clip-grad", "global grad-norm clip (0 = off)", 1.0, type=float)
 
     def __post_init__(self):
@@ -159,6 +166,8 @@ class OptimizerConfig:
                               f"{self.lr_decay_iters}; shorten the warm-up or lengthen the decay")
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be >= 0 (0 turns clipping off)")
+        if not self.sgd_momentum >= 0:
+            raise ConfigError(f"--sgd-momentum must be >= 0 (got {self.sgd_momentum})")
 
 
 @dataclass(frozen=True)
@@ -211,7 +220,8 @@ class ZeroFlags:
 
     def engine_config(self, training: TrainingConfig, optimizer: OptimizerConfig) -> ZeroConfig:
         return ZeroConfig(
-            stage=self.zero_stage, gather_dtype=training.params_dtype, lr=optimizer.lr,
+            stage=self.zero_stage, gather_dtype=training.params_dtype,
+            optimizer=optimizer.optimizer, sgd_momentum=optimizer.sgd_momentum, lr=optimizer.lr,
             betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
             weight_decay=optimizer.weight_decay, quantized_weights=self.zero_quantized_weights,
             hpz_partition_size=self.zero_hpz_partition_size,

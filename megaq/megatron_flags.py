@@ -72,7 +72,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples",
           "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction",
           "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
-          "--optimizer", "--seed", "--bf16", "--recompute-activations",
+          "--optimizer", "--sgd-momentum", "--seed", "--bf16", "--recompute-activations",
           "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
           "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
           "--split", "--data-cache-path", "--mock-data", "--tokenizer-type",

@@ -54,7 +54,7 @@ from megaq.zero import state as state_io
 from megaq.zero.collectives import ReplicatedReducer, make_gatherer, make_reducer
 from megaq.zero.config import ZeroConfig
 from megaq.zero.grads import GradState
-from megaq.zero.optimizer import ShardedAdamW
+from megaq.zero.optimizer import build_optimizer
 from megaq.zero.partition import FlatPartition
 from megaq.zero.units import Site, Unit, all_partitions, build_sites, check_params
 
@@ -112,7 +112,7 @@ class ZeroEngine:
         # The one owner of gradient state: reduce buckets, fp32 accumulators, staleness.
         replicated = ReplicatedReducer(topo.dp, "dp_misc" if self.stage3 else "grad_reduce")
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
-        self.optimizer = ShardedAdamW(self.partitions, cfg, topo, self.grads)
+        self.optimizer = build_optimizer(self.partitions, cfg, topo, self.grads)
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
         self.zero_model_bytes = sum(p.full_bytes for p in self.partitions if p.sharded)
         self.skipped_steps = 0
