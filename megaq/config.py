@@ -29,6 +29,7 @@ is read. Library code takes these objects, never an argparse namespace.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -282,8 +283,41 @@ class LoggingConfig:
         "(weight_gather_fwd, grad_reduce, ...) per iteration; collectives then run synchronously "
         "with a device sync around each, so steps are slower (no overlap): use it to see where "
         "communication time goes, not to measure step time")
+    log_throughput: bool = switch(
+        "--log-throughput", "put 'throughput per GPU (TFLOP/s/GPU)' (Megatron's model FLOPs, "
+        "recomputation not counted) and 'tokens per second per GPU' in the iteration line")
+    log_params_norm: bool = switch(
+        "--log-params-norm", "put 'params norm' (L2 norm of all fp32 master weights over every "
+        "TP/PP/ZeRO shard, each counted once; one all-reduce, no weight gather) in the "
+        "iteration line (and TensorBoard / wandb)")
+    log_memory_to_tensorboard: bool = switch(
+        "--log-memory-to-tensorboard", "log memory scalars (CUDA: Megatron's mem-reserved-bytes, "
+        "mem-allocated-bytes, mem-max-allocated-bytes; CPU: mem-max-rss-bytes) and the ZeRO "
+        "engine's bytes per kind; the metrics file gets each rank's peak (peak_memory_bytes)")
+    timing_log_level: int = flag(
+        "--timing-log-level", "0: no timers; 1: forward-backward, all-grads-sync, optimizer; "
+        "2: also batch-generator, forward-compute, backward-compute, pipeline-p2p, "
+        "optimizer-clip-main-grad, optimizer-inner-step. Printed after each iteration line as "
+        "Megatron's '(min, max) time across ranks (ms)' (the device is synchronised at each "
+        "timed phase's end)", 0, type=int, choices=[0, 1, 2])
+    wandb_project: str | None = flag(
+        "--wandb-project", "log the TensorBoard scalars to this Weights & Biases project too "
+        "(needs `pip install wandb` and --wandb-exp-name; offline when the server is "
+        "unreachable or WANDB_MODE=offline)")
+    wandb_exp_name: str | None = flag("--wandb-exp-name", "the wandb run's name")
+    wandb_save_dir: str | None = flag("--wandb-save-dir",
+                                      "where wandb writes its files (default <--save>/wandb)")
 
     def __post_init__(self):
+        if (self.wandb_exp_name or self.wandb_save_dir) and not self.wandb_project:
+            raise ConfigError("--wandb-exp-name / --wandb-save-dir need --wandb-project NAME")
+        if self.wandb_project:
+            if not self.wandb_exp_name:
+                raise ConfigError("--wandb-project needs --wandb-exp-name NAME (the run's name, "
+                                  "as Megatron requires)")
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("--wandb-project: the wandb package is not installed; "
+                                  "`pip install wandb`, or drop the --wandb-* flags")
         _at_least(self, 1, "log_interval")
         if self.eval_interval < 1:
             raise ConfigError("--eval-interval must be >= 1 (use --eval-iters 0 to turn "
@@ -313,6 +347,10 @@ class RunConfig:
         check_model_fits_tp(p.tp, m.num_attention_heads,
                             m.num_query_groups if m.group_query_attention else None)
         check_num_microbatches(self.training.num_micro_batches, p.pp, self.virtual_pipeline_size)
+        if self.logging.wandb_project and not (self.logging.wandb_save_dir
+                                               or self.checkpointing.save):
+            raise ConfigError("--wandb-project needs --wandb-save-dir DIR (or --save, whose "
+                              "wandb/ subdirectory is the default)")
         per_chunk = m.num_layers // p.pp // self.virtual_pipeline_size
         if m.recompute_num_layers is not None and m.recompute_num_layers > per_chunk:
             raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} exceeds the "

@@ -131,6 +131,7 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
         norms.append(float(norm))
         mem.append(engine.memory_report())
     full = engine.full_state()
+    params_norm = float(engine.params_norm())  # --log-params-norm's number (collective)
     meta = {}
     for c, chunk in enumerate(chunks):
         prefix = f"chunk{c}." if len(chunks) > 1 else ""  # engine.full_state's naming
@@ -143,7 +144,7 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
             "M": engine.zero_model_bytes, "numel": sum(p.numel() for c in chunks for p in c.parameters()),
             "last_stage": topo.is_last_stage, "peak_gathered": peak[0],
             "gather_bound": gather_bound(engine), "invalidations": len(invalidations),
-            "step_count": engine.step_count}
+            "step_count": engine.step_count, "params_norm": params_norm}
 
 
 def gather_bound(engine) -> int:
@@ -189,5 +190,11 @@ def check_against_reference(results, ref, tol: float = 1e-5) -> float:
             e = rel_err(st["param"], want)
             assert e < tol, f"{name}: relative error {e:.2e}"
             worst = max(worst, e)
+    # the engine's params norm (no gather; every shard counted once) is the whole model's
+    ref_norm = float(torch.sqrt(sum((p.double() ** 2).sum() for p in ref_params.values())))
+    for r in results:
+        e = abs(r["params_norm"] - ref_norm) / ref_norm
+        assert e < tol, f"params norm {r['params_norm']} vs {ref_norm}"
+        worst = max(worst, e)
     assert worst < tol, worst
     return worst

@@ -49,6 +49,7 @@ import weakref
 import torch
 from torch import nn
 
+from megaq.parallel import comm
 from megaq.parallel.comm import Handle
 from megaq.zero import state as state_io
 from megaq.zero.collectives import ReplicatedReducer, make_gatherer, make_reducer
@@ -283,6 +284,13 @@ class ZeroEngine:
         if self._norm is None:
             self._norm = self.optimizer.global_grad_norm()
         return self._norm
+
+    def params_norm(self) -> torch.Tensor:
+        """L2 norm of all fp32 master weights over every TP / PP / DP shard, each element
+        counted once (--log-params-norm); one all-reduce, no weight gather."""
+        sq = self.optimizer.local_param_sq_norm()
+        comm.all_reduce(sq, self.topo.world, "dp_misc")
+        return sq.sqrt()
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Global grad norm over DP shards, TP and PP ranks; scale grads to max_norm."""
