@@ -151,7 +151,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--log-learning-rate-to-tensorboard", _TB),
         _note("--log-num-zeros-in-grad", "megaq does not count zero gradients"),
         _note("--log-progress", "megaq's metrics file (--metrics-file) records progress"),
-        _note("--timing-log-option", "megaq logs one elapsed time per interval", "str"),
+        _note("--timing-log-option", "megaq prints the timers (--timing-log-level) in Megatron's "
+              "default form, (min, max) over the ranks", "str"),
         _note("--profile", "use --log-comm-time or torch.profiler around megaq.pretrain.main"),
         _note("--profile-step-start", "see --profile", "int"),
         _note("--profile-step-end", "see --profile", "int"),

@@ -55,9 +55,6 @@ BASE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"
                                  "(the training blend)"),
     (["--train-data-path", "0.5", "A", "0.5"], "--train-data-path: 3 items; weighted form needs "
                                                "pairs 'W1 PREFIX1 W2 PREFIX2 ...'"),
-    (["--mock-data", "--eod-mask-loss"], "--eod-mask-loss needs a tokenizer with an "
-     "end-of-document id; --mock-data and the NullTokenizer have none (drop --eod-mask-loss or "
-     "use a real tokenizer)"),
 ])
 def test_refusals_are_one_line(extra, message):
     tok = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m"]

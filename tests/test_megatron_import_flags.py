@@ -19,12 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Implemented flags that arrive with the typed configuration (issue 19, engineer B); until
 # that lands they are missing from megaq's parser.
 PENDING = {"--distributed-timeout-minutes", "--train-samples", "--lr-decay-samples",
-           "--lr-warmup-samples", "--optimizer", "--recompute-granularity",
-           "--train-data-path", "--valid-data-path", "--test-data-path", "--eod-mask-loss",
+           "--lr-warmup-samples",
            "--no-save-optim", "--finetune", "--pretrained-checkpoint",
-           "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler",
-           "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
-           "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir"}
+           "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"}
 
 
 def test_classification_against_megaq_parser():
@@ -119,7 +116,7 @@ def megatron_launch_flags(tmp_path) -> list[str]:
         "--cross-entropy-loss-fusion", "--check-for-nan-in-loss-and-grad",
         "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1",
-        "--manual-gc", "--manual-gc-interval", "50",
+        "--manual-gc", "--manual-gc-interval", "50", "--optimizer", "adam",
         # parallelism
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
         "--sequence-parallel", "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
@@ -129,11 +126,13 @@ def megatron_launch_flags(tmp_path) -> list[str]:
         "--mock-data", "--vocab-size", "128", "--split", "949,50,1", "--num-workers", "2",
         "--dataloader-type", "single", "--no-create-attention-mask-in-dataloader",
         "--num-dataset-builder-threads", "1", "--data-cache-path", str(tmp_path / "cache"),
+        "--eod-mask-loss",
         # logging and evaluation
         "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
         "--tensorboard-log-interval", "1", "--log-timers-to-tensorboard",
         "--log-validation-ppl-to-tensorboard", "--log-num-zeros-in-grad",
-        "--timing-log-option", "minmax", "--log-progress",
+        "--timing-log-option", "minmax", "--log-progress", "--log-throughput",
+        "--log-params-norm", "--log-memory-to-tensorboard", "--timing-log-level", "1",
         # checkpointing and exit
         "--save", ckpt, "--load", ckpt, "--save-interval", "2", "--ckpt-format", "torch",
         "--async-save", "--exit-signal-handler", "--exit-duration-in-mins", "230",
@@ -167,6 +166,13 @@ def test_megatron_launch_flags_parse_note_once_and_train(tmp_path, capfd, monkey
     for f in noted:  # one line per flag, from one rank
         assert out.count(f"note: {f.name} is accepted and ignored: {f.why}") == 1, f.name
     assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == "2"
+    # the implemented logging flags: Megatron's line with throughput and params norm, and
+    # its timer block; --eod-mask-loss on mock data says it masks nothing
+    lines = [x for x in out if "] iteration " in x]
+    assert len(lines) == 2 and all("throughput per GPU (TFLOP/s/GPU)" in x
+                                   and "params norm:" in x for x in lines)
+    assert out.count("(min, max) time across ranks (ms):") == 2
+    assert sum(x.startswith(" note: --eod-mask-loss masks nothing here") for x in out) == 1
 
 
 def test_refusal_is_one_line_through_the_parser_and_the_cli(tmp_path):

@@ -102,10 +102,7 @@ class DataConfig:
                     parse_data_path(list(path), f"--{name}-data-path")
         if self.split is not None:
             parse_split(self.split)
-        if self.eod_mask_loss and (self.mock_data or self.tokenizer_type == "NullTokenizer"):
-            raise DataError("--eod-mask-loss needs a tokenizer with an end-of-document id; "
-                            "--mock-data and the NullTokenizer have none (drop --eod-mask-loss "
-                            "or use a real tokenizer)")
+
 
     def with_built_corpus(self, prefix: str, tokenizer_model: str) -> "DataConfig":
         """--demo-corpus once built: from here on an ordinary --data-path with its

@@ -36,6 +36,14 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
         data = data.with_built_corpus(prefix, model)
     if data.mock_data or data.tokenizer_type == "NullTokenizer":
         vocab_size = data.vocab_size or MOCK_VOCAB_SIZE
+        # Megatron's NullTokenizer: eod is the id after the vocabulary, so it never occurs
+        # among the ids and --eod-mask-loss masks nothing (a mock-data launch script with
+        # the flag runs as in Megatron)
+        eod = vocab_size
+        if data.eod_mask_loss and topo.rank == 0:
+            print(f" note: --eod-mask-loss masks nothing here: the ids of --mock-data / the "
+                  f"NullTokenizer have no end-of-document token (Megatron's eod id is "
+                  f"{vocab_size}, past them)", flush=True)
     else:
         tok = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file,
                               data.merge_file)
