@@ -13,8 +13,8 @@ from megaq.data.tokenizer import SUPPORTED_TYPES, check_tokenizer_flags
 from megaq.flags import flag, set_derived, switch
 
 TOKENIZER_TYPES = SUPPORTED_TYPES + ("NullTokenizer",)
-MOCK_VOCAB_SIZE = 1024
-DEFAULT_SPLIT = "969,30,1"  # --split's default with --data-path  # vocab of --mock-data and of the NullTokenizer without --vocab-size
+MOCK_VOCAB_SIZE = 1024  # vocab of --mock-data and of the NullTokenizer without --vocab-size
+DEFAULT_SPLIT = "969,30,1"  # --split's default with --data-path
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,6 @@ class DataConfig:
                     parse_data_path(list(path), f"--{name}-data-path")
         if self.split is not None:
             parse_split(self.split)
-
 
     def with_built_corpus(self, prefix: str, tokenizer_model: str) -> "DataConfig":
         """--demo-corpus once built: from here on an ordinary --data-path with its

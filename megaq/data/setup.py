@@ -48,10 +48,6 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
         tok = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file,
                               data.merge_file)
         vocab_size, eod = tok.vocab_size, tok.eod
-    if data.eod_mask_loss and eod is None:
-        from megaq.data.errors import DataError
-        raise DataError(f"--eod-mask-loss: the {data.tokenizer_type} has no end-of-document id; "
-                        f"drop --eod-mask-loss or use a tokenizer with one")
     cache = data.data_cache_path or os.path.join(default_cache_dir(), "indices")
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         list(data.data_path or []), data.split, seq_length, seed, num_samples, cache,
