@@ -51,6 +51,7 @@ from megaq.parallel.pipeline.split import stage_layer_ranges
 from megaq.parallel.tensor_parallel import shard_of, single_rank_group
 from megaq.parallel.topology import Layout, Topology
 from megaq.zero import ZeroConfig
+from megaq.zero.state import OptimizerStateMismatch
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 1
@@ -369,7 +370,13 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
                               f"iteration) or --finetune (weights only, iteration 0)")
     if not load_optim:
         state = engine_weights_only(state)
-    engine.load_full_state(state)
+    else:
+        _check_optimizer(saved, config, path)
+    try:
+        engine.load_full_state(state)
+    except OptimizerStateMismatch as e:
+        raise CheckpointError(f"{path}: {e}; pass --no-load-optim to load the weights only")
+
     if load_optim:
         _load_error_feedback(ckpt, sd, saved, config, topo, engine)
     if lr_schedule is not None:  # None: --finetune (the flags' schedule from its start)
@@ -411,6 +418,15 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
     return {"iteration": int(sd["iteration"]), "consumed_samples": int(sd["consumed_samples"]),
             "extra": sd.get("extra", {}), "path": ckpt,
             "saved_global_batch_size": saved["training"].get("global_batch_size")}
+
+
+def _check_optimizer(saved: dict, config: RunConfig, path: str) -> None:
+    """Refuse another optimizer's state in one line (files before --optimizer: AdamW)."""
+    saved_opt = (saved.get("optimizer") or {}).get("optimizer") or "adam"
+    if saved_opt != config.optimizer.optimizer:
+        raise CheckpointError(f"{path} holds --optimizer {saved_opt} state, this run uses "
+                              f"--optimizer {config.optimizer.optimizer}; pass --no-load-optim "
+                              f"to load the weights only (fresh optimizer state)")
 
 
 def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, topo,
@@ -515,8 +531,8 @@ def fit_rows(full: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor
 def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) -> dict:
     """This rank's engine.full_state()-shaped dict from a checkpoint of another TP x PP
     layout: stages stitched by global layer index, TP shards concatenated along each
-    parameter's partition dimension and re-split for this rank (weights and both AdamW
-    moments alike). Every rank reads every shard file: memory of one full model."""
+    parameter's partition dimension and re-split for this rank (weights and every named
+    optimizer state alike). Every rank reads every shard file: memory of one full model."""
     _, saved = read_all_stages(ckpt_dir, saved_layout["tp"], saved_layout["pp"])
     num_layers = sum(c.layer_end - c.layer_start for c in model_chunks) * topo.layout.pp
     ranges = stage_layer_ranges(num_layers, topo.layout.pp, len(model_chunks), topo.pp_rank)
@@ -531,7 +547,7 @@ def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) ->
                                   f"this model")
         parts = saved["params"][src]
         entry = {}
-        for k in [k for k in ("param", "exp_avg", "exp_avg_sq") if k in parts[0]]:
+        for k in parts[0]:  # the weights and each named optimizer state alike
             shards = [x[k] for x in parts]
             if getattr(p, "tensor_model_parallel", False):
                 dim, stride = p.partition_dim, p.partition_stride
@@ -549,10 +565,9 @@ def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) ->
 
 
 def engine_weights_only(state: dict) -> dict:
-    """--no-load-optim: keep the weights of a full state, reset AdamW (zero moments, step 0)."""
-    params = {name: {"param": entry["param"], "exp_avg": torch.zeros_like(entry["param"]),
-                     "exp_avg_sq": torch.zeros_like(entry["param"])}
-              for name, entry in state["params"].items()}
+    """--no-load-optim: keep the weights of a full state; the optimizer starts fresh
+    (engine.load_full_state zeros the state of an entry holding only "param"; step 0)."""
+    params = {name: {"param": entry["param"]} for name, entry in state["params"].items()}
     return {"step": 0, "params": params}
 
 
@@ -583,7 +598,7 @@ def consolidated_model_config(saved: dict) -> GPTConfig:
     tp = saved["parallel"]["tensor_model_parallel_size"]
     return dataclasses.replace(
         model, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by * tp,
-        sequence_parallel=False, recompute_activations=False, params_dtype=torch.float32)
+        sequence_parallel=False, params_dtype=torch.float32, **GPTConfig.NO_RECOMPUTE)
 
 
 def load_consolidated_model(ckpt_dir: str) -> tuple[GPTModel, dict]:

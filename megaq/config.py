@@ -29,6 +29,7 @@ is read. Library code takes these objects, never an argparse namespace.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,6 +43,7 @@ from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatc
                                            virtual_pipeline_size)
 from megaq.parallel.topology import check_model_fits_tp
 from megaq.zero import ZeroConfig
+from megaq.zero.config import OPTIMIZER_NAMES
 
 
 class ConfigError(ValueError):
@@ -137,10 +139,14 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW and the learning-rate schedule (megaq.lr_schedule.LRSchedule.from_config)."""
+    """The optimizer (AdamW or momentum SGD) and the learning-rate schedule
+    (megaq.lr_schedule.LRSchedule.from_config)."""
 
     FLAG_GROUP: ClassVar[str] = "optimizer and learning rate"
 
+    optimizer: str = flag("--optimizer", "adam: AdamW (decoupled weight decay); sgd: SGD with "
+                          "--sgd-momentum and L2 weight decay (torch.optim.SGD, as Megatron)",
+                          "adam", choices=list(OPTIMIZER_NAMES))
     lr: float = flag("--lr", "peak learning rate", 1e-4, type=float, required=True)
     min_lr: float = flag("--min-lr", "learning rate at the end of the decay", 0.0, type=float)
     lr_decay_style: str = flag("--lr-decay-style", "decay after warm-up", "linear",
@@ -159,11 +165,13 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = flag(
         "--lr-warmup-fraction", "warm-up as a fraction of the decay (--lr-decay-iters or "
         "--lr-decay-samples; instead of --lr-warmup-iters / --lr-warmup-samples)", type=float)
-    weight_decay: float = flag("--weight-decay", "AdamW weight decay (not on biases and norms)",
+    weight_decay: float = flag("--weight-decay", "weight decay, not on biases and norms (AdamW: "
+                               "decoupled; SGD: L2, added to the gradient)",
                                0.01, type=float)
     adam_beta1: float = flag("--adam-beta1", "AdamW beta1", 0.9, type=float)
     adam_beta2: float = flag("--adam-beta2", "AdamW beta2", 0.999, type=float)
     adam_eps: float = flag("--adam-eps", "AdamW epsilon", 1e-8, type=float)
+    sgd_momentum: float = flag("--sgd-momentum", "momentum of --optimizer sgd", 0.9, type=float)
     clip_grad: float = flag("--clip-grad", "global grad-norm clip (0 = off)", 1.0, type=float)
     override_opt_param_scheduler: bool = switch(
         "--override-opt_param-scheduler", "on resume, take the LR schedule's settings (--lr, "
@@ -192,6 +200,8 @@ class OptimizerConfig:
         self._derive_schedule()
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be >= 0 (0 turns clipping off)")
+        if not self.sgd_momentum >= 0:
+            raise ConfigError(f"--sgd-momentum must be >= 0 (got {self.sgd_momentum})")
 
     def _derive_schedule(self) -> None:
         """Megatron-LM's rules: a run is iteration-based (--train-iters, --lr-decay-iters,
@@ -279,7 +289,8 @@ class ZeroFlags:
 
     def engine_config(self, training: TrainingConfig, optimizer: OptimizerConfig) -> ZeroConfig:
         return ZeroConfig(
-            stage=self.zero_stage, gather_dtype=training.params_dtype, lr=optimizer.lr,
+            stage=self.zero_stage, gather_dtype=training.params_dtype,
+            optimizer=optimizer.optimizer, sgd_momentum=optimizer.sgd_momentum, lr=optimizer.lr,
             betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
             weight_decay=optimizer.weight_decay, quantized_weights=self.zero_quantized_weights,
             hpz_partition_size=self.zero_hpz_partition_size,
@@ -355,8 +366,41 @@ class LoggingConfig:
         "(weight_gather_fwd, grad_reduce, ...) per iteration; collectives then run synchronously "
         "with a device sync around each, so steps are slower (no overlap): use it to see where "
         "communication time goes, not to measure step time")
+    log_throughput: bool = switch(
+        "--log-throughput", "put 'throughput per GPU (TFLOP/s/GPU)' (Megatron's model FLOPs, "
+        "recomputation not counted) and 'tokens per second per GPU' in the iteration line")
+    log_params_norm: bool = switch(
+        "--log-params-norm", "put 'params norm' (L2 norm of all fp32 master weights over every "
+        "TP/PP/ZeRO shard, each counted once; one all-reduce, no weight gather) in the "
+        "iteration line (and TensorBoard / wandb)")
+    log_memory_to_tensorboard: bool = switch(
+        "--log-memory-to-tensorboard", "log memory scalars (CUDA: Megatron's mem-reserved-bytes, "
+        "mem-allocated-bytes, mem-max-allocated-bytes; CPU: mem-max-rss-bytes) and the ZeRO "
+        "engine's bytes per kind; the metrics file gets each rank's peak (peak_memory_bytes)")
+    timing_log_level: int = flag(
+        "--timing-log-level", "0: no timers; 1: forward-backward, all-grads-sync, optimizer; "
+        "2: also batch-generator, forward-compute, backward-compute, pipeline-p2p, "
+        "optimizer-clip-main-grad, optimizer-inner-step. Printed after each iteration line as "
+        "Megatron's '(min, max) time across ranks (ms)' (the device is synchronised at each "
+        "timed phase's end)", 0, type=int, choices=[0, 1, 2])
+    wandb_project: str | None = flag(
+        "--wandb-project", "log the TensorBoard scalars to this Weights & Biases project too "
+        "(needs `pip install wandb` and --wandb-exp-name; offline when the server is "
+        "unreachable or WANDB_MODE=offline)")
+    wandb_exp_name: str | None = flag("--wandb-exp-name", "the wandb run's name")
+    wandb_save_dir: str | None = flag("--wandb-save-dir",
+                                      "where wandb writes its files (default <--save>/wandb)")
 
     def __post_init__(self):
+        if (self.wandb_exp_name or self.wandb_save_dir) and not self.wandb_project:
+            raise ConfigError("--wandb-exp-name / --wandb-save-dir need --wandb-project NAME")
+        if self.wandb_project:
+            if not self.wandb_exp_name:
+                raise ConfigError("--wandb-project needs --wandb-exp-name NAME (the run's name, "
+                                  "as Megatron requires)")
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("--wandb-project: the wandb package is not installed; "
+                                  "`pip install wandb`, or drop the --wandb-* flags")
         _at_least(self, 1, "log_interval")
         if self.eval_interval < 1:
             raise ConfigError("--eval-interval must be >= 1 (use --eval-iters 0 to turn "
@@ -386,6 +430,15 @@ class RunConfig:
         check_model_fits_tp(p.tp, m.num_attention_heads,
                             m.num_query_groups if m.group_query_attention else None)
         check_num_microbatches(self.training.num_micro_batches, p.pp, self.virtual_pipeline_size)
+        if self.logging.wandb_project and not (self.logging.wandb_save_dir
+                                               or self.checkpointing.save):
+            raise ConfigError("--wandb-project needs --wandb-save-dir DIR (or --save, whose "
+                              "wandb/ subdirectory is the default)")
+        per_chunk = m.num_layers // p.pp // self.virtual_pipeline_size
+        if m.recompute_num_layers is not None and m.recompute_num_layers > per_chunk:
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} exceeds the "
+                              f"{per_chunk} layers per pipeline stage (model chunk); use 1.."
+                              f"{per_chunk}")
 
     @classmethod
     def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":

@@ -72,8 +72,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples",
           "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction",
           "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
-          "--optimizer", "--seed", "--bf16", "--recompute-activations",
-          "--recompute-granularity",
+          "--optimizer", "--sgd-momentum", "--seed", "--bf16", "--recompute-activations",
+          "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
           "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
           "--split", "--data-cache-path", "--mock-data", "--tokenizer-type",
           "--tokenizer-model", "--vocab-file", "--merge-file", "--vocab-size",
@@ -151,16 +151,14 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--log-learning-rate-to-tensorboard", _TB),
         _note("--log-num-zeros-in-grad", "megaq does not count zero gradients"),
         _note("--log-progress", "megaq's metrics file (--metrics-file) records progress"),
-        _note("--timing-log-option", "megaq logs one elapsed time per interval", "str"),
+        _note("--timing-log-option", "megaq prints the timers (--timing-log-level) in Megatron's "
+              "default form, (min, max) over the ranks", "str"),
         _note("--profile", "use --log-comm-time or torch.profiler around megaq.pretrain.main"),
         _note("--profile-step-start", "see --profile", "int"),
         _note("--profile-step-end", "see --profile", "int"),
         _note("--use-pytorch-profiler", "see --profile"),
         _note("--deterministic-mode", "megaq does not change PyTorch's determinism settings "
               "(call torch.use_deterministic_algorithms yourself)"),
-        _note("--recompute-method", "megaq recomputes every layer (Megatron's uniform "
-              "method with one layer per group)", "str"),
-        _note("--recompute-num-layers", "see --recompute-method", "int"),
         # ---- refused: features megaq lacks ----------------------------------------------
         _refuse("--context-parallel-size", "context parallelism (--context-parallel-size > 1)",
                 "int", allowed=("1",)),

@@ -20,6 +20,7 @@ and is counted; ``--max-consecutive-skipped-iters`` in a row stop the run with a
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,10 +29,12 @@ import torch
 
 from megaq import checkpoint as ckpt
 from megaq import failure, watchdog
-from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
+from megaq.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
+                                 training_log_line, validation_log_line)
 from megaq.metrics import MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
+from megaq.parallel.pipeline.p2p import StepTimer
 
 
 class TrainingDiverged(RuntimeError):
@@ -86,7 +89,14 @@ class Trainer:
         self.rank0 = self.topo.rank == 0
         self.metrics = MetricsWriter(c.logging.metrics_file, enabled=self.rank0)
         self.tb = TensorBoard(c.logging.tensorboard_dir, enabled=self.rank0)
+        log = c.logging
+        self.wandb = WandB(log.wandb_project, log.wandb_exp_name,
+                           log.wandb_save_dir or os.path.join(c.checkpointing.save or ".",
+                                                              "wandb"),
+                           config=c.to_dict(), enabled=self.rank0,
+                           log=lambda line: print(line, flush=True))
         self.device = next(parts.model_chunks[0].parameters()).device
+        self.timers = Timers(log.timing_log_level, self.device)
         # reduce the loss over the ranks that hold it: last stage, all TP x DP ranks
         self._loss_divisor = self.topo.layout.tp * self.topo.layout.dp
         self._t_start = time.time()
@@ -107,9 +117,18 @@ class Trainer:
     def _run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
         t = self.training
         batches = self._on_device(batches)
+        # --timing-log-level 2: the schedule's own clock splits compute from p2p waits
+        step_timer = (StepTimer(sync=self.timers.sync)
+                      if self.timers.on(2) and not forward_only else None)
         losses = self.forward_backward(
             self.p.model_chunks, batches, t.num_micro_batches, self.topo,
-            tensor_shape=self.tensor_shape, dtype=t.params_dtype, forward_only=forward_only)
+            tensor_shape=self.tensor_shape, dtype=t.params_dtype, forward_only=forward_only,
+            timer=step_timer)
+        if step_timer is not None:
+            self.timers.add("forward-compute", step_timer.forward_s, 2)
+            self.timers.add("backward-compute", step_timer.backward_s, 2)
+            if self.topo.layout.pp > 1:
+                self.timers.add("pipeline-p2p", step_timer.p2p_s, 2)
         if losses:
             return torch.stack([x.float() for x in losses]).sum().double()
         return torch.zeros((), dtype=torch.float64, device=self.device)
@@ -144,17 +163,29 @@ class Trainer:
 
     def train_step(self, batches) -> tuple[float, float, bool]:
         """Returns (loss, grad_norm, applied)."""
-        engine = self.p.engine
+        engine, timers = self.p.engine, self.timers
         engine.zero_grad()
+        timers.start("forward-backward")
         loss_sum = self._run_schedule(batches, forward_only=False)
+        timers.stop("forward-backward")
+        timers.start("all-grads-sync")
         engine.finish_grad_sync()
+        timers.stop("all-grads-sync")
+        timers.start("optimizer")
+        timers.start("optimizer-clip-main-grad", 2)
         norm = engine.clip_grad_norm(self.config.optimizer.clip_grad)
+        timers.stop("optimizer-clip-main-grad", 2)
+        timers.stop("optimizer")
         loss = self._global_mean(loss_sum, self.training.num_micro_batches)  # the one host sync
         grad_norm = float(norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             engine.skip_step()
             return loss, grad_norm, False
+        timers.start("optimizer")
+        timers.start("optimizer-inner-step", 2)
         engine.step(self.p.lr_schedule.get_lr())
+        timers.stop("optimizer-inner-step", 2)
+        timers.stop("optimizer")
         self.p.lr_schedule.step()
         return loss, grad_norm, True
 
@@ -186,7 +217,7 @@ class Trainer:
             print(f"{bar}\n{line}\n{bar}", flush=True)
         self.metrics.write({"type": "validation", "iteration": iteration, "val_loss": loss,
                             "val_ppl": math.exp(min(20.0, loss))})
-        self.tb.scalars({"lm loss validation": loss}, iteration)
+        self._scalars({"lm loss validation": loss}, iteration)
         return loss
 
     # ---------------------------------------------------------------- checkpoint
@@ -238,7 +269,10 @@ class Trainer:
         save_postponed = False
         while s.iteration < t.train_iters:
             lr = self.p.lr_schedule.get_lr()
-            loss, grad_norm, applied = self.train_step(next(batches))
+            self.timers.start("batch-generator", 2)
+            step_batches = next(batches)
+            self.timers.stop("batch-generator", 2)
+            loss, grad_norm, applied = self.train_step(step_batches)
             s.iteration += 1
             s.consumed_samples += t.global_batch_size
             s.losses[s.iteration] = loss
@@ -287,6 +321,7 @@ class Trainer:
             self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()
         self.tb.close()
+        self.wandb.close()
         return s
 
     def _exit_reason(self) -> str | None:
@@ -299,7 +334,7 @@ class Trainer:
         return None
 
     def _log(self, interval: dict, lr: float, grad_norm: float) -> None:
-        t, s, topo = self.training, self.state, self.topo
+        t, s, topo, log = self.training, self.state, self.topo, self.logging
         iters = interval["iters"]
         elapsed = time.perf_counter() - interval["t0"]
         comm_bytes = comm_per_node_per_iteration(topo.world, iters)  # collective
@@ -307,6 +342,14 @@ class Trainer:
         if comm.STATS.timing:
             comm_ms = {p: sec * 1000.0 / iters for p, sec in comm.mean_seconds(topo.world).items()}
         comm.STATS.reset()
+        # optional collectives, on every rank: the params norm (one all-reduce), and one
+        # gather of every rank's timers and memory
+        params_norm = float(self.p.engine.params_norm()) if log.log_params_norm else None
+        memory = memory_stats(self.device) if log.log_memory_to_tensorboard else None
+        per_rank = None
+        if self.timers.level or memory is not None:
+            per_rank = comm.all_gather_objects(topo.world, {
+                "timers": self.timers.take(), "peak": memory and memory["peak"]})
         elapsed_ms = elapsed * 1000.0 / iters
         tflops = self.p.flops_per_iteration / (elapsed_ms / 1000.0) / topo.layout.world_size / 1e12
         tokens_per_s = t.global_batch_size * self.config.model.seq_length * iters / elapsed
@@ -315,9 +358,15 @@ class Trainer:
             return
         print(training_log_line(
             iteration=s.iteration, train_iters=t.train_iters, consumed_samples=s.consumed_samples,
-            elapsed_ms=elapsed_ms, tflops_per_gpu=tflops, lr=lr,
-            global_batch_size=t.global_batch_size, lm_loss=loss, loss_scale=1.0,
-            grad_norm=grad_norm, skipped=interval["skipped"], nan=interval["nan"]), flush=True)
+            elapsed_ms=elapsed_ms, lr=lr, global_batch_size=t.global_batch_size, lm_loss=loss,
+            loss_scale=1.0, grad_norm=grad_norm, skipped=interval["skipped"],
+            nan=interval["nan"], tflops_per_gpu=tflops if log.log_throughput else None,
+            tokens_per_s_per_gpu=(tokens_per_s / topo.layout.world_size
+                                  if log.log_throughput else None),
+            params_norm=params_norm), flush=True)
+        block = self.timers.level and timers_block([r["timers"] for r in per_rank], iters)
+        if block:
+            print(block, flush=True)
         if comm_ms is not None:
             print(" communication time per iteration (ms, mean over ranks, collectives run "
                   "synchronously): " + " | ".join(f"{p}: {ms:.2f}" for p, ms in comm_ms.items()),
@@ -333,8 +382,24 @@ class Trainer:
         }
         if comm_ms is not None:
             record["comm_time_ms"] = comm_ms
+        if params_norm is not None:
+            record["params_norm"] = params_norm
+        if memory is not None:
+            record["peak_memory_bytes"] = [r["peak"] for r in per_rank]
         self.metrics.write(record)
-        self.tb.scalars({"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                         "iteration-time": elapsed_ms / 1000.0, "tokens-per-second": tokens_per_s,
-                         "throughput-tflops-per-gpu": tflops,
-                         **{f"comm-time-ms/{p}": ms for p, ms in (comm_ms or {}).items()}}, s.iteration)
+        scalars = {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                   "iteration-time": elapsed_ms / 1000.0, "tokens-per-second": tokens_per_s,
+                   "throughput-tflops-per-gpu": tflops,
+                   **{f"comm-time-ms/{p}": ms for p, ms in (comm_ms or {}).items()}}
+        if params_norm is not None:
+            scalars["params-norm"] = params_norm
+        if memory is not None:  # Megatron's names (this rank's), and the engine's bytes
+            scalars.update({k: v for k, v in memory.items() if k != "peak"})
+            scalars.update({f"zero-memory-bytes/{k}": v
+                            for k, v in self.p.engine.memory_report().items()})
+        self._scalars(scalars, s.iteration)
+
+    def _scalars(self, values: dict, iteration: int) -> None:
+        """The same scalars to TensorBoard and wandb (each a no-op when not asked for)."""
+        self.tb.scalars(values, iteration)
+        self.wandb.scalars(values, iteration)

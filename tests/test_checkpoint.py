@@ -195,4 +195,4 @@ def test_no_load_optim_keeps_weights_resets_adam(tmp_path):
                          load_optim=False)
     w = fresh.loaded["params"]["w"]
     assert fresh.loaded["step"] == 0 and torch.equal(w["param"], torch.full((3, 2), 2.0))
-    assert not w["exp_avg"].any() and not w["exp_avg_sq"].any()
+    assert set(w) == {"param"}  # weights only: the engine starts its optimizer state fresh

@@ -16,20 +16,12 @@ from megaq.arguments import ArgumentsError, build_parser, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Implemented flags that arrive with the typed configuration (issue 19, engineer B); until
-# that lands they are missing from megaq's parser.
-PENDING = {"--distributed-timeout-minutes", "--optimizer", "--recompute-granularity",
-           "--train-data-path", "--valid-data-path", "--test-data-path", "--eod-mask-loss",
-           "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
-           "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir"}
-
-
 def test_classification_against_megaq_parser():
     have = {f.name for f in mf.MEGATRON_FLAGS if f.kind == mf.IMPLEMENTED or f.name == "--fp16"}
     have = {n for n in build_parser()._option_string_actions
             if n not in mf.BY_NAME or n in have}  # megaq's own flags, not the compat ones
     implemented = {f.name for f in mf.MEGATRON_FLAGS if f.kind == mf.IMPLEMENTED}
-    assert implemented - have <= PENDING, implemented - have - PENDING
+    assert implemented <= have, implemented - have  # every "implemented" flag is megaq's
     others = {f.name for f in mf.MEGATRON_FLAGS if f.kind != mf.IMPLEMENTED}
     # megaq defines it: not a note/refusal (except --fp16, which megaq refuses itself)
     assert others & have <= {"--fp16"}, others & have
@@ -81,15 +73,13 @@ def test_markdown_table_lists_every_flag():
     table = mf.flags_table_markdown(config_flags())
     assert all(f"`{f.name}`" in table for f in mf.MEGATRON_FLAGS)
     assert "| `--swiglu` | implemented |" in table
-    pending = "| `--train-samples` | not accepted yet (planned) |"
-    assert (pending in table) == ("--train-samples" in PENDING)
+    assert "not accepted yet" not in table  # every implemented flag is in megaq's parser
 
 
 def megatron_launch_flags(tmp_path) -> list[str]:
     """The flag groups of a Megatron-LM GPT / Llama launch script (examples/gpt3 and the
     Llama recipes: model, training, parallelism, data, logging, checkpointing), with a
-    tiny model, 2 iterations on 2 CPU ranks and mock data. Megatron's flags that other
-    engineers' work implements (PENDING above) join the set when they land."""
+    tiny model, 2 iterations on 2 CPU ranks and mock data."""
     ckpt = str(tmp_path / "ckpt")
     return [
         # model
@@ -114,8 +104,9 @@ def megatron_launch_flags(tmp_path) -> list[str]:
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
         "--accumulate-allreduce-grads-in-fp32", "--no-gradient-accumulation-fusion",
         "--cross-entropy-loss-fusion", "--check-for-nan-in-loss-and-grad",
-        "--recompute-activations", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-        "--manual-gc", "--manual-gc-interval", "50",
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1",
+        "--manual-gc", "--manual-gc-interval", "50", "--optimizer", "adam",
         # parallelism
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
         "--sequence-parallel", "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
@@ -125,11 +116,13 @@ def megatron_launch_flags(tmp_path) -> list[str]:
         "--mock-data", "--vocab-size", "128", "--split", "949,50,1", "--num-workers", "2",
         "--dataloader-type", "single", "--no-create-attention-mask-in-dataloader",
         "--num-dataset-builder-threads", "1", "--data-cache-path", str(tmp_path / "cache"),
+        "--eod-mask-loss",
         # logging and evaluation
         "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
         "--tensorboard-log-interval", "1", "--log-timers-to-tensorboard",
         "--log-validation-ppl-to-tensorboard", "--log-num-zeros-in-grad",
-        "--timing-log-option", "minmax", "--log-progress",
+        "--timing-log-option", "minmax", "--log-progress", "--log-throughput",
+        "--log-params-norm", "--log-memory-to-tensorboard", "--timing-log-level", "1",
         # checkpointing and exit
         "--save", ckpt, "--load", ckpt, "--save-interval", "2", "--ckpt-format", "torch",
         "--async-save", "--exit-signal-handler", "--exit-duration-in-mins", "230",
@@ -163,6 +156,13 @@ def test_megatron_launch_flags_parse_note_once_and_train(tmp_path, capfd, monkey
     for f in noted:  # one line per flag, from one rank
         assert out.count(f"note: {f.name} is accepted and ignored: {f.why}") == 1, f.name
     assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == "2"
+    # the implemented logging flags: Megatron's line with throughput and params norm, and
+    # its timer block; --eod-mask-loss on mock data says it masks nothing
+    lines = [x for x in out if "] iteration " in x]
+    assert len(lines) == 2 and all("throughput per GPU (TFLOP/s/GPU)" in x
+                                   and "params norm:" in x for x in lines)
+    assert out.count("(min, max) time across ranks (ms):") == 2
+    assert sum(x.startswith(" note: --eod-mask-loss masks nothing here") for x in out) == 1
 
 
 def test_refusal_is_one_line_through_the_parser_and_the_cli(tmp_path):

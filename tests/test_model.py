@@ -20,7 +20,7 @@ import torch
 # (~3 s); importing it once here lets every forked rank inherit it instead.
 import torch._dynamo  # noqa: F401
 
-from megaq.model import GPTConfig, GPTModel
+from megaq.model import GPTConfig, GPTModel, ModelConfigError
 from megaq.model.gpt import compile_blocks
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
@@ -180,28 +180,78 @@ def test_tied_head_on_last_stage_is_an_identical_marked_copy():
     torch.testing.assert_close(last(hidden_states=first(ids), labels=ids), both(ids, labels=ids))
 
 
+RECOMPUTE_MODES = {  # name -> GPTConfig settings (Megatron's flags)
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "--recompute-activations": {"recompute_activations": True},
+    "full uniform 1": {"recompute_granularity": "full", "recompute_method": "uniform",
+                       "recompute_num_layers": 1},
+    "full uniform 2": {"recompute_granularity": "full", "recompute_method": "uniform",
+                       "recompute_num_layers": 2},
+    "none of 3": {"num_layers": 3},
+    "full uniform 2 of 3": {"num_layers": 3, "recompute_granularity": "full",
+                            "recompute_method": "uniform", "recompute_num_layers": 2},
+    "full block 1": {"recompute_granularity": "full", "recompute_method": "block",
+                     "recompute_num_layers": 1},
+}
+
+
 def _recompute_grads(topo):
     out = {}
     for sp in (False, True):
-        for recompute in (False, True):
-            cfg = _config("gpt2", sp, attention_dropout=0.2, hidden_dropout=0.2,
-                          recompute_activations=recompute)
+        for mode, kw in RECOMPUTE_MODES.items():
+            cfg = _config("gpt2", sp, attention_dropout=0.2, hidden_dropout=0.2, **kw)
             model = GPTModel(cfg, topo.tp)
             model_parallel_manual_seed(123, topo.tp_rank)
+            torch.manual_seed(5)
             ids, labels, weights = _batch()
             (model(ids, labels=labels) * weights).sum().backward()
-            out[sp, recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            out[sp, mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out
 
 
 def test_recompute_gives_identical_grads_with_dropout():
+    """Every --recompute-granularity / --recompute-method gives the gradients of no
+    recomputation, bit for bit, at TP 2 with and without sequence parallelism."""
     for grads in run_on_ranks(_recompute_grads, 2, tp=2):
         for sp in (False, True):
-            plain, recomputed = grads[sp, False], grads[sp, True]
-            for name, g in plain.items():
-                # Same ops on the same values in the same order: bit-identical, and the
-                # dropout masks must be redrawn identically (default and TP streams).
-                assert torch.equal(g, recomputed[name]), (sp, name)
+            for mode in RECOMPUTE_MODES:
+                plain = grads[sp, "none of 3" if mode.endswith("of 3") else "none"]
+                recomputed = grads[sp, mode]
+                for name, g in plain.items():
+                    # Same ops on the same values in the same order: bit-identical, and the
+                    # dropout masks must be redrawn identically (default and TP streams).
+                    assert torch.equal(g, recomputed[name]), (sp, mode, name)
+
+
+def test_recompute_layer_groups_follow_megatron():
+    from megaq.model.recompute import layer_groups
+    assert layer_groups(4, None, None, None) == [(0, 4, False)]
+    assert layer_groups(4, "selective", None, None) == [(0, 4, False)]
+    assert layer_groups(4, "full", "uniform", 2) == [(0, 2, True), (2, 4, True)]
+    assert layer_groups(3, "full", "uniform", 2) == [(0, 2, True), (2, 3, True)]
+    assert layer_groups(4, "full", "block", 1) == [(0, 1, True), (1, 4, False)]
+    assert layer_groups(2, "full", "block", 2) == [(0, 1, True), (1, 2, True)]
+
+
+def test_recompute_flags_are_megatrons():
+    c = GPTConfig(recompute_activations=True)
+    assert (c.recompute_granularity, c.recompute_activations) == ("selective", True)
+    c = GPTConfig(recompute_granularity="selective")
+    assert c.recompute_activations  # the two spellings agree
+    assert not GPTConfig(recompute_granularity="full", recompute_method="block",
+                         recompute_num_layers=1).recompute_activations
+    for kw, msg in [
+            ({"recompute_granularity": "full"}, "needs --recompute-method uniform|block and "
+             "--recompute-num-layers N"),
+            ({"recompute_activations": True, "recompute_granularity": "full",
+              "recompute_method": "uniform", "recompute_num_layers": 1}, "contradicts"),
+            ({"recompute_granularity": "selective", "recompute_method": "uniform"},
+             "apply to --recompute-granularity full only"),
+            ({"recompute_granularity": "full", "recompute_method": "uniform",
+              "recompute_num_layers": 3}, "--recompute-num-layers 3 must be between 1")]:
+        with pytest.raises(ModelConfigError, match=msg):
+            GPTConfig(**kw)
 
 
 def test_num_flops_matches_megatron_closed_forms():
@@ -300,3 +350,34 @@ def test_compiled_blocks_match_eager():
     assert _rel(compiled[0], eager[0]) < 1e-5
     for name, g in eager[1].items():
         assert _rel(compiled[1][name], g) < 1e-5, name
+
+
+def _saved_activation_bytes(cfg: GPTConfig) -> int:
+    """Bytes of the tensors autograd keeps for backward after one forward (what
+    recomputation trades for compute): tensors saved inside a checkpointed region are
+    dropped by torch.utils.checkpoint and not counted, parameters are not counted."""
+    model = GPTModel(cfg)
+    params = {p.data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+    ids, labels, _ = _batch()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=labels).sum()
+    return sum(seen.values())
+
+
+def test_recompute_keeps_less_activation_memory():
+    """none > selective (no s x s attention probabilities) > full uniform 1 (each
+    layer's input only) > full uniform 2 (each pair's input only); block 1 of 2 lies
+    between uniform 1 and no recomputation."""
+    size = {mode: _saved_activation_bytes(_config("gpt2", False, attention_dropout=0.2,
+                                                  hidden_dropout=0.2, num_layers=2, **kw))
+            for mode, kw in RECOMPUTE_MODES.items() if "of 3" not in mode}
+    assert (size["none"] > size["selective"] > size["full uniform 1"]
+            > size["full uniform 2"]), size
+    assert size["selective"] == size["--recompute-activations"]
+    assert size["none"] > size["full block 1"] > size["full uniform 1"], size

@@ -74,7 +74,7 @@ def test_readme_demo_sample_matches_what_the_demo_prints(tmp_path):
     sample = _readme_sample()
     printed = _summary_lines(tmp_path) + [training_log_line(
         iteration=100, train_iters=100, consumed_samples=1600, elapsed_ms=812.3,
-        tflops_per_gpu=0.1, lr=3e-4, global_batch_size=16, lm_loss=5.2, loss_scale=1.0,
+        tflops_per_gpu=0.1, tokens_per_s_per_gpu=100.0, lr=3e-4, global_batch_size=16, lm_loss=5.2, loss_scale=1.0,
         grad_norm=0.5, skipped=0, nan=0)]
     echoes = _echo_patterns()
     # the lines the README promises a reader: the loss drop and the bytes per ZeRO phase

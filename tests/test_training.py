@@ -28,16 +28,27 @@ def argv(tmp, iters, extra=()):
 
 
 def test_training_log_line_fields_in_megatron_order():
+    import datetime
     line = training_log_line(iteration=5, train_iters=100, consumed_samples=40, elapsed_ms=812.3,
-                             tflops_per_gpu=1.5, lr=3e-4, global_batch_size=8, lm_loss=9.87,
-                             loss_scale=1.0, grad_norm=1.234, skipped=0, nan=1)
-    fields = [f.strip() for f in line.split("|") if f.strip()]
+                             tflops_per_gpu=1.5, tokens_per_s_per_gpu=2048.0, lr=3e-4,
+                             global_batch_size=8, lm_loss=9.87, loss_scale=1.0, grad_norm=1.234,
+                             params_norm=12.3456, skipped=0, nan=1,
+                             now=datetime.datetime(2026, 12, 1, 7, 5, 9))
+    assert line.startswith(" [2026-12-01 07:05:09] iteration        5/     100 |")
+    fields = [f.strip() for f in line.split("] ", 1)[1].split("|") if f.strip()]
     names = [f.split(":")[0] if ":" in f else f.split()[0] for f in fields]
     assert names == ["iteration", "consumed samples", "elapsed time per iteration (ms)",
-                     "throughput per GPU (TFLOP/s/GPU)", "learning rate", "global batch size",
-                     "lm loss", "loss scale", "grad norm", "number of skipped iterations",
-                     "number of nan iterations"]
+                     "throughput per GPU (TFLOP/s/GPU)", "tokens per second per GPU",
+                     "learning rate", "global batch size", "lm loss", "loss scale", "grad norm",
+                     "params norm", "number of skipped iterations", "number of nan iterations"]
     assert fields[0].split() == ["iteration", "5/", "100"]
+    assert "throughput per GPU (TFLOP/s/GPU): 1.5 |" in line and "params norm: 12.346 |" in line
+    # without --log-throughput / --log-params-norm the fields are left out (Megatron)
+    plain = training_log_line(iteration=5, train_iters=100, consumed_samples=40,
+                              elapsed_ms=812.3, lr=3e-4, global_batch_size=8, lm_loss=9.87,
+                              loss_scale=1.0, grad_norm=1.234, skipped=0, nan=1)
+    assert "throughput" not in plain and "tokens per second" not in plain
+    assert "params norm" not in plain
     assert "lm loss: 9.870000E+00" in line and "learning rate: 3.000000E-04" in line
     v = validation_log_line(100, 2.0)
     assert v.strip().startswith("validation loss at iteration 100 | lm loss value: 2.000000E+00 |")

@@ -79,7 +79,10 @@ def test_dp8_zero3_stage0_accumulation_accounting_memory():
 
 
 def test_tp2_dp4_sequence_parallel_and_last_microbatch():
-    sp = {"sequence_parallel": True}
+    # with --recompute-granularity full in groups of 2 layers: both layers re-run in the
+    # backward of the second one, their weights gathered again by the engine
+    sp = {"sequence_parallel": True, "recompute_granularity": "full",
+          "recompute_method": "uniform", "recompute_num_layers": 2}
     scen = [(sp, {"block_size": BLOCK}, 2),
             ({}, {"block_size": BLOCK, "grad_sync": "last_microbatch"}, 2)]
     a, b = _run(2, 1, scen)
@@ -95,7 +98,9 @@ def test_tp2_pp2_dp2():
 
 
 def test_pp2_dp4():
-    recompute = {"recompute_activations": True}  # forwards re-run inside backward
+    # forwards re-run inside backward (Megatron's full recomputation, one layer at a time)
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1}
     four = {"num_layers": 4}  # interleaved 1F1B: two model chunks per stage
     scen = [(recompute, {"block_size": BLOCK}, 2),
             (UNTIED, {"block_size": BLOCK, "grad_sync": "last_microbatch"}, 3),

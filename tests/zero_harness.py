@@ -1,6 +1,6 @@
 """Shared by the ZeRO engine tests: train GPTModel for a few steps under any
 TP x PP x DP layout with the engine, and the same global batches in one process with
-torch.optim.AdamW + clip_grad_norm_ (the reference)."""
+torch.optim.AdamW (or SGD, zero_kw {"optimizer": "sgd"}) + clip_grad_norm_ (the reference)."""
 
 from __future__ import annotations
 
@@ -53,15 +53,22 @@ def microbatches(step, dp_rank, dp, n_micro, vocab):
     return out
 
 
-def reference(model_kw: dict, dp: int, n_micro: int, steps: int = STEPS, clip: float = CLIP):
-    """One process, whole global batch per step: losses, grad norms, final params."""
+def reference(model_kw: dict, dp: int, n_micro: int, steps: int = STEPS, clip: float = CLIP,
+              zero_kw: dict | None = None):
+    """One process, whole global batch per step: losses, grad norms, final params.
+    zero_kw: the engine's optimizer settings (optimizer, sgd_momentum, lr) to mirror."""
+    zero_kw = zero_kw or {}
     cfg = model_config(**model_kw)
     torch.manual_seed(0)
     model = GPTModel(cfg)
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if wants_weight_decay(n, p)], "weight_decay": WD},
               {"params": [p for n, p in named if not wants_weight_decay(n, p)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    lr = zero_kw.get("lr", LR)
+    if zero_kw.get("optimizer", "adam") == "sgd":
+        opt = torch.optim.SGD(groups, lr=lr, momentum=zero_kw.get("sgd_momentum", 0.9))
+    else:
+        opt = torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS)
     losses, norms = [], []
     for step in range(steps):
         data = global_batch(step, dp * n_micro * MBS, cfg.vocab_size)
@@ -91,7 +98,7 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
     cfg = model_config(**model_kw)
     torch.manual_seed(0)
     chunks = build_model_chunks(cfg, topo, vp)
-    zcfg = ZeroConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **zero_kw)
+    zcfg = ZeroConfig(**{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD, **zero_kw})
     engine = build_engine(chunks, topo, zcfg)
     invalidations = []
     if engine.gatherer is not None:  # count the seam's invalidation calls
@@ -117,13 +124,14 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
         engine.finish_grad_sync()
         norm = engine.clip_grad_norm(clip)
         assert bool(engine.grads_finite())
-        engine.step(LR)
+        engine.step(zcfg.lr)
         if account and step == 0:
             traffic = comm.per_node_totals(topo.world)
         losses.append([float(x) for x in step_losses])
         norms.append(float(norm))
         mem.append(engine.memory_report())
     full = engine.full_state()
+    params_norm = float(engine.params_norm())  # --log-params-norm's number (collective)
     meta = {}
     for c, chunk in enumerate(chunks):
         prefix = f"chunk{c}." if len(chunks) > 1 else ""  # engine.full_state's naming
@@ -136,7 +144,7 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
             "M": engine.zero_model_bytes, "numel": sum(p.numel() for c in chunks for p in c.parameters()),
             "last_stage": topo.is_last_stage, "peak_gathered": peak[0],
             "gather_bound": gather_bound(engine), "invalidations": len(invalidations),
-            "step_count": engine.step_count}
+            "step_count": engine.step_count, "params_norm": params_norm}
 
 
 def gather_bound(engine) -> int:
@@ -182,5 +190,11 @@ def check_against_reference(results, ref, tol: float = 1e-5) -> float:
             e = rel_err(st["param"], want)
             assert e < tol, f"{name}: relative error {e:.2e}"
             worst = max(worst, e)
+    # the engine's params norm (no gather; every shard counted once) is the whole model's
+    ref_norm = float(torch.sqrt(sum((p.double() ** 2).sum() for p in ref_params.values())))
+    for r in results:
+        e = abs(r["params_norm"] - ref_norm) / ref_norm
+        assert e < tol, f"params norm {r['params_norm']} vs {ref_norm}"
+        worst = max(worst, e)
     assert worst < tol, worst
     return worst

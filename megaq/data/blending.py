@@ -19,13 +19,14 @@ from megaq.data.errors import DataError
 from megaq.data.fsutil import FileLock, atomic_write
 
 
-def parse_data_path(data_path) -> tuple[list[float] | None, list[str]]:
+def parse_data_path(data_path, flag: str = "--data-path") -> tuple[list[float] | None, list[str]]:
     """['A'] | ['0.3', 'A', '0.7', 'B'] | ['A', 'B'] (weighted by token count later)
-    -> (normalised weights or None, prefixes). Items may also be space-separated."""
+    -> (normalised weights or None, prefixes). Items may also be space-separated.
+    `flag` names the flag the blend came from in error messages."""
     items = [t for item in ([data_path] if isinstance(data_path, str) else data_path or [])
              for t in str(item).split()]
     if not items:
-        raise DataError("--data-path is empty; give a prefix like out/corpus_text_document "
+        raise DataError(f"{flag} is empty; give a prefix like out/corpus_text_document "
                         "(or use --mock-data)")
     if len(items) == 1:
         return [1.0], items
@@ -40,26 +41,26 @@ def parse_data_path(data_path) -> tuple[list[float] | None, list[str]]:
     if number(items[0]) is None:  # an unweighted list of prefixes
         bad = [s for s in items if number(s) is not None]
         if bad:
-            raise DataError(f"--data-path: {bad[0]!r} looks like a weight but the list does not "
+            raise DataError(f"{flag}: {bad[0]!r} looks like a weight but the list does not "
                             "start with one; write it as 'W1 PREFIX1 W2 PREFIX2 ...'")
         return None, items
     if len(items) % 2:
-        raise DataError(f"--data-path: {len(items)} items; weighted form needs pairs "
+        raise DataError(f"{flag}: {len(items)} items; weighted form needs pairs "
                         "'W1 PREFIX1 W2 PREFIX2 ...'")
     weights, prefixes = [], []
     for w, p in zip(items[0::2], items[1::2]):
         v = number(w)
         if v is None or not math.isfinite(v) or v < 0:
-            raise DataError(f"--data-path: weight {w!r} (before {p!r}) is not a non-negative "
+            raise DataError(f"{flag}: weight {w!r} (before {p!r}) is not a non-negative "
                             "number; write 'W1 PREFIX1 W2 PREFIX2 ...'")
         if number(p) is not None:
-            raise DataError(f"--data-path: {p!r} is in a prefix position; write "
+            raise DataError(f"{flag}: {p!r} is in a prefix position; write "
                             "'W1 PREFIX1 W2 PREFIX2 ...'")
         weights.append(v)
         prefixes.append(p)
     total = sum(weights)
     if total <= 0:
-        raise DataError("--data-path: weights sum to 0; give at least one positive weight")
+        raise DataError(f"{flag}: weights sum to 0; give at least one positive weight")
     return [w / total for w in weights], prefixes
 
 

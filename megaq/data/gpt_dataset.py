@@ -148,12 +148,12 @@ class GPTDataset:
         return {"tokens": tokens.astype(np.int64)}
 
 
-def check_not_empty(indexed, prefixes) -> None:
+def check_not_empty(indexed, prefixes, flag: str = "--data-path") -> None:
     """Refuse a dataset of 0 documents (alone or in a blend): it can give no samples."""
     for ix, prefix in zip(indexed, prefixes):
         if len(ix) == 0 or ix.num_tokens == 0:
             raise DataError(f"{prefix}: the dataset is empty ({len(ix)} documents, {ix.num_tokens} "
-                            f"tokens); preprocess non-empty input or remove it from --data-path")
+                            f"tokens); preprocess non-empty input or remove it from {flag}")
 
 
 def check_split_has_documents(name: str, n: int, split: str, ranges, indexed, prefixes) -> None:
@@ -228,22 +228,26 @@ class MockGPTDataset:
         return {"tokens": (start + step * t) % self.vocab_size}
 
 
-def build_train_valid_test_datasets(data_path, split: str, seq_length: int, seed: int,
+def build_train_valid_test_datasets(data_path, split: str | None, seq_length: int, seed: int,
                                     num_samples, cache_dir: str, mock: bool = False,
                                     vocab_size: int | None = None, build: bool = True,
-                                    barrier=None):
+                                    barrier=None, per_split_paths=None):
     """-> (train, valid, test); each indexable (`ds[i]["tokens"]`, int64 [seq_length+1])
     or None when no samples are asked of it. A split asked for samples that gets no
     documents, and an empty dataset in --data-path, are DataErrors (one line each).
 
-    data_path: Megatron style, ['prefix'] or ['0.3', 'A', '0.7', 'B'] (blended).
+    data_path: Megatron style, ['prefix'] or ['0.3', 'A', '0.7', 'B'] (blended), cut
+    into train/valid/test by `split`. per_split_paths: instead of data_path and split,
+    (train, valid, test) blends of the same form, each used whole for its split
+    (Megatron's --train-data-path / --valid-data-path / --test-data-path); a split
+    whose blend is None gets no dataset.
     build: whether this rank builds missing index caches (set it on one rank per
     cache dir, e.g. global rank 0 on a shared filesystem, local rank 0 otherwise; if
     several ranks build, a file lock makes them take turns and the work is done once).
     barrier: called once after building and before loading, e.g. a torch.distributed
     barrier supplied by the caller; None when all ranks build or there is one rank.
     """
-    from megaq.data.blending import BlendedDataset, parse_data_path
+    from megaq.data.blending import BlendedDataset
 
     if len(num_samples) != 3:
         raise DataError(f"num_samples must give (train, valid, test), got {num_samples!r}")
@@ -251,19 +255,13 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, seed
         out = tuple(MockGPTDataset(n, seq_length, seed, vocab_size, name) if n > 0 else None
                     for n, name in zip(num_samples, SPLIT_NAMES))
         return out
-    fractions = parse_split(split)
-    weights, prefixes = parse_data_path(data_path)
-    indexed = [IndexedDataset(p) for p in prefixes]
-    check_not_empty(indexed, prefixes)
-    if weights is None:  # unweighted list: mix in proportion to each dataset's tokens
-        tokens = [ix.num_tokens for ix in indexed]
-        weights = [t / sum(tokens) for t in tokens]
+    sources = _split_sources(data_path, split, per_split_paths, num_samples)
     plans = []  # per split: None or (blend or None, [GPTDataset-to-be per prefix])
-    for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
-        if n <= 0:
+    for name, n, source in zip(SPLIT_NAMES, num_samples, sources):
+        if n <= 0 or source is None:
             plans.append(None)
             continue
-        ranges = [tuple(split_boundaries(fractions, len(ix))[s:s + 2]) for ix in indexed]
+        weights, prefixes, indexed, ranges = source
         check_split_has_documents(name, n, split, ranges, indexed, prefixes)
         if len(indexed) == 1:
             ds = GPTDataset(indexed[0], name, ranges[0], n, seq_length, seed, cache_dir, build)
@@ -294,3 +292,39 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, seed
                      for ix, r, c in zip(ixs, ranges, blend.counts())]
         out.append(blend.attach([p.load() for p in parts]))
     return tuple(out)
+
+
+def _open_blend(data_path, flag: str, opened: dict):
+    """(weights, prefixes, indexed datasets) of one blend; an unweighted list is mixed
+    in proportion to each dataset's tokens. `opened` shares IndexedDatasets by prefix."""
+    from megaq.data.blending import parse_data_path
+
+    weights, prefixes = parse_data_path(data_path, flag)
+    for p in prefixes:
+        if p not in opened:
+            opened[p] = IndexedDataset(p)
+    indexed = [opened[p] for p in prefixes]
+    check_not_empty(indexed, prefixes, flag)
+    if weights is None:
+        tokens = [ix.num_tokens for ix in indexed]
+        weights = [t / sum(tokens) for t in tokens]
+    return weights, prefixes, indexed
+
+
+def _split_sources(data_path, split, per_split_paths, num_samples) -> list:
+    """Per split: None, or (weights, prefixes, indexed datasets, document range of each)."""
+    opened: dict = {}
+    if per_split_paths is not None:
+        out = []
+        for name, n, path in zip(SPLIT_NAMES, num_samples, per_split_paths):
+            if not path or n <= 0:
+                out.append(None)
+                continue
+            weights, prefixes, indexed = _open_blend(path, f"--{name}-data-path", opened)
+            out.append((weights, prefixes, indexed, [(0, len(ix)) for ix in indexed]))
+        return out
+    fractions = parse_split(split)
+    weights, prefixes, indexed = _open_blend(data_path, "--data-path", opened)
+    return [(weights, prefixes, indexed,
+             [tuple(split_boundaries(fractions, len(ix))[s:s + 2]) for ix in indexed])
+            for s in range(3)]

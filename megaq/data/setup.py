@@ -36,6 +36,14 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
         data = data.with_built_corpus(prefix, model)
     if data.mock_data or data.tokenizer_type == "NullTokenizer":
         vocab_size = data.vocab_size or MOCK_VOCAB_SIZE
+        # Megatron's NullTokenizer: eod is the id after the vocabulary, so it never occurs
+        # among the ids and --eod-mask-loss masks nothing (a mock-data launch script with
+        # the flag runs as in Megatron)
+        eod = vocab_size
+        if data.eod_mask_loss and topo.rank == 0:
+            print(f" note: --eod-mask-loss masks nothing here: the ids of --mock-data / the "
+                  f"NullTokenizer have no end-of-document token (Megatron's eod id is "
+                  f"{vocab_size}, past them)", flush=True)
     else:
         tok = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file,
                               data.merge_file)
@@ -44,7 +52,7 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         list(data.data_path or []), data.split, seq_length, seed, num_samples, cache,
         mock=data.mock_data, vocab_size=vocab_size, build=topo.rank == 0,
-        barrier=lambda: comm.barrier(topo.world))
+        barrier=lambda: comm.barrier(topo.world), per_split_paths=data.per_split_paths)
     needs_data = topo.is_first_stage or topo.is_last_stage
 
     def iterator(ds):
@@ -53,5 +61,5 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
         return lambda consumed: BatchIterator(ds, global_batch_size, micro_batch_size,
                                               topo.dp_rank, topo.layout.dp,
                                               consumed_samples=consumed, needs_data=needs_data,
-                                              eod=eod)
+                                              eod=eod, eod_mask_loss=data.eod_mask_loss)
     return Data(iterator(train_ds), iterator(valid_ds), vocab_size, data)

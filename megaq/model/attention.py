@@ -11,6 +11,7 @@ from torch import nn
 from megaq.model.config import GPTConfig
 from megaq.model.init import ParamInit
 from megaq.model.layers import apply_rotary
+from megaq.model.recompute import checkpointed
 from megaq.parallel.comm import Group
 from megaq.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                             get_rng_tracker)
@@ -48,6 +49,9 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = config.num_attention_heads // tp
         self.attention_dropout = config.attention_dropout
         self.repeat_kv = config.attention_repeat_kv
+        # --recompute-granularity selective: the attention core's activations (the
+        # softmax and its dropout mask under the math kernel) are recomputed in backward
+        self.recompute_core = config.recompute_granularity == "selective"
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_query_groups * self.head_dim
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
@@ -68,7 +72,10 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        out = core_attention(q, k, v, self.attention_dropout if self.training else 0.0,
-                             self.repeat_kv)
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpointed(core_attention, q, k, v, dropout, self.repeat_kv)
+        else:
+            out = core_attention(q, k, v, dropout, self.repeat_kv)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.linear_proj(out)

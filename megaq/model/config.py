@@ -65,9 +65,22 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = flag(
         "--make-vocab-size-divisible-by", "pad the vocab to a multiple of this x TP", 128,
         type=int)
+    # ---- activation recomputation (Megatron's flags; megaq.model.recompute) ----
     recompute_activations: bool = switch(
         "--recompute-activations",
-        "recompute each layer's activations in backward (not counted in TFLOP/s)")
+        "Megatron's older spelling of --recompute-granularity selective")
+    recompute_granularity: str | None = flag(
+        "--recompute-granularity", "recompute activations in backward (not counted in TFLOP/s): "
+        "full = whole transformer layers (see --recompute-method), selective = the attention "
+        "core only (softmax(QK^T)V, the large s x s part)", choices=["full", "selective"])
+    recompute_method: str | None = flag(
+        "--recompute-method", "with --recompute-granularity full: uniform = checkpoint groups of "
+        "--recompute-num-layers layers (only each group's input is kept); block = checkpoint "
+        "the first --recompute-num-layers layers of each pipeline stage (model chunk), one by "
+        "one, and none of the others", choices=["uniform", "block"])
+    recompute_num_layers: int | None = flag(
+        "--recompute-num-layers", "with --recompute-granularity full: layers per group "
+        "(uniform) or layers recomputed per stage (block)", type=int)
     # ---- speed knobs (no effect on the math beyond rounding; see docs/MODEL.md) ----
     compile_blocks: bool = switch(
         "--compile-blocks", "torch.compile each transformer block's forward (the ZeRO hooks "
@@ -87,6 +100,10 @@ class GPTConfig:
     sequence_parallel: bool = False  # --sequence-parallel (ParallelConfig) with TP > 1
     params_dtype: torch.dtype = field(default=torch.float32)  # --bf16 (TrainingConfig)
     seed: int = 1234  # --seed (TrainingConfig)
+
+    # The settings of a model that recomputes nothing (dataclasses.replace(cfg, **NO_RECOMPUTE)).
+    NO_RECOMPUTE: ClassVar[dict] = {"recompute_activations": False, "recompute_granularity": None,
+                                    "recompute_method": None, "recompute_num_layers": None}
 
     # Fields that define parameter shapes or meaning: a checkpoint whose values differ
     # is refused (megaq.checkpoint).
@@ -126,12 +143,42 @@ class GPTConfig:
                                    f"use LayerNorm or RMSNorm")
         if self.fp8_format is not None:
             FP8Recipe(self.fp8_format, self.fp8_recipe)  # raises on an unknown format / recipe
+        self._check_recompute()
         if (self.position_embedding_type == "learned_absolute"
                 and self.seq_length > self.max_position_embeddings):
             raise ModelConfigError(
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                 f"{self.max_position_embeddings}; raise the latter or use "
                 f"--position-embedding-type rope")
+
+    def _check_recompute(self) -> None:
+        """Megatron's rules: --recompute-activations is --recompute-granularity selective;
+        full needs a method and a layer count, selective takes neither."""
+        granularity = self.recompute_granularity
+        if self.recompute_activations:
+            if granularity == "full":
+                raise ModelConfigError("--recompute-activations means --recompute-granularity "
+                                       "selective (as in Megatron); it contradicts "
+                                       "--recompute-granularity full: pass only one")
+            granularity = "selective"
+        if granularity not in (None, "full", "selective"):
+            raise ModelConfigError(f"--recompute-granularity {granularity!r} is not supported; "
+                                   f"use full or selective")
+        method, n = self.recompute_method, self.recompute_num_layers
+        if granularity == "full":
+            if method not in ("uniform", "block") or n is None:
+                raise ModelConfigError("--recompute-granularity full needs --recompute-method "
+                                       "uniform|block and --recompute-num-layers N (as in "
+                                       "Megatron)")
+            if not 1 <= n <= self.num_layers:
+                raise ModelConfigError(f"--recompute-num-layers {n} must be between 1 and the "
+                                       f"layers per pipeline stage")
+        elif method is not None or n is not None:
+            raise ModelConfigError("--recompute-method and --recompute-num-layers apply to "
+                                   "--recompute-granularity full only; drop them (selective "
+                                   "recomputes the attention core of every layer)")
+        set_derived(self, recompute_granularity=granularity,
+                    recompute_activations=granularity == "selective")
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":

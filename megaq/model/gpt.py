@@ -10,21 +10,19 @@ post_process (final norm, output layer, loss) on the last.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megaq.kernels.fused_cross_entropy import cross_entropy as fused_cross_entropy
 from megaq.model.attention import SelfAttention
 from megaq.model.config import GPTConfig
 from megaq.model.init import ParamInit
 from megaq.model.layers import RotaryEmbedding, build_norm
+from megaq.model.recompute import checkpointed, layer_groups
 from megaq.model.mlp import MLP
 from megaq.parallel.comm import Group
 from megaq.parallel.tensor_parallel import (ColumnParallelLinear, TPDropout, VocabParallelEmbedding,
-                                            ensure_rng_seeded, get_rng_tracker, set_tp_attributes,
+                                            ensure_rng_seeded, set_tp_attributes,
                                             single_rank_group, vocab_parallel_cross_entropy)
 from megaq.parallel.topology import check_model_fits_tp
 
@@ -89,24 +87,6 @@ class TransformerBlock(nn.Module):
         return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
-def _keep_tp_rng_for_recompute():
-    """torch.utils.checkpoint restores the default CPU/CUDA RNG for the recompute; this
-    does the same for the TP tracker's streams, so recomputed dropout masks match."""
-    tracker = get_rng_tracker()
-    saved = tracker.get_states()  # taken when the block's forward starts
-
-    @contextlib.contextmanager
-    def recompute():
-        after = tracker.get_states()
-        tracker.set_states(saved)
-        try:
-            yield
-        finally:
-            tracker.set_states(after)
-
-    return contextlib.nullcontext(), recompute()
-
-
 class GPTModel(nn.Module):
     """Embedding (first stage) -> blocks layer_start..layer_end -> final norm, output
     layer and vocab-parallel loss (last stage). See docs/MODEL.md."""
@@ -156,6 +136,20 @@ class GPTModel(nn.Module):
         if config.compile_blocks:
             compile_blocks(self)
 
+    def _run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        """The blocks in order; with --recompute-granularity full, the groups that
+        megaq.model.recompute.layer_groups names run checkpointed (training only)."""
+        c = self.config
+        granularity = c.recompute_granularity if torch.is_grad_enabled() else None
+        for start, end, recompute in layer_groups(len(self.layers), granularity,
+                                                  c.recompute_method, c.recompute_num_layers):
+            group = self.layers[start:end]
+            if recompute:
+                x = checkpointed(_run_group, group, x, rotary)
+            else:
+                x = _run_group(group, x, rotary)
+        return x
+
     def global_param_name(self, name: str) -> str:
         """'layers.0.mlp...' on a stage starting at layer 4 -> 'layers.4.mlp...' (a name
         that does not depend on the pipeline split, for checkpoints)."""
@@ -175,12 +169,7 @@ class GPTModel(nn.Module):
         if self.rotary is not None:
             seq = x.shape[0] * (self.tp_group.size if self.config.sequence_parallel else 1)
             rotary = self.rotary(seq, position_ids)
-        for layer in self.layers:
-            if self.config.recompute_activations and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rotary, use_reentrant=False, preserve_rng_state=True,
-                               context_fn=_keep_tp_rng_for_recompute)
-            else:
-                x = layer(x, rotary)
+        x = self._run_layers(x, rotary)
         if not self.post_process:
             return x
         x = self.final_norm(x)
@@ -195,6 +184,12 @@ class GPTModel(nn.Module):
         else:
             loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size)
         return loss.t()
+
+
+def _run_group(layers, x: torch.Tensor, rotary) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, rotary)
+    return x
 
 
 def compile_blocks(model: GPTModel, **compile_kwargs) -> GPTModel:

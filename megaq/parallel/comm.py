@@ -344,6 +344,12 @@ def _gather_objects(world: Group, local) -> list:
     return gathered
 
 
+def all_gather_objects(world: Group, local) -> list:
+    """Collective over `world`: every member's small picklable `local`, in member order
+    (not counted in the traffic statistics: log-time metadata, not training traffic)."""
+    return _gather_objects(world, local)
+
+
 def per_node_totals(world: Group, stats: CommStats = STATS) -> dict[int, dict[str, dict[str, int]]]:
     """Collective over `world`: {node: {phase: {intra_node, inter_node}}} summed per node."""
     gathered = _gather_objects(world, stats.snapshot())

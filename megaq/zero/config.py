@@ -15,6 +15,7 @@ import torch
 from megaq.kernels.format import QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
+OPTIMIZER_NAMES = ("adam", "sgd")  # --optimizer (megaq.zero.optimizer.OPTIMIZERS)
 
 # Elements per quantization block: the ZeRO-3 flat buffers are padded to a multiple
 # of dp_size * block_size, and qwZ / qgZ keep one fp32 scale per block. Training has
@@ -53,6 +54,8 @@ class ZeroConfig:
     # (fp32 master + AdamW state replicated, grads all-reduced, tag 'dp_misc').
     # 0 = shard everything. Tied / shared embeddings are always sharded.
     param_persistence_threshold: int = 0
+    optimizer: str = "adam"  # "adam" (AdamW) or "sgd" (megaq.zero.optimizer.OPTIMIZERS)
+    sgd_momentum: float = 0.9  # sgd only
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -86,6 +89,11 @@ class ZeroConfig:
             raise ZeroConfigError(f"block_size {self.block_size} (--zero-quantization-block-size) must "
                                   f"be a positive even number (int4 packs two values per byte); "
                                   f"e.g. {DEFAULT_BLOCK_SIZE}")
+        if self.optimizer not in OPTIMIZER_NAMES:
+            raise ZeroConfigError(f"optimizer {self.optimizer!r} (--optimizer) is not supported; "
+                                  f"use one of {', '.join(OPTIMIZER_NAMES)}")
+        if not self.sgd_momentum >= 0:
+            raise ZeroConfigError(f"--sgd-momentum {self.sgd_momentum} must be >= 0")
         if self.prefetch < 0:
             raise ZeroConfigError(f"prefetch {self.prefetch} must be >= 0")
         if self.reduce_bucket_size < 1:

@@ -49,12 +49,13 @@ import weakref
 import torch
 from torch import nn
 
+from megaq.parallel import comm
 from megaq.parallel.comm import Handle
 from megaq.zero import state as state_io
 from megaq.zero.collectives import ReplicatedReducer, make_gatherer, make_reducer
 from megaq.zero.config import ZeroConfig
 from megaq.zero.grads import GradState
-from megaq.zero.optimizer import ShardedAdamW
+from megaq.zero.optimizer import build_optimizer
 from megaq.zero.partition import FlatPartition
 from megaq.zero.units import Site, Unit, all_partitions, build_sites, check_params
 
@@ -112,7 +113,7 @@ class ZeroEngine:
         # The one owner of gradient state: reduce buckets, fp32 accumulators, staleness.
         replicated = ReplicatedReducer(topo.dp, "dp_misc" if self.stage3 else "grad_reduce")
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
-        self.optimizer = ShardedAdamW(self.partitions, cfg, topo, self.grads)
+        self.optimizer = build_optimizer(self.partitions, cfg, topo, self.grads)
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
         self.zero_model_bytes = sum(p.full_bytes for p in self.partitions if p.sharded)
         self.skipped_steps = 0
@@ -283,6 +284,13 @@ class ZeroEngine:
         if self._norm is None:
             self._norm = self.optimizer.global_grad_norm()
         return self._norm
+
+    def params_norm(self) -> torch.Tensor:
+        """L2 norm of all fp32 master weights over every TP / PP / DP shard, each element
+        counted once (--log-params-norm); one all-reduce, no weight gather."""
+        sq = self.optimizer.local_param_sq_norm()
+        comm.all_reduce(sq, self.topo.world, "dp_misc")
+        return sq.sqrt()
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Global grad norm over DP shards, TP and PP ranks; scale grads to max_norm."""

@@ -1,16 +1,24 @@
-"""Sharded fp32 AdamW: master weights and moments for this rank's shards only, plus
-global grad-norm clipping.
+"""Sharded fp32 optimizers: master weights and optimizer state for this rank's shards
+only, plus global grad-norm clipping. ``build_optimizer`` picks one by
+``ZeroConfig.optimizer``: ``ShardedAdamW`` ("adam", Megatron's default) or
+``ShardedSGD`` ("sgd": momentum SGD, L2 weight decay, as Megatron's --optimizer sgd).
 
-Per partition this rank holds three fp32 buffers of ``shard_numel`` elements: the
-master weights (aliasing the model shard itself when the gather dtype is fp32),
-``exp_avg`` and ``exp_avg_sq``; the gradient is the fp32 accumulator that
-megaq.zero.grads.GradState owns (read, never written, here). The update runs on *leaf
-tensors that view* these buffers, one per (partition, decay group): at most two per
-partition because partitions are laid out decay-first. The inner optimizer is apex
-FusedAdam (adam_w_mode) when importable on CUDA, else torch.optim.AdamW with
-``fused=True`` on CUDA (``ZeroConfig.fused_adamw`` to choose) and ``foreach=True``
-elsewhere; the fused one also applies the clip factor (``scale_grads``). After the update the new
-weights are written back into the gather-dtype shards.
+Both share :class:`ShardedOptimizer`, which owns the partition logic. Per partition
+this rank holds ``shard_numel`` fp32 elements of master weights (aliasing the model
+shard itself when the gather dtype is fp32) and one buffer per *named* optimizer
+state (``STATE_NAMES``: AdamW's ``exp_avg`` / ``exp_avg_sq``, SGD's
+``momentum_buffer``), in ``PartitionState.state``; checkpoints iterate
+``PartitionState.buffers()`` = {"param": master, **state} by name. The gradient is the
+fp32 accumulator that megaq.zero.grads.GradState owns (read, never written, here). The
+update runs on *leaf tensors that view* these buffers, one per (partition, decay
+group): at most two per partition because partitions are laid out decay-first; the
+inner torch optimizer's per-parameter state is pointed at views of the same named
+buffers, so it updates them in place. The AdamW inner optimizer is apex FusedAdam
+(adam_w_mode) when importable on CUDA, else torch.optim.AdamW with ``fused=True`` on
+CUDA (``ZeroConfig.fused_adamw`` to choose) and ``foreach=True`` elsewhere; the fused
+one also applies the clip factor (``scale_grads``). SGD is torch.optim.SGD
+(foreach). After the update the new weights are written back into the gather-dtype
+shards.
 
 Global grad norm: each rank sums the squares of the gradient elements it *owns*
 (its DP shard of sharded partitions; replicated partitions on DP rank 0 only;
@@ -37,30 +45,41 @@ def _apex_fused_adam():
 
 
 class PartitionState:
-    """The fp32 master weights and AdamW moments of one partition on this rank."""
+    """The fp32 master weights and the optimizer's named state buffers of one partition
+    on this rank."""
 
-    def __init__(self, part: FlatPartition):
+    def __init__(self, part: FlatPartition, state_names: tuple[str, ...]):
         self.part = part
         if part.dtype == torch.float32:
             self.master = part.shard
         else:
             self.master = part.initial_master
         part.initial_master = None
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.state = {name: torch.zeros_like(self.master) for name in state_names}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """{"param": master, <state name>: buffer, ...}: what a checkpoint holds, by name."""
+        return {"param": self.master, **self.state}
 
     def write_back(self) -> None:
         if self.master is not self.part.shard:
             self.part.shard.copy_(self.master)
 
 
-class ShardedAdamW:
+class ShardedOptimizer:
+    """The partition logic every sharded optimizer shares: leaves viewing the master
+    and grad buffers, decay groups, the inner optimizer's state pointed at the named
+    buffers, grad norm and clipping, step and write-back. A subclass names its state
+    (``STATE_NAMES``) and builds its inner torch optimizer (``_build_inner``)."""
+
+    NAME = ""
+    STATE_NAMES: tuple[str, ...] = ()
+
     def __init__(self, partitions: list[FlatPartition], cfg: ZeroConfig, topo, grads: GradState):
         self.cfg, self.topo, self.grads = cfg, topo, grads
-        self.states = [PartitionState(p) for p in partitions]
+        self.states = [PartitionState(p, self.STATE_NAMES) for p in partitions]
         self.step_count = 0
         device = partitions[0].device if partitions else torch.device("cpu")
-        on_cuda = device.type == "cuda"
         groups = {True: [], False: []}
         self._leaves: list[tuple[torch.nn.Parameter, PartitionState, int, int]] = []
         for st in self.states:
@@ -71,37 +90,26 @@ class ShardedAdamW:
                 self._leaves.append((leaf, st, a, b))
         param_groups = [{"params": groups[d], "weight_decay": cfg.weight_decay if d else 0.0}
                         for d in (True, False) if groups[d]]
-        fused_adam = _apex_fused_adam() if (cfg.use_apex is not False and on_cuda) else None
-        if cfg.use_apex and fused_adam is None:
-            raise RuntimeError("use_apex=True but apex.optimizers.FusedAdam is not importable on "
-                               "CUDA; install apex or leave use_apex unset")
-        fused = on_cuda if cfg.fused_adamw is None else cfg.fused_adamw
-        self.kind = "apex" if fused_adam else ("fused" if fused else "foreach")
+        self.kind = "foreach"
         # the clip factor for the next step, applied inside torch's fused AdamW
         self._grad_scale: torch.Tensor | None = None
-        if not param_groups:
-            self.inner = None
-            return
-        if fused_adam is not None:
-            self.inner = fused_adam(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                    adam_w_mode=True)
-        else:
-            self.inner = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                           fused=fused or None, foreach=None if fused else True)
-        self._install_state(0)
+        self.inner = self._build_inner(param_groups, device) if param_groups else None
+        if self.inner is not None:
+            self._install_state(0)
+
+    def _build_inner(self, param_groups: list[dict], device: torch.device):
+        raise NotImplementedError
+
+    def _install_step(self, state: dict, leaf, step: int) -> None:
+        """Set the inner optimizer's per-parameter step counter (if it keeps one)."""
 
     def _install_state(self, step: int) -> None:
-        """Point the inner optimizer's state at our flat moment buffers."""
+        """Point the inner optimizer's state at views of our flat named buffers."""
         for leaf, st, a, b in self._leaves:
             state = self.inner.state[leaf]
-            state["exp_avg"] = st.exp_avg[a:b]
-            state["exp_avg_sq"] = st.exp_avg_sq[a:b]
-            if self.kind == "apex":
-                continue
-            state["step"] = torch.full((), float(step), dtype=torch.float32, device=leaf.device)
-        if self.kind == "apex":
-            for g in self.inner.param_groups:
-                g["step"] = step
+            for name in self.STATE_NAMES:
+                state[name] = st.state[name][a:b]
+            self._install_step(state, leaf, step)
 
     def set_step(self, step: int) -> None:
         self.step_count = step
@@ -124,6 +132,19 @@ class ShardedAdamW:
             for a, b in st.part.counted_ranges():
                 g = grad[a:b]
                 total += torch.dot(g, g)
+        return total
+
+    def local_param_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of the fp32 master weights this rank owns (counted once over
+        DP, TP and tied copies, as the grad norm): the --log-params-norm summand."""
+        dev = self.states[0].master.device if self.states else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        for st in self.states:
+            if not st.part.sharded and self.topo.dp.rank != 0:
+                continue
+            for a, b in st.part.counted_ranges():
+                w = st.master[a:b]
+                total += torch.dot(w, w)
         return total
 
     def global_grad_norm(self) -> torch.Tensor:
@@ -149,16 +170,74 @@ class ShardedAdamW:
         self.grads.read()  # settled: the leaves' .grad view these accumulators
         for g in self.inner.param_groups:
             g["lr"] = lr
-        self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it; else None
+        if self.kind == "fused":
+            self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it
         self.inner.step()
         self._grad_scale = None
         for st in self.states:
             st.write_back()
 
     def memory_bytes(self) -> int:
-        """AdamW moments + fp32 master (when it is not the model shard itself)."""
+        """Optimizer state + fp32 master (when it is not the model shard itself)."""
         def nb(t):
             return t.numel() * t.element_size()
-        opt = sum(nb(st.exp_avg) + nb(st.exp_avg_sq) for st in self.states)
+        opt = sum(nb(buf) for st in self.states for buf in st.state.values())
         master = sum(nb(st.master) for st in self.states if st.master is not st.part.shard)
         return opt + master
+
+
+class ShardedAdamW(ShardedOptimizer):
+    """AdamW (decoupled weight decay), --optimizer adam."""
+
+    NAME = "adam"
+    STATE_NAMES = ("exp_avg", "exp_avg_sq")
+
+    def _build_inner(self, param_groups, device):
+        cfg = self.cfg
+        on_cuda = device.type == "cuda"
+        fused_adam = _apex_fused_adam() if (cfg.use_apex is not False and on_cuda) else None
+        if cfg.use_apex and fused_adam is None:
+            raise RuntimeError("use_apex=True but apex.optimizers.FusedAdam is not importable on "
+                               "CUDA; install apex or leave use_apex unset")
+        fused = on_cuda if cfg.fused_adamw is None else cfg.fused_adamw
+        self.kind = "apex" if fused_adam else ("fused" if fused else "foreach")
+        if fused_adam is not None:
+            return fused_adam(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                              adam_w_mode=True)
+        return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                 fused=fused or None, foreach=None if fused else True)
+
+    def _install_step(self, state, leaf, step):
+        if self.kind == "apex":  # apex keeps one step per param group
+            for g in self.inner.param_groups:
+                g["step"] = step
+            return
+        state["step"] = torch.full((), float(step), dtype=torch.float32, device=leaf.device)
+
+
+class ShardedSGD(ShardedOptimizer):
+    """SGD with momentum and L2 weight decay (added to the gradient, not decoupled):
+    Megatron's --optimizer sgd with --sgd-momentum, i.e. torch.optim.SGD.
+
+    The momentum buffer starts at zero rather than torch's "copy of the first grad":
+    momentum * 0 + grad is exactly that copy, and the buffer stays ours (a view)."""
+
+    NAME = "sgd"
+    STATE_NAMES = ("momentum_buffer",)
+
+    def __init__(self, partitions, cfg: ZeroConfig, topo, grads: GradState):
+        if cfg.sgd_momentum == 0:
+            self.STATE_NAMES = ()  # plain SGD keeps no state
+        super().__init__(partitions, cfg, topo, grads)
+
+    def _build_inner(self, param_groups, device):
+        return torch.optim.SGD(param_groups, lr=self.cfg.lr, momentum=self.cfg.sgd_momentum,
+                               foreach=True)
+
+
+OPTIMIZERS = {cls.NAME: cls for cls in (ShardedAdamW, ShardedSGD)}
+
+
+def build_optimizer(partitions, cfg: ZeroConfig, topo, grads: GradState) -> ShardedOptimizer:
+    """The sharded optimizer ``cfg.optimizer`` names ("adam" or "sgd")."""
+    return OPTIMIZERS[cfg.optimizer](partitions, cfg, topo, grads)

@@ -39,13 +39,34 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
 
 
 class StepTimer:
-    """Seconds spent waiting on p2p vs computing, per rank (for the bubble benchmark)."""
+    """Seconds spent waiting on p2p vs computing (forward, backward), per rank: the
+    bubble benchmark's and --timing-log-level 2's numbers. sync=True synchronises the
+    CUDA device before reading the clock, so the times are the GPU's, not launch times."""
 
-    def __init__(self):
+    def __init__(self, sync: bool = False):
         self.p2p_s = 0.0
-        self.compute_s = 0.0
+        self.forward_s = 0.0
+        self.backward_s = 0.0
         self.forwards = 0
         self.backwards = 0
+        self.sync = sync
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def elapsed(self, t0: float) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def forward_done(self, t0: float) -> None:
+        self.forward_s += self.elapsed(t0)
+        self.forwards += 1
+
+    def backward_done(self, t0: float) -> None:
+        self.backward_s += self.elapsed(t0)
+        self.backwards += 1
 
 
 class PipelineP2P:
@@ -93,7 +114,7 @@ class PipelineP2P:
         if from_prev is not None and self.requires_grad:
             from_prev.requires_grad_(True)
         if self.timer is not None:
-            self.timer.p2p_s += time.perf_counter() - t0
+            self.timer.p2p_s += self.timer.elapsed(t0)
         return from_prev, from_next
 
     # Megatron's names, for readers who know its schedules.

@@ -110,8 +110,7 @@ class _Runner:
                 self.losses.append(loss.detach())
                 out = loss / self.m
         if self.timer is not None:
-            self.timer.compute_s += time.perf_counter() - t0
-            self.timer.forwards += 1
+            self.timer.forward_done(t0)
         return out
 
     def backward(self, chunk: int, input_tensor, output_tensor, output_grad):
@@ -121,8 +120,7 @@ class _Runner:
         torch.autograd.backward(output_tensor, grad_tensors=output_grad)
         grad = None if input_tensor is None else input_tensor.grad
         if self.timer is not None:
-            self.timer.compute_s += time.perf_counter() - t0
-            self.timer.backwards += 1
+            self.timer.backward_done(t0)
         return grad
 
 

@@ -1,0 +1,162 @@
+"""Megatron's logging flags: the [timestamp] iteration line with --log-throughput and
+--log-params-norm (the norm of the whole model, from the shards, no gather),
+--timing-log-level 1/2 timer blocks, --log-memory-to-tensorboard (and each rank's peak
+in the metrics file), and --wandb-* (the TensorBoard scalars to wandb; one error line
+when wandb is not installed). wandb itself is not a test dependency: a stand-in module
+records what megaq hands it."""
+
+import importlib.machinery
+import importlib.util
+import json
+import math
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from megaq import logging_utils
+from megaq.arguments import ArgumentsError, parse_config
+from megaq.logging_utils import timers_block
+from megaq.parallel.launch import run_on_ranks
+
+LINE = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +\d+ \|")
+
+
+def _argv(tmp_path, extra=()):
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "2", "--lr", "1e-2", "--mock-data", "--vocab-size", "64",
+            "--log-interval", "1", "--eval-iters", "0", "--data-cache-path",
+            str(tmp_path / "cache"), *extra]
+
+
+def _train(topo, argv):
+    from megaq.pretrain import main
+    return main(argv, topo=topo).losses
+
+
+def test_log_line_throughput_params_norm_timers_and_memory_at_pp2(tmp_path, capfd):
+    from megaq.checkpoint import load_consolidated_model
+
+    metrics = tmp_path / "m.jsonl"
+    argv = _argv(tmp_path, ["--pipeline-model-parallel-size", "2", "--log-throughput",
+                            "--log-params-norm", "--timing-log-level", "2",
+                            "--log-memory-to-tensorboard", "--metrics-file", str(metrics),
+                            "--save", str(tmp_path / "ck")])
+    capfd.readouterr()
+    run_on_ranks(_train, 2, pp=2, args=(argv,))
+    out = capfd.readouterr().out.splitlines()
+    lines = [i for i, line in enumerate(out) if LINE.match(line)]
+    assert [LINE.match(out[i]).group(1) for i in lines] == ["1", "2"]
+    for i in lines:
+        assert "| throughput per GPU (TFLOP/s/GPU): " in out[i]
+        assert "| tokens per second per GPU: " in out[i] and "| params norm: " in out[i]
+        # Megatron's timer block follows the line, every timed phase of both levels
+        assert out[i + 1] == "(min, max) time across ranks (ms):"
+        names = {m.group(1) for m in (re.match(r"^    (\S+) \.+: \([\d.]+, [\d.]+\)$", x)
+                                      for x in out[i + 2:i + 12]) if m}
+        assert {"forward-backward", "all-grads-sync", "optimizer", "batch-generator",
+                "forward-compute", "backward-compute", "pipeline-p2p",
+                "optimizer-clip-main-grad", "optimizer-inner-step"} <= names, names
+    rows = [json.loads(x) for x in open(metrics)]
+    assert all(len(r["peak_memory_bytes"]) == 2 and min(r["peak_memory_bytes"]) > 2**20
+               for r in rows)
+    # the logged norm is the whole model's: the consolidated checkpoint's (tied
+    # embedding counted once, though both stages hold a copy)
+    model, _ = load_consolidated_model(str(tmp_path / "ck" / "iter_0000002"))
+    whole = math.sqrt(sum(float((p.detach().double() ** 2).sum()) for p in model.parameters()))
+    assert rows[-1]["params_norm"] == pytest.approx(whole, rel=1e-6)
+    assert f"params norm: {whole:.3f} |" in out[lines[-1]]
+
+
+def test_timers_block_is_megatrons_min_max_over_the_ranks_that_ran_a_phase():
+    block = timers_block([{"forward-backward": 0.3, "pipeline-p2p": 0.02},
+                          {"forward-backward": 0.5}], iterations=2)
+    assert block.splitlines() == [
+        "(min, max) time across ranks (ms):",
+        "    forward-backward ...............................: (150.00, 250.00)",
+        "    pipeline-p2p ...................................: (10.00, 10.00)"]
+    assert timers_block([{}, {}], 1) is None
+
+
+class _FakeWandb(types.ModuleType):
+    """What megaq calls of wandb: init(...) -> run with log(dict, step) and finish()."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kw):
+        self.inits.append(kw)
+        return self
+
+    def log(self, values, step):
+        self.logged.append((step, dict(values)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_gets_the_tensorboard_scalars(tmp_path, monkeypatch, capsys):
+    from megaq.checkpoint import one_process_topology
+    from megaq.pretrain import main
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(logging_utils, "WANDB_HOST", ("127.0.0.1", 9))  # nothing listens
+    save_dir = tmp_path / "wb"
+    main(_argv(tmp_path, ["--wandb-project", "proj", "--wandb-exp-name", "run1",
+                          "--wandb-save-dir", str(save_dir), "--log-params-norm",
+                          "--log-memory-to-tensorboard"]), topo=one_process_topology())
+    (init,) = fake.inits
+    assert (init["project"], init["name"], init["dir"], init["mode"]) == (
+        "proj", "run1", str(save_dir), "offline")  # the server is unreachable: offline
+    assert init["config"]["logging"]["wandb_project"] == "proj" and save_dir.is_dir()
+    assert "logging to wandb offline" in capsys.readouterr().out
+    assert [step for step, _ in fake.logged] == [1, 2] and fake.finished == 1
+    keys = set(fake.logged[-1][1])
+    assert {"lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-second",
+            "throughput-tflops-per-gpu", "params-norm", "mem-max-rss-bytes",
+            "zero-memory-bytes/optimizer"} <= keys, keys
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--wandb-project", "p"], "--wandb-project needs --wandb-exp-name NAME (the run's name, "
+                               "as Megatron requires)"),
+    (["--wandb-exp-name", "e"], "--wandb-exp-name / --wandb-save-dir need --wandb-project NAME"),
+    (["--wandb-project", "p", "--wandb-exp-name", "e"], "--wandb-project needs --wandb-save-dir "
+     "DIR (or --save, whose wandb/ subdirectory is the default)"),
+])
+def test_wandb_flag_refusals(tmp_path, monkeypatch, extra, message):
+    monkeypatch.setitem(sys.modules, "wandb", _FakeWandb())
+    with pytest.raises(ArgumentsError) as e:
+        parse_config(_argv(tmp_path, extra), world_size=1)
+    assert str(e.value) == message
+
+
+def test_wandb_not_installed_is_one_error_line(tmp_path, capsys):
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    from megaq.pretrain import cli
+    rc = cli(_argv(tmp_path, ["--wandb-project", "p", "--wandb-exp-name", "e",
+                              "--wandb-save-dir", str(tmp_path)]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: --wandb-project: the wandb package is not installed; "
+                               "`pip install wandb`, or drop the --wandb-* flags"]
+
+
+def test_timing_level_zero_times_nothing():
+    t = logging_utils.Timers(0, torch.device("cpu"))
+    t.start("forward-backward")
+    t.stop("forward-backward")
+    assert t.take() == {}
+    t = logging_utils.Timers(1, torch.device("cpu"))
+    t.start("forward-compute", 2)
+    t.stop("forward-compute", 2)
+    t.start("optimizer")
+    t.stop("optimizer")
+    assert set(t.take()) == {"optimizer"}
