@@ -12,7 +12,8 @@ gloo ranks, with the CPU emulation of the FP8 GEMMs (megaq.parallel.fp8).
   element is cast to the same E4M3 bits. Losses, gradients (through the optimizer) and
   scales are therefore bit-identical to the FP8 GEMMs on bf16 gathers, here at
   TP=2 x PP=2 x DP=2 with two micro-batches (the cast is reused by both), with and
-  without hpZ + qgZ, and across a checkpoint reload (the FP8 shards are cast again).
+  without hpZ + qgZ, with activation recompute (its forward reads the gathered E4M3
+  weights again), and across a checkpoint reload (the FP8 shards are cast again).
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ def _microbatches(step, dp_rank, dp, vocab, n_micro):
     return out
 
 
-def _train(topo, zero_kw, steps, load_at=None, n_micro=2):
-    cfg = model_config(**dict(MODEL, hidden_size=32), **FP8)
+def _train(topo, zero_kw, steps, load_at=None, n_micro=2, recompute=False):
+    cfg = model_config(**dict(MODEL, hidden_size=32), **FP8, recompute_activations=recompute)
     torch.manual_seed(0)
     chunks = build_model_chunks(cfg, topo)
     engine = build_engine(chunks, topo, ZeroConfig(**zero_kw))
@@ -193,7 +194,7 @@ def test_fp8_gathers_train_bit_identically_under_tp2_pp2_dp2_hpz_qgz():
     steps, zpp = 6, dict(Z3, hpz_partition_size=2, quantized_gradients=True, grad_chunk=128)
     res = run_on_ranks(_scenarios, 8, tp=2, pp=2, ranks_per_node=4, hpz_size=2, args=({
         "fp8": (Z3, steps),
-        "fp8g": (dict(Z3, fp8_weights=True), steps),
+        "fp8g": (dict(Z3, fp8_weights=True), steps, None, 2, True),  # + activation recompute
         "fp8_zpp": (zpp, steps),
         "fp8g_zpp": (dict(zpp, fp8_weights=True), steps),
         "fp8g_zpp_reloaded": (dict(zpp, fp8_weights=True), steps, 2),
