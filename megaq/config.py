@@ -42,7 +42,7 @@ from megaq.parallel.config import ParallelConfig
 from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatches_per_step,
                                            virtual_pipeline_size)
 from megaq.parallel.topology import check_model_fits_tp
-from megaq.zero import ZeroConfig
+from megaq.zero import ZeroConfig, check_fp8_weight_gathers
 from megaq.zero.config import OPTIMIZER_NAMES
 
 
@@ -249,8 +249,12 @@ class ZeroFlags:
     zero_stage: int = flag(
         "--zero-stage", "3: ZeRO-3 sharded params/grads/optimizer; 0: replicated, all-reduce",
         ZeroConfig.stage, type=int, choices=[0, 3])
-    zero_quantized_weights: bool = switch("--zero-quantized-weights",
-                                          "qwZ: int8 blockwise forward weight all-gather")
+    zero_quantized_weights: str | None = flag(
+        "--zero-quantized-weights", "qwZ: quantized forward weight all-gather. int8 (the "
+        "default when given without a value): blockwise int8, dequantized to bf16 for bf16 "
+        "GEMMs; fp8 (needs --fp8-format, tensorwise): the FP8 GEMM layers' weights travel as "
+        "E4M3 with the GEMM's scale and feed the FP8 GEMMs directly (docs/ZEROPP.md)",
+        nargs="?", const="int8", choices=["int8", "fp8"])
     zero_hpz_partition_size: int = flag(
         "--zero-hpz-partition-size",
         "hpZ: secondary weight shard over this many in-node DP ranks (1 = off)",
@@ -292,7 +296,9 @@ class ZeroFlags:
             stage=self.zero_stage, gather_dtype=training.params_dtype,
             optimizer=optimizer.optimizer, sgd_momentum=optimizer.sgd_momentum, lr=optimizer.lr,
             betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
-            weight_decay=optimizer.weight_decay, quantized_weights=self.zero_quantized_weights,
+            weight_decay=optimizer.weight_decay,
+            quantized_weights=self.zero_quantized_weights == "int8",
+            fp8_weights=self.zero_quantized_weights == "fp8",
             hpz_partition_size=self.zero_hpz_partition_size,
             quantized_gradients=self.zero_quantized_gradients,
             grad_bits_intra=(self.zero_quantized_gradients_intra_bits
@@ -439,6 +445,7 @@ class RunConfig:
             raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} exceeds the "
                               f"{per_chunk} layers per pipeline stage (model chunk); use 1.."
                               f"{per_chunk}")
+        check_fp8_weight_gathers(m.fp8, self.zero)
 
     @classmethod
     def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":

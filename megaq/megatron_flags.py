@@ -167,6 +167,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--num-experts", "mixture-of-experts layers (--num-experts)", "int"),
         _refuse("--moe-router-topk", "mixture-of-experts routing", "int"),
         _refuse("--fp16", "fp16 training with loss scaling (use --bf16)"),
+        _refuse("--fp8-param-gather", "flag of this name: its FP8 parameter gathers are "
+                "--zero-quantized-weights fp8 (ZeRO-3, with --fp8-format)"),
         _refuse("--qk-layernorm", "QK layer norm"),
         _refuse("--add-qkv-bias", "QKV bias without the other linear biases"),
         _refuse("--apply-layernorm-1p", "layer norm with zero-centred gamma (1p)"),

@@ -93,6 +93,13 @@ def test_configuration_is_frozen_and_serialisable():
      "interleaved schedule needs the number of micro-batches (3)"),
     (["--zero-stage", "2"], 1, "argument --zero-stage: invalid choice"),
     (["--zero-quantized-gradients-chunk", "0"], 1, "--zero-quantized-gradients-chunk 0 must be >= 1"),
+    # FP8 weight gathers: FP8 GEMMs needed, tensorwise only, no int8 qwZ under FP8 GEMMs
+    (["--zero-quantized-weights", "fp8"], 1, "the model has none: add --fp8-format"),
+    (["--zero-quantized-weights", "fp8", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"], 1,
+     "--fp8-recipe rowwise scales per row: use --fp8-recipe tensorwise"),
+    (["--zero-quantized-weights", "--fp8-format", "hybrid"], 1,
+     "use --zero-quantized-weights fp8 with FP8 GEMMs"),
+    (["--zero-quantized-weights", "fp4"], 1, "argument --zero-quantized-weights: invalid choice"),
 ])
 def test_refusals_name_the_flag(extra, world, needle):
     with pytest.raises(ArgumentsError) as e:
@@ -104,6 +111,10 @@ def test_refusals_name_the_flag(extra, world, needle):
 def test_zero_flags_reach_the_engine_config():
     """Each --zero-* flag lands in the engine's ZeroConfig (built once, at parse time)."""
     from megaq.zero import ZeroConfig
+    z = parse(["--zero-quantized-weights"], world=1).zero  # no value: int8 qwZ, as before
+    assert z.quantized_weights and not z.fp8_weights
+    z = parse(["--zero-quantized-weights", "fp8", "--fp8-format", "hybrid"], world=1).zero
+    assert z.fp8_weights and not z.quantized_weights
     z = parse(["--zero-quantized-gradients"], world=1).zero
     assert isinstance(z, ZeroConfig) and z.grad_chunk == ZeroConfig().grad_chunk
     z = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096",

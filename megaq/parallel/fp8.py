@@ -119,6 +119,24 @@ def fp8_gemm_available(device: torch.device) -> bool:
 
 
 # ----------------------------------------------------------------------- casting
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """The cast's scale (fp8_max / amax) from an fp32 amax; `pow2` rounds it down to a
+    power of two. The one home of this arithmetic: the GEMMs' casts and ZeRO's FP8
+    weight gathers (megaq.zero.zeropp.fp8_weights) must produce the same bits."""
+    fmax = torch.finfo(dtype).max
+    # float64 division: eager and compiled graphs give bit-identical scales
+    scale = (fmax / amax.double().clamp(min=EPS)).float()
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale rounded to `dtype`, saturating at the format's max (as torchao)."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
              group: Group | None = None, role: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Cast x to FP8 with dynamic scaling; returns (x_fp8, inverse scale).
@@ -133,16 +151,17 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
     if group is not None and group.size > 1:
         amax = amax.contiguous()
         comm.all_reduce(amax, group, PHASE, op=dist.ReduceOp.MAX)
-    fmax = torch.finfo(dtype).max
-    # float64 division: eager and compiled graphs give bit-identical scales
-    scale = (fmax / amax.double().clamp(min=EPS)).float()
-    if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    scale = scale_from_amax(amax, dtype, pow2)
+    q = cast(x, scale, dtype)
     inv = scale.reciprocal()
+    log_scale(role, inv)
+    return q, inv
+
+
+def log_scale(role: str, inv: torch.Tensor) -> None:
+    """Record a cast's inverse scale inside :func:`capture_scales` (tests)."""
     if _SCALE_LOG is not None:
         _SCALE_LOG.append((role, inv.detach().clone()))
-    return q, inv
 
 
 def _col_major(b: torch.Tensor) -> torch.Tensor:
@@ -158,6 +177,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
     if not fp8_gemm_available(a.device) or a.shape[1] % 16 or b.shape[1] % 16:
         return ((a.float() @ b.float()) * a_inv * b_inv).to(out_dtype)
     a, b = a.contiguous(), _col_major(b)
+    # cuBLASLt wants 16-byte aligned operands; a weight gathered into a flat buffer
+    # (ZeRO's FP8 weight gathers) may start anywhere
+    a, b = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b))
     mm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
     if rowwise and not fast_accum:
         # the rowwise kernel is slow without fast accumulation: run the per-tensor
@@ -182,17 +204,29 @@ class _FP8Linear(torch.autograd.Function):
     `parallel` says which dimension TP splits: "column" (W's output rows; x is whole,
     dY is split) or "row" (W's input columns; x is split, dY is whole). That decides
     which amaxes cross a shard boundary and are reduced (module docstring).
+
+    `weight_fp8`, `weight_inv` (tensorwise only): the weight already cast, as ZeRO-3's
+    FP8 weight gather delivers it (``--zero-quantized-weights fp8``): E4M3 with the
+    inverse of the per-tensor scale this function would have computed from `weight`
+    (the same amax over the whole TP-split tensor, the same arithmetic). The weight's
+    own cast is then skipped and `weight` itself is never read: it only receives dW.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: FP8Recipe, group: Group, parallel: str):
+    def forward(ctx, x, weight, recipe: FP8Recipe, group: Group, parallel: str,
+                weight_fp8=None, weight_inv=None):
         col = parallel == "column"
         rw, fwd = recipe.rowwise, recipe.forward_dtype
         x2 = x.reshape(-1, x.shape[-1])
         # rowwise: scales along the input features, split only in a row-parallel layer;
         # tensorwise: the weight is split in both kinds of layer, x only in row-parallel
         xq, xs = quantize(x2, fwd, -1 if rw else None, rw, _maybe(group, not col), "input")
-        wq, ws = quantize(weight, fwd, 1 if rw else None, rw, _maybe(group, not (rw and col)), "weight")
+        if weight_fp8 is not None:  # gathered in FP8 by the ZeRO engine: cast already
+            wq, ws = weight_fp8, weight_inv
+            log_scale("weight", ws)
+        else:
+            wq, ws = quantize(weight, fwd, 1 if rw else None, rw, _maybe(group, not (rw and col)),
+                              "weight")
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype, fast_accum=True)
         ctx.recipe, ctx.group, ctx.col = recipe, group, col
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -228,19 +262,25 @@ class _FP8Linear(torch.autograd.Function):
                 dw = scaled_mm(dyq.t(), xq, dys, xs, ctx.w_dtype, fast_accum=False)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           recipe: FP8Recipe | None, group: Group, parallel: str) -> torch.Tensor:
-    """The TP layers' GEMM: F.linear without a recipe, else the FP8 GEMMs above."""
+           recipe: FP8Recipe | None, group: Group, parallel: str,
+           weight_fp8: torch.Tensor | None = None,
+           weight_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """The TP layers' GEMM: F.linear without a recipe, else the FP8 GEMMs above
+    (`weight_fp8` / `weight_inv`: the weight as ZeRO's FP8 gather delivered it)."""
     if recipe is None:
         return F.linear(x, weight, bias)
     if parallel not in ("column", "row"):
         raise ValueError(f"parallel must be 'column' or 'row', not {parallel!r}")
-    y = _FP8Linear.apply(x, weight, recipe, group, parallel)
+    if weight_fp8 is not None and recipe.rowwise:
+        raise ValueError("an FP8-gathered weight carries one per-tensor scale; the rowwise "
+                         "recipe casts per row: use --fp8-recipe tensorwise")
+    y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv)
     return y if bias is None else y + bias
 
 
-__all__ = ["FP8Recipe", "linear", "quantize", "scaled_mm", "emulation", "capture_scales",
+__all__ = ["FP8Recipe", "linear", "quantize", "scale_from_amax", "cast", "scaled_mm", "emulation", "capture_scales",
            "fp8_gemm_available", "FORMATS", "RECIPES"]

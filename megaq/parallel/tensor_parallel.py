@@ -362,6 +362,32 @@ class TPDropout(nn.Module):
 
 
 # --------------------------------------------------------------------------- layers
+def _no_fp8_weight(layer: nn.Module) -> None:
+    """`weight_fp8` / `weight_fp8_inv`: the layer's weight as ZeRO-3's FP8 weight gather
+    delivers it (E4M3 and its inverse per-tensor scale; megaq.zero.zeropp.fp8_weights
+    sets them with :func:`use_fp8_weight`). None: the GEMM casts `weight` itself.
+    Buffers (not persistent, so never in a state dict) so that a compiled block treats
+    them as graph inputs, as it treats the parameters."""
+    layer.register_buffer("weight_fp8", None, persistent=False)
+    layer.register_buffer("weight_fp8_inv", None, persistent=False)
+
+
+def use_fp8_weight(layer: nn.Module, weight_fp8: torch.Tensor, weight_inv: torch.Tensor) -> None:
+    """From now on `layer`'s FP8 GEMM reads these instead of casting its weight."""
+    if tuple(weight_fp8.shape) != tuple(layer.weight.shape) or weight_inv.dim() != 0:
+        raise ValueError(f"FP8 weight of shape {tuple(weight_fp8.shape)} / scale of shape "
+                         f"{tuple(weight_inv.shape)} for a weight of shape {tuple(layer.weight.shape)}")
+    layer.weight_fp8, layer.weight_fp8_inv = weight_fp8, weight_inv
+
+
+def fp8_gemm_layers(module: nn.Module) -> list[nn.Module]:
+    """The column- and row-parallel layers under `module` whose GEMMs run in FP8 on a
+    weight of their own (the tied output layer borrows the embedding's: not one)."""
+    return [m for m in module.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+            and m.fp8 is not None and m.weight is not None]
+
+
 InitFn = Callable[[tuple[int, ...]], torch.Tensor]  # full shape -> full fp32 tensor
 
 
@@ -394,14 +420,17 @@ class ColumnParallelLinear(nn.Module):
             set_tp_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
+        _no_fp8_weight(self)
 
     def forward(self, x, weight: torch.Tensor | None = None):
+        weight_fp8 = self.weight_fp8 if weight is None else None  # a passed weight is not ours
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, output_grad_is_partial=True)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = fp8_or_bf16_linear(x, weight, self.bias, self.fp8, self.tp_group, "column")
+        y = fp8_or_bf16_linear(x, weight, self.bias, self.fp8, self.tp_group, "column",
+                               weight_fp8, self.weight_fp8_inv)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -429,9 +458,11 @@ class RowParallelLinear(nn.Module):
             set_tp_attributes(self.bias, False, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        _no_fp8_weight(self)
 
     def forward(self, x):
-        y = fp8_or_bf16_linear(x, self.weight, None, self.fp8, self.tp_group, "row")
+        y = fp8_or_bf16_linear(x, self.weight, None, self.fp8, self.tp_group, "row",
+                               self.weight_fp8, self.weight_fp8_inv)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
@@ -534,5 +565,6 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "get_rng_tracker",
-    "model_parallel_manual_seed", "ensure_rng_seeded", "single_rank_group",
+    "model_parallel_manual_seed", "ensure_rng_seeded", "single_rank_group", "fp8_gemm_layers",
+    "use_fp8_weight",
 ]

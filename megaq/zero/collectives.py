@@ -10,7 +10,8 @@ Seam 1, weight gathering (:class:`WeightGatherer`)
     ``invalidate()``: called after every optimizer step and state load (the shards
     changed: drop secondary copies).
     Plain: one ``comm.all_gather`` over ``topo.dp``. ZeRO++ (qwZ and/or hpZ):
-    megaq.zero.zeropp.weights.ZeroPPWeightGatherer.
+    megaq.zero.zeropp.weights.ZeroPPWeightGatherer. FP8 weight gathers:
+    megaq.zero.zeropp.fp8_weights.FP8WeightGatherer (``part.full_fp8`` filled too).
 
 Seam 2, gradient reduction (:class:`GradReducer`)
     ``start_reduce(part, full_grad_flat, grads) -> comm.Handle``: ``full_grad_flat`` is
@@ -34,6 +35,7 @@ import torch
 from megaq.parallel import comm
 from megaq.parallel.comm import Handle
 from megaq.zero.config import ZeroConfig
+from megaq.zero.zeropp.fp8_weights import FP8WeightGatherer
 from megaq.zero.zeropp.grads import QuantizedGradReducer
 from megaq.zero.zeropp.weights import ZeroPPWeightGatherer
 
@@ -86,8 +88,11 @@ class ReplicatedReducer:
         return Handle(work, lambda: accum.add_(flat, alpha=1.0 / self.group.size))
 
 
-def make_gatherer(topo, cfg: ZeroConfig):
-    """Stage 3's weight gatherer: ZeRO++'s when qwZ or hpZ is on, else the plain one."""
+def make_gatherer(topo, cfg: ZeroConfig, partitions=()):
+    """Stage 3's weight gatherer: FP8 gathers (of `partitions`' FP8 weights) when
+    cfg.fp8_weights, ZeRO++'s when qwZ or hpZ is on, else the plain one."""
+    if cfg.fp8_weights:
+        return FP8WeightGatherer(topo, cfg, partitions)
     if cfg.weights_need_zeropp:
         return ZeroPPWeightGatherer(topo, cfg)
     return WeightGatherer(topo, cfg)

@@ -71,6 +71,10 @@ class ZeroConfig:
     # ---- ZeRO++ (megaq.zero.zeropp; DeepSpeed's switch names, docs/ZEROPP.md) ----
     quantized_weights: bool = False     # qwZ: blockwise-quantized forward all-gather
     weight_bits: int = 8                # qwZ: bits per weight (8 or 4)
+    # FP8 weight gathers (--zero-quantized-weights fp8, with FP8 GEMMs): the weights of the
+    # FP8 GEMM layers travel as E4M3 with the GEMM's per-tensor scale and feed the GEMMs
+    # as they arrive (megaq.zero.zeropp.fp8_weights); other weights travel as before.
+    fp8_weights: bool = False
     hpz_partition_size: int = 1         # hpZ (> 1): secondary in-node shard for later gathers
     quantized_gradients: bool = False   # qgZ: two-hop quantized all-to-all reduce
     grad_bits_intra: int = 4            # qgZ: bits of the in-node hop (8 or 4)
@@ -116,6 +120,10 @@ class ZeroConfig:
         if self.error_feedback and not self.quantized_gradients:
             raise ZeroConfigError("error_feedback (--zero-gradient-error-feedback) needs "
                                   "quantized_gradients (--zero-quantized-gradients)")
+        if self.fp8_weights and self.quantized_weights:
+            raise ZeroConfigError("FP8 weight gathers and int8 qwZ both quantize the weight "
+                                  "gather; choose one: --zero-quantized-weights fp8 (FP8 GEMMs) "
+                                  "or --zero-quantized-weights (int8, bf16 GEMMs)")
         if self.stage == 0 and self.zeropp_enabled:
             raise ZeroConfigError("ZeRO++ switches need --zero-stage 3 (they change how ZeRO-3 "
                                   "gathers weights and reduces gradients)")
@@ -126,9 +134,26 @@ class ZeroConfig:
 
     @property
     def weights_need_zeropp(self) -> bool:
-        """qwZ or hpZ: the ZeRO++ weight gatherer replaces the plain all-gather."""
-        return self.quantized_weights or self.hpz
+        """qwZ, FP8 gathers or hpZ: the ZeRO++ weight gatherer replaces the plain all-gather."""
+        return self.quantized_weights or self.fp8_weights or self.hpz
 
     @property
     def zeropp_enabled(self) -> bool:
         return self.weights_need_zeropp or self.quantized_gradients
+
+
+def check_fp8_weight_gathers(fp8_recipe, cfg: ZeroConfig) -> None:
+    """The rules joining the model's FP8 recipe (GPTConfig.fp8: an FP8Recipe or None)
+    and the weight gather (RunConfig checks them; the engine again on its model)."""
+    if cfg.fp8_weights and fp8_recipe is None:
+        raise ZeroConfigError("--zero-quantized-weights fp8 gathers the weights that FP8 GEMMs "
+                              "read, and the model has none: add --fp8-format (e4m3 or hybrid), "
+                              "or use --zero-quantized-weights (int8) for bf16 GEMMs")
+    if cfg.fp8_weights and fp8_recipe.rowwise:
+        raise ZeroConfigError("--zero-quantized-weights fp8 gathers one scale per weight tensor "
+                              "but --fp8-recipe rowwise scales per row: use --fp8-recipe "
+                              "tensorwise with FP8 weight gathers")
+    if cfg.quantized_weights and fp8_recipe is not None:
+        raise ZeroConfigError("int8 qwZ (--zero-quantized-weights) dequantizes to bf16, which the "
+                              "FP8 GEMMs (--fp8-format) would cast again: use "
+                              "--zero-quantized-weights fp8 with FP8 GEMMs")

@@ -94,7 +94,6 @@ class ZeroEngine:
         check_params(model_chunks, cfg)
         self.chunks, self.topo, self.cfg = list(model_chunks), topo, cfg
         self.stage3 = cfg.stage == 3
-        self.gatherer = make_gatherer(topo, cfg) if self.stage3 else None
         self.reducer = make_reducer(topo, cfg) if self.stage3 else None
         self.sites: list[Site] = build_sites(self.chunks, topo, cfg)
         # Sites, units and partitions are keyed by name (unique on a rank) everywhere.
@@ -108,6 +107,7 @@ class ZeroEngine:
             for unit in site.gathered_units:
                 self._users.setdefault(unit.name, []).append(i)
         self.partitions = all_partitions(self.sites)
+        self.gatherer = make_gatherer(topo, cfg, self.partitions) if self.stage3 else None
         self._owner: dict[str, tuple[FlatPartition, Site]] = {  # partition name -> (it, its site)
             part.name: (part, site) for site in self.sites for unit in site.owned for part in unit.parts}
         # The one owner of gradient state: reduce buckets, fp32 accumulators, staleness.
@@ -115,7 +115,7 @@ class ZeroEngine:
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
         self.optimizer = build_optimizer(self.partitions, cfg, topo, self.grads)
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
-        self.zero_model_bytes = sum(p.full_bytes for p in self.partitions if p.sharded)
+        self.zero_model_bytes = sum(p.model_bytes for p in self.partitions if p.sharded)
         self.skipped_steps = 0
         self._norm: torch.Tensor | None = None
         # unit name -> (unit, its gather's handle, phase)
@@ -230,7 +230,8 @@ class ZeroEngine:
             with torch.cuda.stream(self._stream):
                 handle.wait()
             torch.cuda.current_stream().wait_stream(self._stream)
-            unit.sharded.full.record_stream(torch.cuda.current_stream())
+            for buf in unit.sharded.gathered_buffers():
+                buf.record_stream(torch.cuda.current_stream())
         else:
             handle.wait()
         if phase == FWD:

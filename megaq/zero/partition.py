@@ -16,6 +16,14 @@ ranges stay few). Two kinds:
 
 Padding elements are zero in weights and gradients, so they never move the norm or
 the optimizer.
+
+FP8 weight gathers (``fp8_params``, ``--zero-quantized-weights fp8``): the weights of
+FP8 GEMM layers are laid out first, in ``[0, fp8_numel)``. The gathered form of that
+region is ``full_fp8`` (E4M3, ``padded_numel`` bytes: every rank's FP8 shard, as
+gathered), and each such weight's layer reads its E4M3 view (``slot.fp8_weight``) and
+inverse scale (``slot.fp8_inv``) from here. ``full`` then holds only the rest,
+``[fp8_numel, numel)``, in the gather dtype; the FP8 weights' parameters view a
+gather-dtype buffer that is never allocated (they only carry shapes and receive grads).
 """
 
 from __future__ import annotations
@@ -48,6 +56,17 @@ class ParamSlot:
     shape: torch.Size
     decay: bool
     counted: bool  # does this rank count it in the global grad norm (see engine docs)
+    fp8_weight: torch.Tensor | None = None  # E4M3 view into full_fp8 (FP8 weight gathers)
+    fp8_inv: torch.Tensor | None = None     # its inverse per-tensor scale (0-d)
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on `view`'s memory with a version counter of its own, as a parameter's
+    ``.data``: writes into the gathered buffer (a gather, an hpZ refill) must not look
+    like in-place changes to what autograd saved from it."""
+    t = torch.empty(0, dtype=view.dtype, device=view.device)
+    t.data = view
+    return t
 
 
 class FlatPartition:
@@ -55,14 +74,20 @@ class FlatPartition:
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]],
                  dtype: torch.dtype, world: int, rank: int, block_size: int, sharded: bool,
-                 counted_fn, shared_embedding: bool = False):
+                 counted_fn, shared_embedding: bool = False, fp8_params: frozenset = frozenset()):
         self.name, self.dtype, self.sharded = name, dtype, sharded
         self.world, self.rank = (world, rank) if sharded else (1, 0)
         self.shared_embedding = shared_embedding
         self.block_size = block_size
         self.device = named_params[0][1].device
-        # decay first, then no-decay; inside each, TP-split before TP-replicated
+        fp8_ids = fp8_params if sharded else frozenset()
+        for pname, p in named_params:
+            if id(p) in fp8_ids and not wants_weight_decay(pname, p):
+                raise ValueError(f"{pname}: an FP8-gathered weight must be a 2-D weight matrix")
+        # decay first, then no-decay; inside decay, FP8-gathered weights first; then
+        # TP-split before TP-replicated
         order = sorted(named_params, key=lambda np_: (not wants_weight_decay(*np_),
+                                                      id(np_[1]) not in fp8_ids,
                                                       not getattr(np_[1], "tensor_model_parallel", False)))
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -71,6 +96,8 @@ class FlatPartition:
                                         wants_weight_decay(pname, p), counted_fn(p)))
             offset += p.numel()
         self.numel = offset
+        self.fp8_slots = [s for s in self.slots if id(s.param) in fp8_ids]  # a prefix of slots
+        self.fp8_numel = sum(s.numel for s in self.fp8_slots)
         self.decay_end = sum(s.numel for s in self.slots if s.decay)
         self.padded_numel = round_up(max(offset, 1), world * block_size) if sharded else offset
         self.shard_numel = self.padded_numel // self.world
@@ -82,37 +109,61 @@ class FlatPartition:
         for s in self.slots:
             flat32[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         self.initial_master = flat32[self.lo:self.hi].clone()  # taken by the optimizer
-        self.full = flat32.to(dtype) if dtype != torch.float32 else flat32
-        if sharded:
-            self.shard = self.full[self.lo:self.hi].clone()
+        flat = flat32.to(dtype) if dtype != torch.float32 else flat32
+        self.shard = flat[self.lo:self.hi].clone() if sharded else flat
+        F = self.fp8_numel
+        if F:
+            self.full_fp8 = torch.zeros(self.padded_numel, dtype=torch.float8_e4m3fn, device=self.device)
+            self.fp8_inv_scales = torch.ones(len(self.fp8_slots), dtype=torch.float32, device=self.device)
+            self.full = flat[F:self.numel].clone()
+            never_allocated = torch.empty(F, dtype=dtype, device=self.device)
+            for i, s in enumerate(self.fp8_slots):
+                s.param.data = never_allocated[s.offset:s.offset + s.numel].view(s.shape)
+                s.fp8_weight = _alias(self.full_fp8[s.offset:s.offset + s.numel].view(s.shape))
+                s.fp8_inv = _alias(self.fp8_inv_scales[i])
+            never_allocated.untyped_storage().resize_(0)
         else:
-            self.shard = self.full
-        for s in self.slots:
-            s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+            self.full = flat
+        self._gathered = [self.full_fp8, self.full] if F else [self.full]
+        self._gathered_bytes = [t.numel() * t.element_size() for t in self._gathered]
+        for s in self.slots[len(self.fp8_slots):]:
+            s.param.data = self.full[s.offset - F:s.offset - F + s.numel].view(s.shape)
         if sharded:
             self.release()
 
     # ------------------------------------------------------------------ buffers
     @property
     def full_bytes(self) -> int:
-        return self.padded_numel * self.full.element_size()
+        """Bytes a gather materializes (with FP8 gathers: the E4M3 buffer and the rest)."""
+        return sum(self._gathered_bytes)
+
+    @property
+    def model_bytes(self) -> int:
+        """The unit's weights in the gather dtype, padded (the 'M' of the byte figures)."""
+        return self.padded_numel * self.shard.element_size()
+
+    def gathered_buffers(self) -> list[torch.Tensor]:
+        """What a gather fills: [full], or [full_fp8, full] with FP8 weight gathers."""
+        return self._gathered
 
     @property
     def is_materialized(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+        return self._gathered[0].untyped_storage().nbytes() > 0
 
     def materialize(self) -> torch.Tensor:
-        """Allocate `full` (contents undefined) so a gather can fill it."""
+        """Allocate the gathered buffers (contents undefined) so a gather can fill them."""
         if not self.is_materialized:
-            self.full.untyped_storage().resize_(self.full_bytes)
+            for t, nbytes in zip(self._gathered, self._gathered_bytes):
+                t.untyped_storage().resize_(nbytes)
         return self.full
 
     def release(self) -> None:
         if self.sharded and self.is_materialized:
-            self.full.untyped_storage().resize_(0)
+            for t in self._gathered:
+                t.untyped_storage().resize_(0)
 
     def full_storage_bytes(self) -> int:
-        return self.full.untyped_storage().nbytes() if self.sharded else 0
+        return sum(t.untyped_storage().nbytes() for t in self._gathered) if self.sharded else 0
 
     # ------------------------------------------------------------------ ranges
     def local_groups(self) -> list[tuple[int, int, bool]]:

@@ -16,6 +16,10 @@ whose modules hold its parameters; a site may also *borrow* another site's unit:
 
 Parameters of a chunk that no site covers (none in GPTModel) become a replicated
 partition of the chunk's first site, so they are never released.
+
+With FP8 weight gathers (``ZeroConfig.fp8_weights``) the weights of the FP8 GEMM
+layers in a unit's sharded partition are gathered in E4M3, and each such layer is
+pointed at its weight's gathered E4M3 view and scale (:func:`_bind_fp8_weights`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megaq.zero.config import ZeroConfig
+from megaq.parallel.tensor_parallel import fp8_gemm_layers, use_fp8_weight
+from megaq.zero.config import ZeroConfig, ZeroConfigError
 from megaq.zero.partition import FlatPartition
 
 
@@ -89,6 +94,17 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
             return False
         return bool(getattr(p, "tensor_model_parallel", False)) or topo.tp_rank == 0
 
+    fp8_layers = {}  # id(weight) -> its FP8 GEMM layer, for FP8 weight gathers
+    if cfg.stage == 3 and cfg.fp8_weights:
+        fp8_layers = {id(m.weight): m for c in model_chunks for m in fp8_gemm_layers(c)}
+        if not fp8_layers:
+            raise ZeroConfigError("fp8_weights (--zero-quantized-weights fp8) needs a model with FP8 "
+                                  "GEMMs (GPTConfig fp8_format, --fp8-format)")
+        if any(m.fp8.rowwise for m in fp8_layers.values()):
+            raise ZeroConfigError("fp8_weights (--zero-quantized-weights fp8) needs the tensorwise "
+                                  "FP8 recipe (--fp8-recipe tensorwise)")
+    fp8_ids = frozenset(fp8_layers)
+
     def make_unit(name: str, named: list[tuple[str, nn.Parameter]], shared: bool = False) -> Unit:
         if cfg.stage == 0:
             big, small = [], named
@@ -99,7 +115,8 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
         parts = []
         if big:
             parts.append(FlatPartition(name, big, cfg.gather_dtype, dp.size, dp.rank, cfg.block_size,
-                                       True, counted, shared_embedding=shared))
+                                       True, counted, shared_embedding=shared, fp8_params=fp8_ids))
+            _bind_fp8_weights(parts[-1], fp8_layers)
         if small:
             parts.append(FlatPartition(name + ".replicated", small, cfg.gather_dtype, dp.size,
                                        dp.rank, cfg.block_size, False, counted, shared_embedding=shared))
@@ -154,6 +171,12 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
             site.owned_param_count += len(orphans)
         sites.extend(chunk_sites)
     return sites
+
+
+def _bind_fp8_weights(part: FlatPartition, fp8_layers: dict) -> None:
+    """Point each FP8 GEMM layer of the partition at its weight's gathered E4M3 form."""
+    for slot in part.fp8_slots:
+        use_fp8_weight(fp8_layers[id(slot.param)], slot.fp8_weight, slot.fp8_inv)
 
 
 def all_partitions(sites: list[Site]) -> list[FlatPartition]:

@@ -14,6 +14,10 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
   megaq-fp8tw-comp  megaq-s0-comp with FP8 GEMMs in the blocks (--fp8-format hybrid
                   --fp8-recipe tensorwise: E4M3 forward, E5M2 grads, per-tensor scales)
   megaq-fp8rw-comp  the same with --fp8-format e4m3 --fp8-recipe rowwise
+  megaq-s3-fp8tw-comp       megaq-s3-comp with the tensorwise FP8 GEMMs (bf16 weight gathers)
+  megaq-s3-fp8tw-fp8g-comp  the same with FP8 weight gathers (--zero-quantized-weights fp8:
+                  the engine casts each weight to E4M3 once per step, the GEMMs read the
+                  gathered E4M3 weights; no bf16 copy of the block weights)
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -30,6 +34,8 @@ profiler tables (--profile SIZE:VARIANT).
     python tools/bench/bench_train.py --sizes 125M --variants megaq-s0 ref-eager --steps 3   # quick
     python tools/bench/bench_train.py --sizes 1.3B 3B --variants megaq-s0-comp megaq-fp8tw-comp \
         megaq-fp8rw-comp ao-tw-comp ao-rw-comp --fp8-check --out docs/results/bench_fp8_h200.json
+    python tools/bench/bench_train.py --sizes 1.3B --variants megaq-s3-comp megaq-s3-fp8tw-comp \
+        megaq-s3-fp8tw-fp8g-comp megaq-s0-comp megaq-fp8tw-comp --no-zeropp --out fp8_gather.json
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ SEQ, VOCAB = 2048, 32000
 SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 16), "1.3B": (24, 2048, 16, 8),
          "3B": (28, 3072, 24, 4)}
 VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp",
-            "megaq-fp8tw-comp", "megaq-fp8rw-comp", "ao-tw-comp", "ao-rw-comp"]
+            "megaq-fp8tw-comp", "megaq-fp8rw-comp", "ao-tw-comp", "ao-rw-comp",
+            "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -192,7 +199,7 @@ def use_fp8(model, fp8_format, fp8_recipe):
     return model
 
 
-def build_megaq(size, stage, compiled, dev, fp8=None):
+def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
     import copy
 
     from megaq.model.gpt import compile_blocks
@@ -206,7 +213,8 @@ def build_megaq(size, stage, compiled, dev, fp8=None):
         compile_blocks(model)
     topo = build_topology(Layout(world_size=1), 0)
     engine = build_engine([model], topo, ZeroConfig(stage=stage, gather_dtype=torch.bfloat16,
-                                                    lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
+                                                    lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                                    fp8_weights=fp8_gathers))
 
     def fwd_bwd(ids, labels):
         engine.zero_grad()
@@ -262,7 +270,8 @@ def build_ref(size, compiled, dev, ao_recipe=None):
 def build(size, variant, dev):
     if variant.startswith("megaq"):
         fp8 = next((v for k, v in FP8_VARIANTS.items() if f"-{k}" in variant), None)
-        return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev, fp8)
+        return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev, fp8,
+                           fp8_gathers="-fp8g" in variant)
     ao = next((v for k, v in AO_VARIANTS.items() if variant.startswith(k)), None)
     return build_ref(size, variant.endswith("comp"), dev, ao)
 
@@ -666,6 +675,14 @@ def print_tables(results, zpp):
               f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {100 * r['mfu_with_head']:.1f}% | "
               f"{r['peak_mem_gib']:.1f} | {ratio(r, 'ref-comp')} | {ratio(r, 'megaq-s0-comp')} | "
               f"{ratio(r, ao) if ao else '-'} |")
+    for size in dict.fromkeys(r["size"] for r in results):
+        tps = {r["variant"]: r for r in results if r["size"] == size}
+        rows = [v for v in ("megaq-s3-comp", "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp") if v in tps]
+        if len(rows) > 1:  # the FP8 weight gathers against bf16 and FP8 GEMMs, same engine
+            base = tps[rows[0]]["tokens_per_s"]
+            print(f"\nZeRO-3 at {size}: " + ", ".join(
+                f"{v} {tps[v]['tokens_per_s'] / 1e3:.1f}K tok/s ({tps[v]['tokens_per_s'] / base:.2f}x, "
+                f"peak {tps[v]['peak_mem_gib']:.1f} GiB)" for v in rows))
     if zpp:
         print(f"\nZeRO++ kernels, 1.3B ({zpp['params'] / 1e9:.2f}B params, block {zpp['block']}, "
               f"qgZ k={zpp['k_nodes']} x m={zpp['m_ranks']}), step {zpp['step_ms']:.1f} ms")

@@ -4,7 +4,11 @@ Gloo ranks forked on one machine all put their tensors on the same GPU (cuda:0),
 TP and ZeRO-3 run with real FP8 GEMMs (torch._scaled_mm) while their collectives go
 through gloo. A small Llama (bf16 weights, fp32 masters, FP8 block GEMMs) trains a
 few steps on fixed batches as TP=1 and TP=2 under the ZeRO-3 engine; the losses are
-compared with TP=1's. Gloo moves CUDA tensors for all-reduce, broadcast and
+compared with TP=1's. With the tensorwise recipe each layout also runs with FP8 weight
+gathers (``--zero-quantized-weights fp8``: the engine casts the weights once per step and
+the GEMMs read the gathered E4M3 weights); those losses are compared with the same
+layout's bf16-gather run, which they should equal (the same casts of the same values:
+docs/ZEROPP.md "FP8 weight gathers"). Gloo moves CUDA tensors for all-reduce, broadcast and
 all-gather but has no CUDA send/recv, which megaq's gloo reduce-scatter (a ring of
 send/recv) needs: sequence parallelism and DP > 1 cannot run this way on one GPU
 (the CPU tests, tests/test_fp8.py, cover those layouts).
@@ -29,7 +33,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 LAYOUTS = [(1, 1), (2, 1)]  # (tp, dp)
 
 
-def _steps(topo, fp8_format, fp8_recipe, steps, device):
+def _steps(topo, fp8_format, fp8_recipe, steps, device, fp8_gathers=False):
     from megaq.model import GPTConfig, GPTModel
     from megaq.zero import ZeroConfig, build_engine
 
@@ -41,7 +45,8 @@ def _steps(topo, fp8_format, fp8_recipe, steps, device):
                           fp8_format=fp8_format, fp8_recipe=fp8_recipe)
     model = GPTModel(cfg, topo.tp).to(dev)
     engine = build_engine([model], topo, ZeroConfig(stage=3, gather_dtype=torch.bfloat16, lr=1e-3,
-                                                    betas=(0.9, 0.95), weight_decay=0.1))
+                                                    betas=(0.9, 0.95), weight_decay=0.1,
+                                                    fp8_weights=fp8_gathers))
     # the same global batch of 4 samples at every layout: DP ranks take their share
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 4096, (2, 4, 513), generator=g)
@@ -73,21 +78,32 @@ def main(argv=None):
     from megaq.parallel.launch import run_on_ranks
 
     report = {"steps": args.steps, "results": {}}
-    for fmt, recipe in (("hybrid", "tensorwise"), ("e4m3", "rowwise")):
+    runs = [("hybrid", "tensorwise", False), ("hybrid", "tensorwise", True), ("e4m3", "rowwise", False)]
+    by_layout = {}  # (tp, dp) -> losses of the tensorwise run with bf16 gathers
+    for fmt, recipe, gathers in runs:
         base = None
         for tp, dp in LAYOUTS:
-            key = f"{fmt}-{recipe} tp{tp} dp{dp} zero3"
+            key = f"{fmt}-{recipe} tp{tp} dp{dp} zero3" + (" fp8-gathers" if gathers else "")
             try:
-                losses = run_on_ranks(_steps, tp * dp, tp=tp, args=(fmt, recipe, args.steps, args.device))[0]
+                losses = run_on_ranks(_steps, tp * dp, tp=tp,
+                                      args=(fmt, recipe, args.steps, args.device, gathers))[0]
             except Exception as e:  # noqa: BLE001 - report and go on with the other layouts
                 report["results"][key] = {"error": f"{type(e).__name__}: {e}"[-800:]}
                 print(f"{key}: FAILED {report['results'][key]['error']}", flush=True)
                 continue
             base = base or losses
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
-            report["results"][key] = {"losses": losses, "max_rel_diff_vs_tp1": diff}
-            print(f"{key}: losses " + " ".join(f"{x:.4f}" for x in losses)
-                  + f"  max rel diff vs TP=1 {diff:.1e}", flush=True)
+            row = report["results"][key] = {"losses": losses, "max_rel_diff_vs_tp1": diff}
+            line = f"{key}: losses " + " ".join(f"{x:.4f}" for x in losses) + f"  max rel diff vs TP=1 {diff:.1e}"
+            if recipe == "tensorwise" and not gathers:
+                by_layout[(tp, dp)] = losses
+            elif gathers and (tp, dp) in by_layout:
+                ref = by_layout[(tp, dp)]
+                row["max_rel_diff_vs_bf16_gathers"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+                row["bit_identical_to_bf16_gathers"] = losses == ref
+                line += (f"  vs bf16 gathers: max rel diff {row['max_rel_diff_vs_bf16_gathers']:.1e}"
+                         f" (bit-identical: {losses == ref})")
+            print(line, flush=True)
     if args.out:
         with open(args.out + ".tmp", "w") as f:
             json.dump(report, f, indent=1)

@@ -13,9 +13,10 @@ from megaq.zero.partition import padded
 from . import volume
 from .grads import QuantizedGradReducer, chunk_bounds
 from .rails import RailOrderError, Rails, rails_of
+from .fp8_weights import FP8WeightGatherer
 from .weights import ZeroPPWeightGatherer
 
 __all__ = [
-    "ZeroPPWeightGatherer", "QuantizedGradReducer", "RailOrderError", "Rails",
+    "ZeroPPWeightGatherer", "FP8WeightGatherer", "QuantizedGradReducer", "RailOrderError", "Rails",
     "rails_of", "padded", "chunk_bounds", "volume",
 ]

@@ -58,6 +58,23 @@ def weight_gather(S: int, k: int, m: int, elem: int, cfg: ZeroConfig, backward: 
     return ring(n, k, n * S * elem)
 
 
+def fp8_weight_gather(S: int, R: int, k: int, m: int, elem: int, cfg: ZeroConfig,
+                      backward: bool) -> dict[str, int]:
+    """One gather of a unit with FP8 weights (megaq.zero.zeropp.fp8_weights): per rank S
+    E4M3 bytes and R rest elements of `elem` bytes (rest_layout), two all-gathers."""
+    n = k * m
+    if backward and cfg.hpz:
+        h = cfg.hpz_partition_size
+        return add(ring(h, 1, n * S), ring(h, 1, n * R * elem), times=n // h)
+    return add(ring(n, k, n * S), ring(n, k, n * R * elem))
+
+
+def fp8_amax_reduce(tensors: int, k: int, m: int) -> dict[str, int]:
+    """The once-per-step MAX all-reduce over DP of one fp32 amax per FP8 weight tensor
+    (charged to weight_gather_fwd; an all-reduce is two ring passes)."""
+    return ring(k * m, k, 2 * 4 * tensors)
+
+
 def grad_reduce(S: int, k: int, m: int, grad_elem: int, cfg: ZeroConfig) -> dict[str, int]:
     """One gradient reduction of a unit over one DP group (plain = ring reduce-scatter)."""
     if cfg.quantized_gradients:
