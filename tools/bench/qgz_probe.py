@@ -19,7 +19,12 @@ experimental change that has no flag in megaq, applied inside each rank:
     python tools/bench/qgz_probe.py --config qgz --seed 1234 --code sq
     python tools/bench/qgz_probe.py --config qgz --seed 1234 --units head
 
-Runs are cached under --cache-dir by (argv, units, sr, code).
+Runs are cached under --cache-dir by (argv, units, sr, code). A table of every cached
+probe against the harness's ZeRO-3 runs of the same seed and corpus (paired difference
+of the last-20-iteration training loss and of the final validation loss, mean and 95%
+t interval as convergence.py reports them):
+
+    python tools/bench/qgz_probe.py --report --harness-cache data_cache/convergence_runs
 """
 
 from __future__ import annotations
@@ -123,10 +128,50 @@ def rank_main(topo, argv, metrics, units, sr, code):
     return {"losses": dict(state.losses), "val": dict(state.val_losses)}
 
 
+def _load_dir(d: str) -> list[dict]:
+    runs = []
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".json"):
+            with open(os.path.join(d, name)) as f:
+                runs.append(json.load(f))
+    return runs
+
+
+def report(probe_dir: str, harness_dir: str) -> None:
+    """Paired differences of every cached probe vs the harness's zero3 run of its seed."""
+    base = {}
+    for r in _load_dir(harness_dir):
+        if r["label"].startswith("zero3@"):
+            seed = r["argv"][r["argv"].index("--seed") + 1]
+            base[(seed, "--data-path" in r["argv"])] = r
+    rows: dict[str, list] = {}
+    for r in _load_dir(probe_dir):
+        seed = r["argv"][r["argv"].index("--seed") + 1]
+        b = base.get((seed, "--data-path" in r["argv"]))
+        if b is None:
+            continue
+        label = r["label"].split("@")[0] + (" (held-out)" if "--data-path" in r["argv"] else "")
+        tb, tr = cv.tail_mean(b, 20), cv.tail_mean(r, 20)
+        vb, vr = cv.final_val(b), cv.final_val(r)
+        rows.setdefault(label, []).append((int(seed), (tr - tb) / tb, (vr - vb) / vb,
+                                           r["bytes_per_node_per_iter"]["inter_node"]))
+    print("| probe | seeds | per-seed | mean | 95% CI | val mean | cross-node B/it |")
+    print("|---|---|---|---|---|---|---|")
+    for label, rs in sorted(rows.items()):
+        rs.sort()
+        st, vs = cv.mean_ci([x[1] for x in rs]), cv.mean_ci([x[2] for x in rs])
+        ci = "n/a" if st["ci95"] is None else f"[{cv._pct(st['ci95'][0])}, {cv._pct(st['ci95'][1])}]"
+        print(f"| {label} | {','.join(str(x[0]) for x in rs)} | {', '.join(cv._pct(x[1]) for x in rs)} "
+              f"| {cv._pct(st['mean'])} | {ci} | {cv._pct(vs['mean'])} | {rs[0][3]:.0f} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="a convergence.py configuration, e.g. qgz")
-    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--report", action="store_true", help="print the table of the cached probes and exit")
+    p.add_argument("--harness-cache", default=os.path.join(cv.REPO, "data_cache", "convergence_runs"),
+                   help="convergence.py's --cache-dir (its zero3 runs are the baseline of --report)")
+    p.add_argument("--config", help="a convergence.py configuration, e.g. qgz")
+    p.add_argument("--seed", type=int)
     p.add_argument("--units", default="", help="regex of the unit names qgZ is kept for")
     p.add_argument("--sr", action="store_true", help="stochastic rounding")
     p.add_argument("--code", default="", choices=["", "sq"], help="sq: the square-law int4 code")
@@ -134,6 +179,11 @@ def main(argv=None):
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--cache-dir", default=os.path.join(cv.REPO, "data_cache", "qgz_probe"))
     o = p.parse_args(argv)
+    if o.report:
+        report(o.cache_dir, o.harness_cache)
+        return
+    if o.config is None or o.seed is None:
+        p.error("--config and --seed are required (or --report)")
     a = cv.parse(["--data-path", o.data_path, "--tokenizer-model", o.tokenizer_model] if o.data_path else [])
     run_argv = cv.model_argv(a, o.seed, "bf16") + cv.config_flags(o.config, a.world // 2)
     label = (f"{o.config}{'+sr' if o.sr else ''}{'+' + o.code if o.code else ''}"
