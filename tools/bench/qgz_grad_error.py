@@ -16,9 +16,10 @@ the mean of the 4 ranks' gradients) for 2 nodes x 2, and print per unit:
   zeroed  the fraction of elements whose exact gradient is non-zero but whose qgZ
           result is exactly 0 (every contribution rounded to 0)
 
-for the int4 code of the kernels (linear: levels k * absmax / 7, nearest) and the
-square-law code of tools/bench/qgz_probe.py (levels k^2 * absmax / 49, nearest in
-value), with every row quantized or with each rank's own rows exact, block 2048.
+for the int4 code of the kernels (linear: levels k * absmax / 7, nearest), the same with
+stochastic rounding (linear-sr, seeded), and the square-law code of
+tools/bench/qgz_probe.py (square: levels k^2 * absmax / 49, nearest in value), with every
+row quantized or with each rank's own rows exact, block 2048.
 
     python tools/bench/qgz_grad_error.py capture --dir /tmp/qgz_grads --steps 60,150,250 --iters 260
     python tools/bench/qgz_grad_error.py analyze --dir /tmp/qgz_grads
@@ -72,8 +73,8 @@ def capture(o):
                  args=(cv.model_argv(a, o.seed, "bf16"), o.dir, steps), timeout=7200)
 
 
-def _qdq(x, code: str, block: int):
-    """float64 quantize-dequantize of x with per-block absmax scale; nearest level."""
+def _qdq(x, code: str, block: int, gen=None):
+    """float64 quantize-dequantize of x with per-block absmax scale (see the docstring)."""
     import torch
 
     b = x.reshape(-1, block)
@@ -82,6 +83,9 @@ def _qdq(x, code: str, block: int):
     if code == "linear":
         s = am / QMAX4
         return (torch.round(b / s) * s).reshape(-1)
+    if code == "linear-sr":
+        s = am / QMAX4
+        return (torch.floor(b / s + torch.rand(b.shape, generator=gen, dtype=b.dtype)) * s).reshape(-1)
     s = am / QMAX4 ** 2
     y = b.abs() / s
     c = torch.zeros_like(y)
@@ -90,13 +94,13 @@ def _qdq(x, code: str, block: int):
     return (torch.sign(b) * c * c * s).reshape(-1)
 
 
-def two_hops(G, code: str, own_exact: bool, block: int):
+def two_hops(G, code: str, own_exact: bool, block: int, gen=None):
     """What each rank (a, j) of 2 nodes x 2 ends with for its chunk 2a + j, all chunks."""
     import torch
 
     n, k, m = 4, 2, 2
     S = G[0].numel() // n
-    D = [_qdq(g, code, block) for g in G]
+    D = [_qdq(g, code, block, gen) for g in G]
     out = torch.zeros(n * S, dtype=torch.float64)
     for a in range(k):
         for j in range(m):
@@ -106,7 +110,7 @@ def two_hops(G, code: str, own_exact: bool, block: int):
                 me = a2 * m + j
                 parts.append(sum(G[r][sl] if own_exact and r == me else D[r][sl]
                                  for r in range(a2 * m, a2 * m + m)))
-            out[sl] = sum(parts[a2] if own_exact and a2 == a else _qdq(parts[a2], code, block)
+            out[sl] = sum(parts[a2] if own_exact and a2 == a else _qdq(parts[a2], code, block, gen)
                           for a2 in range(k)) / n
     return out
 
@@ -122,18 +126,19 @@ def analyze(o):
     steps = sorted({c for c, _ in files})
     units = sorted({u for _, u in files})
     exact = {key: sum(G[r] for r in range(4)) / 4 for key, G in files.items()}
+    gen = torch.Generator().manual_seed(0)
     print(f"steps {steps}; block {o.block}; 2 nodes x 2")
     print("| unit | elements | code | own rows | relL2 | adamN | zeroed |")
     print("|---|---:|---|---|---:|---:|---:|")
     for u in units:
         rms = torch.sqrt(sum(exact[(c, u)].reshape(-1, 64).pow(2).mean(-1) for c in steps) / len(steps))
         w = rms.clamp_min(1e-30).repeat_interleave(64)
-        for code in ("linear", "square"):
+        for code in ("linear", "linear-sr", "square"):
             for own in (False, True):
                 l2 = e2 = an = z = 0.0
                 for c in steps:
                     ex = exact[(c, u)]
-                    res = two_hops([files[(c, u)][r] for r in range(4)], code, own, o.block)
+                    res = two_hops([files[(c, u)][r] for r in range(4)], code, own, o.block, gen)
                     err = res - ex
                     l2 += float((err ** 2).sum())
                     e2 += float((ex ** 2).sum())
