@@ -24,7 +24,7 @@ probe against the harness's ZeRO-3 runs of the same seed and corpus (paired diff
 of the last-20-iteration training loss and of the final validation loss, mean and 95%
 t interval as convergence.py reports them):
 
-    python tools/bench/qgz_probe.py --report --harness-cache data_cache/convergence_runs
+    python tools/bench/qgz_probe.py --report --harness-cache data_cache/convergence_runs [--out probes.json]
 """
 
 from __future__ import annotations
@@ -137,37 +137,55 @@ def _load_dir(d: str) -> list[dict]:
     return runs
 
 
-def report(probe_dir: str, harness_dir: str) -> None:
-    """Paired differences of every cached probe vs the harness's zero3 run of its seed."""
+def report(probe_dir: str, harness_dir: str, out: str | None = None) -> None:
+    """Paired differences of every cached probe vs the harness's zero3 run of its seed
+    (a markdown table; with ``out``, also JSON with every run, probes and baselines)."""
     base = {}
     for r in _load_dir(harness_dir):
         if r["label"].startswith("zero3@"):
             seed = r["argv"][r["argv"].index("--seed") + 1]
             base[(seed, "--data-path" in r["argv"])] = r
     rows: dict[str, list] = {}
+    used: dict[str, dict] = {}
     for r in _load_dir(probe_dir):
         seed = r["argv"][r["argv"].index("--seed") + 1]
         b = base.get((seed, "--data-path" in r["argv"]))
         if b is None:
             continue
         label = r["label"].split("@")[0] + (" (held-out)" if "--data-path" in r["argv"] else "")
+        corpus = "held-out" if "--data-path" in r["argv"] else "built-in"
+        used[f"{r['label']} {corpus}"], used[f"{b['label']} {corpus}"] = r, b
         tb, tr = cv.tail_mean(b, 20), cv.tail_mean(r, 20)
         vb, vr = cv.final_val(b), cv.final_val(r)
         rows.setdefault(label, []).append((int(seed), (tr - tb) / tb, (vr - vb) / vb,
                                            r["bytes_per_node_per_iter"]["inter_node"]))
-    print("| probe | seeds | per-seed | mean | 95% CI | val mean | cross-node B/it |")
-    print("|---|---|---|---|---|---|---|")
+    lines = ["| probe | seeds | per-seed | mean | 95% CI | val per-seed | val mean | cross-node B/it |",
+             "|---|---|---|---|---|---|---|---|"]
+    table = {}
     for label, rs in sorted(rows.items()):
         rs.sort()
         st, vs = cv.mean_ci([x[1] for x in rs]), cv.mean_ci([x[2] for x in rs])
+        table[label] = {"seeds": [x[0] for x in rs], "diff_train_tail": [x[1] for x in rs],
+                        "diff_train_tail_stats": st, "diff_val": [x[2] for x in rs], "diff_val_stats": vs,
+                        "inter_node_bytes_per_node_per_iter": rs[0][3]}
         ci = "n/a" if st["ci95"] is None else f"[{cv._pct(st['ci95'][0])}, {cv._pct(st['ci95'][1])}]"
-        print(f"| {label} | {','.join(str(x[0]) for x in rs)} | {', '.join(cv._pct(x[1]) for x in rs)} "
-              f"| {cv._pct(st['mean'])} | {ci} | {cv._pct(vs['mean'])} | {rs[0][3]:.0f} |")
+        lines.append(f"| {label} | {','.join(str(x[0]) for x in rs)} | {', '.join(cv._pct(x[1]) for x in rs)} "
+                     f"| {cv._pct(st['mean'])} | {ci} | {', '.join(cv._pct(x[2]) for x in rs)} "
+                     f"| {cv._pct(vs['mean'])} | {rs[0][3]:.0f} |")
+    print("\n".join(lines))
+    if out:
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"metric": "paired relative difference vs zero3 of the same seed and corpus: "
+                                 "last-20-iteration training loss; final validation loss",
+                       "table": table, "table_markdown": "\n".join(lines), "runs": used}, f, indent=1)
+        os.replace(tmp, out)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", action="store_true", help="print the table of the cached probes and exit")
+    p.add_argument("--out", default=None, help="with --report: also write the table and the runs as JSON")
     p.add_argument("--harness-cache", default=os.path.join(cv.REPO, "data_cache", "convergence_runs"),
                    help="convergence.py's --cache-dir (its zero3 runs are the baseline of --report)")
     p.add_argument("--config", help="a convergence.py configuration, e.g. qgz")
@@ -180,7 +198,7 @@ def main(argv=None):
     p.add_argument("--cache-dir", default=os.path.join(cv.REPO, "data_cache", "qgz_probe"))
     o = p.parse_args(argv)
     if o.report:
-        report(o.cache_dir, o.harness_cache)
+        report(o.cache_dir, o.harness_cache, o.out)
         return
     if o.config is None or o.seed is None:
         p.error("--config and --seed are required (or --report)")
