@@ -274,8 +274,8 @@ class ZeroFlags:
                                              ZeroConfig.block_size, type=int)
     zero_quantized_gradients_exact_own_rows: bool = switch(
         "--zero-quantized-gradients-exact-own-rows",
-        "qgZ: keep the all-to-all row a rank keeps for itself exact (fp32, no bytes; "
-        "measured with error feedback, docs/ZEROPP.md)")
+        "qgZ: keep the all-to-all row a rank keeps for itself exact (fp32, no bytes; its "
+        "gain is the own rows' share, 1/m in-node and 1/k cross-node; docs/ZEROPP.md 'Fidelity')")
     zero_gradient_error_feedback: bool = switch(
         "--zero-gradient-error-feedback", "qgZ: carry the quantization residual into the next "
         "step (an fp32 residual as large as each unit's full gradient on every rank: 4 bytes "

@@ -157,3 +157,21 @@ def test_harness_interval_is_students_t():
     half = 4.303 * 0.01 / 3 ** 0.5
     assert abs(st["ci95"][0] - (0.02 - half)) < 1e-9 and abs(st["ci95"][1] - (0.02 + half)) < 1e-9
     assert cv.mean_ci([0.5])["ci95"] is None
+
+
+def test_exact_own_row_is_left_out_of_the_quantized_sum_at_every_position():
+    """_reduce_rows drops row `mine` (first, middle or last: the slices that replaced a
+    list index, which cost a host-to-device copy and broke CUDA-graph capture) and adds
+    the exact row instead; the result equals summing the other rows one by one."""
+    from megaq.kernels import ops
+    from megaq.zero.zeropp.grads import _reduce_rows
+
+    L, bits, block = 128, 4, 64
+    recv = ops.quantize(torch.randn(4, L, generator=torch.Generator().manual_seed(3)), bits, block)
+    own = torch.full((L,), 0.25)
+    for mine in range(4):
+        want = torch.zeros(L)
+        for r in range(4):
+            if r != mine:  # the fused kernel's order: rows in index order from +0.0
+                want = want + ops.dequantize(recv[r], L, bits, block)
+        assert torch.equal(_reduce_rows(recv, mine, L, bits, block, own), want + own), mine

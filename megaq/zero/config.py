@@ -81,9 +81,10 @@ class ZeroConfig:
     grad_bits_inter: int = 4            # qgZ: bits of the cross-node hop (8 or 4)
     error_feedback: bool = False        # qgZ: carry each quantization's residual forward
     grad_chunk: int = DEFAULT_GRAD_CHUNK  # qgZ: shard elements per chunk (hops of chunks overlap)
-    # qgZ: a rank's own all-to-all row stays fp32 (no link, no bytes). Opt-in: its loss
-    # was measured only together with error feedback, and with it the in-node hop runs an
-    # unfused dequant_reduce + quantize (H200 step time unmeasured), not the fused kernel.
+    # qgZ: a rank's own all-to-all row stays fp32 (no link, no bytes). Opt-in: with it the
+    # in-node hop runs an unfused dequant_reduce + quantize instead of the fused kernel
+    # (H200 time: tools/bench/bench_qgz_paths.py), and its gain is the share of the own
+    # rows, 1/m and 1/k of the contributions: large at 2 nodes x 2, small at scale.
     grad_exact_own_rows: bool = False
 
     def __post_init__(self):

@@ -49,7 +49,7 @@ from megaq.parallel.comm import Handle
 from megaq.zero.config import ZeroConfig
 from megaq.zero.partition import padded
 
-from .rails import rails_of
+from .rails import Rails, rails_of
 
 PHASE = "grad_reduce"
 
@@ -72,10 +72,22 @@ class QuantizedGradReducer:
     """
 
     def __init__(self, topo, cfg: ZeroConfig):
+        self._setup(cfg, rails_of(topo), topo.intra, topo.inter)
+
+    @classmethod
+    def standalone(cls, cfg: ZeroConfig, rails: Rails, intra, inter) -> "QuantizedGradReducer":
+        """A reducer for a given grid position without a topology (the H200 timing of
+        tools/bench/bench_qgz_paths.py passes groups of size 1, whose all-to-all is a
+        local copy, to time one rank's compute alone)."""
+        self = cls.__new__(cls)
+        self._setup(cfg, rails, intra, inter)
+        return self
+
+    def _setup(self, cfg: ZeroConfig, rails: Rails, intra, inter) -> None:
         self.cfg = cfg
-        self.rails = rails_of(topo)
-        self.intra, self.inter = topo.intra, topo.inter
-        self.n = topo.dp.size
+        self.rails = rails
+        self.intra, self.inter = intra, inter
+        self.n = rails.n
         self._res1: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [n * s]
         self._res2: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [k, s]
 
@@ -244,8 +256,9 @@ def _reduce_rows(recv: torch.Tensor, mine: int, L: int, bits: int, block: int,
     """fp32 [L]: the packed rows of ``recv`` other than row ``mine`` dequantized and
     summed in row order (one fused kernel), plus ``own`` (this rank's exact row, which
     never crossed a link and so was never quantized)."""
-    others = [r for r in range(recv.shape[0]) if r != mine]
-    rows = recv[others] if others != list(range(len(others))) else recv[:len(others)]
+    # slices, not a list index: no host-to-device index copy (CUDA-graph capturable)
+    rows = torch.cat([recv[:mine], recv[mine + 1:]]) if 0 < mine < recv.shape[0] - 1 else (
+        recv[1:] if mine == 0 else recv[:mine])
     return ops.dequant_reduce(rows, L, bits, block, 1.0) + own
 
 
