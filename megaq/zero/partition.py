@@ -97,6 +97,13 @@ class FlatPartition:
             offset += p.numel()
         self.numel = offset
         self.fp8_slots = [s for s in self.slots if id(s.param) in fp8_ids]  # a prefix of slots
+        if self.device.type == "cuda":
+            for s in self.fp8_slots:  # the GEMM reads them in place: cuBLASLt needs alignment
+                if s.offset % 16:
+                    raise ValueError(f"{s.name}: FP8 weight gathers need every FP8 weight's "
+                                     f"size to be a multiple of 16 elements (cuBLASLt reads "
+                                     f"them 16-byte aligned); use --zero-quantized-weights "
+                                     f"int8 or none with this model's shapes")
         self.fp8_numel = sum(s.numel for s in self.fp8_slots)
         self.decay_end = sum(s.numel for s in self.slots if s.decay)
         self.padded_numel = round_up(max(offset, 1), world * block_size) if sharded else offset
@@ -114,7 +121,10 @@ class FlatPartition:
         F = self.fp8_numel
         if F:
             self.full_fp8 = torch.zeros(self.padded_numel, dtype=torch.float8_e4m3fn, device=self.device)
-            self.fp8_inv_scales = torch.ones(len(self.fp8_slots), dtype=torch.float32, device=self.device)
+            # one inverse scale per FP8 weight, each in its own 16-byte slot (column 0): the
+            # GEMM hands cuBLASLt a pointer to it, and cuBLASLt wants 16-byte alignment
+            self.fp8_inv_scales = torch.ones(len(self.fp8_slots), 4, dtype=torch.float32,
+                                             device=self.device)[:, 0]
             self.full = flat[F:self.numel].clone()
             never_allocated = torch.empty(F, dtype=dtype, device=self.device)
             for i, s in enumerate(self.fp8_slots):
