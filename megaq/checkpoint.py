@@ -177,9 +177,19 @@ def _verified(fn, *a):
 
 # ------------------------------------------------------------------------------ save
 def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engine, lr_schedule,
-                    consumed_samples: int, extra: dict | None = None) -> str:
-    """Collective over every rank. Returns the final directory."""
+                    consumed_samples: int, extra: dict | None = None,
+                    save_optim: bool = True) -> str:
+    """Collective over every rank. Returns the final directory. Writes the format of
+    --ckpt-format: torch_dist in megaq.dist_checkpoint, torch here. `save_optim`
+    False writes no optimizer state (such a checkpoint loads with --no-load-optim)."""
+    from megaq import dist_checkpoint  # it builds on this module's helpers
+    if config.checkpointing.ckpt_format == "torch_dist":
+        return dist_checkpoint.save_checkpoint(
+            root, iteration, config=config, topo=topo, engine=engine, lr_schedule=lr_schedule,
+            consumed_samples=consumed_samples, extra=extra, save_optim=save_optim)
     full = engine.full_state()  # collective over DP: full fp32 weights + moments
+    if not save_optim:
+        full = {**engine_weights_only(full), "optimizer_saved": False}
     rank = topo.rank if topo is not None else 0
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".{os.path.basename(final)}.tmp")
@@ -205,20 +215,40 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
 
     with checkpoint_guard.write_errors(root, tmp, full, group, remove_tmp):
         if rank == 0:
-            integrity.write_manifest(tmp)  # last file written: its presence marks a whole save
-            for dirpath, _, _ in os.walk(tmp):
-                _fsync_dir(dirpath)
-            if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
-                old = os.path.join(root, f".{os.path.basename(final)}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(root)
-            write_tracker(root, iteration)
+            commit_directory(root, tmp, final, iteration)
     return final
+
+
+def commit_directory(root: str, tmp: str, final: str, iteration: int,
+                     known_hashes: dict | None = None) -> None:
+    """Rank 0, once every file of a save is in `tmp`: write the manifest (the last
+    file: its presence marks a whole save), fsync, rename `tmp` to `final`, point the
+    tracker at `iteration`. `known_hashes`: files their writers hashed already."""
+    integrity.write_manifest(tmp, known_hashes)
+    for dirpath, _, _ in os.walk(tmp):
+        _fsync_dir(dirpath)
+    if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
+        old = os.path.join(root, f".{os.path.basename(final)}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    write_tracker(root, iteration)
+
+
+def wait_for_async_save() -> int | None:
+    """Wait for a background save (--async-save) to be written and committed; its
+    failure is raised here. Its iteration, or None when none was in flight."""
+    from megaq import dist_checkpoint
+    return dist_checkpoint.wait_for_async_save()
+
+
+def async_save_in_flight() -> bool:
+    from megaq import dist_checkpoint
+    return dist_checkpoint.async_save_in_flight()
 
 
 def model_file_record(iteration: int, consumed_samples: int, config: RunConfig, layout,
@@ -339,25 +369,40 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
                               f"{ckpt} does not exist; point it at an existing iter_* directory")
     integrity.verify_checkpoints(not config.checkpointing.no_verify_checkpoint)
     _verified(integrity.require_manifest, ckpt)  # a directory without one is never loaded
-    saved_tp, saved_pp = checkpoint_layout(ckpt)
-    same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
-    # The configuration and metadata live in every mp_rank file; read this rank's, or (new
-    # TP/PP layout) the first one.
-    path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-    sd = _verified(integrity.load_verified, ckpt, path)
-    saved = saved_config(sd)
-    _check_architecture(saved, config, path, same_tp=same_mp)
-    if same_mp:
-        state = sd["model_optim"]
-    elif model_chunks is None:
-        _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
+    from megaq import dist_checkpoint  # it builds on this module's helpers
+    if dist_checkpoint.is_dist_checkpoint(ckpt):  # --ckpt-format torch_dist wrote it
+        path = os.path.join(ckpt, dist_checkpoint.COMMON_FILE)
+        sd = dist_checkpoint.read_common(ckpt)
+        saved_tp, saved_pp = sd["layout"]["tp"], sd["layout"]["pp"]
+        same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+        saved = saved_config(sd)
+        _check_architecture(saved, config, path, same_tp=same_mp)
+        # every layout reshards: each rank reads the pieces it now holds
+        dist_checkpoint.load_checkpoint(ckpt, sd, saved, config=config, topo=topo,
+                                        engine=engine, load_optim=load_optim)
     else:
-        state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks)
-    if not load_optim:
-        state = engine_weights_only(state)
-    engine.load_full_state(state)
+        saved_tp, saved_pp = checkpoint_layout(ckpt)
+        same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+        # The configuration and metadata live in every mp_rank file; read this rank's, or
+        # (new TP/PP layout) the first one.
+        path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+        sd = _verified(integrity.load_verified, ckpt, path)
+        saved = saved_config(sd)
+        _check_architecture(saved, config, path, same_tp=same_mp)
+        if same_mp:
+            state = sd["model_optim"]
+        elif model_chunks is None:
+            _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
+        else:
+            state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks)
+        if load_optim and sd["model_optim"].get("optimizer_saved", True) is False:
+            raise CheckpointError(f"{ckpt} was saved without optimizer state (--no-save-optim); "
+                                  f"load it with --no-load-optim")
+        if not load_optim:
+            state = engine_weights_only(state)
+        engine.load_full_state(state)
     if load_optim:
         _load_error_feedback(ckpt, sd, saved, config, topo, engine)
     lr_schedule.load_state_dict(sd["lr_scheduler"])

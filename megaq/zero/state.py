@@ -17,8 +17,14 @@ from megaq.parallel import comm
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _buffers(st) -> dict[str, torch.Tensor]:
-    return {"param": st.master, "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+def state_buffers(st, optim: bool = True) -> dict[str, torch.Tensor]:
+    """A partition's flat fp32 shard buffers by checkpoint name: the master weights
+    ("param") and, with `optim`, the optimizer's per-element state (one home for the
+    names: checkpoint writers and readers iterate this dict)."""
+    out = {"param": st.master}
+    if optim:
+        out.update(exp_avg=st.exp_avg, exp_avg_sq=st.exp_avg_sq)
+    return out
 
 
 def full_state(engine) -> dict:
@@ -27,7 +33,7 @@ def full_state(engine) -> dict:
     for st in engine.optimizer.states:
         part = st.part
         fulls = {}
-        for key, buf in _buffers(st).items():
+        for key, buf in state_buffers(st).items():
             if part.sharded and dp.size > 1:
                 full = torch.empty(part.padded_numel, dtype=torch.float32, device=buf.device)
                 comm.all_gather(full, buf.contiguous(), dp, "dp_misc")
@@ -52,8 +58,15 @@ def load_full_state(engine, sd: dict) -> None:
                          f"load a checkpoint of the same model and TP/PP layout")
     for st in engine.optimizer.states:
         part = st.part
-        for key, buf in _buffers(st).items():
+        for key, buf in state_buffers(st).items():
             full = part.full_flat_from({s.name: params[s.name][key] for s in part.slots})
             buf.copy_(full[part.lo:part.hi].to(buf.device))
+    finish_load(engine, int(sd["step"]))
+
+
+def finish_load(engine, step: int) -> None:
+    """After the shard buffers were overwritten: the gather-dtype shards follow the
+    masters and the optimizer its step count."""
+    for st in engine.optimizer.states:
         st.write_back()
-    engine.optimizer.set_step(int(sd["step"]))
+    engine.optimizer.set_step(step)

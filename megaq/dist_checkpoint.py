@@ -1,0 +1,541 @@
+"""--ckpt-format torch_dist: every rank writes only what it owns, through
+torch.distributed.checkpoint (DCP), and loads reshard to any layout.
+
+Layout under --save DIR (Megatron's; the torch format is in megaq.checkpoint)::
+
+    latest_checkpointed_iteration.txt
+    iter_0000100/
+      .metadata                  DCP's index: every global tensor, its chunks, where each is
+      __{rank}_0.distcp          each rank's own chunks (DCP writes one file per rank)
+      common.pt                  rank 0: configuration, iteration, consumed samples, LR
+                                 schedule, layout, optimizer step (megaq.checkpoint's
+                                 model_file_record with a small "model_optim")
+      rng/rank_{rank:05d}.pt     every rank's RNG streams (as the torch format)
+      qgz/rank_{rank:05d}.pt     qgZ error-feedback residuals (as the torch format)
+      MANIFEST.sha256.json       SHA-256 of every file; each rank hashes the files it wrote
+                                 and rank 0 writes the manifest from theirs
+
+What DCP sees: one global tensor per parameter and state ("model.{name}",
+"optimizer.exp_avg.{name}", ...; names are global: pipeline stages and virtual chunks
+numbered by global layer index, as megaq.checkpoint.local_to_global_name), with the
+full (TP-unsharded) shape. A rank's share of it is its ZeRO shard: a *flat range* of
+the parameter's TP-local 1-D view, cut wherever the block-aligned flat buffer puts the
+DP boundary. DCP describes chunks as boxes (offsets + sizes), so a flat range becomes
+at most 2 * ndim - 1 boxes (a partial row, whole rows, a partial row; recursively),
+each mapped to its place in the full tensor through the parameter's TP partition
+(dimension and stride). This is what Megatron's dist_checkpointing does with its
+``flattened_range`` for the distributed optimizer; here it is expressed in DCP's own
+chunk metadata, so DCP's default planners resolve any resharding (a rank reading
+boxes of a new layout gets every overlap with the saved boxes).
+
+Who writes what (each element once): sharded partitions, every DP rank its range;
+replicated partitions, DP rank 0; TP-replicated parameters, TP rank 0; the tied
+output-layer copy of the last stage, nobody (it is the first stage's embedding).
+Every rank reads everything it holds, whatever layout wrote it.
+
+Saves are atomic as in the torch format: all files go into ``.iter_*.tmp``, rank 0
+writes the manifest, renames, then rewrites the tracker. With --async-save the
+shards are first copied to (pinned) CPU memory, and a background thread does the
+writing, the hashing and the commit on a separate gloo process group while training
+goes on; the next save and the end of the run wait for it (``wait_for_async_save``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from megaq import checkpoint as ckpt
+from megaq import checkpoint_guard, failure, integrity
+from megaq.parallel import comm
+from megaq.parallel.pipeline.split import stage_layer_ranges
+from megaq.zero import state as state_io
+
+COMMON_FILE = "common.pt"
+METADATA_FILE = ".metadata"
+FORMAT = "torch_dist"
+
+
+def is_dist_checkpoint(ckpt_dir: str) -> bool:
+    return os.path.isfile(os.path.join(ckpt_dir, COMMON_FILE))
+
+
+# ------------------------------------------------------------------ host bytes
+class HostBytes:
+    """Bytes of the tensors the checkpoint code itself allocates (staging copies,
+    read buffers), live and peak: what a rank materialises beyond its own state."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def reset(self) -> None:
+        self.live = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+HOST_BYTES = HostBytes()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ------------------------------------------------------ flat ranges -> global boxes
+def flat_range_boxes(shape, start: int, end: int, _base: int = 0) -> list[tuple]:
+    """[(offsets, sizes, flat_start)]: boxes covering elements [start, end) of a
+    row-major tensor of `shape`, in order; each box is itself a contiguous flat range
+    (flat_start = its first element). At most 2 * ndim - 1 boxes."""
+    shape = tuple(shape)
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,) if shape else (), (end - start,) if shape else (), _base + start)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    first, last = start // inner, (end - 1) // inner
+
+    def row(r, a, b):  # part of row r: [a, b) of its inner elements
+        return [((r, *o), (1, *s), f) for o, s, f in
+                flat_range_boxes(shape[1:], a, b, _base + r * inner)]
+    if first == last:
+        return row(first, start - first * inner, end - first * inner)
+    out = []
+    full_from, full_to = first, last + 1
+    if start % inner:
+        out += row(first, start % inner, inner)
+        full_from = first + 1
+    if end % inner:
+        full_to = last
+    if full_to > full_from:
+        out.append(((full_from, *[0] * (len(shape) - 1)),
+                    (full_to - full_from, *shape[1:]), _base + full_from * inner))
+    if end % inner:
+        out += row(last, 0, end - last * inner)
+    return out
+
+
+def _tp_split(param, offsets, sizes, tp_rank: int, tp: int) -> list[tuple]:
+    """[(local_offsets, sizes, global_offsets)] of a box of this rank's TP shard:
+    along the partition dimension (read as `stride` blocks, megaq.parallel.
+    tensor_parallel.shard_of) a box is cut at block edges and each piece placed at its
+    rank's slot of its block."""
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return [(offsets, sizes, offsets)]
+    d, stride = param.partition_dim, param.partition_stride
+    block = param.shape[d] // stride  # local rows per block
+    out = []
+    lo, hi = offsets[d], offsets[d] + sizes[d]
+    while lo < hi:
+        b = lo // block
+        cut = min(hi, (b + 1) * block)
+        g = b * block * tp + tp_rank * block + (lo - b * block)
+        loc = list(offsets)
+        loc[d] = lo
+        siz = list(sizes)
+        siz[d] = cut - lo
+        glo = list(offsets)
+        glo[d] = g
+        out.append((tuple(loc), tuple(siz), tuple(glo)))
+        lo = cut
+    return out
+
+
+def global_shape(param, tp: int) -> tuple:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return tuple(shape)
+
+
+@dataclass
+class Piece:
+    offsets: tuple         # in the global tensor
+    tensor: torch.Tensor   # a view of this rank's buffer (or a staged copy)
+
+
+class ChunkedTensor:
+    """The pieces of one global tensor this rank writes or reads, as DCP chunks
+    (the ``__create_write_items__`` / ``__create_chunk_list__`` protocol DCP uses
+    for DTensor; the planners below look pieces up by offset)."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, pieces: list[Piece]):
+        self.shape, self.dtype, self.pieces = torch.Size(shape), dtype, pieces
+        self._by_offset = {tuple(p.offsets): p.tensor for p in pieces}
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        props = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(p.offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(p.offsets),
+                                                         sizes=p.tensor.shape),
+                              properties=props, size=self.shape))
+                for p in self.pieces]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
+                for p in self.pieces]
+
+    def piece_at(self, offsets) -> torch.Tensor:
+        return self._by_offset[tuple(offsets)]
+
+    def staged(self, pin: bool) -> "ChunkedTensor":
+        """A copy of every piece in (pinned) CPU memory, for a background write."""
+        pieces = []
+        for p in self.pieces:
+            t = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, pin_memory=pin)
+            t.copy_(p.tensor)
+            HOST_BYTES.add(_nbytes(t))
+            pieces.append(Piece(p.offsets, t))
+        return ChunkedTensor(self.shape, self.dtype, pieces)
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, ChunkedTensor):
+            return obj.piece_at(index.offset)
+        return super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner's own set-up walks the values to materialise meta tensors and
+        # replaces any type it does not know (ours) with None; nothing here is on meta.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, ChunkedTensor):
+            return obj.piece_at(index.offset)
+        return super().lookup_tensor(index)
+
+
+class _VerifiedReader(dcp.FileSystemReader):
+    """DCP's file reader, refusing files that do not match the manifest. Each file is
+    checked once, before its first read; the caller checks the whole plan up front
+    (verify_plan) so that a damaged file is one clear line, not an error inside DCP."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.ckpt_dir = str(path)
+
+    def read_metadata(self):
+        path = os.path.join(self.ckpt_dir, METADATA_FILE)
+        ckpt._verified(integrity.verify, self.ckpt_dir, path)
+        try:
+            return super().read_metadata()
+        except Exception as e:  # noqa: BLE001 - a damaged index (unverified load)
+            raise ckpt.CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is "
+                                       f"damaged or not a DCP index") from None
+
+    def files_of(self, plan) -> list[str]:
+        return sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+
+
+# --------------------------------------------------------------- this rank's state
+def _global_names(engine, config, topo) -> dict[str, str]:
+    """{engine slot name: global parameter name}."""
+    ranges = stage_layer_ranges(config.model.num_layers, topo.layout.pp, len(engine.chunks),
+                                topo.pp_rank)
+    return {key: g for g, (key, _) in ckpt.global_to_local_names(engine.chunks, ranges).items()}
+
+
+TIED_SOURCE = {"output_layer.weight": "embedding.word_embeddings.weight"}
+
+
+def _fqn(key: str, name: str) -> str:
+    return f"model.{name}" if key == "param" else f"optimizer.{key}.{name}"
+
+
+def local_state(engine, config, topo, *, optim: bool, for_save: bool) -> dict[str, ChunkedTensor]:
+    """{fqn: ChunkedTensor} of views into this rank's fp32 shard buffers.
+
+    for_save: only the pieces this rank writes (each element once over all ranks);
+    otherwise every piece this rank holds (what a load must fill)."""
+    names = _global_names(engine, config, topo)
+    tp, tp_rank, dp_rank = topo.layout.tp, topo.tp_rank, topo.dp_rank
+    out: dict[str, ChunkedTensor] = {}
+    for st in engine.optimizer.states:
+        part = st.part
+        buffers = state_io.state_buffers(st, optim)
+        for slot in part.slots:
+            p, name = slot.param, names[slot.name]
+            tied_copy = getattr(p, "shared_embedding", False) and name in TIED_SOURCE
+            if tied_copy:
+                name = TIED_SOURCE[name]
+            if for_save and (tied_copy or (not part.sharded and dp_rank != 0)
+                             or (not getattr(p, "tensor_model_parallel", False) and tp_rank != 0)):
+                continue
+            a, b = max(slot.offset, part.lo), min(slot.offset + slot.numel, part.hi)
+            if b <= a:
+                continue
+            boxes = flat_range_boxes(slot.shape, a - slot.offset, b - slot.offset)
+            for key, buf in buffers.items():
+                pieces = out.setdefault(_fqn(key, name), ChunkedTensor(
+                    global_shape(p, tp), buf.dtype, [])).pieces
+                for offsets, sizes, flat_start in boxes:
+                    n = 1
+                    for s in sizes:
+                        n *= s
+                    start = slot.offset + flat_start - part.lo
+                    view = buf[start:start + n].view(sizes)
+                    for loc, siz, glo in _tp_split(p, offsets, sizes, tp_rank, tp):
+                        v = view
+                        for d in range(len(siz)):
+                            if siz[d] != sizes[d]:
+                                v = v.narrow(d, loc[d] - offsets[d], siz[d])
+                        pieces.append(Piece(glo, v))
+    for fqn, t in out.items():  # pieces were appended after construction: index them
+        out[fqn] = ChunkedTensor(t.shape, t.dtype, t.pieces)
+    return out
+
+
+# -------------------------------------------------------------- process group
+_GROUP: dict[tuple, comm.Group] = {}
+
+
+def checkpoint_group(topo) -> comm.Group:
+    """A gloo group over the world for DCP's planning exchanges and the commit; its own
+    group, so a background save never interleaves with training's collectives.
+    Created on first use (collective: every rank saves or loads together)."""
+    world = topo.world
+    key = (tuple(world.ranks), id(dist.group.WORLD) if dist.is_initialized() else None)
+    if key not in _GROUP:
+        pg = None
+        if world.size > 1:
+            from megaq.parallel.launch import process_group_timeout
+            pg = dist.new_group(list(world.ranks), backend="gloo", timeout=process_group_timeout())
+        _GROUP[key] = comm.Group(ranks=list(world.ranks), nodes=list(world.nodes), pg=pg,
+                                 rank_index=world.rank_index)
+    return _GROUP[key]
+
+
+def _dcp_kw(group: comm.Group) -> dict:
+    if group.size > 1:
+        return {"process_group": group.pg}
+    return {"no_dist": True}
+
+
+# ------------------------------------------------------------------------- save
+class _PendingSave:
+    def __init__(self, thread: threading.Thread, iteration: int):
+        self.thread, self.iteration, self.error = thread, iteration, None
+
+
+_PENDING: list[_PendingSave] = []
+
+
+def wait_for_async_save() -> int | None:
+    """Wait for the background save in flight (if any) to be written and committed;
+    re-raise its failure here. Returns its iteration (None when there was none)."""
+    if not _PENDING:
+        return None
+    pending = _PENDING.pop()
+    pending.thread.join()
+    if pending.error is not None:
+        raise pending.error
+    return pending.iteration
+
+
+def async_save_in_flight() -> bool:
+    return bool(_PENDING)
+
+
+def save_checkpoint(root: str, iteration: int, *, config, topo, engine, lr_schedule,
+                    consumed_samples: int, extra: dict | None = None,
+                    save_optim: bool = True) -> str:
+    """Collective over every rank. Returns the final directory (with --async-save it
+    appears when the background write commits)."""
+    wait_for_async_save()  # one save in flight at a time; the previous one is latest now
+    group = checkpoint_group(topo)
+    rank = topo.rank
+    final = ckpt.iteration_dir(root, iteration)
+    tmp = os.path.join(root, f".{os.path.basename(final)}.tmp")
+    remove_tmp = lambda: rank == 0 and shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731
+    with checkpoint_guard.write_errors(root, tmp, None, group, remove_tmp):
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            checkpoint_guard.remove_stale_temporaries(root)
+            os.makedirs(tmp)
+
+    state = local_state(engine, config, topo, optim=save_optim, for_save=True)
+    model_optim = {"format": FORMAT, "step": engine.optimizer.step_count,
+                   "optimizer_saved": save_optim}
+    common = ckpt.model_file_record(iteration, consumed_samples, config, topo.layout,
+                                    lr_schedule.state_dict(), model_optim, extra)
+    rng = ckpt.rng_state()
+    residuals = engine.error_feedback_state()
+    job = dict(root=root, iteration=iteration, tmp=tmp, final=final, state=state, common=common,
+               rng=rng, residuals=residuals, rank=rank, group=group, remove_tmp=remove_tmp)
+    if not config.checkpointing.async_save:
+        _write_and_commit(**job)
+        return final
+    pin = torch.cuda.is_available()
+    job["state"] = {fqn: t.staged(pin) for fqn, t in state.items()}
+    job["residuals"] = {k: v.detach().to("cpu", copy=True) for k, v in residuals.items()}
+    thread = threading.Thread(target=_background, name=f"megaq-async-save-{iteration}",
+                              daemon=True)
+    pending = _PendingSave(thread, iteration)
+    thread._megaq_job = (pending, job)  # read by _background
+    _PENDING.append(pending)
+    thread.start()
+    return final
+
+
+def _background() -> None:
+    pending, job = threading.current_thread()._megaq_job
+    try:
+        _write_and_commit(**job)
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread's next wait
+        pending.error = e
+    finally:
+        for t in job["state"].values():  # the staged copies are dropped now
+            HOST_BYTES.sub(sum(_nbytes(p.tensor) for p in t.pieces))
+        job.clear()
+
+
+def _write_and_commit(*, root, iteration, tmp, final, state, common, rng, residuals, rank,
+                      group, remove_tmp) -> None:
+    """Write this rank's files into `tmp`, hash them, and (rank 0) write the manifest
+    and commit. Collective over `group`; every phase agreed (a failure anywhere
+    removes `tmp` and raises everywhere)."""
+    mine: dict[str, dict] = {}
+    with checkpoint_guard.write_errors(root, tmp, state, group, remove_tmp):
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), **_dcp_kw(group))
+        written = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
+        if rank == 0:
+            ckpt.save_file(common, os.path.join(tmp, COMMON_FILE))
+            written += [COMMON_FILE, METADATA_FILE]
+        ckpt.save_file(rng, ckpt.rng_file(tmp, rank))
+        written.append(os.path.relpath(ckpt.rng_file(tmp, rank), tmp))
+        if residuals:
+            ckpt.save_file({"residuals": residuals}, ckpt.error_feedback_file(tmp, rank))
+            written.append(os.path.relpath(ckpt.error_feedback_file(tmp, rank), tmp))
+        for rel in written:  # each rank hashes its own files: rank 0 does not re-read them all
+            digest, size = integrity.sha256_of(os.path.join(tmp, rel))
+            mine[rel.replace(os.sep, "/")] = {"sha256": digest, "bytes": size}
+    hashes = failure._gather(group, mine)
+    with checkpoint_guard.write_errors(root, tmp, state, group, remove_tmp):
+        if rank == 0:
+            known = {}
+            for h in hashes:
+                known.update(h)
+            ckpt.commit_directory(root, tmp, final, iteration, known)
+
+
+# ------------------------------------------------------------------------- load
+def read_common(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise ckpt.CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+    return ckpt._verified(integrity.load_verified, ckpt_dir, path)
+
+
+def _fit_to_saved(state: dict, metadata, ckpt_dir: str) -> dict:
+    """Clip the pieces to the saved global shapes where only the vocabulary padding
+    differs (it depends on the TP size): rows past the saved ones start at zero.
+    Any other shape difference is refused."""
+    out = {}
+    for fqn, t in state.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise ckpt.CheckpointError(f"{ckpt_dir} has no tensor {fqn}; it is not a checkpoint "
+                                       f"of this model (or was saved without optimizer state: "
+                                       f"pass --no-load-optim)")
+        saved = tuple(md.size)
+        if saved == tuple(t.shape):
+            out[fqn] = t
+            continue
+        diff = [d for d in range(len(saved)) if saved[d] != t.shape[d]]
+        if len(saved) != len(t.shape) or len(diff) != 1:
+            raise ckpt.CheckpointError(f"cannot load {fqn}: the checkpoint holds shape {saved}, "
+                                       f"this model {tuple(t.shape)}")
+        d = diff[0]
+        pieces = []
+        for p in t.pieces:
+            keep = min(p.tensor.shape[d], saved[d] - p.offsets[d])
+            if keep < p.tensor.shape[d]:
+                p.tensor.narrow(d, max(keep, 0), p.tensor.shape[d] - max(keep, 0)).zero_()
+            if keep > 0:
+                pieces.append(Piece(p.offsets, p.tensor.narrow(d, 0, keep)))
+        out[fqn] = ChunkedTensor(saved, t.dtype, pieces)
+    return out
+
+
+def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engine,
+                    load_optim: bool) -> None:
+    """Fill this rank's shard buffers from a torch_dist checkpoint of any layout.
+    `sd` is its common file, `saved` its configuration. Collective over every rank."""
+    group = checkpoint_group(topo)
+    if load_optim and not sd["model_optim"].get("optimizer_saved", True):
+        raise ckpt.CheckpointError(f"{ckpt_dir} was saved without optimizer state "
+                                   f"(--no-save-optim); load it with --no-load-optim")
+    state = local_state(engine, config, topo, optim=load_optim, for_save=False)
+    reader = _VerifiedReader(ckpt_dir)
+    with failure.agreed(group, catch=(ckpt.CheckpointError,)):
+        metadata = reader.read_metadata()
+        state = _fit_to_saved(state, metadata, ckpt_dir)
+        # the files this rank will read, verified before DCP touches them
+        planner = _LoadPlanner()
+        planner.set_up_planner(state, metadata, topo.rank == 0)
+        reader.set_up_storage_reader(metadata, topo.rank == 0)
+        for rel in reader.files_of(planner.create_local_plan()):
+            ckpt._verified(integrity.verify, ckpt_dir, os.path.join(ckpt_dir, rel))
+    if not load_optim:
+        for st in engine.optimizer.states:
+            st.exp_avg.zero_()
+            st.exp_avg_sq.zero_()
+    dcp.load(state, storage_reader=_VerifiedReader(ckpt_dir), planner=_LoadPlanner(),
+             **_dcp_kw(group))
+    state_io.finish_load(engine, int(sd["model_optim"]["step"]) if load_optim else 0)
+    engine.state_loaded()
+
+
+def read_full_tensors(ckpt_dir: str, names: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """{fqn: full tensor} read on one process without any process group (tools):
+    `names` maps each fqn to the shape to allocate (None: the saved shape)."""
+    reader = _VerifiedReader(ckpt_dir)
+    metadata = reader.read_metadata()
+    out = {}
+    for fqn, shape in names.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise ckpt.CheckpointError(f"{ckpt_dir} has no tensor {fqn}")
+        out[fqn] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+    dcp.load(out, storage_reader=_VerifiedReader(ckpt_dir), planner=_LoadPlanner(), no_dist=True)
+    return out
+
+
+def saved_tensor_names(ckpt_dir: str) -> dict[str, tuple]:
+    """{fqn: global shape} of every tensor in a torch_dist checkpoint."""
+    metadata = _VerifiedReader(ckpt_dir).read_metadata()
+    return {fqn: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
