@@ -90,6 +90,9 @@ class HostBytes:
 
 
 HOST_BYTES = HostBytes()
+# {"save": bytes of the pieces this rank wrote last, "load": bytes it filled last}: its
+# shard, what HOST_BYTES is measured against
+LAST_SHARD_BYTES: dict[str, int] = {}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -255,6 +258,18 @@ class _VerifiedReader(dcp.FileSystemReader):
             raise ckpt.CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is "
                                        f"damaged or not a DCP index") from None
 
+    @staticmethod
+    def stored_chunk_bytes(metadata, item) -> int:
+        """Bytes of the saved chunk a read item comes from."""
+        md = metadata.state_dict_metadata[item.storage_index.fqn]
+        for chunk in md.chunks:
+            if tuple(chunk.offsets) == tuple(item.storage_index.offset):
+                n = 1
+                for s in chunk.sizes:
+                    n *= s
+                return n * md.properties.dtype.itemsize
+        return 0
+
     def files_of(self, plan) -> list[str]:
         return sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
 
@@ -386,6 +401,7 @@ def save_checkpoint(root: str, iteration: int, *, config, topo, engine, lr_sched
             os.makedirs(tmp)
 
     state = local_state(engine, config, topo, optim=save_optim, for_save=True)
+    LAST_SHARD_BYTES["save"] = _state_bytes(state)
     model_optim = {"format": FORMAT, "step": engine.optimizer.step_count,
                    "optimizer_saved": save_optim}
     common = ckpt.model_file_record(iteration, consumed_samples, config, topo.layout,
@@ -419,6 +435,10 @@ def _background() -> None:
         for t in job["state"].values():  # the staged copies are dropped now
             HOST_BYTES.sub(sum(_nbytes(p.tensor) for p in t.pieces))
         job.clear()
+
+
+def _state_bytes(state: dict) -> int:
+    return sum(_nbytes(p.tensor) for t in state.values() for p in t.pieces)
 
 
 def _write_and_commit(*, root, iteration, tmp, final, state, common, rng, residuals, rank,
@@ -507,8 +527,15 @@ def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engin
         planner = _LoadPlanner()
         planner.set_up_planner(state, metadata, topo.rank == 0)
         reader.set_up_storage_reader(metadata, topo.rank == 0)
-        for rel in reader.files_of(planner.create_local_plan()):
+        plan = planner.create_local_plan()
+        for rel in reader.files_of(plan):
             ckpt._verified(integrity.verify, ckpt_dir, os.path.join(ckpt_dir, rel))
+    # What DCP's reader materialises beyond our buffers: each saved chunk it reads is
+    # loaded whole, one at a time, then copied into our views.
+    LAST_SHARD_BYTES["load"] = _state_bytes(state)
+    largest = max((reader.stored_chunk_bytes(metadata, item) for item in plan.items), default=0)
+    HOST_BYTES.add(largest)
+    HOST_BYTES.sub(largest)
     if not load_optim:
         for st in engine.optimizer.states:
             st.exp_avg.zero_()
