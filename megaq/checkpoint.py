@@ -341,7 +341,12 @@ def _check_layout(saved: dict, topo, path: str) -> None:
 
 
 def checkpoint_layout(ckpt_dir: str) -> tuple[int, int]:
-    """(tp, pp) of a checkpoint directory, from its mp_rank_* subdirectories."""
+    """(tp, pp) of a checkpoint directory: a torch_dist one's common file records it,
+    a torch one has its mp_rank_* subdirectories."""
+    from megaq import dist_checkpoint
+    if dist_checkpoint.is_dist_checkpoint(ckpt_dir):
+        layout = dist_checkpoint.read_common(ckpt_dir)["layout"]
+        return layout["tp"], layout["pp"]
     names = [n for n in os.listdir(ckpt_dir) if n.startswith("mp_rank_")]
     if not names:
         raise CheckpointError(f"{ckpt_dir} holds no mp_rank_* directories; it is not a megaq "
@@ -603,9 +608,20 @@ def consolidated_model_config(saved: dict) -> GPTConfig:
 
 
 def load_consolidated_model(ckpt_dir: str) -> tuple[GPTModel, dict]:
-    """A checkpoint of any TP x PP x DP layout as one process's whole GPTModel (weights
-    only; pipeline stages stitched by global layer index, TP shards concatenated), and
-    the configuration it was saved with (saved_config's nesting)."""
+    """A checkpoint of any TP x PP x DP layout and either format as one process's whole
+    GPTModel (weights only; pipeline stages stitched by global layer index, TP shards
+    concatenated), and the configuration it was saved with (saved_config's nesting).
+    No process group is needed."""
+    from megaq import dist_checkpoint
+    if dist_checkpoint.is_dist_checkpoint(ckpt_dir):  # each weight read whole from its pieces
+        saved = saved_config(dist_checkpoint.read_common(ckpt_dir))
+        model = GPTModel(consolidated_model_config(saved))
+        names = [name for name, _ in model.named_parameters()]
+        weights = dist_checkpoint.read_full_tensors(ckpt_dir, names)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(weights[name])
+        return model, saved
     tp, pp = checkpoint_layout(ckpt_dir)
     sd = _verified(integrity.load_verified, ckpt_dir, model_file(ckpt_dir, 0, 0))
     saved = saved_config(sd)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -352,10 +353,15 @@ def checkpoint_group(topo) -> comm.Group:
     return _GROUP[key]
 
 
-def _dcp_kw(group: comm.Group) -> dict:
-    if group.size > 1:
-        return {"process_group": group.pg}
-    return {"no_dist": True}
+def _run_dcp(fn, state: dict, group: comm.Group | None, **kw) -> None:
+    """dcp.save / dcp.load over `group`, or on this process alone (one rank, tools);
+    DCP warns on every single-process call that it assumes one process: we mean it."""
+    if group is not None and group.size > 1:
+        fn(state, process_group=group.pg, **kw)
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, no_dist=True, **kw)
 
 
 # ------------------------------------------------------------------------- save
@@ -449,7 +455,7 @@ def _write_and_commit(*, root, iteration, tmp, final, state, common, rng, residu
     mine: dict[str, dict] = {}
     with checkpoint_guard.write_errors(root, tmp, state, group, remove_tmp):
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), **_dcp_kw(group))
+        _run_dcp(dcp.save, state, group, storage_writer=writer, planner=_SavePlanner())
         written = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
         if rank == 0:
             ckpt.save_file(common, os.path.join(tmp, COMMON_FILE))
@@ -540,29 +546,51 @@ def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engin
         for st in engine.optimizer.states:
             st.exp_avg.zero_()
             st.exp_avg_sq.zero_()
-    dcp.load(state, storage_reader=_VerifiedReader(ckpt_dir), planner=_LoadPlanner(),
-             **_dcp_kw(group))
+    _run_dcp(dcp.load, state, group, storage_reader=_VerifiedReader(ckpt_dir),
+             planner=_LoadPlanner())
     state_io.finish_load(engine, int(sd["model_optim"]["step"]) if load_optim else 0)
     engine.state_loaded()
 
 
-def read_full_tensors(ckpt_dir: str, names: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """{fqn: full tensor} read on one process without any process group (tools):
-    `names` maps each fqn to the shape to allocate (None: the saved shape)."""
+def read_full_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """{global parameter name: its full fp32 weight} read on one process without any
+    process group (tools: generate, HF export, format conversion). A tied output
+    layer that the checkpoint holds as the embedding reads the embedding."""
     reader = _VerifiedReader(ckpt_dir)
     metadata = reader.read_metadata()
-    out = {}
-    for fqn, shape in names.items():
+    want = {}
+    for name in names:
+        fqn = _fqn("param", name)
+        if fqn not in metadata.state_dict_metadata and name in TIED_SOURCE:
+            fqn = _fqn("param", TIED_SOURCE[name])
         md = metadata.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
-            raise ckpt.CheckpointError(f"{ckpt_dir} has no tensor {fqn}")
-        out[fqn] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-    dcp.load(out, storage_reader=_VerifiedReader(ckpt_dir), planner=_LoadPlanner(), no_dist=True)
-    return out
+            raise ckpt.CheckpointError(f"{ckpt_dir} has no parameter {name}; it is not a "
+                                       f"checkpoint of this model")
+        want[name] = (fqn, md)
+    return {name: t["x"] for name, t in
+            ((name, _read_one(ckpt_dir, fqn, md)) for name, (fqn, md) in want.items())}
 
 
-def saved_tensor_names(ckpt_dir: str) -> dict[str, tuple]:
-    """{fqn: global shape} of every tensor in a torch_dist checkpoint."""
+def _read_one(ckpt_dir: str, fqn: str, md) -> dict:
+    full = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+    HOST_BYTES.add(_nbytes(full))
+    state = {fqn: ChunkedTensor(tuple(md.size), full.dtype, [Piece((0,) * full.dim(), full)])}
+    _run_dcp(dcp.load, state, None, storage_reader=_VerifiedReader(ckpt_dir),
+             planner=_LoadPlanner())
+    return {"x": full}
+
+
+def read_saved_state(ckpt_dir: str, keys=("param",)) -> dict[str, dict[str, torch.Tensor]]:
+    """{global parameter name: {state key: full tensor}} of every parameter (the
+    format converter: one process, the whole model in memory)."""
     metadata = _VerifiedReader(ckpt_dir).read_metadata()
-    return {fqn: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        key, name = ("param", fqn[len("model."):]) if fqn.startswith("model.") else \
+            fqn[len("optimizer."):].split(".", 1)
+        if key in keys:
+            out.setdefault(name, {})[key] = _read_one(ckpt_dir, fqn, md)["x"]
+    return out
