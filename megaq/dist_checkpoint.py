@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
@@ -356,12 +357,31 @@ def checkpoint_group(topo) -> comm.Group:
 def _run_dcp(fn, state: dict, group: comm.Group | None, **kw) -> None:
     """dcp.save / dcp.load over `group`, or on this process alone (one rank, tools);
     DCP warns on every single-process call that it assumes one process: we mean it."""
-    if group is not None and group.size > 1:
-        fn(state, process_group=group.pg, **kw)
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, no_dist=True, **kw)
+    try:
+        if group is not None and group.size > 1:
+            fn(state, process_group=group.pg, **kw)
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            fn(state, no_dist=True, **kw)
+    except CheckpointException as e:
+        raise _first_failure(e, group) from None
+
+
+def _first_failure(e: CheckpointException, group) -> BaseException:
+    """DCP gathers every rank's exception into one CheckpointException (a
+    BaseException, printed as a page of tracebacks): this rank's own one, else the
+    lowest failing rank's, so that a full disk is an OSError and a damaged file our
+    CheckpointError, reported in one line like the torch format's."""
+    me = group.rank if group is not None and group.size > 1 else 0
+    failures = e.failures
+    rank = me if me in failures else min(failures, default=None)
+    if rank is None:
+        return RuntimeError(str(e).splitlines()[0])
+    exc = failures[rank][0]
+    if isinstance(exc, Exception):
+        return exc
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 # ------------------------------------------------------------------------- save
@@ -579,6 +599,13 @@ def _read_one(ckpt_dir: str, fqn: str, md) -> dict:
     _run_dcp(dcp.load, state, None, storage_reader=_VerifiedReader(ckpt_dir),
              planner=_LoadPlanner())
     return {"x": full}
+
+
+def save_full_tensors(tensors: dict[str, torch.Tensor], ckpt_dir: str) -> None:
+    """Write {fqn: full tensor} as DCP files in `ckpt_dir` from one process (the format
+    converter): each tensor one chunk, loadable by any layout like a training save."""
+    writer = dcp.FileSystemWriter(ckpt_dir, single_file_per_rank=True, sync_files=True)
+    _run_dcp(dcp.save, tensors, None, storage_writer=writer, planner=_SavePlanner())
 
 
 def read_saved_state(ckpt_dir: str, keys=("param",)) -> dict[str, dict[str, torch.Tensor]]:

@@ -134,7 +134,7 @@ def megatron_launch_flags(tmp_path) -> list[str]:
         "--log-validation-ppl-to-tensorboard", "--log-num-zeros-in-grad",
         "--timing-log-option", "minmax", "--log-progress",
         # checkpointing and exit
-        "--save", ckpt, "--load", ckpt, "--save-interval", "2", "--ckpt-format", "torch",
+        "--save", ckpt, "--load", ckpt, "--save-interval", "2", "--ckpt-format", "torch_dist",
         "--async-save", "--exit-signal-handler", "--exit-duration-in-mins", "230",
     ]
 

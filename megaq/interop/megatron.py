@@ -86,13 +86,15 @@ def _mp_dirs(iter_dir: str) -> dict[tuple[int, int], str]:
 
 
 def _is_torch_dist(iter_dir: str) -> bool:
-    """Megatron's torch_dist directory: its metadata.json, or DCP files without megaq's
-    manifest (megaq's --ckpt-format torch_dist writes DCP files too, with the manifest)."""
+    """Megatron's torch_dist directory: its metadata.json (dist_checkpointing's), or DCP
+    files with neither megaq's manifest nor megaq's common file (megaq's --ckpt-format
+    torch_dist writes DCP files too; a save killed before its manifest is still megaq's)."""
     if not os.path.isdir(iter_dir):
         return False
     names = os.listdir(iter_dir)
     return "metadata.json" in names or (any(n.endswith(".distcp") for n in names)
-                                        and MANIFEST_NAME not in names)
+                                        and MANIFEST_NAME not in names
+                                        and "common.pt" not in names)
 
 
 def is_megatron_checkpoint(path: str) -> str | None:
