@@ -1,0 +1,192 @@
+"""Checkpoint benchmark on CPU gloo ranks: --ckpt-format torch against torch_dist, same run.
+
+For each DP size (TP = PP = 1, ZeRO-3) it builds the model and its engine on DP ranks
+(no training step: the state's values do not change the costs) and times, per format:
+
+  torch        engine.full_state() gathered on every rank, DP rank 0 writes it (today's)
+  torch_dist   every rank writes its own shard through torch.distributed.checkpoint
+  async        torch_dist with --async-save: the time training is blocked (staging the
+               shard into CPU memory), then the background write until committed
+
+and the load of what was just saved (into the same engine). Reported per rank: save
+and load seconds (the slowest rank: saves and loads are collective), bytes written,
+and peak host memory added during the save and during the load (VmHWM after the
+phase minus VmRSS before it, the high-water mark reset through /proc/self/clear_refs).
+
+    nice python tools/bench/bench_checkpoint.py --dp 1 2 4 8 --json docs/results/bench_checkpoint_cpu.json
+    python tools/bench/bench_checkpoint.py --dp 1 2 --layers 2 --hidden 256   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+
+FORMATS = ("torch", "torch_dist", "async")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakRSS:
+    """Bytes of host memory a phase adds at its peak (VmHWM after - VmRSS before)."""
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.before = _status_kb("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.added = max(0, _status_kb("VmHWM") - self.before) * 1024
+
+
+def _written_by(ckpt_dir: str, fmt: str, rank: int, dp_rank: int) -> int:
+    """Bytes of the files rank `rank` wrote into a checkpoint directory."""
+    from megaq import checkpoint as ckpt
+    from megaq import dist_checkpoint
+    files = [ckpt.rng_file(ckpt_dir, rank)]
+    if fmt == "torch":
+        files += [ckpt.model_file(ckpt_dir, 0, 0)] if dp_rank == 0 else []
+    else:
+        files += [os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir)
+                  if n.startswith(f"__{rank}_")]
+        if rank == 0:
+            files += [os.path.join(ckpt_dir, dist_checkpoint.COMMON_FILE),
+                      os.path.join(ckpt_dir, dist_checkpoint.METADATA_FILE)]
+    return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+
+
+def _bench_rank(topo, argv, work):
+    import torch
+
+    from megaq import checkpoint as ckpt
+    from megaq import dist_checkpoint
+    from megaq.arguments import parse_config
+    from megaq.lr_schedule import LRSchedule
+    from megaq.model import build_model_chunks
+    from megaq.parallel import comm
+    from megaq.zero import build_engine
+
+    torch.manual_seed(0)
+    config = parse_config(argv, world_size=topo.layout.world_size)
+    config = config.resolved(config.data, config.data.vocab_size)
+    chunks = build_model_chunks(config.model, topo, config.virtual_pipeline_size)
+    engine = build_engine(chunks, topo, config.zero)
+    schedule = LRSchedule.from_config(config.optimizer)
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    out = {"rank": topo.rank, "params": params, "formats": {}}
+    for fmt in FORMATS:
+        cp = dataclasses.replace(config.checkpointing,
+                                 ckpt_format="torch" if fmt == "torch" else "torch_dist",
+                                 async_save=fmt == "async")
+        cfg = dataclasses.replace(config, checkpointing=cp)
+        root = os.path.join(work, fmt)
+        comm.barrier(topo.world)
+        with PeakRSS() as save_mem:
+            t0 = time.perf_counter()
+            ckpt.save_checkpoint(root, 1, config=cfg, topo=topo, engine=engine,
+                                 lr_schedule=schedule, consumed_samples=0)
+            blocked = time.perf_counter() - t0
+            ckpt.wait_for_async_save()
+            saved = time.perf_counter() - t0
+        comm.barrier(topo.world)
+        written = _written_by(ckpt.iteration_dir(root, 1), fmt, topo.rank, topo.dp_rank)
+        with PeakRSS() as load_mem:
+            t0 = time.perf_counter()
+            ckpt.load_checkpoint(root, config=cfg, topo=topo, engine=engine, lr_schedule=schedule,
+                                 model_chunks=chunks)
+            loaded = time.perf_counter() - t0
+        comm.barrier(topo.world)
+        if topo.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        out["formats"][fmt] = {"save_s": saved, "blocked_s": blocked, "load_s": loaded,
+                               "bytes_written": written, "save_peak_bytes": save_mem.added,
+                               "load_peak_bytes": load_mem.added,
+                               "staged_bytes": dist_checkpoint.HOST_BYTES.peak}
+        dist_checkpoint.HOST_BYTES.reset()
+    return out
+
+
+def summarise(dp: int, ranks: list[dict]) -> list[dict]:
+    rows = []
+    for fmt in FORMATS:
+        per = [r["formats"][fmt] for r in ranks]
+        rows.append({
+            "dp": dp, "format": fmt, "params": ranks[0]["params"],
+            "save_s": max(p["save_s"] for p in per), "blocked_s": max(p["blocked_s"] for p in per),
+            "load_s": max(p["load_s"] for p in per),
+            "bytes_written_max": max(p["bytes_written"] for p in per),
+            "bytes_written_total": sum(p["bytes_written"] for p in per),
+            "save_peak_max": max(p["save_peak_bytes"] for p in per),
+            "save_peak_rank0": per[0]["save_peak_bytes"],
+            "load_peak_max": max(p["load_peak_bytes"] for p in per),
+            "per_rank": per})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| DP | format | save s | blocked s | load s | MiB written (max rank) | "
+            "save peak MiB (max rank) | load peak MiB (max rank) |")
+    out = [head, "|" + "---|" * 8]
+    for r in rows:
+        out.append(f"| {r['dp']} | {r['format']} | {r['save_s']:.2f} | {r['blocked_s']:.2f} | "
+                   f"{r['load_s']:.2f} | {r['bytes_written_max'] / 2**20:.0f} | "
+                   f"{r['save_peak_max'] / 2**20:.0f} | {r['load_peak_max'] / 2**20:.0f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--work", default=None, help="where checkpoints are written (default: a "
+                   "temporary directory next to the system's)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    from megaq.parallel.launch import run_on_ranks
+    model = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
+             "--num-attention-heads", str(a.heads), "--seq-length", "128",
+             "--max-position-embeddings", "128", "--vocab-size", str(a.vocab), "--mock-data",
+             "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"]
+    rows = []
+    for dp in a.dp:
+        work = tempfile.mkdtemp(prefix="megaq_bench_ckpt_", dir=a.work)
+        try:
+            ranks = run_on_ranks(_bench_rank, dp, args=(model, work), timeout=3600)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        rows += summarise(dp, ranks)
+        print(table([r for r in rows if r["dp"] == dp]), flush=True)
+    params = rows[0]["params"]
+    print(f"\n{params / 1e6:.1f}M parameters (fp32 masters + AdamW moments: "
+          f"{12 * params / 2**20:.0f} MiB), CPU gloo ranks, {os.cpu_count()} cores\n")
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"params": params, "argv": model, "cpu_count": os.cpu_count(),
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
