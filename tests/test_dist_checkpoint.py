@@ -122,3 +122,54 @@ def test_reshard_to_interleaved_pipeline(reference, tmp_path):
     a = run(tmp_path, 4, 1, 2, 4, ["--load", str(tmp_path / "a"),
                                    "--num-layers-per-virtual-pipeline-stage", "1"])
     _close(a[0]["losses"], want, (3, 4))
+
+
+def _load_variants(topo, argv, ck, ck_no_optim):
+    """Engines built by pretrain.build_trainer from a torch_dist checkpoint: in full,
+    with --no-load-optim / --no-load-rng, and the refusals."""
+    from megaq.arguments import parse_config
+    from megaq.failure import AgreedError
+    from megaq.pretrain import build_trainer
+
+    def trainer(*extra):
+        config = parse_config(argv + list(extra), world_size=topo.layout.world_size)
+        return build_trainer(config, topo)
+
+    def states(t):
+        return [(st.master.clone(), st.exp_avg.clone(), st.exp_avg_sq.clone())
+                for st in t.p.engine.optimizer.states], t.p.engine.step_count
+
+    full, full_step = states(trainer("--load", ck))
+    weights, weights_step = states(trainer("--load", ck, "--no-load-optim", "--no-load-rng"))
+    out = {"full_step": full_step, "weights_step": weights_step,
+           "masters_equal": all(torch.equal(a[0], b[0]) for a, b in zip(full, weights)),
+           "moments_full_nonzero": any(bool(a[1].abs().sum() > 0) for a in full),
+           "moments_zero": all(not a[1].any() and not a[2].any() for a in weights)}
+    # a checkpoint written without optimizer state (save_optim=False)
+    t = trainer("--load", ck)
+    ckpt.save_checkpoint(ck_no_optim, 2, config=t.p.config, topo=topo, engine=t.p.engine,
+                         lr_schedule=t.p.lr_schedule, consumed_samples=16, save_optim=False)
+    errors = {}
+    for name, extra in [("no_optim", ["--load", ck_no_optim]),
+                        ("arch", ["--load", ck, "--hidden-size", "64"])]:
+        try:
+            trainer(*extra)
+        except (ckpt.CheckpointError, AgreedError) as e:
+            errors[name] = str(e)
+    without, _ = states(trainer("--load", ck_no_optim, "--no-load-optim"))
+    out["no_optim_loads_weights"] = all(torch.equal(a[0], b[0]) for a, b in zip(full, without))
+    out["errors"] = errors
+    return out
+
+
+def test_no_load_optim_no_save_optim_and_refusals(tmp_path):
+    ck, ck2 = str(tmp_path / "ck"), str(tmp_path / "ck2")
+    argv = model_argv(str(tmp_path), 2, [])
+    run_on_ranks(_train, 2, args=(argv + ["--save", ck],))
+    out = run_on_ranks(_load_variants, 2, args=(argv, ck, ck2))[0]
+    assert out["full_step"] == 2 and out["moments_full_nonzero"]
+    assert out["weights_step"] == 0 and out["moments_zero"] and out["masters_equal"]
+    assert out["no_optim_loads_weights"]
+    assert "saved without optimizer state" in out["errors"]["no_optim"]
+    assert "--no-load-optim" in out["errors"]["no_optim"]
+    assert "different architecture: --hidden-size 64 (checkpoint: 32)" in out["errors"]["arch"]
