@@ -42,6 +42,7 @@ goes on; the next save and the end of the run wait for it (``wait_for_async_save
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import threading
@@ -266,10 +267,7 @@ class _VerifiedReader(dcp.FileSystemReader):
         md = metadata.state_dict_metadata[item.storage_index.fqn]
         for chunk in md.chunks:
             if tuple(chunk.offsets) == tuple(item.storage_index.offset):
-                n = 1
-                for s in chunk.sizes:
-                    n *= s
-                return n * md.properties.dtype.itemsize
+                return math.prod(chunk.sizes) * md.properties.dtype.itemsize
         return 0
 
     def files_of(self, plan) -> list[str]:
@@ -298,7 +296,8 @@ def local_state(engine, config, topo, *, optim: bool, for_save: bool) -> dict[st
     otherwise every piece this rank holds (what a load must fill)."""
     names = _global_names(engine, config, topo)
     tp, tp_rank, dp_rank = topo.layout.tp, topo.tp_rank, topo.dp_rank
-    out: dict[str, ChunkedTensor] = {}
+    pieces: dict[str, list[Piece]] = {}
+    shapes: dict[str, tuple] = {}
     for st in engine.optimizer.states:
         part = st.part
         buffers = state_io.state_buffers(st, optim)
@@ -312,26 +311,21 @@ def local_state(engine, config, topo, *, optim: bool, for_save: bool) -> dict[st
                 continue
             a, b = max(slot.offset, part.lo), min(slot.offset + slot.numel, part.hi)
             if b <= a:
-                continue
+                continue  # the parameter lies wholly in other DP ranks' shards
             boxes = flat_range_boxes(slot.shape, a - slot.offset, b - slot.offset)
             for key, buf in buffers.items():
-                pieces = out.setdefault(_fqn(key, name), ChunkedTensor(
-                    global_shape(p, tp), buf.dtype, [])).pieces
+                fqn = _fqn(key, name)
+                shapes[fqn] = global_shape(p, tp)
                 for offsets, sizes, flat_start in boxes:
-                    n = 1
-                    for s in sizes:
-                        n *= s
-                    start = slot.offset + flat_start - part.lo
-                    view = buf[start:start + n].view(sizes)
+                    start = slot.offset + flat_start - part.lo  # in shard coordinates
+                    view = buf[start:start + math.prod(sizes)].view(sizes)
                     for loc, siz, glo in _tp_split(p, offsets, sizes, tp_rank, tp):
                         v = view
                         for d in range(len(siz)):
                             if siz[d] != sizes[d]:
                                 v = v.narrow(d, loc[d] - offsets[d], siz[d])
-                        pieces.append(Piece(glo, v))
-    for fqn, t in out.items():  # pieces were appended after construction: index them
-        out[fqn] = ChunkedTensor(t.shape, t.dtype, t.pieces)
-    return out
+                        pieces.setdefault(fqn, []).append(Piece(glo, v))
+    return {fqn: ChunkedTensor(shapes[fqn], ps[0].tensor.dtype, ps) for fqn, ps in pieces.items()}
 
 
 # -------------------------------------------------------------- process group
@@ -442,17 +436,17 @@ def save_checkpoint(root: str, iteration: int, *, config, topo, engine, lr_sched
     pin = torch.cuda.is_available()
     job["state"] = {fqn: t.staged(pin) for fqn, t in state.items()}
     job["residuals"] = {k: v.detach().to("cpu", copy=True) for k, v in residuals.items()}
-    thread = threading.Thread(target=_background, name=f"megaq-async-save-{iteration}",
-                              daemon=True)
-    pending = _PendingSave(thread, iteration)
-    thread._megaq_job = (pending, job)  # read by _background
+    pending = _PendingSave(None, iteration)
+    # daemon: a run that dies mid-write must not hang on it (the save is then simply
+    # not committed, and the previous checkpoint stays latest)
+    pending.thread = threading.Thread(target=_background, args=(pending, job),
+                                      name=f"megaq-async-save-{iteration}", daemon=True)
     _PENDING.append(pending)
-    thread.start()
+    pending.thread.start()
     return final
 
 
-def _background() -> None:
-    pending, job = threading.current_thread()._megaq_job
+def _background(pending: _PendingSave, job: dict) -> None:
     try:
         _write_and_commit(**job)
     except BaseException as e:  # noqa: BLE001 - handed to the main thread's next wait

@@ -11,7 +11,9 @@ For each DP size (TP = PP = 1, ZeRO-3) it builds the model and its engine on DP 
 and the load of what was just saved (into the same engine). Reported per rank: save
 and load seconds (the slowest rank: saves and loads are collective), bytes written,
 and peak host memory added during the save and during the load (VmHWM after the
-phase minus VmRSS before it, the high-water mark reset through /proc/self/clear_refs).
+phase minus VmRSS before it, the high-water mark reset through /proc/self/clear_refs;
+glibc's mmap threshold fixed at 64 KiB so that freed tensors leave RSS), and the bytes
+--async-save staged.
 
     nice python tools/bench/bench_checkpoint.py --dp 1 2 4 8 --json docs/results/bench_checkpoint_cpu.json
     python tools/bench/bench_checkpoint.py --dp 1 2 --layers 2 --hidden 256   # quick
@@ -73,6 +75,18 @@ def _written_by(ckpt_dir: str, fmt: str, rank: int, dp_rank: int) -> int:
     return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
 
+def _exact_malloc() -> None:
+    """glibc serves large blocks from mmap only above a threshold that grows after each
+    free (up to 32 MiB), and keeps freed heap memory resident: a later phase would reuse
+    it without raising RSS. A fixed 64 KiB threshold makes every large tensor its own
+    mapping, returned on free, so each phase's peak RSS counts what it allocates."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.mallopt(m_trim_threshold, 64 * 1024)
+
+
 def _bench_rank(topo, argv, work):
     import torch
 
@@ -84,6 +98,7 @@ def _bench_rank(topo, argv, work):
     from megaq.parallel import comm
     from megaq.zero import build_engine
 
+    _exact_malloc()
     torch.manual_seed(0)
     config = parse_config(argv, world_size=topo.layout.world_size)
     config = config.resolved(config.data, config.data.vocab_size)
