@@ -218,6 +218,17 @@ class ChunkedTensor:
 class _SavePlanner(DefaultSavePlanner):
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.copied = 0
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.untyped_storage().nbytes() != _nbytes(data):
+            # a view into a flat shard buffer: DCP's file writer copies it (torch.save
+            # would write the whole storage) and keeps the copies until the rank's file
+            # is closed, so a synchronous save holds up to one copy of the shard
+            self.copied += _nbytes(data)
+            HOST_BYTES.add(_nbytes(data))
+        return data
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
@@ -469,7 +480,11 @@ def _write_and_commit(*, root, iteration, tmp, final, state, common, rng, residu
     mine: dict[str, dict] = {}
     with checkpoint_guard.write_errors(root, tmp, state, group, remove_tmp):
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-        _run_dcp(dcp.save, state, group, storage_writer=writer, planner=_SavePlanner())
+        planner = _SavePlanner()
+        try:
+            _run_dcp(dcp.save, state, group, storage_writer=writer, planner=planner)
+        finally:
+            HOST_BYTES.sub(planner.copied)
         written = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
         if rank == 0:
             ckpt.save_file(common, os.path.join(tmp, COMMON_FILE))

@@ -80,7 +80,10 @@ def test_exact_resume_full_zeropp_sync_and_async(tmp_path):
                                             "--gpus-per-node", "4"],
             ranks_per_node=4, hpz_size=2)
     assert [b[0]["losses"][i] for i in (3, 4)] == [u[0]["losses"][i] for i in (3, 4)]
-    assert b[0]["host_peak"] <= b[0]["load_bytes"]  # nothing staged when saving synchronously
+    # a synchronous save: at most one copy of the shard (DCP's writer keeps its copies of
+    # the pieces until the file is closed); the load: one saved chunk at a time
+    for r in b:
+        assert 0 < r["host_peak"] <= max(r["state_bytes"], r["load_bytes"])
     copy_checkpoint(str(tmp_path / "c2"), 3, str(tmp_path / "c3"))
     c = run(tmp_path, 8, 2, 2, 4, ZEROPP + ["--load", str(tmp_path / "c3"),
                                             "--gpus-per-node", "4"],
@@ -107,9 +110,11 @@ def test_reshard_to_dp4_plain_zero3_and_back_to_zeropp(reference, tmp_path):
     a = run(tmp_path, 4, 1, 1, 4, ["--load", str(tmp_path / "a"), "--save", str(tmp_path / "a"),
                                    "--save-interval", "1"])
     _close(a[0]["losses"], want, (3, 4))
-    # every rank read at most its own shard at a time (plus one saved piece in flight)
-    for r in a:
-        assert r["host_peak"] <= r["load_bytes"]
+    # every rank materialised at most its own shard: one saved chunk at a time while
+    # loading, its pieces' copies while saving
+    for r in a:  # (a rank may own nothing but padding of this tiny model)
+        assert r["host_peak"] <= max(r["load_bytes"], r["state_bytes"])
+    assert a[0]["host_peak"] > 0
     copy_checkpoint(str(tmp_path / "a"), 3, str(tmp_path / "b"))
     b = run(tmp_path, 8, 2, 1, 4, ["--load", str(tmp_path / "b"),
                                    "--zero-hpz-partition-size", "2"], hpz_size=2)

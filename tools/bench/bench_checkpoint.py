@@ -167,6 +167,54 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# (model, parameters, GPUs, TP, PP): the layouts the projection prices
+PROJECTED = [("7B", 7e9, 64, 1, 1), ("7B", 7e9, 512, 1, 1),
+             ("70B", 70e9, 64, 8, 1), ("70B", 70e9, 512, 8, 4)]
+
+
+def project(rows: list[dict]) -> list[dict]:
+    """Save time, blocked time and host memory per rank for 7B / 70B at 64 / 512 GPUs,
+    from this run's per-byte costs at DP = 1 (one writer, no contention): seconds per
+    byte of a torch-format save (gather + serialise + write of the full slice), of a
+    torch_dist save (its own shard), of --async-save's staging. Assumes the storage's
+    aggregate bandwidth grows with the writers (a parallel filesystem, or node-local
+    disks); `new_save_s_shared` instead caps all writers at the aggregate rate this
+    machine reached at its largest DP."""
+    by = {(r["dp"], r["format"]): r for r in rows}
+    one = {f: by[(1, f)] for f in FORMATS}
+    per_byte = {f: one[f]["save_s"] / one[f]["bytes_written_max"] for f in FORMATS}
+    stage_per_byte = one["async"]["blocked_s"] / one["async"]["bytes_written_max"]
+    top = max(r["dp"] for r in rows)
+    agg = by[(top, "torch_dist")]
+    agg_rate = agg["bytes_written_total"] / agg["save_s"]
+    out = []
+    for name, params, gpus, tp, pp in PROJECTED:
+        dp = gpus // (tp * pp)
+        slice_bytes = 12 * params / (tp * pp)   # fp32 master + 2 moments of a TP x PP slice
+        shard = slice_bytes / dp                 # what one rank owns under ZeRO-3
+        out.append({
+            "model": name, "gpus": gpus, "tp": tp, "pp": pp, "dp": dp,
+            "old_save_s": slice_bytes * per_byte["torch"],
+            "old_peak_host_GB": slice_bytes / 1e9,
+            "new_save_s": shard * per_byte["torch_dist"],
+            "new_save_s_shared": 12 * params / agg_rate,
+            "async_blocked_s": shard * stage_per_byte,
+            "new_peak_host_GB": shard / 1e9})
+    return out
+
+
+def projection_table(proj: list[dict]) -> str:
+    out = ["| model | GPUs | TP x PP x DP | torch save s | torch peak host GB/rank | "
+           "torch_dist save s | (one shared disk) | async blocked s | "
+           "torch_dist shard (async staging) GB/rank |", "|" + "---|" * 9]
+    for p in proj:
+        out.append(f"| {p['model']} | {p['gpus']} | {p['tp']} x {p['pp']} x {p['dp']} | "
+                   f"{p['old_save_s']:.0f} | {p['old_peak_host_GB']:.1f} | "
+                   f"{p['new_save_s']:.1f} | {p['new_save_s_shared']:.0f} | "
+                   f"{p['async_blocked_s']:.2f} | {p['new_peak_host_GB']:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -177,7 +225,15 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="where checkpoints are written (default: a "
                    "temporary directory next to the system's)")
     p.add_argument("--json", default=None)
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: print the tables and projection of earlier runs' JSON files "
+                        "(e.g. DP 1 2 4 and DP 8 run separately), and write them to --json")
     a = p.parse_args(argv)
+    if a.merge:
+        runs = [json.load(open(path)) for path in a.merge]
+        rows = sorted((r for run in runs for r in run["rows"]), key=lambda r: r["dp"])
+        a.dp = sorted({r["dp"] for r in rows})
+        return _report(rows, runs[0]["argv"], a)
     from megaq.parallel.launch import run_on_ranks
     model = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
              "--num-attention-heads", str(a.heads), "--seq-length", "128",
@@ -192,14 +248,22 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
         rows += summarise(dp, ranks)
         print(table([r for r in rows if r["dp"] == dp]), flush=True)
+    return _report(rows, model, a)
+
+
+def _report(rows: list[dict], model: list[str], a) -> int:
     params = rows[0]["params"]
     print(f"\n{params / 1e6:.1f}M parameters (fp32 masters + AdamW moments: "
           f"{12 * params / 2**20:.0f} MiB), CPU gloo ranks, {os.cpu_count()} cores\n")
     print(table(rows))
+    proj = project(rows) if 1 in a.dp else []
+    if proj:
+        print("\nprojection from this run's per-byte costs at DP=1 (see project()):\n")
+        print(projection_table(proj))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"params": params, "argv": model, "cpu_count": os.cpu_count(),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "projection": proj}, f, indent=1)
     return 0
 
 
