@@ -262,15 +262,21 @@ class _VerifiedReader(dcp.FileSystemReader):
     def __init__(self, path: str):
         super().__init__(path)
         self.ckpt_dir = str(path)
+        self._metadata = None
 
     def read_metadata(self):
+        """DCP's index, read (and verified) once per reader: a tool reading tensor after
+        tensor reuses it."""
+        if self._metadata is not None:
+            return self._metadata
         path = os.path.join(self.ckpt_dir, METADATA_FILE)
-        ckpt._verified(integrity.verify, self.ckpt_dir, path)
+        _verify_once(self.ckpt_dir, path)
         try:
-            return super().read_metadata()
+            self._metadata = super().read_metadata()
         except Exception as e:  # noqa: BLE001 - a damaged index (unverified load)
             raise ckpt.CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is "
                                        f"damaged or not a DCP index") from None
+        return self._metadata
 
     @staticmethod
     def stored_chunk_bytes(metadata, item) -> int:
@@ -545,6 +551,37 @@ def _fit_to_saved(state: dict, metadata, ckpt_dir: str) -> dict:
     return out
 
 
+def _verify_reads(reader: _VerifiedReader, metadata, state: dict):
+    """Plan the reads of `state` and check every file they touch against the manifest
+    before DCP opens any (a damaged or missing file is then one CheckpointError naming
+    it, not an error inside DCP's reader). Returns the plan."""
+    planner = _LoadPlanner()
+    planner.set_up_planner(state, metadata, True)
+    reader.set_up_storage_reader(metadata, True)
+    plan = planner.create_local_plan()
+    for rel in reader.files_of(plan):
+        _verify_once(reader.ckpt_dir, os.path.join(reader.ckpt_dir, rel))
+    return plan
+
+
+_VERIFIED: set[tuple] = set()
+
+
+def _verify_once(ckpt_dir: str, path: str) -> None:
+    """integrity.verify, skipped for a file this process verified already, unchanged
+    since (a tool reading one tensor at a time must not hash a rank's file per tensor)."""
+    try:
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    except OSError:
+        key = None
+    if key is not None and key in _VERIFIED and integrity.verification_enabled():
+        return
+    ckpt._verified(integrity.verify, ckpt_dir, path)
+    if key is not None:
+        _VERIFIED.add(key)
+
+
 def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engine,
                     load_optim: bool) -> None:
     """Fill this rank's shard buffers from a torch_dist checkpoint of any layout.
@@ -558,13 +595,7 @@ def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engin
     with failure.agreed(group, catch=(ckpt.CheckpointError,)):
         metadata = reader.read_metadata()
         state = _fit_to_saved(state, metadata, ckpt_dir)
-        # the files this rank will read, verified before DCP touches them
-        planner = _LoadPlanner()
-        planner.set_up_planner(state, metadata, topo.rank == 0)
-        reader.set_up_storage_reader(metadata, topo.rank == 0)
-        plan = planner.create_local_plan()
-        for rel in reader.files_of(plan):
-            ckpt._verified(integrity.verify, ckpt_dir, os.path.join(ckpt_dir, rel))
+        plan = _verify_reads(reader, metadata, state)
     # What DCP's reader materialises beyond our buffers: each saved chunk it reads is
     # loaded whole, one at a time, then copied into our views.
     LAST_SHARD_BYTES["load"] = _state_bytes(state)
@@ -575,8 +606,7 @@ def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engin
         for st in engine.optimizer.states:
             st.exp_avg.zero_()
             st.exp_avg_sq.zero_()
-    _run_dcp(dcp.load, state, group, storage_reader=_VerifiedReader(ckpt_dir),
-             planner=_LoadPlanner())
+    _run_dcp(dcp.load, state, group, storage_reader=reader, planner=_LoadPlanner())
     state_io.finish_load(engine, int(sd["model_optim"]["step"]) if load_optim else 0)
     engine.state_loaded()
 
@@ -587,27 +617,26 @@ def read_full_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tensor
     layer that the checkpoint holds as the embedding reads the embedding."""
     reader = _VerifiedReader(ckpt_dir)
     metadata = reader.read_metadata()
-    want = {}
+    out = {}
     for name in names:
         fqn = _fqn("param", name)
         if fqn not in metadata.state_dict_metadata and name in TIED_SOURCE:
             fqn = _fqn("param", TIED_SOURCE[name])
-        md = metadata.state_dict_metadata.get(fqn)
-        if not isinstance(md, TensorStorageMetadata):
+        if not isinstance(metadata.state_dict_metadata.get(fqn), TensorStorageMetadata):
             raise ckpt.CheckpointError(f"{ckpt_dir} has no parameter {name}; it is not a "
                                        f"checkpoint of this model")
-        want[name] = (fqn, md)
-    return {name: t["x"] for name, t in
-            ((name, _read_one(ckpt_dir, fqn, md)) for name, (fqn, md) in want.items())}
+        out[name] = _read_one(reader, fqn)
+    return out
 
 
-def _read_one(ckpt_dir: str, fqn: str, md) -> dict:
+def _read_one(reader: _VerifiedReader, fqn: str) -> torch.Tensor:
+    """One whole tensor of the checkpoint, assembled from its saved chunks."""
+    md = reader.read_metadata().state_dict_metadata[fqn]
     full = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-    HOST_BYTES.add(_nbytes(full))
     state = {fqn: ChunkedTensor(tuple(md.size), full.dtype, [Piece((0,) * full.dim(), full)])}
-    _run_dcp(dcp.load, state, None, storage_reader=_VerifiedReader(ckpt_dir),
-             planner=_LoadPlanner())
-    return {"x": full}
+    _verify_reads(reader, reader.read_metadata(), state)
+    _run_dcp(dcp.load, state, None, storage_reader=reader, planner=_LoadPlanner())
+    return full
 
 
 def save_full_tensors(tensors: dict[str, torch.Tensor], ckpt_dir: str) -> None:
@@ -620,13 +649,13 @@ def save_full_tensors(tensors: dict[str, torch.Tensor], ckpt_dir: str) -> None:
 def read_saved_state(ckpt_dir: str, keys=("param",)) -> dict[str, dict[str, torch.Tensor]]:
     """{global parameter name: {state key: full tensor}} of every parameter (the
     format converter: one process, the whole model in memory)."""
-    metadata = _VerifiedReader(ckpt_dir).read_metadata()
+    reader = _VerifiedReader(ckpt_dir)
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
+    for fqn, md in reader.read_metadata().state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
         key, name = ("param", fqn[len("model."):]) if fqn.startswith("model.") else \
             fqn[len("optimizer."):].split(".", 1)
         if key in keys:
-            out.setdefault(name, {})[key] = _read_one(ckpt_dir, fqn, md)["x"]
+            out.setdefault(name, {})[key] = _read_one(reader, fqn)
     return out
