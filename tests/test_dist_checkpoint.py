@@ -169,7 +169,8 @@ def _load_variants(topo, argv, ck, ck_no_optim):
 
 def test_no_load_optim_no_save_optim_and_refusals(tmp_path):
     ck, ck2 = str(tmp_path / "ck"), str(tmp_path / "ck2")
-    argv = model_argv(str(tmp_path), 2, [])
+    # ZeRO stage 0 (replicated partitions: DP rank 0 writes them, every rank reads them)
+    argv = model_argv(str(tmp_path), 2, ["--zero-stage", "0"])
     run_on_ranks(_train, 2, args=(argv + ["--save", ck],))
     out = run_on_ranks(_load_variants, 2, args=(argv, ck, ck2))[0]
     assert out["full_step"] == 2 and out["moments_full_nonzero"]
