@@ -156,7 +156,7 @@ def _train_in_new_session(argv):
 
 def _kill_during_a_save(ck: str, argv, rng: random.Random, timeout: float = 120.0) -> bool:
     """Start the job, wait until a save after the first one is being written (its
-    temporary directory exists), SIGKILL every process of the job a random 0-150 ms
+    temporary directory exists), SIGKILL every process of the job a random 0-20 ms
     later. True when a save was still unfinished at the kill."""
     ctx = multiprocessing.get_context("fork")
     proc = ctx.Process(target=_train_in_new_session, args=(argv,))
@@ -169,7 +169,7 @@ def _kill_during_a_save(ck: str, argv, rng: random.Random, timeout: float = 120.
                    for n in names):
                 break
             time.sleep(0.001)
-        time.sleep(rng.uniform(0.0, 0.15))
+        time.sleep(rng.uniform(0.0, 0.02))
         assert proc.is_alive(), "the job ended before it could be killed"
         mid_save = any(n.endswith(".tmp") for n in os.listdir(ck))
     finally:
