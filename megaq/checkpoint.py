@@ -181,10 +181,17 @@ def _verified(fn, *a):
 def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engine, lr_schedule,
                     consumed_samples: int, extra: dict | None = None,
                     save_optim: bool = True) -> str:
-    """Collective over every rank. Returns the final directory. save_optim=False
-    (--no-save-optim) leaves out the AdamW moments and qgZ residuals: weights, RNG
-    streams, the LR schedule and the position only (see weights_only_state)."""
-    full = engine.full_state()  # collective over DP: full fp32 weights + moments
+    """Collective over every rank. Returns the final directory. Writes the format of
+    --ckpt-format: torch_dist in megaq.dist_checkpoint, torch here. save_optim=False
+    (--no-save-optim) leaves out the optimizer state and qgZ residuals: weights, RNG
+    streams, the LR schedule and the position only (such a checkpoint loads with
+    --no-load-optim or --finetune)."""
+    from megaq import dist_checkpoint  # it builds on this module's helpers
+    if config.checkpointing.ckpt_format == "torch_dist":
+        return dist_checkpoint.save_checkpoint(
+            root, iteration, config=config, topo=topo, engine=engine, lr_schedule=lr_schedule,
+            consumed_samples=consumed_samples, extra=extra, save_optim=save_optim)
+    full = engine.full_state()  # collective over DP: full fp32 weights + optimizer state
     if not save_optim:
         full = weights_only_state(full)
     rank = topo.rank if topo is not None else 0
@@ -212,20 +219,40 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
 
     with checkpoint_guard.write_errors(root, tmp, full, group, remove_tmp):
         if rank == 0:
-            integrity.write_manifest(tmp)  # last file written: its presence marks a whole save
-            for dirpath, _, _ in os.walk(tmp):
-                _fsync_dir(dirpath)
-            if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
-                old = os.path.join(root, f".{os.path.basename(final)}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(root)
-            write_tracker(root, iteration)
+            commit_directory(root, tmp, final, iteration)
     return final
+
+
+def commit_directory(root: str, tmp: str, final: str, iteration: int,
+                     known_hashes: dict | None = None) -> None:
+    """Rank 0, once every file of a save is in `tmp`: write the manifest (the last
+    file: its presence marks a whole save), fsync, rename `tmp` to `final`, point the
+    tracker at `iteration`. `known_hashes`: files their writers hashed already."""
+    integrity.write_manifest(tmp, known_hashes)
+    for dirpath, _, _ in os.walk(tmp):
+        _fsync_dir(dirpath)
+    if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
+        old = os.path.join(root, f".{os.path.basename(final)}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    write_tracker(root, iteration)
+
+
+def wait_for_async_save() -> int | None:
+    """Wait for a background save (--async-save) to be written and committed; its
+    failure is raised here. Its iteration, or None when none was in flight."""
+    from megaq import dist_checkpoint
+    return dist_checkpoint.wait_for_async_save()
+
+
+def async_save_in_flight() -> bool:
+    from megaq import dist_checkpoint
+    return dist_checkpoint.async_save_in_flight()
 
 
 def model_file_record(iteration: int, consumed_samples: int, config: RunConfig, layout,
@@ -318,7 +345,12 @@ def _check_layout(saved: dict, topo, path: str) -> None:
 
 
 def checkpoint_layout(ckpt_dir: str) -> tuple[int, int]:
-    """(tp, pp) of a checkpoint directory, from its mp_rank_* subdirectories."""
+    """(tp, pp) of a checkpoint directory: a torch_dist one's common file records it,
+    a torch one has its mp_rank_* subdirectories."""
+    from megaq import dist_checkpoint
+    if dist_checkpoint.is_dist_checkpoint(ckpt_dir):
+        layout = dist_checkpoint.read_common(ckpt_dir)["layout"]
+        return layout["tp"], layout["pp"]
     names = [n for n in os.listdir(ckpt_dir) if n.startswith("mp_rank_")]
     if not names:
         raise CheckpointError(f"{ckpt_dir} holds no mp_rank_* directories; it is not a megaq "
@@ -348,35 +380,48 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
                               f"{ckpt} does not exist; point it at an existing iter_* directory")
     integrity.verify_checkpoints(not config.checkpointing.no_verify_checkpoint)
     _verified(integrity.require_manifest, ckpt)  # a directory without one is never loaded
-    saved_tp, saved_pp = checkpoint_layout(ckpt)
-    same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
-    # The configuration and metadata live in every mp_rank file; read this rank's, or (new
-    # TP/PP layout) the first one.
-    path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-    sd = _verified(integrity.load_verified, ckpt, path)
-    saved = saved_config(sd)
-    _check_architecture(saved, config, path, same_tp=same_mp)
-    if same_mp:
-        state = sd["model_optim"]
-    elif model_chunks is None:
-        _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
+    from megaq import dist_checkpoint  # it builds on this module's helpers
+    if dist_checkpoint.is_dist_checkpoint(ckpt):  # --ckpt-format torch_dist wrote it
+        path = os.path.join(ckpt, dist_checkpoint.COMMON_FILE)
+        sd = dist_checkpoint.read_common(ckpt)
+        saved_tp, saved_pp = sd["layout"]["tp"], sd["layout"]["pp"]
+        same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+        saved = saved_config(sd)
+        _check_architecture(saved, config, path, same_tp=same_mp)
+        if load_optim:
+            _check_optimizer(saved, config, path)
+        # every layout reshards: each rank reads the pieces it now holds
+        dist_checkpoint.load_checkpoint(ckpt, sd, saved, config=config, topo=topo,
+                                        engine=engine, load_optim=load_optim)
     else:
-        state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks)
-    if load_optim and not has_optimizer_state(sd["model_optim"]):
-        raise CheckpointError(f"{ckpt} was saved with --no-save-optim (no optimizer state); "
-                              f"load it with --no-load-optim (fresh AdamW moments, same "
-                              f"iteration) or --finetune (weights only, iteration 0)")
-    if not load_optim:
-        state = engine_weights_only(state)
-    else:
-        _check_optimizer(saved, config, path)
-    try:
-        engine.load_full_state(state)
-    except OptimizerStateMismatch as e:
-        raise CheckpointError(f"{path}: {e}; pass --no-load-optim to load the weights only")
-
+        saved_tp, saved_pp = checkpoint_layout(ckpt)
+        same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+        # The configuration and metadata live in every mp_rank file; read this rank's, or
+        # (new TP/PP layout) the first one.
+        path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+        sd = _verified(integrity.load_verified, ckpt, path)
+        saved = saved_config(sd)
+        _check_architecture(saved, config, path, same_tp=same_mp)
+        if same_mp:
+            state = sd["model_optim"]
+        elif model_chunks is None:
+            _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
+        else:
+            state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks)
+        if load_optim and not has_optimizer_state(sd["model_optim"]):
+            raise CheckpointError(f"{ckpt} was saved with --no-save-optim (no optimizer state); "
+                                  f"load it with --no-load-optim (fresh optimizer state, same "
+                                  f"iteration) or --finetune (weights only, iteration 0)")
+        if not load_optim:
+            state = engine_weights_only(state)
+        else:
+            _check_optimizer(saved, config, path)
+        try:
+            engine.load_full_state(state)
+        except OptimizerStateMismatch as e:
+            raise CheckpointError(f"{path}: {e}; pass --no-load-optim to load the weights only")
     if load_optim:
         _load_error_feedback(ckpt, sd, saved, config, topo, engine)
     if lr_schedule is not None:  # None: --finetune (the flags' schedule from its start)
@@ -602,9 +647,20 @@ def consolidated_model_config(saved: dict) -> GPTConfig:
 
 
 def load_consolidated_model(ckpt_dir: str) -> tuple[GPTModel, dict]:
-    """A checkpoint of any TP x PP x DP layout as one process's whole GPTModel (weights
-    only; pipeline stages stitched by global layer index, TP shards concatenated), and
-    the configuration it was saved with (saved_config's nesting)."""
+    """A checkpoint of any TP x PP x DP layout and either format as one process's whole
+    GPTModel (weights only; pipeline stages stitched by global layer index, TP shards
+    concatenated), and the configuration it was saved with (saved_config's nesting).
+    No process group is needed."""
+    from megaq import dist_checkpoint
+    if dist_checkpoint.is_dist_checkpoint(ckpt_dir):  # each weight read whole from its pieces
+        saved = saved_config(dist_checkpoint.read_common(ckpt_dir))
+        model = GPTModel(consolidated_model_config(saved))
+        names = [name for name, _ in model.named_parameters()]
+        weights = dist_checkpoint.read_full_tensors(ckpt_dir, names)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(weights[name])
+        return model, saved
     tp, pp = checkpoint_layout(ckpt_dir)
     sd = _verified(integrity.load_verified, ckpt_dir, model_file(ckpt_dir, 0, 0))
     saved = saved_config(sd)

@@ -336,6 +336,15 @@ class CheckpointConfig:
         "--save-hf", "at the end of training, also write the final model in Hugging Face "
         "transformers form to DIR (from the final --save checkpoint; docs/INTEROP.md)",
         metavar="DIR")
+    ckpt_format: str = flag(
+        "--ckpt-format", "checkpoint format to save: torch_dist (every rank writes its own "
+        "shard through torch.distributed.checkpoint; loads reshard to any layout) or torch "
+        "(one full file per TP x PP rank, written by DP rank 0). Loading reads either",
+        "torch_dist", choices=["torch_dist", "torch"])
+    async_save: bool = switch(
+        "--async-save", "torch_dist: copy this rank's shard to CPU memory and write it in a "
+        "background thread while training continues; the next save or the end of the run "
+        "waits for it and makes it the latest")
     no_verify_checkpoint: bool = switch(
         "--no-verify-checkpoint", "load without checking files against the checkpoint's "
         "SHA-256 manifest (checkpoints without one, damaged files you accept)")
@@ -347,6 +356,9 @@ class CheckpointConfig:
         if self.finetune and not (self.load or self.pretrained_checkpoint):
             raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start "
                               "from)")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ConfigError("--async-save needs --ckpt-format torch_dist (the torch format "
+                              "saves synchronously)")
         if self.save_hf and not self.save:
             raise ConfigError("--save-hf needs --save DIR (the HF export is written from the "
                               "final checkpoint)")

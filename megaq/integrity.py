@@ -70,13 +70,19 @@ def _files_under(root: str) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(root: str) -> str:
+def write_manifest(root: str, known: dict | None = None) -> str:
     """Hash every file under `root` and write the manifest, atomically and fsynced.
 
     Call it after every file of the checkpoint is on disk and before the directory is
-    renamed into place. Returns the manifest's path."""
+    renamed into place. `known` ({relative path: {"sha256", "bytes"}}) are hashes their
+    writers computed already (a sharded save: each rank hashes the files it wrote);
+    only the other files are read here. Returns the manifest's path."""
     files = {}
+    known = known or {}
     for rel in _files_under(root):
+        if rel in known and known[rel]["bytes"] == os.path.getsize(os.path.join(root, rel)):
+            files[rel] = dict(known[rel])
+            continue
         digest, size = sha256_of(os.path.join(root, rel))
         files[rel] = {"sha256": digest, "bytes": size}
     body = {"format": FORMAT, "version": VERSION, "complete": True, "files": files}

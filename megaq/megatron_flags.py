@@ -78,6 +78,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--split", "--data-cache-path", "--mock-data", "--tokenizer-type",
           "--tokenizer-model", "--vocab-file", "--merge-file", "--vocab-size",
           "--eod-mask-loss", "--save", "--save-interval", "--load", "--no-load-rng",
+          "--ckpt-format", "--async-save",
           "--no-load-optim", "--no-save-optim", "--finetune", "--pretrained-checkpoint",
           "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler",
           "--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler",
@@ -124,12 +125,10 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--manual-gc-interval", "megaq leaves Python's garbage collector on", "int"),
         _note("--empty-unused-memory-level", "megaq does not empty the CUDA cache per step",
               "int"),
-        _note("--ckpt-format", "megaq writes its own torch layout (docs/TRAINING.md); "
-              "Megatron-LM checkpoints import with tools/convert_checkpoint.py --from megatron",
-              "str"),
-        _note("--use-dist-ckpt", "megaq writes its own torch layout"),
-        _note("--async-save", "megaq saves synchronously (atomic rename)"),
-        _note("--ckpt-fully-parallel-save", "megaq's DP rank 0 of each TP x PP coordinate saves"),
+        _note("--use-dist-ckpt", "megaq's --ckpt-format torch_dist (the default) is "
+              "torch.distributed.checkpoint already"),
+        _note("--ckpt-fully-parallel-save", "with --ckpt-format torch_dist every megaq rank "
+              "writes its own shard"),
         _note("--ckpt-fully-parallel-load", "every megaq rank reads its own shard file"),
         _note("--no-save-rng", "megaq always saves the RNG streams (resume with --no-load-rng "
               "to ignore them)"),

@@ -232,8 +232,21 @@ class Trainer:
                 extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total},
                 save_optim=not self.config.checkpointing.no_save_optim)
         if self.rank0:
-            print(f" saved checkpoint at iteration {s.iteration:7d} to {path} "
-                  f"({(time.perf_counter() - t0) * 1000:.0f} ms)", flush=True)
+            ms = (time.perf_counter() - t0) * 1000
+            if ckpt.async_save_in_flight():
+                print(f" checkpoint at iteration {s.iteration:7d} staged in {ms:.0f} ms; writing "
+                      f"{path} in the background (--async-save)", flush=True)
+            else:
+                print(f" saved checkpoint at iteration {s.iteration:7d} to {path} "
+                      f"({ms:.0f} ms)", flush=True)
+
+    def wait_for_async_save(self) -> None:
+        """The end of the run: a background save (--async-save) is written and committed."""
+        t0 = time.perf_counter()
+        iteration = ckpt.wait_for_async_save()
+        if iteration is not None and self.rank0:
+            print(f" background checkpoint at iteration {iteration:7d} committed (waited "
+                  f"{(time.perf_counter() - t0) * 1000:.0f} ms)", flush=True)
 
     # ---------------------------------------------------------------------- loop
     def train(self) -> TrainState:
@@ -317,6 +330,7 @@ class Trainer:
                 break
         if save_dir and s.iteration != last_saved and s.iteration > 0:
             self._save_if_healthy()
+        self.wait_for_async_save()
         if log.eval_iters and s.iteration not in s.val_losses and s.exit_reason is None:
             self.evaluate(s.iteration, where="on validation set", final=True)
         self.metrics.close()

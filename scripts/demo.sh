@@ -62,7 +62,7 @@ torchrun --standalone --nnodes 1 --nproc_per_node "$NPROC" pretrain_gpt.py \
   --zero-stage 3 "${zeropp[@]}" \
   --demo-corpus --split 98,2,0 \
   --log-interval 10 --log-throughput --eval-interval 25 --eval-iters 2 \
-  --save "$DEMO_DIR/checkpoints" --save-interval 50 \
+  --save "$DEMO_DIR/checkpoints" --save-interval 50 --ckpt-format torch_dist --async-save \
   --metrics-file "$DEMO_DIR/metrics.jsonl" 2>&1 | tee "$DEMO_DIR/train.log"
 status=${PIPESTATUS[0]}
 set -e

@@ -1,4 +1,5 @@
-"""Checkpoint layout and atomicity, on one process with a minimal engine.
+"""Checkpoint layout and atomicity of --ckpt-format torch, on one process with a
+minimal engine (the torch_dist format is in tests/test_dist_checkpoint.py).
 
 The multi-rank behaviours (exact resume, DP reshard, a run killed mid-save) run the
 real training loop in tests/test_checkpoint_resume.py.
@@ -21,7 +22,7 @@ from megaq.parallel.topology import Layout, Topology
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "10",
-        "--lr", "1e-3", "--mock-data"]
+        "--lr", "1e-3", "--mock-data", "--ckpt-format", "torch"]
 
 
 def one_rank_topology() -> Topology:

@@ -11,6 +11,8 @@ import torch
 
 from megaq import pretrain
 from megaq import checkpoint as ckpt
+from megaq import dist_checkpoint
+from megaq.interop.ckpt_format import convert_format
 from megaq.data.gpt_dataset import MockGPTDataset
 from megaq.parallel.launch import run_on_ranks
 
@@ -51,6 +53,22 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
     # Same weights, same samples; TP=2 splits matmuls and the vocab-parallel softmax,
     # so only fp32 summation order differs.
     assert loss == pytest.approx(val, rel=1e-5)
+
+    # The format converter, both ways (tools/convert_checkpoint.py --from megaq --to
+    # megaq): the torch copy consolidates to the same weights, and converting it back
+    # gives every saved tensor (weights and AdamW moments) unchanged.
+    old = convert_format(str(tmp_path / "ck"), str(tmp_path / "old"), "torch")["dir"]
+    assert os.path.isfile(ckpt.model_file(old, 1, 1))
+    back = convert_format(str(tmp_path / "old"), str(tmp_path / "back"), "torch_dist")["dir"]
+    model_old, _ = ckpt.load_consolidated_model(old)
+    for (name, p), (_, q) in zip(model.named_parameters(), model_old.named_parameters()):
+        assert torch.equal(p, q), name
+    keys = ("param", "exp_avg", "exp_avg_sq")
+    first, again = (dist_checkpoint.read_saved_state(d, keys) for d in (ckpt_dir, back))
+    assert first.keys() == again.keys() and len(first) > 5
+    for name in first:
+        for key in keys:
+            assert torch.equal(first[name][key], again[name][key]), (name, key)
 
 
 def test_generate_refuses_a_mock_data_checkpoint_in_one_line(tmp_path):

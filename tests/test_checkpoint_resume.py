@@ -7,22 +7,24 @@ Runs (each a few iterations of a tiny model on mock data, fp32 on CPU):
   D: TP=2 x DP=2 with dropout and eval: uninterrupted vs resumed, bit-identical
      (exercises the TP RNG tracker and the per-rank RNG files);
   E: TP=2 x PP=2 saved, resumed as TP=1 x PP=2 x DP=2 (TP/PP reshard);
-  and the real command SIGKILLed in the middle of a save.
+  and 2-rank jobs SIGKILLed at random moments of a save (10 in all, in both formats
+  and in --async-save's background writer).
 """
 
+import contextlib
 import json
+import multiprocessing
 import os
+import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from megaq import pretrain
 from megaq import checkpoint as ckpt
-from megaq import checkpoint_guard
+from megaq import checkpoint_guard, integrity
 from megaq.parallel.launch import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,48 +148,66 @@ def test_exact_resume_with_tp_dropout_and_eval(tmp_path):
     assert resumed[0]["val"][2] == full[0]["val"][2]
 
 
-def _kill_when_second_save_starts(proc, ck: str, timeout: float = 300.0) -> None:
-    """SIGKILL `proc` as soon as the save of iteration 4 shows up on disk."""
+def _train_in_new_session(argv):
+    """A forked job: 2 gloo ranks in a session of their own (one killpg ends them all,
+    as a node failure would)."""
+    os.setsid()
+    run_on_ranks(_train, 2, args=(argv,), timeout=120)
+
+
+def _kill_during_a_save(ck: str, argv, rng: random.Random, timeout: float = 120.0) -> bool:
+    """Start the job, wait until a save after the first one is being written (its
+    temporary directory exists), SIGKILL every process of the job a random 0-20 ms
+    later. True when a save was still unfinished at the kill."""
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=_train_in_new_session, args=(argv,))
+    proc.start()
     deadline = time.monotonic() + timeout
-    tmp, final = os.path.join(ck, ".iter_0000004.tmp"), os.path.join(ck, "iter_0000004")
-    while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.exists(tmp) or os.path.exists(final):
-            break
-        time.sleep(0.0005)
-    proc.kill()
+    try:
+        while time.monotonic() < deadline and proc.is_alive():
+            names = os.listdir(ck) if os.path.isdir(ck) else []
+            if any(n.startswith(".iter_") and n.endswith(".tmp") and n != ".iter_0000001.tmp"
+                   for n in names):
+                break
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.02))
+        assert proc.is_alive(), "the job ended before it could be killed"
+        mid_save = any(n.endswith(".tmp") for n in os.listdir(ck))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.join(30)
+    return mid_save
 
 
-def test_killed_during_save_resumes_from_previous(tmp_path):
-    """The real command, SIGKILLed the moment its second save starts writing (a real kill
-    at a moment the test does not choose exactly). Whatever was on disk then, `latest`
-    names a complete checkpoint, and the resumed run continues from it and cleans up."""
-    ck = tmp_path / "ck"
-    argv = model_argv(str(tmp_path), 6, ["--save", str(ck), "--save-interval", "2"])
-    env = {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
-    mid_save = False
-    for _ in range(3):  # a kill that lands after the save finished proves less: retry
-        shutil.rmtree(ck, ignore_errors=True)
-        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + argv,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        _kill_when_second_save_starts(proc, str(ck))
-        proc.wait(timeout=60)
-        assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
-        latest = ckpt.read_tracker(str(ck))
-        mid_save = latest == 2  # the save of iteration 4 never completed
-        assert latest in (2, 4)
-        latest_dir = ckpt.iteration_dir(str(ck), latest)
-        assert os.path.isfile(ckpt.model_file(latest_dir, 0, 0))
-        assert os.path.isfile(ckpt.rng_file(latest_dir, 0))
-        if mid_save:
-            break
-    assert mid_save, "three kills all landed after the save had completed"
-    assert ckpt.read_tracker(str(ck)) == 2 and not os.path.exists(ck / "iter_0000004")
-    # Resume: its start removes the debris (megaq.checkpoint_guard), loads iteration 2
-    # and trains 3..6; only the job lock file remains besides the checkpoints.
-    out = run_on_ranks(_train, 1, args=(model_argv(str(tmp_path), 6, [
-        "--load", str(ck), "--save", str(ck), "--save-interval", "2"]),))
-    assert sorted(out[0]["losses"]) == [3, 4, 5, 6]
-    assert ckpt.read_tracker(str(ck)) == 6
+@pytest.mark.parametrize("fmt,tries", [(["--ckpt-format", "torch_dist"], 4),
+                                       (["--ckpt-format", "torch_dist", "--async-save"], 4),
+                                       (["--ckpt-format", "torch"], 2)],
+                         ids=["torch_dist", "torch_dist_async", "torch"])
+def test_killed_during_save_latest_always_verifies_and_loads(tmp_path, fmt, tries):
+    """Ten SIGKILLs in all (of every process of a 2-rank job) at random moments of a
+    save: synchronous, in the background writer of --async-save, and in the torch
+    format. Every time `latest` names a checkpoint whose manifest verifies and which
+    loads; then the real loop resumes from the last one and cleans the debris up."""
+    rng = random.Random(16)
+    ck = str(tmp_path / "ck")
+    argv = model_argv(str(tmp_path), 1000, fmt + ["--save", ck, "--save-interval", "1"])
+    mid = kills = 0
+    while kills < tries or (mid == 0 and kills < tries + 3):  # a kill after the save ended
+        shutil.rmtree(ck, ignore_errors=True)                # proves less: a few more
+        mid += _kill_during_a_save(ck, argv, rng)
+        kills += 1
+        latest = ckpt.read_tracker(ck)
+        assert latest is not None and latest >= 1
+        latest_dir = ckpt.iteration_dir(ck, latest)
+        assert integrity.verify_all(latest_dir)  # every file the manifest lists matches
+        model, _ = ckpt.load_consolidated_model(latest_dir)  # and it loads
+        assert sum(p.numel() for p in model.parameters()) > 0
+    assert mid >= 1, "no kill landed inside a save"
+    out = run_on_ranks(_train, 2, args=(model_argv(str(tmp_path), latest + 2, fmt + [
+        "--load", ck, "--save", ck, "--save-interval", "1"]),))
+    assert sorted(out[0]["losses"]) == [latest + 1, latest + 2]
+    assert ckpt.read_tracker(ck) == latest + 2
     assert [n for n in os.listdir(ck) if n.startswith(".")] == [checkpoint_guard.LOCK_NAME]
 
 

@@ -317,7 +317,7 @@ def test_export_refusals(trained, tmp_path, capsys):
     # a checkpoint whose shard file is missing: nothing written
     broken = tmp_path / "broken"
     shutil.copytree(root, broken)
-    os.remove(ckpt.model_file(ckpt.iteration_dir(str(broken), 3), 1, 1))
+    os.remove(os.path.join(ckpt.iteration_dir(str(broken), 3), "__3_0.distcp"))  # rank 3's
     rc, err = _convert(["--to", "hf", "--input", broken, "--output", tmp_path / "y"], capsys)
     assert rc == 2 and "is missing" in err and err.count("\n") == 1
     assert sorted(os.listdir(tmp_path)) == ["broken"]
@@ -345,16 +345,17 @@ def test_save_hf_needs_save():
 
 
 def test_imported_checkpoint_has_the_form_a_run_saves(trained, tmp_path):
-    """An imported model_optim.pt holds the same records and configuration sections as a
-    training run's save (what --load and the consolidation tools read)."""
+    """An imported model_optim.pt (torch format) holds the same records and configuration
+    sections as a training run's save (its torch_dist common file: what --load and the
+    consolidation tools read)."""
     _tiny_llama(tmp_path / "hf")
     rc, _ = _convert(["--from", "hf", "--to", "megaq", "--input", tmp_path / "hf", "--output",
                       tmp_path / "mq", "--tensor-model-parallel-size", "2"])
     assert rc == 0
     ours = torch.load(ckpt.model_file(ckpt.iteration_dir(str(tmp_path / "mq"), 0), 1, 0),
                       map_location="cpu", weights_only=True)
-    runs = torch.load(ckpt.model_file(ckpt.iteration_dir(trained["llama_gqa_untied"][0], 3), 1, 0),
-                      map_location="cpu", weights_only=True)
+    runs = torch.load(os.path.join(ckpt.iteration_dir(trained["llama_gqa_untied"][0], 3),
+                                   "common.pt"), map_location="cpu", weights_only=True)
     assert set(ours) == set(runs) and set(ours["config"]) == set(runs["config"])
     for section in runs["config"]:
         assert set(ours["config"][section]) == set(runs["config"][section]), section

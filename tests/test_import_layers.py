@@ -23,7 +23,8 @@ LAYERS = [
     ("data", ("megaq.data",)),
     ("config", ("megaq.config",)),
     # the manifest and the directory guards (job lock, stale .tmp, write errors) of a save
-    ("checkpoint", ("megaq.checkpoint", "megaq.checkpoint_guard", "megaq.integrity")),
+    ("checkpoint", ("megaq.checkpoint", "megaq.dist_checkpoint", "megaq.checkpoint_guard",
+                    "megaq.integrity")),
     # the hang watchdog counts training iterations
     ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
                   "megaq.watchdog")),

@@ -124,7 +124,7 @@ def megatron_launch_flags(tmp_path) -> list[str]:
         "--timing-log-option", "minmax", "--log-progress", "--log-throughput",
         "--log-params-norm", "--log-memory-to-tensorboard", "--timing-log-level", "1",
         # checkpointing and exit
-        "--save", ckpt, "--load", ckpt, "--save-interval", "2", "--ckpt-format", "torch",
+        "--save", ckpt, "--load", ckpt, "--save-interval", "2", "--ckpt-format", "torch_dist",
         "--async-save", "--exit-signal-handler", "--exit-duration-in-mins", "230",
     ]
 

@@ -107,19 +107,29 @@ def test_error_found_only_on_rank_3_is_printed_20_of_20(ck4):
     assert sum(seen) == 20
 
 
-@pytest.mark.parametrize("where", ["model", "rng", "truncated_model", "empty_rng_unverified"])
+def shard_file(ckpt_dir, rank):
+    """The file DCP wrote with `rank`'s own pieces (--ckpt-format torch_dist)."""
+    return os.path.join(ckpt_dir, f"__{rank}_0.distcp")
+
+
+@pytest.mark.parametrize("where", ["shard", "rng", "truncated_shard", "metadata",
+                                   "empty_rng_unverified"])
 def test_damaged_checkpoint_file_one_line_naming_it(ck4, where):
     it = ckpt.iteration_dir(ck4, 2)
-    model = ckpt.model_file(it, 0, 0)
+    model = shard_file(it, 0)  # read by rank 0 (same layout: every rank reads its own)
     rng = ckpt.rng_file(it, 1)
     extra = []
-    if where == "model":
+    if where == "shard":
         _flip(model)
         path, expect = model, "is damaged: sha256"
+    elif where == "metadata":
+        path = os.path.join(it, ".metadata")
+        _flip(path)
+        expect = "is damaged: sha256"
     elif where == "rng":
         _flip(rng)
         path, expect = rng, "is damaged: sha256"
-    elif where == "truncated_model":
+    elif where == "truncated_shard":
         open(model, "r+b").truncate(os.path.getsize(model) // 2)
         path, expect = model, "is damaged: sha256"
     else:  # an empty RNG file, read without the manifest: still one line naming it
@@ -155,12 +165,12 @@ def test_directory_without_manifest_is_never_loaded(ck4):
 
 
 def test_reshard_reads_are_verified(tmp_path):
-    """TP=2 checkpoint loaded at TP=1: every rank reads both TP shards (read_all_stages)."""
+    """TP=2 checkpoint loaded at TP=1: every rank reads both TP ranks' pieces."""
     root = str(tmp_path / "ck")
     r = run(tiny_argv(1, "--save", root, "--save-interval", "1",
                       "--tensor-model-parallel-size", "2"), world=2)
     assert r["codes"] == [0, 0], r["stderr"]
-    shard = ckpt.model_file(ckpt.iteration_dir(root, 1), 1, 0)
+    shard = shard_file(ckpt.iteration_dir(root, 1), 1)
     _flip(shard)
     r = run(tiny_argv(2, "--load", root), world=2)
     lines = error_lines(r)
@@ -177,9 +187,9 @@ def _file_size_limit(limit):
 
 def test_disk_full_save_one_line_no_tmp_previous_stays_latest(ck4):
     it = ckpt.iteration_dir(ck4, 2)
-    model_bytes = os.path.getsize(ckpt.model_file(it, 0, 0))
+    model_bytes = os.path.getsize(shard_file(it, 0))
     biggest_other = max(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(it)
-                        for n in ns if n != "model_optim.pt")
+                        for n in ns if not n.endswith(".distcp"))
     assert biggest_other + 4096 < model_bytes  # the limit lets everything but the model through
     os.makedirs(os.path.join(ck4, ".iter_0000009.tmp"))  # a stale save of a killed run
     r = run(tiny_argv(4, "--load", ck4, "--save", ck4, "--save-interval", "2"),

@@ -4,6 +4,9 @@
     # megaq checkpoint (any TP x PP layout) -> transformers directory
     python tools/convert_checkpoint.py --from megaq --to hf --input CKPT --output HF_DIR [--dtype bf16]
 
+    # megaq checkpoint in one --ckpt-format -> the other (torch <-> torch_dist), same layout
+    python tools/convert_checkpoint.py --from megaq --to megaq --ckpt-format torch --input CKPT --output OUT
+
     # transformers Llama-family / GPT-2 directory -> megaq checkpoint for a layout
     python tools/convert_checkpoint.py --from hf --to megaq --input HF_DIR --output CKPT \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
@@ -70,6 +73,16 @@ def hf_to_megaq(a) -> str:
             f"[convert] (the flags are in {os.path.join(out['dir'], 'megaq_args.txt')})")
 
 
+def megaq_format(a) -> str:
+    from megaq.interop.ckpt_format import convert_format
+    t0 = time.perf_counter()
+    out = convert_format(a.input, a.output, a.ckpt_format, overwrite=a.overwrite)
+    return (f"[convert] {a.input} ({out['from']}) -> {out['dir']} ({out['to']}); "
+            f"{time.perf_counter() - t0:.1f} s\n"
+            f"[convert] resume from it with: python pretrain_gpt.py --load {a.output} "
+            f"<the run's flags>")
+
+
 def megatron_to_megaq(a) -> str:
     """megaq.interop.megatron.convert_to_megaq(a) -> the message to print; `a` holds input,
     output, overwrite and the --to megaq layout flags; refusals raise InteropError.
@@ -84,6 +97,7 @@ def megatron_to_megaq(a) -> str:
 
 
 ROUTES = {("megaq", "hf"): megaq_to_hf, ("hf", "megaq"): hf_to_megaq,
+          ("megaq", "megaq"): megaq_format,
           ("megatron", "megaq"): megatron_to_megaq}
 
 
@@ -110,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the safetensors above this size (with model.safetensors.index.json)")
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece model to ship (default: the checkpoint's --tokenizer-model)")
+    g = p.add_argument_group("--from megaq --to megaq")
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="format to write (the input is in the other one; layout unchanged)")
     g = p.add_argument_group("--to megaq")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from megaq import checkpoint as ckpt
+from megaq import dist_checkpoint
 from megaq import integrity
 
 
@@ -95,12 +96,22 @@ class MegaqCheckpointReader:
     def __init__(self, path: str):
         self.dir = resolve_checkpoint_dir(path)
         self.tp, self.pp = ckpt.checkpoint_layout(self.dir)
-        self.config, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
-        self.params = saved["params"]
+        self.dist = dist_checkpoint.is_dist_checkpoint(self.dir)
+        if self.dist:  # --ckpt-format torch_dist: full tensors are read one at a time
+            self.config = ckpt.saved_config(dist_checkpoint.read_common(self.dir))
+            self.params = None
+        else:
+            self.config, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
+            self.params = saved["params"]
         self.vp = ckpt.saved_virtual_pipeline_size(self.config)
         self.model = ckpt.consolidated_model_config(self.config)
 
     def full(self, info: ParamInfo) -> torch.Tensor:
+        if self.dist:
+            try:
+                return dist_checkpoint.read_full_tensors(self.dir, [info.name])[info.name]
+            except ckpt.CheckpointError as e:
+                raise InteropError(str(e)) from None
         if info.name not in self.params:
             raise InteropError(f"{self.dir} has no parameter {info.name}; it is incomplete or "
                                f"not a checkpoint of the model its configuration describes")

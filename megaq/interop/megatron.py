@@ -45,6 +45,8 @@ from typing import Iterator
 
 import torch
 
+from megaq.integrity import MANIFEST_NAME
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"        # Megatron-LM's; megaq writes model_optim.pt
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -84,9 +86,15 @@ def _mp_dirs(iter_dir: str) -> dict[tuple[int, int], str]:
 
 
 def _is_torch_dist(iter_dir: str) -> bool:
-    return os.path.isdir(iter_dir) and (
-        os.path.isfile(os.path.join(iter_dir, "metadata.json"))
-        or any(n.endswith(".distcp") for n in os.listdir(iter_dir)))
+    """Megatron's torch_dist directory: its metadata.json (dist_checkpointing's), or DCP
+    files with neither megaq's manifest nor megaq's common file (megaq's --ckpt-format
+    torch_dist writes DCP files too; a save killed before its manifest is still megaq's)."""
+    if not os.path.isdir(iter_dir):
+        return False
+    names = os.listdir(iter_dir)
+    return "metadata.json" in names or (any(n.endswith(".distcp") for n in names)
+                                        and MANIFEST_NAME not in names
+                                        and "common.pt" not in names)
 
 
 def is_megatron_checkpoint(path: str) -> str | None:

@@ -326,6 +326,11 @@ class ZeroEngine:
 
     def load_full_state(self, sd: dict) -> None:
         state_io.load_full_state(self, sd)
+        self.state_loaded()
+
+    def state_loaded(self) -> None:
+        """Call after the shard buffers were overwritten (load_full_state, or a sharded
+        checkpoint read straight into them and megaq.zero.state.finish_load)."""
         self._norm = None
         if self.gatherer is not None:
             self.gatherer.invalidate()  # hpZ / qwZ copies of the old weights are stale

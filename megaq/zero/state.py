@@ -29,6 +29,14 @@ def state_names(entry: dict) -> tuple[str, ...]:
     return tuple(sorted(k for k in entry if k != "param"))
 
 
+def state_buffers(st, optim: bool = True) -> dict[str, torch.Tensor]:
+    """A partition's flat fp32 shard buffers by checkpoint name: the master weights
+    ("param") and, with `optim`, the optimizer's per-element state (AdamW's exp_avg /
+    exp_avg_sq, SGD's momentum_buffer): checkpoint writers and readers iterate this."""
+    bufs = st.buffers()
+    return bufs if optim else {"param": bufs["param"]}
+
+
 def full_state(engine) -> dict:
     out: dict[str, dict[str, torch.Tensor]] = {}
     dp = engine.topo.dp
@@ -74,5 +82,12 @@ def load_full_state(engine, sd: dict) -> None:
                 continue
             full = part.full_flat_from({s.name: params[s.name][key] for s in part.slots})
             buf.copy_(full[part.lo:part.hi].to(buf.device))
+    finish_load(engine, int(sd["step"]))
+
+
+def finish_load(engine, step: int) -> None:
+    """After the shard buffers were overwritten: the gather-dtype shards follow the
+    masters and the optimizer its step count."""
+    for st in engine.optimizer.states:
         st.write_back()
-    opt.set_step(int(sd["step"]))
+    engine.optimizer.set_step(step)

@@ -11,8 +11,9 @@ pretrain_gpt.py's path (the default launcher is torchrun on this machine, and
 ``scripts/launch_local.sh`` adds the script itself; its rank count comes from NPROC,
 which is set to --nproc). Every trial runs a tiny model on mock data (or on a small
 generated token dataset) and injects one real fault: damaged or truncated checkpoint
-files, a file-size limit for a full disk, an absurd learning rate, SIGINT, SIGSTOP,
-SIGKILL of the launcher, a second job on the same checkpoint directory, empty data.
+files, a file-size limit for a full disk, SIGKILL of every rank during a background
+save, an absurd learning rate, SIGINT, SIGSTOP, SIGKILL of the launcher, a second
+job on the same checkpoint directory, empty data.
 Rank processes are found as the launcher's descendants that carry a RANK variable.
 
 Prints a table (trial, expected, observed, pass/fail) and writes JSON (--json).
@@ -234,11 +235,12 @@ class Trials:
     def damaged_files(self):
         root = self.checkpoint("ck_damaged")
         it = os.path.join(root, "iter_0000002")
-        model = os.path.join(it, "mp_rank_00_000", "model_optim.pt")
+        model = os.path.join(it, "__0_0.distcp")  # rank 0's shard (--ckpt-format torch_dist)
         rng1 = os.path.join(it, "rng", "rank_00001.pt")
         cases = [
-            ("byte flip in the model file", model, lambda: _flip(model), [], "is damaged: sha256"),
-            ("truncated model file", model,
+            ("byte flip in rank 0's shard file", model, lambda: _flip(model), [],
+             "is damaged: sha256"),
+            ("truncated shard file", model,
              lambda: open(model, "r+b").truncate(os.path.getsize(model) // 2), [], "is damaged"),
             ("empty RNG file, --no-verify-checkpoint", rng1, lambda: open(rng1, "wb").close(),
              ["--no-verify-checkpoint"], "cannot be read"),
@@ -261,9 +263,9 @@ class Trials:
     def disk_full(self):
         root = self.checkpoint("ck_full")
         it = os.path.join(root, "iter_0000002")
-        model = os.path.getsize(os.path.join(it, "mp_rank_00_000", "model_optim.pt"))
+        model = os.path.getsize(os.path.join(it, "__0_0.distcp"))
         others = max(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(it) for n in ns
-                     if n != "model_optim.pt")
+                     if not n.endswith(".distcp"))
         limit = (others + model) // 2
 
         def fsize_limit():
@@ -279,6 +281,40 @@ class Trials:
                     "one line with bytes needed, no .tmp left, latest stays 2",
                     f"{len(lines)} line(s), .tmp left: {tmp or 'none'}, latest {_tracker(root)}",
                     ok, secs)
+
+    def save_sigkill(self, tries: int = 10):
+        """Every rank SIGKILLed at a random moment of a save (--async-save: the background
+        writer, while training goes on), `tries` times: `latest` must name a checkpoint
+        whose manifest verifies and which a new run loads."""
+        import random
+
+        from megaq import integrity
+        rng, good, mid, t0 = random.Random(16), 0, 0, time.monotonic()
+        root = os.path.join(self.work, "ck_kill")
+        for _ in range(tries):
+            shutil.rmtree(root, ignore_errors=True)
+            job = Job(self, TINY + MOCK + ["--train-iters", "100000", "--save", root,
+                                           "--save-interval", "1", "--async-save"])
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline and job.proc.poll() is None and not (
+                    os.path.isdir(root) and ".iter_0000003.tmp" in os.listdir(root)):
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, 0.2))
+            mid += any(n.endswith(".tmp") for n in os.listdir(root))
+            job.kill()
+            latest = _tracker(root)
+            try:
+                integrity.verify_all(os.path.join(root, f"iter_{latest:07d}"))
+                verified = True
+            except (integrity.IntegrityError, TypeError):
+                verified = False
+            code, text, _ = self.run(TINY + MOCK + ["--train-iters", str((latest or 0) + 1),
+                                                    "--load", root])
+            good += verified and code == 0 and "loaded checkpoint" in text
+        self.record(f"SIGKILL of every rank during --async-save ({tries} random moments)",
+                    "latest verifies and loads every time",
+                    f"{good} of {tries} ({mid} kills inside a save)", good == tries,
+                    time.monotonic() - t0)
 
     def nan_streak(self):
         root = os.path.join(self.work, "ck_nan")
@@ -408,8 +444,8 @@ def main(argv=None) -> int:
         launcher += " {script}"
     work = tempfile.mkdtemp(prefix="megaq_fault_trials_")
     t = Trials(launcher, a.nproc, work, a.timeout)
-    names = ["rank3_only_error", "damaged_files", "disk_full", "nan_streak", "sigint", "sigstop",
-             "launcher_sigkill", "lock", "empty_data"]
+    names = ["rank3_only_error", "damaged_files", "disk_full", "save_sigkill", "nan_streak",
+             "sigint", "sigstop", "launcher_sigkill", "lock", "empty_data"]
     if a.only:
         names = [n for n in a.only.split(",") if n]
     print(f"fault trials: launcher `{launcher}`, {a.nproc} ranks, work dir {work}", flush=True)

@@ -1,0 +1,131 @@
+"""Convert a megaq checkpoint between --ckpt-format torch and torch_dist, on one process.
+
+Both directions keep everything a resume needs: weights, AdamW moments and step,
+iteration, consumed samples, LR schedule, configuration, the per-rank RNG and qgZ
+files (copied: the layout does not change). A converted checkpoint resumes exactly
+as the original would. The whole model with its moments is held in memory once
+(full fp32 tensors): 12 bytes per parameter.
+
+    python tools/convert_checkpoint.py --from megaq --to megaq --ckpt-format torch --input CKPT --output OUT
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from megaq import checkpoint as ckpt
+from megaq import dist_checkpoint, integrity
+from megaq.interop.common import (InteropError, megaq_layout, replace_dir, resolve_checkpoint_dir,
+                                  temp_dir_for, check_output)
+from megaq.model import GPTConfig
+from megaq.parallel.tensor_parallel import shard_of
+
+KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _layout_of(saved: dict, tp: int, pp: int):
+    model = GPTConfig.from_dict(saved["model"])
+    return megaq_layout(model, tp, pp, ckpt.saved_virtual_pipeline_size(saved))
+
+
+def _tied(saved: dict) -> bool:
+    return not saved["model"].get("untie_embeddings_and_output_weights", False)
+
+
+def _copy_rank_files(src: str, dst: str) -> None:
+    for sub in ("rng", "qgz"):
+        if os.path.isdir(os.path.join(src, sub)):
+            shutil.copytree(os.path.join(src, sub), os.path.join(dst, sub))
+
+
+def _finish(tmp_root: str, out_root: str, iteration: int, iter_tmp: str) -> str:
+    integrity.write_manifest(iter_tmp)
+    ckpt.write_tracker(tmp_root, iteration)
+    replace_dir(tmp_root, out_root)
+    return ckpt.iteration_dir(out_root, iteration)
+
+
+def torch_to_dist(ckpt_dir: str, out_root: str) -> str:
+    tp, pp = ckpt.checkpoint_layout(ckpt_dir)
+    record = ckpt._verified(integrity.load_verified, ckpt_dir, ckpt.model_file(ckpt_dir, 0, 0))
+    saved, state = ckpt.read_all_stages(ckpt_dir, tp, pp)
+    optim_saved = record["model_optim"].get("optimizer_saved", True)
+    tensors = {}
+    for info in _layout_of(saved, tp, pp):
+        if info.name in dist_checkpoint.TIED_SOURCE and _tied(saved):
+            continue  # the tied head copy: torch_dist keeps the embedding only
+        parts = state["params"][info.name]
+        for key in KEYS if optim_saved else ("param",):
+            shards = [p[key] for p in parts]
+            full = shards[0] if info.dim < 0 or tp == 1 else ckpt.concat_tp_shards(
+                shards, info.dim, info.stride, name=info.name)
+            tensors[dist_checkpoint._fqn(key, info.name)] = full.contiguous()
+    common = dict(record)
+    common["model_optim"] = {"format": dist_checkpoint.FORMAT, "step": state["step"],
+                             "optimizer_saved": optim_saved}
+    tmp_root = temp_dir_for(out_root)
+    iteration = int(record["iteration"])
+    it = ckpt.iteration_dir(tmp_root, iteration)
+    os.makedirs(it)
+    dist_checkpoint.save_full_tensors(tensors, it)
+    ckpt.save_file(common, os.path.join(it, dist_checkpoint.COMMON_FILE))
+    _copy_rank_files(ckpt_dir, it)
+    return _finish(tmp_root, out_root, iteration, it)
+
+
+def dist_to_torch(ckpt_dir: str, out_root: str) -> str:
+    common = dist_checkpoint.read_common(ckpt_dir)
+    saved = ckpt.saved_config(common)
+    tp, pp = common["layout"]["tp"], common["layout"]["pp"]
+    optim_saved = common["model_optim"].get("optimizer_saved", True)
+    full = dist_checkpoint.read_saved_state(ckpt_dir, KEYS if optim_saved else ("param",))
+    tmp_root = temp_dir_for(out_root)
+    iteration = int(common["iteration"])
+    it = ckpt.iteration_dir(tmp_root, iteration)
+    layout = _layout_of(saved, tp, pp)
+    for stage in range(pp):
+        shards = [{} for _ in range(tp)]
+        for info in (i for i in layout if i.stage == stage):
+            src = info.name
+            if src not in full and src in dist_checkpoint.TIED_SOURCE:
+                src = dist_checkpoint.TIED_SOURCE[src]
+            if src not in full:
+                raise InteropError(f"{ckpt_dir} has no parameter {info.name}")
+            for r in range(tp):
+                entry = {}
+                for key in KEYS:
+                    t = full[src].get(key)
+                    if t is None:  # saved without optimizer state: zero moments, step 0
+                        t = torch.zeros_like(full[src]["param"])
+                    entry[key] = (t if info.dim < 0 else
+                                  shard_of(t, info.dim, r, tp, info.stride)).clone()
+                shards[r][info.key] = entry
+        for r in range(tp):
+            record = dict(common)
+            record["model_optim"] = {"step": common["model_optim"]["step"] if optim_saved else 0,
+                                     "params": shards[r]}
+            if not optim_saved:
+                record["model_optim"]["optimizer_saved"] = False
+            ckpt.save_file(record, ckpt.model_file(it, r, stage))
+    _copy_rank_files(ckpt_dir, it)
+    return _finish(tmp_root, out_root, iteration, it)
+
+
+def convert_format(src: str, out_root: str, fmt: str, overwrite: bool = False) -> dict:
+    """Write `src` (a checkpoint root or iter_* directory, either format) to `out_root`
+    in format `fmt`; returns {"dir", "from", "to"}."""
+    ckpt_dir = resolve_checkpoint_dir(src)
+    integrity.read_manifest(ckpt_dir)  # a directory without one is never read
+    have = "torch_dist" if dist_checkpoint.is_dist_checkpoint(ckpt_dir) else "torch"
+    if have == fmt:
+        raise InteropError(f"{ckpt_dir} is in the {fmt} format already; nothing to convert")
+    check_output(out_root, overwrite)
+    try:
+        out = dist_to_torch(ckpt_dir, out_root) if have == "torch_dist" else \
+            torch_to_dist(ckpt_dir, out_root)
+    except (integrity.IntegrityError, ckpt.CheckpointError) as e:
+        raise InteropError(str(e)) from None
+    return {"dir": out, "from": have, "to": fmt}

@@ -1,0 +1,271 @@
+"""Checkpoint benchmark on CPU gloo ranks: --ckpt-format torch against torch_dist, same run.
+
+For each DP size (TP = PP = 1, ZeRO-3) it builds the model and its engine on DP ranks
+(no training step: the state's values do not change the costs) and times, per format:
+
+  torch        engine.full_state() gathered on every rank, DP rank 0 writes it (today's)
+  torch_dist   every rank writes its own shard through torch.distributed.checkpoint
+  async        torch_dist with --async-save: the time training is blocked (staging the
+               shard into CPU memory), then the background write until committed
+
+and the load of what was just saved (into the same engine). Reported per rank: save
+and load seconds (the slowest rank: saves and loads are collective), bytes written,
+and peak host memory added during the save and during the load (VmHWM after the
+phase minus VmRSS before it, the high-water mark reset through /proc/self/clear_refs;
+glibc's mmap threshold fixed at 64 KiB so that freed tensors leave RSS), and the bytes
+--async-save staged.
+
+    nice python tools/bench/bench_checkpoint.py --dp 1 2 4 8 --json docs/results/bench_checkpoint_cpu.json
+    python tools/bench/bench_checkpoint.py --dp 1 2 --layers 2 --hidden 256   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+
+FORMATS = ("torch", "torch_dist", "async")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakRSS:
+    """Bytes of host memory a phase adds at its peak (VmHWM after - VmRSS before)."""
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.before = _status_kb("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.added = max(0, _status_kb("VmHWM") - self.before) * 1024
+
+
+def _written_by(ckpt_dir: str, fmt: str, rank: int, dp_rank: int) -> int:
+    """Bytes of the files rank `rank` wrote into a checkpoint directory."""
+    from megaq import checkpoint as ckpt
+    from megaq import dist_checkpoint
+    files = [ckpt.rng_file(ckpt_dir, rank)]
+    if fmt == "torch":
+        files += [ckpt.model_file(ckpt_dir, 0, 0)] if dp_rank == 0 else []
+    else:
+        files += [os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir)
+                  if n.startswith(f"__{rank}_")]
+        if rank == 0:
+            files += [os.path.join(ckpt_dir, dist_checkpoint.COMMON_FILE),
+                      os.path.join(ckpt_dir, dist_checkpoint.METADATA_FILE)]
+    return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+
+
+def _exact_malloc() -> None:
+    """glibc serves large blocks from mmap only above a threshold that grows after each
+    free (up to 32 MiB), and keeps freed heap memory resident: a later phase would reuse
+    it without raising RSS. A fixed 64 KiB threshold makes every large tensor its own
+    mapping, returned on free, so each phase's peak RSS counts what it allocates."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.mallopt(m_trim_threshold, 64 * 1024)
+
+
+def _bench_rank(topo, argv, work):
+    import torch
+
+    from megaq import checkpoint as ckpt
+    from megaq import dist_checkpoint
+    from megaq.arguments import parse_config
+    from megaq.lr_schedule import LRSchedule
+    from megaq.model import build_model_chunks
+    from megaq.parallel import comm
+    from megaq.zero import build_engine
+
+    _exact_malloc()
+    torch.manual_seed(0)
+    config = parse_config(argv, world_size=topo.layout.world_size)
+    config = config.resolved(config.data, config.data.vocab_size)
+    chunks = build_model_chunks(config.model, topo, config.virtual_pipeline_size)
+    engine = build_engine(chunks, topo, config.zero)
+    schedule = LRSchedule.from_config(config.optimizer)
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    out = {"rank": topo.rank, "params": params, "formats": {}}
+    for fmt in FORMATS:
+        cp = dataclasses.replace(config.checkpointing,
+                                 ckpt_format="torch" if fmt == "torch" else "torch_dist",
+                                 async_save=fmt == "async")
+        cfg = dataclasses.replace(config, checkpointing=cp)
+        root = os.path.join(work, fmt)
+        comm.barrier(topo.world)
+        with PeakRSS() as save_mem:
+            t0 = time.perf_counter()
+            ckpt.save_checkpoint(root, 1, config=cfg, topo=topo, engine=engine,
+                                 lr_schedule=schedule, consumed_samples=0)
+            blocked = time.perf_counter() - t0
+            ckpt.wait_for_async_save()
+            saved = time.perf_counter() - t0
+        comm.barrier(topo.world)
+        written = _written_by(ckpt.iteration_dir(root, 1), fmt, topo.rank, topo.dp_rank)
+        with PeakRSS() as load_mem:
+            t0 = time.perf_counter()
+            ckpt.load_checkpoint(root, config=cfg, topo=topo, engine=engine, lr_schedule=schedule,
+                                 model_chunks=chunks)
+            loaded = time.perf_counter() - t0
+        comm.barrier(topo.world)
+        if topo.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        out["formats"][fmt] = {"save_s": saved, "blocked_s": blocked, "load_s": loaded,
+                               "bytes_written": written, "save_peak_bytes": save_mem.added,
+                               "load_peak_bytes": load_mem.added,
+                               "staged_bytes": dist_checkpoint.HOST_BYTES.peak}
+        dist_checkpoint.HOST_BYTES.reset()
+    return out
+
+
+def summarise(dp: int, ranks: list[dict]) -> list[dict]:
+    rows = []
+    for fmt in FORMATS:
+        per = [r["formats"][fmt] for r in ranks]
+        rows.append({
+            "dp": dp, "format": fmt, "params": ranks[0]["params"],
+            "save_s": max(p["save_s"] for p in per), "blocked_s": max(p["blocked_s"] for p in per),
+            "load_s": max(p["load_s"] for p in per),
+            "bytes_written_max": max(p["bytes_written"] for p in per),
+            "bytes_written_total": sum(p["bytes_written"] for p in per),
+            "save_peak_max": max(p["save_peak_bytes"] for p in per),
+            "save_peak_rank0": per[0]["save_peak_bytes"],
+            "load_peak_max": max(p["load_peak_bytes"] for p in per),
+            "per_rank": per})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| DP | format | save s | blocked s | load s | MiB written (max rank) | "
+            "save peak MiB (max rank) | load peak MiB (max rank) |")
+    out = [head, "|" + "---|" * 8]
+    for r in rows:
+        out.append(f"| {r['dp']} | {r['format']} | {r['save_s']:.2f} | {r['blocked_s']:.2f} | "
+                   f"{r['load_s']:.2f} | {r['bytes_written_max'] / 2**20:.0f} | "
+                   f"{r['save_peak_max'] / 2**20:.0f} | {r['load_peak_max'] / 2**20:.0f} |")
+    return "\n".join(out)
+
+
+# (model, parameters, GPUs, TP, PP): the layouts the projection prices
+PROJECTED = [("7B", 7e9, 64, 1, 1), ("7B", 7e9, 512, 1, 1),
+             ("70B", 70e9, 64, 8, 1), ("70B", 70e9, 512, 8, 4)]
+
+
+def project(rows: list[dict]) -> list[dict]:
+    """Save time, blocked time and host memory per rank for 7B / 70B at 64 / 512 GPUs,
+    from this run's per-byte costs at DP = 1 (one writer, no contention): seconds per
+    byte of a torch-format save (gather + serialise + write of the full slice), of a
+    torch_dist save (its own shard), of --async-save's staging. Assumes the storage's
+    aggregate bandwidth grows with the writers (a parallel filesystem, or node-local
+    disks); `new_save_s_shared` instead caps all writers at the aggregate rate this
+    machine reached at its largest DP."""
+    by = {(r["dp"], r["format"]): r for r in rows}
+    one = {f: by[(1, f)] for f in FORMATS}
+    per_byte = {f: one[f]["save_s"] / one[f]["bytes_written_max"] for f in FORMATS}
+    stage_per_byte = one["async"]["blocked_s"] / one["async"]["bytes_written_max"]
+    top = max(r["dp"] for r in rows)
+    agg = by[(top, "torch_dist")]
+    agg_rate = agg["bytes_written_total"] / agg["save_s"]
+    out = []
+    for name, params, gpus, tp, pp in PROJECTED:
+        dp = gpus // (tp * pp)
+        slice_bytes = 12 * params / (tp * pp)   # fp32 master + 2 moments of a TP x PP slice
+        shard = slice_bytes / dp                 # what one rank owns under ZeRO-3
+        out.append({
+            "model": name, "gpus": gpus, "tp": tp, "pp": pp, "dp": dp,
+            "old_save_s": slice_bytes * per_byte["torch"],
+            "old_peak_host_GB": slice_bytes / 1e9,
+            "new_save_s": shard * per_byte["torch_dist"],
+            "new_save_s_shared": 12 * params / agg_rate,
+            "async_blocked_s": shard * stage_per_byte,
+            "new_peak_host_GB": shard / 1e9})
+    return out
+
+
+def projection_table(proj: list[dict]) -> str:
+    out = ["| model | GPUs | TP x PP x DP | torch save s | torch peak host GB/rank | "
+           "torch_dist save s | (one shared disk) | async blocked s | "
+           "torch_dist shard (async staging) GB/rank |", "|" + "---|" * 9]
+    for p in proj:
+        out.append(f"| {p['model']} | {p['gpus']} | {p['tp']} x {p['pp']} x {p['dp']} | "
+                   f"{p['old_save_s']:.0f} | {p['old_peak_host_GB']:.1f} | "
+                   f"{p['new_save_s']:.1f} | {p['new_save_s_shared']:.0f} | "
+                   f"{p['async_blocked_s']:.2f} | {p['new_peak_host_GB']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--work", default=None, help="where checkpoints are written (default: a "
+                   "temporary directory next to the system's)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: print the tables and projection of earlier runs' JSON files "
+                        "(e.g. DP 1 2 4 and DP 8 run separately), and write them to --json")
+    a = p.parse_args(argv)
+    if a.merge:
+        runs = [json.load(open(path)) for path in a.merge]
+        rows = sorted((r for run in runs for r in run["rows"]), key=lambda r: r["dp"])
+        a.dp = sorted({r["dp"] for r in rows})
+        return _report(rows, runs[0]["argv"], a)
+    from megaq.parallel.launch import run_on_ranks
+    model = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
+             "--num-attention-heads", str(a.heads), "--seq-length", "128",
+             "--max-position-embeddings", "128", "--vocab-size", str(a.vocab), "--mock-data",
+             "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"]
+    rows = []
+    for dp in a.dp:
+        work = tempfile.mkdtemp(prefix="megaq_bench_ckpt_", dir=a.work)
+        try:
+            ranks = run_on_ranks(_bench_rank, dp, args=(model, work), timeout=3600)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        rows += summarise(dp, ranks)
+        print(table([r for r in rows if r["dp"] == dp]), flush=True)
+    return _report(rows, model, a)
+
+
+def _report(rows: list[dict], model: list[str], a) -> int:
+    params = rows[0]["params"]
+    print(f"\n{params / 1e6:.1f}M parameters (fp32 masters + AdamW moments: "
+          f"{12 * params / 2**20:.0f} MiB), CPU gloo ranks, {os.cpu_count()} cores\n")
+    print(table(rows))
+    proj = project(rows) if 1 in a.dp else []
+    if proj:
+        print("\nprojection from this run's per-byte costs at DP=1 (see project()):\n")
+        print(projection_table(proj))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"params": params, "argv": model, "cpu_count": os.cpu_count(),
+                       "rows": rows, "projection": proj}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
