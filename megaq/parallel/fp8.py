@@ -177,6 +177,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
     if not fp8_gemm_available(a.device) or a.shape[1] % 16 or b.shape[1] % 16:
         return ((a.float() @ b.float()) * a_inv * b_inv).to(out_dtype)
     a, b = a.contiguous(), _col_major(b)
+    # cuBLASLt wants 16-byte aligned operands; a weight gathered into a flat buffer
+    # (ZeRO's FP8 weight gathers) may start anywhere
+    a, b = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b))
     mm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
     if rowwise and not fast_accum:
         # the rowwise kernel is slow without fast accumulation: run the per-tensor

@@ -114,15 +114,13 @@ class FlatPartition:
         F = self.fp8_numel
         if F:
             self.full_fp8 = torch.zeros(self.padded_numel, dtype=torch.float8_e4m3fn, device=self.device)
-            # one inverse scale per FP8 weight, each 16 bytes apart: cuBLASLt refuses
-            # (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not 16-byte aligned
-            self.fp8_inv_scales = torch.ones(len(self.fp8_slots), 4, dtype=torch.float32, device=self.device)
+            self.fp8_inv_scales = torch.ones(len(self.fp8_slots), dtype=torch.float32, device=self.device)
             self.full = flat[F:self.numel].clone()
             never_allocated = torch.empty(F, dtype=dtype, device=self.device)
             for i, s in enumerate(self.fp8_slots):
                 s.param.data = never_allocated[s.offset:s.offset + s.numel].view(s.shape)
                 s.fp8_weight = _alias(self.full_fp8[s.offset:s.offset + s.numel].view(s.shape))
-                s.fp8_inv = _alias(self.fp8_inv_scales[i, 0])
+                s.fp8_inv = _alias(self.fp8_inv_scales[i])
             never_allocated.untyped_storage().resize_(0)
         else:
             self.full = flat

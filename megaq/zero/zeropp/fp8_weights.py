@@ -83,12 +83,6 @@ class FP8WeightGatherer:
         self.dp, self.tp, self.hpz = topo.dp, topo.tp, topo.hpz
         self._plain = ZeroPPWeightGatherer(topo, cfg)  # units without FP8 weights
         self._parts = [p for p in partitions if p.sharded and p.fp8_numel]
-        for p in self._parts:  # torch._scaled_mm reads the E4M3 weights where they lie
-            bad = [s for s in p.fp8_slots if s.offset % 16]
-            if bad and p.device.type == "cuda":
-                raise ValueError(f"FP8 weight gathers: {bad[0].name} starts {bad[0].offset} bytes "
-                                 f"into its unit's E4M3 buffer, not a multiple of 16 (FP8 GEMMs need "
-                                 f"16-byte aligned operands): use layer sizes that are multiples of 16")
         self._layout = {p.name: rest_layout(p) for p in self._parts}
         self._fp8_shard: dict[str, torch.Tensor] = {}  # name -> my shard cast to E4M3 (S bytes)
         self._rest_send: dict[str, torch.Tensor] = {}  # name -> my rest piece, padded to R (bytes)
@@ -180,7 +174,7 @@ class FP8WeightGatherer:
         k = 0
         for part in self._parts:
             m = len(part.fp8_slots)
-            part.fp8_inv_scales[:, 0].copy_(scale[k:k + m].reciprocal())
+            part.fp8_inv_scales.copy_(scale[k:k + m].reciprocal())
             q = torch.zeros(part.shard_numel, dtype=fp8.E4M3, device=part.shard.device)
             for j, s in enumerate(part.fp8_slots):
                 a, b = max(s.offset, part.lo), min(s.offset + s.numel, part.hi)
