@@ -224,8 +224,11 @@ def test_fp8_gathers_are_refused_where_they_cannot_work():
     with pytest.raises(ZeroConfigError, match="need --zero-stage 3"):
         ZeroConfig(stage=0, fp8_weights=True)
     topo = build_topology(Layout(world_size=1), 0)
-    for model_kw, needle in (({}, "needs a model with FP8 GEMMs"),
-                             (dict(fp8_format="e4m3", fp8_recipe="rowwise"), "tensorwise")):
+    # the engine checks the model it is given (library use, no RunConfig in between)
+    for model_kw, zero_kw, needle in (
+            ({}, dict(fp8_weights=True), "the model has none"),
+            (dict(fp8_format="e4m3", fp8_recipe="rowwise"), dict(fp8_weights=True), "tensorwise"),
+            (FP8, dict(quantized_weights=True), "use --zero-quantized-weights fp8")):
         model = GPTModel(model_config(**model_kw))
         with pytest.raises(ZeroConfigError, match=needle):
-            build_engine([model], topo, ZeroConfig(fp8_weights=True, block_size=64))
+            build_engine([model], topo, ZeroConfig(block_size=64, **zero_kw))

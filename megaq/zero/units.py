@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from megaq.parallel.tensor_parallel import fp8_gemm_layers, use_fp8_weight
-from megaq.zero.config import ZeroConfig, ZeroConfigError
+from megaq.zero.config import ZeroConfig, check_fp8_weight_gathers
 from megaq.zero.partition import FlatPartition
 
 
@@ -94,15 +94,12 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
             return False
         return bool(getattr(p, "tensor_model_parallel", False)) or topo.tp_rank == 0
 
-    fp8_layers = {}  # id(weight) -> its FP8 GEMM layer, for FP8 weight gathers
-    if cfg.stage == 3 and cfg.fp8_weights:
-        fp8_layers = {id(m.weight): m for c in model_chunks for m in fp8_gemm_layers(c)}
-        if not fp8_layers:
-            raise ZeroConfigError("fp8_weights (--zero-quantized-weights fp8) needs a model with FP8 "
-                                  "GEMMs (GPTConfig fp8_format, --fp8-format)")
-        if any(m.fp8.rowwise for m in fp8_layers.values()):
-            raise ZeroConfigError("fp8_weights (--zero-quantized-weights fp8) needs the tensorwise "
-                                  "FP8 recipe (--fp8-recipe tensorwise)")
+    fp8_layers = {id(m.weight): m for c in model_chunks for m in fp8_gemm_layers(c)}
+    # the model's FP8 recipe (a rowwise layer if any) against the weight gather settings
+    recipes = sorted({m.fp8 for m in fp8_layers.values()}, key=lambda r: not r.rowwise)
+    check_fp8_weight_gathers(recipes[0] if recipes else None, cfg)
+    if not (cfg.stage == 3 and cfg.fp8_weights):
+        fp8_layers = {}  # id(weight) -> its FP8 GEMM layer, for FP8 weight gathers
     fp8_ids = frozenset(fp8_layers)
 
     def make_unit(name: str, named: list[tuple[str, nn.Parameter]], shared: bool = False) -> Unit:
