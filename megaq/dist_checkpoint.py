@@ -604,9 +604,10 @@ def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engin
     HOST_BYTES.add(largest)
     HOST_BYTES.sub(largest)
     if not load_optim:
-        for st in engine.optimizer.states:
-            st.exp_avg.zero_()
-            st.exp_avg_sq.zero_()
+        for st in engine.optimizer.states:  # fresh optimizer state
+            for name, buf in state_io.state_buffers(st).items():
+                if name != "param":
+                    buf.zero_()
     _run_dcp(dcp.load, state, group, storage_reader=reader, planner=_LoadPlanner())
     state_io.finish_load(engine, int(sd["model_optim"]["step"]) if load_optim else 0)
     engine.state_loaded()

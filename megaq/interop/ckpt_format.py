@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import torch
 
 from megaq import checkpoint as ckpt
 from megaq import dist_checkpoint, integrity
@@ -22,8 +21,15 @@ from megaq.interop.common import (InteropError, megaq_layout, replace_dir, resol
                                   temp_dir_for, check_output)
 from megaq.model import GPTConfig
 from megaq.parallel.tensor_parallel import shard_of
+from megaq.zero.optimizer import optimizer_state_names
 
-KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _state_keys(saved: dict) -> tuple[str, ...]:
+    """"param" and the optimizer state the saving run kept (files before --optimizer: AdamW)."""
+    opt = saved.get("optimizer") or {}
+    return ("param",) + optimizer_state_names(opt.get("optimizer") or "adam",
+                                              opt.get("sgd_momentum", 0.9))
 
 
 def _layout_of(saved: dict, tp: int, pp: int):
@@ -52,13 +58,13 @@ def torch_to_dist(ckpt_dir: str, out_root: str) -> str:
     tp, pp = ckpt.checkpoint_layout(ckpt_dir)
     record = ckpt._verified(integrity.load_verified, ckpt_dir, ckpt.model_file(ckpt_dir, 0, 0))
     saved, state = ckpt.read_all_stages(ckpt_dir, tp, pp)
-    optim_saved = record["model_optim"].get("optimizer_saved", True)
+    optim_saved = ckpt.has_optimizer_state(record["model_optim"])
     tensors = {}
     for info in _layout_of(saved, tp, pp):
         if info.name in dist_checkpoint.TIED_SOURCE and _tied(saved):
             continue  # the tied head copy: torch_dist keeps the embedding only
         parts = state["params"][info.name]
-        for key in KEYS if optim_saved else ("param",):
+        for key in _state_keys(saved) if optim_saved else ("param",):
             shards = [p[key] for p in parts]
             full = shards[0] if info.dim < 0 or tp == 1 else ckpt.concat_tp_shards(
                 shards, info.dim, info.stride, name=info.name)
@@ -81,7 +87,8 @@ def dist_to_torch(ckpt_dir: str, out_root: str) -> str:
     saved = ckpt.saved_config(common)
     tp, pp = common["layout"]["tp"], common["layout"]["pp"]
     optim_saved = common["model_optim"].get("optimizer_saved", True)
-    full = dist_checkpoint.read_saved_state(ckpt_dir, KEYS if optim_saved else ("param",))
+    keys = _state_keys(saved)
+    full = dist_checkpoint.read_saved_state(ckpt_dir, keys if optim_saved else ("param",))
     tmp_root = temp_dir_for(out_root)
     iteration = int(common["iteration"])
     it = ckpt.iteration_dir(tmp_root, iteration)
@@ -96,10 +103,8 @@ def dist_to_torch(ckpt_dir: str, out_root: str) -> str:
                 raise InteropError(f"{ckpt_dir} has no parameter {info.name}")
             for r in range(tp):
                 entry = {}
-                for key in KEYS:
-                    t = full[src].get(key)
-                    if t is None:  # saved without optimizer state: zero moments, step 0
-                        t = torch.zeros_like(full[src]["param"])
+                for key in keys if optim_saved else ("param",):
+                    t = full[src][key]
                     entry[key] = (t if info.dim < 0 else
                                   shard_of(t, info.dim, r, tp, info.stride)).clone()
                 shards[r][info.key] = entry
@@ -108,7 +113,7 @@ def dist_to_torch(ckpt_dir: str, out_root: str) -> str:
             record["model_optim"] = {"step": common["model_optim"]["step"] if optim_saved else 0,
                                      "params": shards[r]}
             if not optim_saved:
-                record["model_optim"]["optimizer_saved"] = False
+                record["model_optim"]["optimizer"] = False  # as ckpt.weights_only_state marks it
             ckpt.save_file(record, ckpt.model_file(it, r, stage))
     _copy_rank_files(ckpt_dir, it)
     return _finish(tmp_root, out_root, iteration, it)

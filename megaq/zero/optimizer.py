@@ -238,6 +238,14 @@ class ShardedSGD(ShardedOptimizer):
 OPTIMIZERS = {cls.NAME: cls for cls in (ShardedAdamW, ShardedSGD)}
 
 
+def optimizer_state_names(optimizer: str, sgd_momentum: float = 0.9) -> tuple[str, ...]:
+    """The per-element state `--optimizer` keeps beside the weights (what a checkpoint
+    stores for each parameter besides "param"), e.g. for tools without an engine."""
+    if optimizer == "sgd" and sgd_momentum == 0:
+        return ()  # plain SGD (ShardedSGD drops its buffer likewise)
+    return OPTIMIZERS[optimizer].STATE_NAMES
+
+
 def build_optimizer(partitions, cfg: ZeroConfig, topo, grads: GradState) -> ShardedOptimizer:
     """The sharded optimizer ``cfg.optimizer`` names ("adam" or "sgd")."""
     return OPTIMIZERS[cfg.optimizer](partitions, cfg, topo, grads)
