@@ -205,6 +205,7 @@ def test_killed_during_save_latest_always_verifies_and_loads(tmp_path, fmt, trie
         assert sum(p.numel() for p in model.parameters()) > 0
     assert mid >= 1, "no kill landed inside a save"
     out = run_on_ranks(_train, 2, args=(model_argv(str(tmp_path), latest + 2, fmt + [
+        "--lr-decay-iters", "1000",  # the killed runs' schedule (their --train-iters)
         "--load", ck, "--save", ck, "--save-interval", "1"]),))
     assert sorted(out[0]["losses"]) == [latest + 1, latest + 2]
     assert ckpt.read_tracker(ck) == latest + 2

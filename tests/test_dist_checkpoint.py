@@ -141,7 +141,7 @@ def _load_variants(topo, argv, ck, ck_no_optim):
         return build_trainer(config, topo)
 
     def states(t):
-        return [(st.master.clone(), st.exp_avg.clone(), st.exp_avg_sq.clone())
+        return [(st.master.clone(), st.state["exp_avg"].clone(), st.state["exp_avg_sq"].clone())
                 for st in t.p.engine.optimizer.states], t.p.engine.step_count
 
     full, full_step = states(trainer("--load", ck))
@@ -163,6 +163,12 @@ def _load_variants(topo, argv, ck, ck_no_optim):
             errors[name] = str(e)
     without, _ = states(trainer("--load", ck_no_optim, "--no-load-optim"))
     out["no_optim_loads_weights"] = all(torch.equal(a[0], b[0]) for a, b in zip(full, without))
+    # Megatron's --finetune: the weights only, from iteration 0
+    ft = trainer("--load", ck_no_optim, "--finetune")
+    tuned, tuned_step = states(ft)
+    out["finetune"] = {"iteration": ft.state.iteration, "step": tuned_step,
+                       "weights": all(torch.equal(a[0], b[0]) for a, b in zip(full, tuned)),
+                       "moments_zero": all(not a[1].any() and not a[2].any() for a in tuned)}
     out["errors"] = errors
     return out
 
@@ -176,6 +182,7 @@ def test_no_load_optim_no_save_optim_and_refusals(tmp_path):
     assert out["full_step"] == 2 and out["moments_full_nonzero"]
     assert out["weights_step"] == 0 and out["moments_zero"] and out["masters_equal"]
     assert out["no_optim_loads_weights"]
+    assert out["finetune"] == {"iteration": 0, "step": 0, "weights": True, "moments_zero": True}
     assert "saved without optimizer state" in out["errors"]["no_optim"]
     assert "--no-load-optim" in out["errors"]["no_optim"]
     assert "different architecture: --hidden-size 64 (checkpoint: 32)" in out["errors"]["arch"]

@@ -31,7 +31,10 @@ def base(tmp, *extra):
             "--lr", "5e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
             "--mock-data", "--vocab-size", "64", "--eval-iters", "0", "--log-interval", "1",
             "--attention-dropout", "0", "--hidden-dropout", "0",
-            "--data-cache-path", os.path.join(str(tmp), "cache"), *extra]
+            "--data-cache-path", os.path.join(str(tmp), "cache"),
+            # these tests read model_optim.pt; torch_dist's --finetune / --no-save-optim:
+            # tests/test_dist_checkpoint.py
+            "--ckpt-format", "torch", *extra]
 
 
 # iteration-based and the sample-based run with the same curve: warm-up 2 steps = 8

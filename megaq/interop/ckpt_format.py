@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 
-
 from megaq import checkpoint as ckpt
 from megaq import dist_checkpoint, integrity
 from megaq.interop.common import (InteropError, megaq_layout, replace_dir, resolve_checkpoint_dir,
