@@ -42,7 +42,10 @@ sys.path.insert(0, REPO)
 
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--micro-batch-size", "1", "--lr", "1e-3", "--eval-iters", "0",
-        "--log-interval", "1"]
+        "--log-interval", "1",
+        # one LR schedule for every run: trials resume with another --train-iters, and a
+        # schedule that follows the run's length would be refused on resume
+        "--lr-decay-iters", "100000"]
 MOCK = ["--mock-data", "--vocab-size", "64"]
 
 
