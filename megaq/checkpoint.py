@@ -624,7 +624,8 @@ def weights_only_state(state: dict) -> dict:
 
 
 def has_optimizer_state(model_optim: dict) -> bool:
-    """False for a model_optim saved by --no-save-optim (weights_only_state)."""
+    """False for a model_optim saved by --no-save-optim: the torch format's
+    (weights_only_state) and torch_dist's common file mark it "optimizer": False."""
     return model_optim.get("optimizer", True) is not False
 
 

@@ -440,7 +440,7 @@ def save_checkpoint(root: str, iteration: int, *, config, topo, engine, lr_sched
     state = local_state(engine, config, topo, optim=save_optim, for_save=True)
     LAST_SHARD_BYTES["save"] = _state_bytes(state)
     model_optim = {"format": FORMAT, "step": engine.optimizer.step_count,
-                   "optimizer_saved": save_optim}
+                   "optimizer": save_optim}
     common = ckpt.model_file_record(iteration, consumed_samples, config, topo.layout,
                                     lr_schedule.state_dict(), model_optim, extra)
     rng = ckpt.rng_state()
@@ -587,7 +587,7 @@ def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engin
     """Fill this rank's shard buffers from a torch_dist checkpoint of any layout.
     `sd` is its common file, `saved` its configuration. Collective over every rank."""
     group = checkpoint_group(topo)
-    if load_optim and not sd["model_optim"].get("optimizer_saved", True):
+    if load_optim and not ckpt.has_optimizer_state(sd["model_optim"]):
         raise ckpt.CheckpointError(f"{ckpt_dir} was saved without optimizer state "
                                    f"(--no-save-optim); load it with --no-load-optim (fresh optimizer "
                                    f"state, same iteration) or --finetune (weights only, iteration 0)")

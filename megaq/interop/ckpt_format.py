@@ -70,7 +70,7 @@ def torch_to_dist(ckpt_dir: str, out_root: str) -> str:
             tensors[dist_checkpoint._fqn(key, info.name)] = full.contiguous()
     common = dict(record)
     common["model_optim"] = {"format": dist_checkpoint.FORMAT, "step": state["step"],
-                             "optimizer_saved": optim_saved}
+                             "optimizer": optim_saved}
     tmp_root = temp_dir_for(out_root)
     iteration = int(record["iteration"])
     it = ckpt.iteration_dir(tmp_root, iteration)
@@ -85,7 +85,7 @@ def dist_to_torch(ckpt_dir: str, out_root: str) -> str:
     common = dist_checkpoint.read_common(ckpt_dir)
     saved = ckpt.saved_config(common)
     tp, pp = common["layout"]["tp"], common["layout"]["pp"]
-    optim_saved = common["model_optim"].get("optimizer_saved", True)
+    optim_saved = ckpt.has_optimizer_state(common["model_optim"])
     keys = _state_keys(saved)
     full = dist_checkpoint.read_saved_state(ckpt_dir, keys if optim_saved else ("param",))
     tmp_root = temp_dir_for(out_root)

@@ -294,10 +294,10 @@ def hf_config(config, family: str, padded_vocab: int, dtype: torch.dtype,
               "dtype": _HF_DTYPE_NAME[dtype], "torch_dtype": _HF_DTYPE_NAME[dtype],
               "bos_token_id": special.get("bos"), "eos_token_id": special.get("eos"),
               "pad_token_id": special.get("pad")}
+    from importlib.metadata import PackageNotFoundError, version
     try:  # the installed version, without importing transformers (seconds)
-        from importlib.metadata import version
         common["transformers_version"] = version("transformers")
-    except Exception:  # noqa: BLE001 - not installed: the field is informational
+    except PackageNotFoundError:  # not installed: the field is informational
         pass
     if family == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",

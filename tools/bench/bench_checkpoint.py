@@ -50,7 +50,7 @@ class PeakRSS:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
-        except OSError:
+        except OSError:  # no /proc (not Linux): the peak then counts from process start
             pass
         self.before = _status_kb("VmRSS")
         return self
