@@ -12,6 +12,8 @@ the work, one Triton program per NB consecutive quantization blocks:
 - _int4_hop_kernel: the hop for int4 input and int4 output, reading the payload as
   32-bit words (block a multiple of 8, 4-byte aligned buffers): one LOP3 and one FFMA
   per input element (docs/KERNELS.md, "The qgZ hop").
+- _int4_square_hop_kernel: the hop in the square-law int4 code (dequantize, sum,
+  requantize), in 32-bit words likewise.
 - _int4_words_kernel: int4 input, float output, in 32-bit words likewise.
 
 Every launch passes enable_fp_fusion=False, so a multiply and an add are fused only
@@ -437,6 +439,50 @@ def _int4_hop_kernel(
 
 
 @triton.jit
+def _int4_square_hop_kernel(
+    in_ptr, out_ptr,
+    in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
+    out_row_groups, out_row_words, out_payload_words,
+    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr,
+):
+    # int4 -> int4 in the square code, in 32-bit words: the reference's generic hop
+    # (dequantize each row, q |q| s exact; sum in row order; requantize). The levels need
+    # 7 bits with their bias, so the linear hop's exact-product sum does not apply: each
+    # nibble is converted, squared and scaled (_load_words), and the requantized nibbles
+    # are masked into words in place (no interleave).
+    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
+    row = orow * in_rows_per_out * in_row_words
+    a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
+                                                 NB, W, W_P2, False, True)
+    for r in tl.static_range(1, N_SUM):
+        row = (orow * in_rows_per_out + r) * in_row_words
+        e0, e1, e2, e3, e4, e5, e6, e7 = _load_words(in_w + row + in_blk * W,
+                                                     in_f + row + in_payload_words + in_blk, NB, W, W_P2, False,
+                                                     True)
+        a0 = a0 + e0
+        a1 = a1 + e1
+        a2 = a2 + e2
+        a3 = a3 + e3
+        a4 = a4 + e4
+        a5 = a5 + e5
+        a6 = a6 + e6
+        a7 = a7 + e7
+    # padding words dequantize to 0 in every row, so they never raise the absmax
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
+                      tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
+    absmax = tl.max(amax, axis=1)
+    scale, inv = _scale_rule(absmax, absmax < TINY, _SQUARE_QMAX, _SQUARE_DROP)
+    inv = inv[:, None]
+    word = ((_square_q(a0, inv) & 0xF) | ((_square_q(a1, inv) & 0xF) << 4) | ((_square_q(a2, inv) & 0xF) << 8)
+            | ((_square_q(a3, inv) & 0xF) << 12) | ((_square_q(a4, inv) & 0xF) << 16)
+            | ((_square_q(a5, inv) & 0xF) << 20) | ((_square_q(a6, inv) & 0xF) << 24)
+            | (_square_q(a7, inv) << 28))
+    out_row = orow * out_row_words
+    _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
+    tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
+
+
+@triton.jit
 def _int4_words_kernel(
     in_ptr, out_ptr,
     in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
@@ -665,15 +711,18 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
                            out_row_len, bits_out, block, factor=None, accumulate=False, code="linear"):
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
-    square = code == "square"  # the square hop has no word kernel: dequantize, sum, requantize
-    if _use_words(recv, out, bits_in, bits_out, block) and not (square and bits_out):
+    square = code == "square"
+    if _use_words(recv, out, bits_in, bits_out, block):
         per_thread = HOP_PER_THREAD if bits_out else WORDS_PER_THREAD
         opts = _launch_opts(block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
         opts.update(W=block // 8, W_P2=triton.next_power_of_2(block // 8))
         grid = (out_rows * out_row_blocks // opts["NB"],)
         args = (recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
                 out_row_blocks // opts["NB"])
-        if bits_out:
+        if bits_out and square:
+            del opts["BLOCK"], opts["BLOCK_P2"]
+            _int4_square_hop_kernel[grid](*args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum, **opts)
+        elif bits_out:
             del opts["BLOCK"], opts["BLOCK_P2"]
             _int4_hop_kernel[grid](*args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
                                    HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, **opts)

@@ -436,11 +436,12 @@ def test_square_triton_quantize_dequantize_bit_identical(tq, block):
     assert ties > 0
 
 
-@pytest.mark.parametrize("words", [True, False])  # the word kernel (float output), and bytes
-def test_square_triton_fused_kernels_bit_identical(tq, monkeypatch, words):
+@pytest.mark.parametrize("words", [True, False])  # the word kernels, and the byte kernel
+@pytest.mark.parametrize("block", [64, 96])  # 96: W = 12 words, padded to 16
+def test_square_triton_fused_kernels_bit_identical(tq, monkeypatch, words, block):
     monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
     torch.manual_seed(5)
-    k, m, S, block = 2, 3, 128, 64
+    k, m, S = 2, 3, 2 * block
     grad = (torch.randn(k * m * S) * torch.exp(torch.randn(k * m * S))).to(torch.bfloat16).to(DEV)
     a = ref.reorder_quantize(grad, k, m, 4, block, code="square")
     assert torch.equal(a, tq.reorder_quantize(grad, k, m, 4, block, code="square"))
@@ -456,6 +457,13 @@ def test_square_triton_fused_kernels_bit_identical(tq, monkeypatch, words):
             c = ref.dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, "square")
             d = tq.dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, "square")
             assert torch.equal(c, d), (bits_in, bits_out)
+    # the hop on the edge cases of the linear hop's test (scales of any width over 2^+-40,
+    # zero, flushed-size and cancelling rows; nibble -8, which the code never writes)
+    edge = _hop_input(4, k, 4 * block, block, seed=block + words)
+    for bits_out in (8, 4):
+        assert torch.equal(ref.dequant_reduce_quantize(edge, k, 4 * block, 4, bits_out, block, "square"),
+                           tq.dequant_reduce_quantize(edge.to(DEV), k, 4 * block, 4, bits_out, block,
+                                                      "square").cpu())
     for out in (None, torch.randn(S, device=DEV)):
         e = ref.dequant_reduce(c, S, 4, block, 0.125, None if out is None else out.clone(), "square")
         f = tq.dequant_reduce(c, S, 4, block, 0.125, None if out is None else out.clone(), "square")
