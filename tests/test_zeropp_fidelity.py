@@ -171,11 +171,12 @@ def test_exact_own_row_is_left_out_of_the_quantized_sum_at_every_position():
     from megaq.zero.zeropp.grads import _reduce_rows
 
     L, bits, block = 128, 4, 64
-    recv = ops.quantize(torch.randn(4, L, generator=torch.Generator().manual_seed(3)), bits, block)
     own = torch.full((L,), 0.25)
-    for mine in range(4):
-        want = torch.zeros(L)
-        for r in range(4):
-            if r != mine:  # the fused kernel's order: rows in index order from +0.0
-                want = want + ops.dequantize(recv[r], L, bits, block)
-        assert torch.equal(_reduce_rows(recv, mine, L, bits, block, own), want + own), mine
+    for code in ("linear", "square"):
+        recv = ops.quantize(torch.randn(4, L, generator=torch.Generator().manual_seed(3)), bits, block, code)
+        for mine in range(4):
+            want = torch.zeros(L)
+            for r in range(4):
+                if r != mine:  # the fused kernel's order: rows in index order from +0.0
+                    want = want + ops.dequantize(recv[r], L, bits, block, code=code)
+            assert torch.equal(_reduce_rows(recv, mine, L, bits, block, own, code), want + own), (code, mine)
