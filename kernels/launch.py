@@ -12,16 +12,17 @@ it returns; later calls with the same specialization call that kernel's launcher
 directly (`compiled.run(grid, stream, function, metadata, ..., *args)`, the call the JIT
 itself ends with in Triton 3.x).
 
-The cache key is at least as fine as the JIT's specialization, so the cached kernel is
-the one the JIT would pick:
+The cache key is at least as fine as the JIT's specialization (which looks at a
+tensor's dtype and 16-byte alignment, at whether an int is 1 or a multiple of 16 and at
+its width), so the cached kernel is the one the JIT would pick:
 - keyword arguments (constexprs and launch options such as num_warps), with their types;
-- per tensor argument: dtype, and whether its address is 16-byte aligned;
-- per int argument: whether it is 1, whether it is a multiple of 16, and its width
-  class (int32, int64, uint64);
+- the leading tensor arguments: dtype, and whether the address is 16-byte aligned;
+- the other (scalar) arguments: their values and types, whole (cheaper to hash than
+  to classify; a call site sees few distinct shapes, and MAX_ENTRIES bounds the rest);
 - the current device.
-Anything else (another argument type, launch hooks set by a profiler, pre-run hooks,
-the interpreter, a Triton whose compiled kernel lacks the launcher attributes) takes the
-plain JIT launch, every call. One thing is not re-checked per call: the JIT's test that
+A tensor among the scalars, launch hooks set by a profiler, pre-run hooks, the
+interpreter, or a Triton whose compiled kernel lacks the launcher attributes: the plain
+JIT launch, every call. One thing is not re-checked per call: the JIT's test that
 the module globals a kernel read have not changed since it was compiled (the kernels
 here read only constants).
 """
@@ -30,27 +31,12 @@ import torch
 
 __all__ = ["CachedLauncher"]
 
-_I32_MIN, _I32_MAX, _U64_MIN = -(1 << 31), (1 << 31) - 1, 1 << 63
+MAX_ENTRIES = 4096  # per kernel; the cache starts over beyond it
 
 
-def _int_class(v: int) -> int:
-    """The JIT's width classes for an int argument: 0 int32, 1 int64, 2 uint64."""
-    if _I32_MIN <= v <= _I32_MAX:
-        return 0
-    return 2 if v >= _U64_MIN else 1
-
-
-def arg_key(a):
-    """The part of an argument the compiled kernel depends on (None: not supported here)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool):  # before int: bool is an int subclass, and the JIT types it i1
-        return "i1"
-    if isinstance(a, int):
-        return a == 1, a % 16 == 0, _int_class(a)
-    if isinstance(a, float):
-        return "fp32"
-    return None
+def tensor_key(t: torch.Tensor):
+    """What a compiled kernel depends on in a tensor argument."""
+    return t.dtype, t.data_ptr() % 16 == 0
 
 
 def _hook_set(hook) -> bool:
@@ -106,6 +92,7 @@ class CachedLauncher:
         self._entries = {}
         self._get_device, self._get_stream = get_device, get_stream
         self._hooks_active = None  # resolved with the device functions, on first use
+        self._n_tensors = None  # leading tensor arguments, counted on the first call
         params = getattr(kernel, "params", None)  # absent on the interpreter's kernels
         self._param_names = [p.name for p in params] if params is not None else None
         self._const_names = {p.name for p in params if p.is_constexpr} if params is not None else None
@@ -116,18 +103,31 @@ class CachedLauncher:
             return
         if self._hooks_active is None:
             self._init_runtime()
-        spec = tuple(map(arg_key, args))
+        n = self._n_tensors
+        if n is None:
+            n = self._n_tensors = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+        scalars = args[n:]
+        types = tuple(map(type, scalars))
+        try:
+            if n > len(args) or torch.Tensor in types:
+                raise AttributeError
+            tensors = tuple([tensor_key(t) for t in args[:n]])
+        except AttributeError:  # not the layout of the first call (tensors, then scalars)
+            self.kernel[grid](*args, **kwargs)
+            return
         device = self._get_device()
-        key = (device, spec, tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+        key = (device, tensors, scalars, types, tuple(kwargs.items()), tuple(map(type, kwargs.values())))
         entry = self._entries.get(key)
         if entry is not None and not self._hooks_active() and not getattr(self.kernel, "pre_run_hooks", None):
             entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                       self._get_stream(device), entry.function, entry.metadata, None, None, None, *args, *entry.tail)
             return
         compiled = self.kernel[grid](*args, **kwargs)
-        if entry is None and None not in spec:
+        if entry is None:
             entry = self._make_entry(compiled, args, kwargs)
             if entry is not None:
+                if len(self._entries) >= MAX_ENTRIES:
+                    self._entries.clear()
                 self._entries[key] = entry
                 self.compiles += 1
 

@@ -35,8 +35,8 @@ STREAM, FUNCTION, METADATA = object(), object(), object()
 
 def _truth_spec(args):
     """The JIT's specialization of runtime arguments, written out independently of
-    launch.arg_key: pointer dtype and 16-byte alignment; int: the constant 1, 16-divisible,
-    width; float: fp32."""
+    kernels/launch.py: pointer dtype and 16-byte alignment; int: the constant 1,
+    16-divisible, width; float: fp32."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -120,14 +120,17 @@ def test_one_compiled_kernel_per_specialization():
         (buf[:64], 32, 1, {"num_warps": 2}),  # launch option
         (buf[:1], 32, 1, {}),  # n == 1
         (buf[:17], 32, 1, {}),  # n: neither 1 nor 16-divisible
-        (buf[:33], 32, 1, {}),  # same class as 17: cached
-        (buf[:48], 32, 1, {}),  # n 16-divisible, like 64: cached
+        (buf[:48], 32, 1, {}),  # n 16-divisible (the JIT would share 64's kernel; the key is finer)
     ]
+    runs = 0
     for x, block, shift, opts in calls:
-        _axpb(fl, x, 2.0, block, shift, **opts)
-        _axpb(fl, x, -0.5, block, shift, **opts)  # another float: the same kernel
-    assert fl.kernel.compiles == 9 == fl.compiles
-    assert fl.kernel.fast_runs == 2 * len(calls) - 9
+        for a in (2.0, -0.5):  # a scalar: keyed by value (finer than the JIT), so a new entry
+            for _ in range(2):  # the second launch comes from the cache
+                _axpb(fl, x, a, block, shift, **opts)
+                runs += 1
+    new = 2 * (len(calls) - 1)  # the second line repeats the first
+    assert fl.kernel.compiles == new == fl.compiles
+    assert fl.kernel.fast_runs == runs - new
 
 
 def test_wrong_specialization_is_caught(monkeypatch):
@@ -136,7 +139,7 @@ def test_wrong_specialization_is_caught(monkeypatch):
     fl = _fake_launcher(_axpb_kernel)
     x = torch.randn(64, device=DEV)
     _axpb(fl, x, 2.0, 32)
-    monkeypatch.setattr(launch, "arg_key", lambda a: "blind" if isinstance(a, torch.Tensor) else repr(type(a)))
+    monkeypatch.setattr(launch, "tensor_key", lambda t: "blind")
     fl._entries = {}
     _axpb(fl, x, 2.0, 32)  # compiles fp32 under the blind key
     with pytest.raises(AssertionError, match="another specialization"):
@@ -155,7 +158,6 @@ def test_fallbacks_launch_through_the_jit():
     _axpb(fl, x, 2.0, 32)
     _axpb(fl, x, 2.0, 32)
     assert fl.kernel.compiles == 2 and fl.kernel.fast_runs == 0
-    assert launch.arg_key(object()) is None  # an argument type the key does not know: never cached
 
 
 @pytest.fixture()
