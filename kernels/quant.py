@@ -23,6 +23,8 @@ exactly in float64. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32 l
 on NVIDIA GPUs is approximate.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +53,7 @@ from .format import (
     check_residual,
     packed_len,
 )
+from .launch import CachedLauncher
 
 __all__ = [
     "packed_len",
@@ -648,6 +651,22 @@ def _dequant_reduce_kernel(
         _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
 
 
+# One cached launcher per kernel (kernels/launch.py): after the first call of a
+# specialization, a call costs the compiled kernel's own launcher, not the JIT's binding.
+# CACHED_LAUNCH = False sends every call through the JIT (the benchmark's comparison).
+_QUANTIZE = CachedLauncher(_quantize_kernel)
+_DEQUANT_REDUCE = CachedLauncher(_dequant_reduce_kernel)
+_INT4_HOP = CachedLauncher(_int4_hop_kernel)
+_INT4_WORDS = CachedLauncher(_int4_words_kernel)
+_INT4_SQUARE_HOP = CachedLauncher(_int4_square_hop_kernel)
+CACHED_LAUNCH = True
+
+
+def _launcher(cached: CachedLauncher) -> CachedLauncher:
+    cached.enabled = CACHED_LAUNCH
+    return cached
+
+
 # Launch shape: warps per program and blocks per program (NB). The defaults come from
 # the sweep in tools/bench/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
@@ -668,12 +687,24 @@ def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: in
     """Constexprs and launch options. NB (blocks per program) is the largest of
     {nb_default, 2, 1} dividing every count; warps give about `per_thread` elements per
     thread. H200 sweep at 256M elements (docs/PERFORMANCE.md): quantize is fastest with
-    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread."""
-    p2 = triton.next_power_of_2(block)
-    want = NB_OVERRIDE or nb_default
+    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread.
+    Memoised (the overrides are part of the key): a fresh dict per call, since callers
+    edit it."""
+    return dict(_launch_opts_cached(block, per_thread, nb_default, block_counts, NB_OVERRIDE, WARPS_OVERRIDE))
+
+
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 without its constexpr-function wrapper (microseconds a call)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_opts_cached(block, per_thread, nb_default, block_counts, nb_override, warps_override):
+    p2 = _next_pow2(block)
+    want = nb_override or nb_default
     nb = next(c for c in (want, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
-    warps = WARPS_OVERRIDE or max(1, min(16, p2 * nb // (32 * per_thread)))
-    return dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
+    warps = warps_override or max(1, min(16, p2 * nb // (32 * per_thread)))
+    return tuple(dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False).items())
 
 
 def _interpreting() -> bool:
@@ -689,8 +720,8 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear"):
     row_blocks, chunk_blocks = k * S // block, S // block
     opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
     res = residual if residual is not None else x
-    _quantize_kernel[(rows * row_blocks // opts["NB"],)](
-        x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8,
+    _launcher(_QUANTIZE)(
+        (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8,
         BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", **opts,
     )
     return out
@@ -715,27 +746,27 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
     if _use_words(recv, out, bits_in, bits_out, block):
         per_thread = HOP_PER_THREAD if bits_out else WORDS_PER_THREAD
         opts = _launch_opts(block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
-        opts.update(W=block // 8, W_P2=triton.next_power_of_2(block // 8))
+        opts.update(W=block // 8, W_P2=_next_pow2(block // 8))
         grid = (out_rows * out_row_blocks // opts["NB"],)
         args = (recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
                 out_row_blocks // opts["NB"])
         if bits_out and square:
             del opts["BLOCK"], opts["BLOCK_P2"]
-            _int4_square_hop_kernel[grid](*args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum, **opts)
+            _launcher(_INT4_SQUARE_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum, **opts)
         elif bits_out:
             del opts["BLOCK"], opts["BLOCK_P2"]
-            _int4_hop_kernel[grid](*args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
+            _launcher(_INT4_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
                                    HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, **opts)
         else:
             del opts["TINY"]
             magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
-            _int4_words_kernel[grid](*args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
-                                     ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic,
-                                     SQUARE=square, **opts)
+            _launcher(_INT4_WORDS)(grid, *args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
+                                   ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic,
+                                   SQUARE=square, **opts)
         return out
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
-    _dequant_reduce_kernel[(out_rows * out_row_blocks // opts["NB"],)](
-        recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
+    _launcher(_DEQUANT_REDUCE)(
+        (out_rows * out_row_blocks // opts["NB"],), recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
         out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
         N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
         HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
