@@ -417,3 +417,36 @@ def test_fp8_delayed_training_resumes_exactly_from_a_checkpoint(tmp_path):
         f.write("2\n")
     resumed = run_on_ranks(_train, 2, pp=2, args=(argv(["--load", ck]),))[1]
     assert len(full) == 4 and [full[i] for i in (3, 4)] == [resumed[i] for i in (3, 4)], (full, resumed)
+
+
+def _dp_histories(topo):
+    """Two DP ranks see different data; after fp8_delayed.step both hold the max."""
+    recipe = FP8Recipe("hybrid", "delayed", amax_history_len=2)
+    col = ColumnParallelLinear(K, N, topo.tp, init_weight=lambda s: _randn(10, *s), bias=False,
+                               fp8=recipe)
+    x = (_randn(80 + topo.dp_rank, T, B, K) * (1 + 4 * topo.dp_rank)).requires_grad_()
+    dy = _randn(90 + topo.dp_rank, T, B, N) * (5 - 4 * topo.dp_rank)
+    col(x).backward(dy)
+    local = col.fp8_amax.now.clone()
+    fp8_delayed.step(col, topo.tp, topo.dp)
+    return local, col.fp8_amax.history.clone(), col.fp8_amax.scale.clone()
+
+
+def test_delayed_scaling_reduces_amaxes_over_dp():
+    """Every DP rank rolls the same history (the MAX over ranks), so the ranks cast with
+    the same scales and any rank's checkpoint record serves them all."""
+    out = run_on_ranks(_dp_histories, 2, tp=1)
+    assert not torch.equal(out[0][0], out[1][0])  # the ranks' own amaxes differ
+    expect = torch.maximum(out[0][0], out[1][0])
+    for _, hist, scale in out:
+        assert torch.equal(hist[0], expect) and torch.equal(scale, out[0][2])
+
+
+def test_bad_delayed_settings_are_refused():
+    with pytest.raises(ValueError, match="--fp8-amax-history-len 0 must be >= 1"):
+        GPTConfig(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=0)
+    with pytest.raises(ValueError, match="--fp8-amax-compute-algo"):
+        GPTConfig(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_compute_algo="mean")
+    w = torch.zeros(16, 16)
+    with pytest.raises(ValueError, match="amax state"):  # a layer without its AmaxState
+        fp8.linear(torch.zeros(2, 16), w, None, FP8Recipe("hybrid", "delayed"), None, "column")

@@ -150,7 +150,10 @@ class GPTConfig:
             raise ModelConfigError(f"--normalization {self.normalization!r} is not supported; "
                                    f"use LayerNorm or RMSNorm")
         if self.fp8_format is not None:
-            self.fp8  # raises on an unknown format / recipe / history length
+            try:
+                self.fp8  # noqa: B018 - builds the recipe, which checks its settings
+            except ValueError as e:
+                raise ModelConfigError(str(e)) from None
         self._check_recompute()
         if (self.position_embedding_type == "learned_absolute"
                 and self.seq_length > self.max_position_embeddings):

@@ -4,7 +4,7 @@ The one entry point is :func:`linear`, which ColumnParallelLinear and RowParalle
 call in place of ``F.linear``. With a recipe it computes ``y = x W^T`` and, in
 backward, ``dX = dY W`` and ``dW = dY^T X`` as FP8 GEMMs; without one it is F.linear.
 
-Recipe (dynamic "current" scaling, as torchao's float8 training):
+Recipe (dynamic "current" scaling, as torchao's float8 training, or delayed):
 
 * ``--fp8-format e4m3``: every operand in E4M3. ``hybrid``: activations and weights in
   E4M3, the output gradient dY in E5M2 (more range, less precision).
@@ -13,6 +13,9 @@ Recipe (dynamic "current" scaling, as torchao's float8 training):
   (per token for X, per output feature for W in forward, ...), rounded down to a
   power of two so that dequantising is exact. Scales are computed from the tensor
   being cast, every step: no amax history, nothing to checkpoint.
+  ``delayed``: tensorwise, but x and dY take their scales from an amax history
+  (megaq.parallel.fp8_delayed), so their cast is one pointwise op that inductor
+  fuses into the producing kernel together with the amax for the history.
 * The GEMM runs ``torch._scaled_mm`` on CUDA GPUs with FP8 tensor cores (compute
   capability >= 8.9): it multiplies the FP8 operands, accumulates in fp32 and
   multiplies by the inverse scales. Forward uses fast accumulation, the two
