@@ -299,6 +299,7 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t0 = time.time()
+    breaks0 = sum(torch._dynamo.utils.counters["graph_break"].values())
     keep, fwd_bwd, opt_step, opt_kind = build(size, variant, dev)
     batches = make_batches(size, dev)
     for i in range(warmup):
@@ -315,6 +316,11 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
         opt_step()
         ev[i][2].record()
     torch.cuda.synchronize()
+    # a graph break in a compiled block costs more than FP8 gains: say so in the results
+    graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks0
+    if graph_breaks:
+        print(f"WARNING {size} {variant}: {graph_breaks} graph breaks "
+              f"{dict(torch._dynamo.utils.counters['graph_break'])}", flush=True)
     profile = None
     if profile_dir is not None:
         profile = profile_steps(size, variant, fwd_bwd, opt_step, batches, profile_dir)
@@ -330,7 +336,7 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
                mfu_with_head=tps * flops_per_token(size, True) / 1e12 / PEAK_TFLOPS,
                peak_mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
                setup_s=setup_s, optimizer=opt_kind, base_mem_gib=base / 2**30,
-               loss_first=float(losses[0]), loss_last=float(losses[-1]))
+               loss_first=float(losses[0]), loss_last=float(losses[-1]), graph_breaks=graph_breaks)
     if profile:
         res["profile_ms_per_step_by_kind"] = profile
     del keep, fwd_bwd, opt_step, batches, losses
