@@ -161,7 +161,7 @@ def check_fp8_weight_gathers(fp8_recipe, cfg: ZeroConfig) -> None:
     if cfg.fp8_weights and fp8_recipe.rowwise:
         raise ZeroConfigError("--zero-quantized-weights fp8 gathers one scale per weight tensor "
                               "but --fp8-recipe rowwise scales per row: use --fp8-recipe "
-                              "tensorwise with FP8 weight gathers")
+                              "tensorwise or delayed with FP8 weight gathers")
     if cfg.quantized_weights and fp8_recipe is not None:
         raise ZeroConfigError("int8 qwZ (--zero-quantized-weights) dequantizes to bf16, which the "
                               "FP8 GEMMs (--fp8-format) would cast again: use "
