@@ -221,3 +221,36 @@ def test_real_cached_launches_match_the_jit():
     for got in outs[True]:
         assert all(torch.equal(a, b) for a, b in zip(outs[False][0], got))
     assert quant._INT4_HOP.compiles >= 1 and quant._QUANTIZE.compiles >= 1
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="CPU only: swaps Triton's active driver (the GPU test above is real)")
+def test_cached_launch_passes_what_the_jit_passes():
+    """This machine's Triton, its CUDA backend compiling for sm_90 on the CPU, with a
+    stand-in driver whose launcher records its arguments (tools/bench/host_driver.py):
+    for every call the cached launch hands the compiled-kernel launcher exactly what
+    Triton's JIT launch hands it for the same call (the same compiled function, metadata,
+    grid, stream and arguments, constexprs included), hooks aside (none set: None)."""
+    pytest.importorskip("triton.backends.nvidia.driver")
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "bench"))
+    from host_driver import host_driver
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(getattr(_axpb_kernel, "fn", _axpb_kernel))  # compiled mode, whatever TRITON_INTERPRET says
+    buf = torch.randn(100)
+    out = torch.empty(100)
+    with host_driver() as calls:
+        cl = launch.CachedLauncher(kernel)
+        functions = set()
+        for x, block in ((buf[:64], 32), (buf[:64], 64), (buf[1:65], 32), (buf[:64].half(), 32), (buf[:64], 32)):
+            kernel[(2,)](x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+            jit = calls[-1]
+            for _ in range(2):  # a miss (through the JIT), then a hit (cached), once per new specialization
+                cl((2,), x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+                got = calls[-1]
+                assert len(got) == len(jit) and all(a is b or a == b for a, b in zip(got[:6] + got[9:], jit[:6] + jit[9:]))
+            assert got[6:9] == (None, None, None)
+            assert all(not getattr(h, "calls", h) for h in jit[7:9])  # the JIT's hooks: none set
+            functions.add(jit[4])
+    assert len(functions) == 4 and cl.compiles == 4  # block, alignment and dtype each compile their own
