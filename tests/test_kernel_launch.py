@@ -171,7 +171,7 @@ def quant_fake(monkeypatch):
         if not isinstance(quant._quantize_kernel, InterpretedFunction):
             quant = importlib.reload(quant)
     fakes = {}
-    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS"):
+    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS", "_INT4_SQUARE_HOP"):
         fakes[name] = _fake_launcher(getattr(quant, name).kernel)
         monkeypatch.setattr(quant, name, fakes[name])
     return quant, fakes
@@ -191,12 +191,13 @@ def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, b
                 assert torch.equal(a.cpu(), ref.quantize(x.cpu(), bits, block)), (block, dtype, bits)
                 d = tq.dequantize(a, x.numel(), bits, block, dtype)
                 assert torch.equal(d.cpu(), ref.dequantize(a.cpu(), x.numel(), bits, block, dtype))
-            r = tq.reorder_quantize(x, k, m, 4, block)
-            assert torch.equal(r.cpu(), ref.reorder_quantize(x.cpu(), k, m, 4, block))
-            h = tq.dequant_reduce_quantize(r, k, S, 4, 4, block)
-            assert torch.equal(h.cpu(), ref.dequant_reduce_quantize(r.cpu(), k, S, 4, 4, block))
-            f = tq.dequant_reduce(h, S, 4, block, 0.125)
-            assert torch.equal(f.cpu(), ref.dequant_reduce(h.cpu(), S, 4, block, 0.125))
+            for code in ("linear", "square"):  # the int4 gradient codes
+                r = tq.reorder_quantize(x, k, m, 4, block, code=code)
+                assert torch.equal(r.cpu(), ref.reorder_quantize(x.cpu(), k, m, 4, block, code=code))
+                h = tq.dequant_reduce_quantize(r, k, S, 4, 4, block, code=code)
+                assert torch.equal(h.cpu(), ref.dequant_reduce_quantize(r.cpu(), k, S, 4, 4, block, code=code))
+                f = tq.dequant_reduce(h, S, 4, block, 0.125, code=code)
+                assert torch.equal(f.cpu(), ref.dequant_reduce(h.cpu(), S, 4, block, 0.125, code=code))
     used = [f for f in fakes.values() if f.compiles]
     assert used and all(f.kernel.fast_runs >= f.compiles for f in used)
 

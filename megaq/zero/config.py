@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaq.kernels.format import QMAX
+from megaq.kernels.format import INT4_CODES, QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
 OPTIMIZER_NAMES = ("adam", "sgd")  # --optimizer (megaq.zero.optimizer.OPTIMIZERS)
@@ -86,6 +86,11 @@ class ZeroConfig:
     # (H200 time: tools/bench/bench_qgz_paths.py), and its gain is the share of the own
     # rows, 1/m and 1/k of the contributions: large at 2 nodes x 2, small at scale.
     grad_exact_own_rows: bool = False
+    # qgZ: the int4 code of the gradient hops (int8 hops are always linear): "linear", a
+    # nibble q means q * absmax/7, rounds every value below absmax/14 of its block to 0;
+    # "square", q |q| * absmax/49, keeps values down to absmax/98 (same bytes;
+    # docs/ZEROPP.md "The square-law code"). qwZ's int4 weights are always linear.
+    grad_code: str = "linear"
 
     def __post_init__(self):
         if self.stage not in (0, 3):
@@ -112,6 +117,9 @@ class ZeroConfig:
             if getattr(self, name) not in QMAX:
                 raise ZeroConfigError(f"ZeRO++ {name}={getattr(self, name)} is not supported; "
                                       f"use 8 or 4")
+        if self.grad_code not in INT4_CODES:
+            raise ZeroConfigError(f"grad_code {self.grad_code!r} (--zero-quantized-gradients-code) "
+                                  f"is not supported; use one of {', '.join(INT4_CODES)}")
         if self.hpz_partition_size < 1:
             raise ZeroConfigError(f"hpz_partition_size {self.hpz_partition_size} "
                                   f"(--zero-hpz-partition-size) must be >= 1 (1 = off)")

@@ -31,6 +31,9 @@ A configuration is ``zero3`` or tokens joined by ``+`` (each maps to flags):
                parameter per rank)
     xown       --zero-quantized-gradients-exact-own-rows (opt-in: keep the row a rank
                keeps for itself in each all-to-all exact, fp32, instead of int4)
+    sq / lin   --zero-quantized-gradients-code square / linear (the int4 code of the
+               gradient hops); without either, a qgz configuration passes the shipped
+               default code explicitly, so a cached run's argv says which code it ran
 
 and the alias ``zeropp`` (qwz+hpz+qgz with the shipped defaults: int4 both hops, block
 2048, own rows quantized, no error feedback); an alias may start a composite
@@ -67,7 +70,10 @@ TOKENS = {
     "qgz": ["--zero-quantized-gradients"],
     "ef": ["--zero-gradient-error-feedback"],
     "xown": ["--zero-quantized-gradients-exact-own-rows"],
+    "sq": ["--zero-quantized-gradients-code", "square"],
+    "lin": ["--zero-quantized-gradients-code", "linear"],
 }
+CODE_FLAG = "--zero-quantized-gradients-code"
 PREFIX_TOKENS = {  # token prefix + integer -> flag
     "g": "--zero-quantized-gradients-bits",
     "i": "--zero-quantized-gradients-intra-bits",
@@ -76,7 +82,7 @@ PREFIX_TOKENS = {  # token prefix + integer -> flag
 ALIASES = {
     "zeropp": "qwz+hpz+qgz",
 }
-GRAD_ONLY = ("ef", "xown")  # need qgz
+GRAD_ONLY = ("ef", "xown", "sq", "lin")  # need qgz
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -108,6 +114,9 @@ def config_flags(name: str, hpz: int) -> list[str]:
                               f"i<bits>, b<block> joined by '+'")
         if (t in GRAD_ONLY or t[:1] in "gi") and "qgz" not in tokens:
             raise ConfigError(f"token {t!r} in {name!r} sets qgZ options: add 'qgz'")
+    if "qgz" in tokens and CODE_FLAG not in flags:  # pin the default: the argv names the code
+        from megaq.zero.config import ZeroConfig
+        flags += [CODE_FLAG, ZeroConfig.grad_code]
     return flags
 
 
