@@ -143,18 +143,28 @@ def main(argv=None):
     ratios = deepspeed_ratios(results)
     if ratios:
         print_ratios(ratios, sizes)
+    ds_cold = {(r["op"], r["elements"]): r["cold_ms"] for r in results
+               if r.get("impl") == "deepspeed" and "cold_ms" in r}
     for n in dict.fromkeys(r["elements"] for r in sweep):
         rows = [r for r in sweep if r["elements"] == n]
-        print(f"\ntuning sweep at {_fmt_size(n)} elements: triton GB/s, graph replay | cold per call")
+        print(f"\ntuning sweep at {_fmt_size(n)} elements: triton GB/s, graph replay | cold per call"
+              + (" | DeepSpeed's cold time over this shape's" if ds_cold else ""))
         shapes = list(dict.fromkeys(r["shape"] for r in rows))
         by_key = {(r["op"], r["shape"]): r for r in rows}
         ops = list(dict.fromkeys(r["op"] for r in rows))
-        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:15]:>18}" for op in ops))
+        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:15]:>26}" for op in ops))
         for sh in shapes:
-            cells = [by_key[(op, sh)] for op in ops]
-            print(f"{sh:<20}" + "".join(
-                f"{c['GBps']:>10.0f} | {c['cold_GBps']:>5.0f}" if "cold_GBps" in c else f"{c['GBps']:>18.0f}"
-                for c in cells))
+            line = f"{sh:<20}"
+            for op in ops:
+                c = by_key[(op, sh)]
+                cell = f"{c['GBps']:.0f}"
+                if "cold_ms" in c:
+                    cell += f" | {c['cold_GBps']:.0f}"
+                    if (op, n) in ds_cold:
+                        c["vs_deepspeed_cold"] = ds_cold[(op, n)] / c["cold_ms"]
+                        cell += f" | {c['vs_deepspeed_cold']:.3f}x"
+                line += f"{cell:>26}"
+            print(line)
     if args.out:
         write_json(args.out, {"meta": meta, "results": results, "vs_deepspeed": ratios, "block_sweep": sweep})
 
