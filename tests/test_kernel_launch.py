@@ -177,12 +177,15 @@ def quant_fake(monkeypatch):
     return quant, fakes
 
 
-@pytest.mark.parametrize("words,block", [(None, 96), (False, 64)])  # int4 word kernels (padded W), byte kernel
-def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block):
+@pytest.mark.parametrize("words,block,dtypes", [
+    (None, 96, (torch.float32, torch.bfloat16)),  # int4 word kernels (W = 12 padded to 16)
+    (False, 64, (torch.bfloat16,)),  # the byte kernel
+])
+def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block, dtypes):
     tq, fakes = quant_fake
     monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
     k, m, S = 2, 2, 2 * block
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         g = torch.Generator().manual_seed(block)
         x = (torch.randn(k * m * S, generator=g) * 3).to(dtype).to(DEV)
         for _ in range(2):  # the second round launches from the cache
