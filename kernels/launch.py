@@ -2,8 +2,8 @@
 
 `kernel[grid](*args, **kwargs)` costs tens of microseconds of Python per call: the JIT
 binds the arguments, computes their specialization and a cache key, checks the globals
-the kernel read, then launches. The quantization kernels of a 16M-element bucket run
-for a few microseconds, so that path, not the kernel, sets the time of one call.
+the kernel read, then launches. The qgZ hop of a 16M-element bucket runs for about
+5 us, so that path, not the kernel, set the time of one call (docs/PERFORMANCE.md).
 
 `CachedLauncher(kernel)(grid, *args, **kwargs)` launches exactly what
 `kernel[grid](*args, **kwargs)` launches. The first call with a given specialization

@@ -171,18 +171,21 @@ def quant_fake(monkeypatch):
         if not isinstance(quant._quantize_kernel, InterpretedFunction):
             quant = importlib.reload(quant)
     fakes = {}
-    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS"):
+    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS", "_INT4_SQUARE_HOP"):
         fakes[name] = _fake_launcher(getattr(quant, name).kernel)
         monkeypatch.setattr(quant, name, fakes[name])
     return quant, fakes
 
 
-@pytest.mark.parametrize("words,block", [(None, 96), (False, 64)])  # int4 word kernels (padded W), byte kernel
-def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block):
+@pytest.mark.parametrize("words,block,dtypes", [
+    (None, 96, (torch.float32, torch.bfloat16)),  # int4 word kernels (W = 12 padded to 16)
+    (False, 64, (torch.bfloat16,)),  # the byte kernel
+])
+def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block, dtypes):
     tq, fakes = quant_fake
     monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
     k, m, S = 2, 2, 2 * block
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         g = torch.Generator().manual_seed(block)
         x = (torch.randn(k * m * S, generator=g) * 3).to(dtype).to(DEV)
         for _ in range(2):  # the second round launches from the cache
@@ -191,12 +194,13 @@ def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, b
                 assert torch.equal(a.cpu(), ref.quantize(x.cpu(), bits, block)), (block, dtype, bits)
                 d = tq.dequantize(a, x.numel(), bits, block, dtype)
                 assert torch.equal(d.cpu(), ref.dequantize(a.cpu(), x.numel(), bits, block, dtype))
-            r = tq.reorder_quantize(x, k, m, 4, block)
-            assert torch.equal(r.cpu(), ref.reorder_quantize(x.cpu(), k, m, 4, block))
-            h = tq.dequant_reduce_quantize(r, k, S, 4, 4, block)
-            assert torch.equal(h.cpu(), ref.dequant_reduce_quantize(r.cpu(), k, S, 4, 4, block))
-            f = tq.dequant_reduce(h, S, 4, block, 0.125)
-            assert torch.equal(f.cpu(), ref.dequant_reduce(h.cpu(), S, 4, block, 0.125))
+            for code in ("linear", "square"):  # the int4 gradient codes
+                r = tq.reorder_quantize(x, k, m, 4, block, code=code)
+                assert torch.equal(r.cpu(), ref.reorder_quantize(x.cpu(), k, m, 4, block, code=code))
+                h = tq.dequant_reduce_quantize(r, k, S, 4, 4, block, code=code)
+                assert torch.equal(h.cpu(), ref.dequant_reduce_quantize(r.cpu(), k, S, 4, 4, block, code=code))
+                f = tq.dequant_reduce(h, S, 4, block, 0.125, code=code)
+                assert torch.equal(f.cpu(), ref.dequant_reduce(h.cpu(), S, 4, block, 0.125, code=code))
     used = [f for f in fakes.values() if f.compiles]
     assert used and all(f.kernel.fast_runs >= f.compiles for f in used)
 
@@ -221,3 +225,36 @@ def test_real_cached_launches_match_the_jit():
     for got in outs[True]:
         assert all(torch.equal(a, b) for a, b in zip(outs[False][0], got))
     assert quant._INT4_HOP.compiles >= 1 and quant._QUANTIZE.compiles >= 1
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="CPU only: swaps Triton's active driver (the GPU test above is real)")
+def test_cached_launch_passes_what_the_jit_passes():
+    """This machine's Triton, its CUDA backend compiling for sm_90 on the CPU, with a
+    stand-in driver whose launcher records its arguments (tools/bench/host_driver.py):
+    for every call the cached launch hands the compiled-kernel launcher exactly what
+    Triton's JIT launch hands it for the same call (the same compiled function, metadata,
+    grid, stream and arguments, constexprs included), hooks aside (none set: None)."""
+    pytest.importorskip("triton.backends.nvidia.driver")
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "bench"))
+    from host_driver import host_driver
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(getattr(_axpb_kernel, "fn", _axpb_kernel))  # compiled mode, whatever TRITON_INTERPRET says
+    buf = torch.randn(100)
+    out = torch.empty(100)
+    with host_driver() as calls:
+        cl = launch.CachedLauncher(kernel)
+        functions = set()
+        for x, block in ((buf[:64], 32), (buf[:64], 64), (buf[1:65], 32), (buf[:64].half(), 32), (buf[:64], 32)):
+            kernel[(2,)](x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+            jit = calls[-1]
+            for _ in range(2):  # a miss (through the JIT), then a hit (cached), once per new specialization
+                cl((2,), x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+                got = calls[-1]
+                assert len(got) == len(jit) and all(a is b or a == b for a, b in zip(got[:6] + got[9:], jit[:6] + jit[9:]))
+            assert got[6:9] == (None, None, None)
+            assert all(not getattr(h, "calls", h) for h in jit[7:9])  # the JIT's hooks: none set
+            functions.add(jit[4])
+    assert len(functions) == 4 and cl.compiles == 4  # block, alignment and dtype each compile their own

@@ -55,7 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep", nargs="*", default=[], metavar="BLOCKxWARPSxNB",
                    help="also time the Triton kernels for these launch shapes, e.g. 4096x8x2 "
                         "(block size, warps per program, blocks per program)")
-    p.add_argument("--sweep-size", type=int, default=None, help="elements for the sweep (default 256M)")
+    p.add_argument("--sweep-size", type=int, nargs="+", default=None, help="elements for the sweep (default 256M)")
+    p.add_argument("--ops", nargs="+", default=None, metavar="OP",
+                   help="time only these operations (table and sweep), e.g. quantize8 quantize4")
     p.add_argument("--skip-table", action="store_true", help="only run the sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--calls-per-graph", type=int, default=10,
@@ -124,7 +126,7 @@ def main(argv=None):
     for n in ([] if args.skip_table else sizes):
         try:
             results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline,
-                                  reference_baselines=not args.no_reference, ds=ds)
+                                  reference_baselines=not args.no_reference, ds=ds, only_ops=args.ops)
         except torch.OutOfMemoryError:
             print(f"# {n} elements: out of memory, skipped", file=sys.stderr)
         if device == "cuda":
@@ -133,22 +135,36 @@ def main(argv=None):
             write_json(args.out, {"meta": meta, "results": results, "block_sweep": [], "partial": True})
     sweep = []
     if args.sweep:
-        n = args.sweep_size or (256 << 20 if device == "cuda" else sizes[0])
         shapes = [tuple(int(v) for v in c.lower().split("x")) for c in args.sweep]
-        sweep = bench_tuning(torch, quant, packed_len, n, shapes, device, timer)
+        for n in args.sweep_size or [256 << 20 if device == "cuda" else sizes[0]]:
+            sweep += bench_tuning(torch, quant, packed_len, n, shapes, device, timer, args.ops)
 
     print_table(results, sizes)
     ratios = deepspeed_ratios(results)
     if ratios:
         print_ratios(ratios, sizes)
-    if sweep:
-        print(f"\ntuning sweep (triton GB/s at {_fmt_size(sweep[0]['elements'])} elements)")
-        shapes = list(dict.fromkeys(r["shape"] for r in sweep))
-        by_key = {(r["op"], r["shape"]): r["GBps"] for r in sweep}
-        ops = list(dict.fromkeys(r["op"] for r in sweep))
-        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:13]:>14}" for op in ops))
+    ds_cold = {(r["op"], r["elements"]): r["cold_ms"] for r in results
+               if r.get("impl") == "deepspeed" and "cold_ms" in r}
+    for n in dict.fromkeys(r["elements"] for r in sweep):
+        rows = [r for r in sweep if r["elements"] == n]
+        print(f"\ntuning sweep at {_fmt_size(n)} elements: triton GB/s, graph replay | cold per call"
+              + (" | DeepSpeed's cold time over this shape's" if ds_cold else ""))
+        shapes = list(dict.fromkeys(r["shape"] for r in rows))
+        by_key = {(r["op"], r["shape"]): r for r in rows}
+        ops = list(dict.fromkeys(r["op"] for r in rows))
+        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:15]:>26}" for op in ops))
         for sh in shapes:
-            print(f"{sh:<20}" + "".join(f"{by_key[(op, sh)]:>14.0f}" for op in ops))
+            line = f"{sh:<20}"
+            for op in ops:
+                c = by_key[(op, sh)]
+                cell = f"{c['GBps']:.0f}"
+                if "cold_ms" in c:
+                    cell += f" | {c['cold_GBps']:.0f}"
+                    if (op, n) in ds_cold:
+                        c["vs_deepspeed_cold"] = ds_cold[(op, n)] / c["cold_ms"]
+                        cell += f" | {c['vs_deepspeed_cold']:.3f}x"
+                line += f"{cell:>26}"
+            print(line)
     if args.out:
         write_json(args.out, {"meta": meta, "results": results, "vs_deepspeed": ratios, "block_sweep": sweep})
 
@@ -218,12 +234,14 @@ class Timer:
 
 
 def bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline, reference_baselines=True,
-               ds=None):
+               ds=None, only_ops=None):
     k, m = K_NODES, M_RANKS
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     rows, cases = [], []
 
     def add(op, impl, nbytes, fn, graph=True, cold=True):
+        if only_ops and op not in only_ops and op != "copy_bf16":
+            return
         if fn is not None and (reference_baselines or impl not in ("eager", "compiled")):
             cases.append((op, impl, nbytes, fn, graph, cold))
 
@@ -402,8 +420,9 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
-def bench_tuning(torch, quant, packed_len, n, shapes, device, timer):
-    """Triton GB/s per launch shape (block, warps per program, blocks per program)."""
+def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None):
+    """Triton GB/s per launch shape (block, warps per program, blocks per program), graph
+    replay and (GPU) cold per call."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
@@ -422,9 +441,14 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer):
                 cases.append((f"dequantize{bits}", nbytes, lambda bits=bits, packed=packed:
                               quant.dequantize(packed, n, bits, block, torch.bfloat16)))
             for op, nbytes, fn in cases:
+                if only_ops and op not in only_ops:
+                    continue
                 ms = timer(fn)
-                rows.append({"op": op, "shape": f"{block}x{warps}x{nb}", "elements": n, "ms": ms,
-                             "GBps": nbytes / ms / 1e6})
+                row = {"op": op, "shape": f"{block}x{warps}x{nb}", "elements": n, "ms": ms, "GBps": nbytes / ms / 1e6}
+                if device == "cuda":
+                    row["cold_ms"] = timer.cold(fn)
+                    row["cold_GBps"] = nbytes / row["cold_ms"] / 1e6
+                rows.append(row)
         finally:
             quant.WARPS_OVERRIDE = quant.NB_OVERRIDE = None
     return rows
