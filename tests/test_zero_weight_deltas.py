@@ -252,3 +252,38 @@ def test_config_refusals():
         ZeroConfig(weight_deltas=True, hpz_partition_size=2, quantized_weights=True)
     with pytest.raises(ZeroConfigError, match="weight_delta_bits"):
         ZeroConfig(weight_deltas=True, hpz_partition_size=2, weight_delta_bits=2)
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_pretrain_resume_exact_and_metrics(tmp_path, fmt):
+    """The real loop, 4 ranks as 2 nodes x 2, hpZ 2 + weight deltas + qgZ: a run that
+    saves at iteration 2 and one resumed from that checkpoint give bit-identical losses
+    at iterations 3 and 4 (references are not saved: the save and the load both
+    re-synchronise them at full precision). The metrics file reports the new phases."""
+    from test_checkpoint_resume import _train as pretrain_train, copy_checkpoint, model_argv
+    flags = ["--gpus-per-node", "2", "--zero-hpz-partition-size", "2", "--zero-weight-deltas",
+             "--zero-quantized-gradients", "--zero-quantization-block-size", "32",
+             "--ckpt-format", fmt, "--untie-embeddings-and-output-weights"]
+    metrics = str(tmp_path / "metrics.jsonl")
+    full = model_argv(str(tmp_path), 4, flags + ["--save", str(tmp_path / "ck"), "--save-interval",
+                                                 "2", "--metrics-file", metrics])
+    out_a = run_on_ranks(pretrain_train, 4, ranks_per_node=2, hpz_size=2, args=(full,))
+    copy_checkpoint(str(tmp_path / "ck"), 2, str(tmp_path / "ck2"))
+    resumed = model_argv(str(tmp_path), 4, flags + ["--load", str(tmp_path / "ck2")])
+    out_b = run_on_ranks(pretrain_train, 4, ranks_per_node=2, hpz_size=2, args=(resumed,))
+    a, b = out_a[0]["losses"], out_b[0]["losses"]
+    assert a[4] < a[1]
+    assert [b[i] for i in (3, 4)] == [a[i] for i in (3, 4)]
+    import json
+    train = [r for r in map(json.loads, open(metrics)) if r["type"] == "train"]
+    m = train[0]["zero_model_bytes"]
+    for r in train[1:]:
+        c = r["comm"]
+        assert c["weight_ref_gather"]["inter_node"] == c["weight_gather_bwd"]["inter_node"] == 0
+        if r["iteration"] == 3:  # after the save: a full-precision gather, no differences
+            assert "weight_delta_gather" not in c and c["weight_gather_fwd"]["inter_node"] > 0
+            continue
+        assert "weight_gather_fwd" not in c, r
+        # per node: its 2 owners each send one packed int4 shard (S/2 payload bytes + 4
+        # per 32-element block) to the other node; m = 4 fp32 shards of S, over units
+        assert c["weight_delta_gather"]["inter_node"] == m * 2 * (0.5 + 4 / 32) / 16, c
