@@ -98,7 +98,7 @@ def make_gatherer(topo, cfg: ZeroConfig, partitions=()):
     if cfg.fp8_weights:
         return FP8WeightGatherer(topo, cfg, partitions)
     if cfg.weight_deltas:
-        return WeightDeltaGatherer(topo, cfg)
+        return WeightDeltaGatherer(topo, cfg, partitions)
     if cfg.weights_need_zeropp:
         return ZeroPPWeightGatherer(topo, cfg)
     return WeightGatherer(topo, cfg)

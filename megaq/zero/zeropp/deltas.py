@@ -7,8 +7,9 @@ weights, 1/h each (``full.reshape(h, -1)[i]`` on member i: the DP shards
 the *reference*, the weights the forward and backward see, in the gather dtype
 (bf16 in bf16 training, fp32 in fp32 training).
 
-Per unit, at its first gather after an optimizer step (all DP ranks reach it in the
-same order, as every gather):
+After an optimizer step, at the first gather of the step (all DP ranks reach it in
+the same order, as every gather), the exchange of every unit is posted at once (the
+requested unit first), so later units' differences travel while earlier layers compute:
 
 1. each owner (DP rank r, primary shard ``w``) takes ``d = w - ref_r`` in fp32 against
    its own copy ``ref_r`` of the reference for its shard, packs it
@@ -16,12 +17,16 @@ same order, as every gather):
    per block) and replaces ``ref_r`` by ``dtype(ref_r + decode(packed))``;
 2. it sends the packed bytes only to the member of each hpZ group whose slice covers
    shard r (one rank per hpZ group; the ones in other nodes are the only cross-node
-   traffic of the weights, phase ``weight_delta_gather``);
+   traffic of the weights, phase ``weight_delta_gather``).
+
+When a unit is gathered (or prefetched) its exchange is waited for and
+
 3. each receiver applies the same expression to its slice's section: the same bytes
    decoded by the same op and added in the same order, so every copy of the reference
    stays bit-identical to the owner's;
 4. the unit's full weights are all-gathered from the slices over the hpZ group
-   (in-node; phase ``weight_ref_gather`` in forward, ``weight_gather_bwd`` in backward).
+   (in-node, asynchronous like any prefetch; phase ``weight_ref_gather`` in forward,
+   ``weight_gather_bwd`` in backward).
 
 The quantization error of step t stays in ``w - ref`` and is part of the difference
 sent at step t+1 (error feedback on the weight side): per element,
@@ -106,7 +111,7 @@ class WeightDeltaGatherer:
     """Engine seam (megaq.zero.collectives): ``start_gather``, ``on_forward_gathered``,
     ``after_step``, ``invalidate``, ``memory_bytes``; ``references(name)`` for tests."""
 
-    def __init__(self, topo, cfg: ZeroConfig):
+    def __init__(self, topo, cfg: ZeroConfig, partitions=()):
         if topo.hpz.size != cfg.hpz_partition_size:
             raise ValueError(f"--zero-hpz-partition-size {cfg.hpz_partition_size} but the topology's "
                              f"hpZ group has {topo.hpz.size} ranks; build the topology with "
@@ -119,10 +124,14 @@ class WeightDeltaGatherer:
                              f"hpZ group of DP member {self.dp.rank}; build topo.hpz from the layout")
         self._dests, self._covered = delta_routes(self.dp.size, self.dp.rank, groups, self.hpz.rank)
         self.codec = QuantizedDeltas(cfg.weight_delta_bits, cfg.block_size)
+        # the engine's sharded partitions, in its order (the same on every DP peer)
+        self._parts = [p for p in partitions if p.sharded]
         self._slice: dict[str, torch.Tensor] = {}  # name -> my hpZ slice of the reference
         self._own: dict[str, torch.Tensor] = {}    # name -> the reference of my own shard
         self._stamp: dict[str, tuple] = {}         # name -> the shard's (storage, version)
         self._current: set[str] = set()            # names whose references match the shards
+        # name -> (posted exchange, {DP shard: packed difference}) not yet applied
+        self._posted: dict[str, tuple[Handle, dict[int, torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ engine seam
     def start_gather(self, part, phase: str) -> Handle:
@@ -133,7 +142,9 @@ class WeightDeltaGatherer:
             self._current.discard(key)  # an unannounced write: send it as a difference
         out_phase = REF if phase == "weight_gather_fwd" else phase
         if key not in self._current:
-            return self._update_then_gather(key, shard, full, out_phase)
+            if key not in self._posted:
+                self._post_stale(key, shard)
+            self._apply_posted(key, shard)
         return comm.all_gather(full.reshape(-1), self._slice[key], self.hpz, out_phase, async_op=True)
 
     def on_forward_gathered(self, part) -> None:
@@ -146,6 +157,9 @@ class WeightDeltaGatherer:
     def invalidate(self) -> None:
         """A load or another write: the next gather of each unit re-synchronises at full
         precision."""
+        for work, _ in self._posted.values():  # exchanges in flight finish, unused
+            work.wait()
+        self._posted.clear()
         self._slice.clear()
         self._own.clear()
         self._stamp.clear()
@@ -180,27 +194,35 @@ class WeightDeltaGatherer:
         work = comm.all_gather(full.reshape(-1), shard.reshape(-1), self.dp, phase, async_op=True)
         return Handle(work, lambda: self._keep(key, shard, full))
 
-    def _update_then_gather(self, key: str, shard: torch.Tensor, full: torch.Tensor,
-                            phase: str) -> Handle:
+    def _post_stale(self, first: str, shard: torch.Tensor) -> None:
+        """Post the exchange of `first` and then of every other unit whose reference is
+        stale (engine order): all DP peers post the same units in the same order."""
+        self._post(first, shard)
+        for p in self._parts:
+            if p.name in self._slice and p.name not in self._current and p.name not in self._posted:
+                self._post(p.name, p.shard)
+
+    def _post(self, key: str, shard: torch.Tensor) -> None:
+        """Owner side (steps 1-2): pack my difference, update my own reference, send."""
         S, me = shard.numel(), self.dp.rank
-        own, ref_slice = self._own[key], self._slice[key]
+        own = self._own[key]
         packed = self.codec.encode(shard.reshape(-1).float() - own.float())
         apply_delta(own, self.codec.decode(packed, S))
         sends = [(packed, j) for j in self._dests if j != me]
         incoming = {s: (packed if s == me else torch.empty_like(packed)) for s in self._covered}
         recvs = [(buf, s) for s, buf in incoming.items() if s != me]
-        work = comm.batch_p2p(sends, recvs, self.dp, DELTA)
+        self._posted[key] = (comm.batch_p2p(sends, recvs, self.dp, DELTA), incoming)
+        self._stamp[key] = _stamp(shard)
 
-        def finish():
-            work.wait()
-            base = self._covered[0]
-            sections = ref_slice.view(len(self._covered), S)
-            for s, buf in incoming.items():
-                apply_delta(sections[s - base], self.codec.decode(buf, S))
-            self._mark_current(key, shard)
-            comm.all_gather(full.reshape(-1), ref_slice, self.hpz, phase)
-
-        return Handle(None, finish)
+    def _apply_posted(self, key: str, shard: torch.Tensor) -> None:
+        """Receiver side (step 3): the differences my slice covers, added to it."""
+        work, incoming = self._posted.pop(key)
+        work.wait()
+        S = shard.numel()
+        sections = self._slice[key].view(len(self._covered), S)
+        for s, buf in incoming.items():
+            apply_delta(sections[s - self._covered[0]], self.codec.decode(buf, S))
+        self._current.add(key)  # as of the stamp taken when the difference was packed
 
 
 def _stamp(shard: torch.Tensor) -> tuple:
