@@ -189,13 +189,14 @@ def test_int4_deltas_references_identical_and_bounded_resume_exact():
         assert abs(c - a) <= 0.02 * a, (z3, zpp, got)
 
 
-def test_update_rule_error_bound_no_drift():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_update_rule_error_bound_no_drift(bits):
     """100 updates of one shard (fp32, so u = 2^-24): after each, |ref - w| <= step/2 +
     u|ref|; the steady-state error is the error-feedback fixed point U/(2q - 1) (U = the
     block's largest update), the same at the end as after the first steps."""
     g = torch.Generator().manual_seed(3)
-    L, q, U = 16 * BLOCK, QMAX[4], 1e-3
-    codec = QuantizedDeltas(4, BLOCK)
+    L, q, U = 16 * BLOCK, QMAX[bits], 1e-3
+    codec = QuantizedDeltas(bits, BLOCK)
     w = torch.randn(L, generator=g)
     ref = w.clone()
     errs = []
