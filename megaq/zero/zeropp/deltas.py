@@ -41,7 +41,9 @@ precision: a plain all-gather of the shards over DP (phase ``weight_gather_fwd``
 which the slices and the owners' copies are taken. ``after_step()`` (the engine calls
 it after each optimizer step) marks the references stale instead. A write to a shard
 the engine did not announce (its version counter moved) is sent as a difference too.
-References are not checkpointed: a load re-synchronises them, which is exact.
+References are not checkpointed: a load re-synchronises them, and so does taking a
+checkpoint (``engine.checkpoint_taken()`` calls ``invalidate()``), so a resumed run and
+the run that kept going continue from the same references: resume is exact.
 """
 
 from __future__ import annotations
