@@ -37,6 +37,21 @@ HOP_FLOOR = 2.0 ** -42
 DEFAULT_BLOCK = 4096
 SCALE_BYTES = 4
 
+# How an int4 nibble q (-7..7) maps to a value, given its block's scale s (int8 is always
+# linear). "linear": q * s, s = absmax / 7 (rounded up to SCALE_BITS bits). "square":
+# sign(q) q^2 s = q |q| s, s = absmax / 49 rounded up to SQUARE_SCALE_BITS bits, so the
+# levels are 0, 1, 4, 9, ..., 49 steps and a value 7x smaller than the linear code's
+# smallest level survives (the qgZ gradient code: docs/ZEROPP.md "The square-law code").
+# A square scale has SQUARE_SCALE_BITS significant bits so that q |q| s (|q| |q| <= 49, six
+# bits) is an exact fp32 product: every level is represented exactly.
+INT4_CODES = ("linear", "square")
+SQUARE_QMAX = 49
+SQUARE_SCALE_BITS = 18
+SQUARE_SCALE_DROP = (1 << (24 - SQUARE_SCALE_BITS)) - 1
+# The square code picks the nearest level in units of s: level c for t^2 + t + 1/2 <= y <
+# (t+1)^2 + (t+1) + 1/2, i.e. the thresholds SQUARE_THRESHOLDS[c-1] <= y < [c].
+SQUARE_THRESHOLDS = tuple(t * t + t + 0.5 for t in range(7))
+
 if sys.byteorder != "little":  # the scale bytes are written as little-endian fp32
     raise ImportError("megaq.kernels assumes a little-endian host")
 
@@ -52,6 +67,25 @@ def check_format(L: int, bits: int, block: int) -> None:
             f"length {L} is not a positive multiple of the block size {block}: "
             f"pad the buffer to a multiple of {block} before quantizing"
         )
+
+
+def check_code(code: str) -> None:
+    """Raise one clear ValueError for an unknown int4 code."""
+    if code not in INT4_CODES:
+        raise ValueError(f"int4 code {code!r} is not supported: use one of {', '.join(INT4_CODES)}")
+
+
+def max_error_over_absmax(bits: int, code: str = "linear") -> float:
+    """Worst |x - dequant(quant(x))| / absmax of x's block, for the rounding rule of
+    docs/KERNELS.md (fp32 scale and reciprocal roundings included). linear: half a step,
+    absmax / (2 qmax), times the scale's round-up (1 + 2^-(SCALE_BITS-1)). square: the
+    widest gap between levels is 36 .. 49 steps, so at most 6.5 steps of absmax / 49
+    (the scale rounded up by at most 2^-(SQUARE_SCALE_BITS-1), the reciprocal by 2^-24):
+    6.5 / 49 ~ 0.1327 absmax, against 1/14 ~ 0.0714 for linear int4; near zero it is far
+    smaller (sqrt(|x| s) + s / 2, and values down to absmax / 98 are kept, not absmax / 14)."""
+    if bits == 4 and code == "square":
+        return 6.5 / SQUARE_QMAX * (1 + 2.0 ** -(SQUARE_SCALE_BITS - 1)) + 49 * 2.0 ** -23 / SQUARE_QMAX
+    return 1 / (2 * QMAX[bits]) * (1 + 2.0 ** -(SCALE_BITS - 1)) + 2.0 ** -23
 
 
 def packed_len(L: int, bits: int, block: int) -> int:

@@ -36,21 +36,25 @@ def backend_for(t: torch.Tensor):
     return quant
 
 
-def quantize(x, bits=8, block=DEFAULT_BLOCK):
-    return backend_for(x).quantize(x, bits, block)
+# code: the int4 code, "linear" (q * s) or "square" (q |q| s; format.INT4_CODES); int8
+# segments are always linear.
 
 
-def dequantize(packed, L, bits=8, block=DEFAULT_BLOCK, dtype=torch.float32):
-    return backend_for(packed).dequantize(packed, L, bits, block, dtype)
+def quantize(x, bits=8, block=DEFAULT_BLOCK, code="linear"):
+    return backend_for(x).quantize(x, bits, block, code)
 
 
-def reorder_quantize(grad, k, m, bits=4, block=DEFAULT_BLOCK, residual=None):
-    return backend_for(grad).reorder_quantize(grad, k, m, bits, block, residual)
+def dequantize(packed, L, bits=8, block=DEFAULT_BLOCK, dtype=torch.float32, code="linear"):
+    return backend_for(packed).dequantize(packed, L, bits, block, dtype, code)
 
 
-def dequant_reduce_quantize(recv, k, S, bits_in=4, bits_out=4, block=DEFAULT_BLOCK):
-    return backend_for(recv).dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block)
+def reorder_quantize(grad, k, m, bits=4, block=DEFAULT_BLOCK, residual=None, code="linear"):
+    return backend_for(grad).reorder_quantize(grad, k, m, bits, block, residual, code)
 
 
-def dequant_reduce(recv, S, bits=4, block=DEFAULT_BLOCK, scale=1.0, out=None):
-    return backend_for(recv).dequant_reduce(recv, S, bits, block, scale, out)
+def dequant_reduce_quantize(recv, k, S, bits_in=4, bits_out=4, block=DEFAULT_BLOCK, code="linear"):
+    return backend_for(recv).dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, code)
+
+
+def dequant_reduce(recv, S, bits=4, block=DEFAULT_BLOCK, scale=1.0, out=None, code="linear"):
+    return backend_for(recv).dequant_reduce(recv, S, bits, block, scale, out, code)

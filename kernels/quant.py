@@ -12,6 +12,8 @@ the work, one Triton program per NB consecutive quantization blocks:
 - _int4_hop_kernel: the hop for int4 input and int4 output, reading the payload as
   32-bit words (block a multiple of 8, 4-byte aligned buffers): one LOP3 and one FFMA
   per input element (docs/KERNELS.md, "The qgZ hop").
+- _int4_square_hop_kernel: the hop in the square-law int4 code (dequantize, sum,
+  requantize), in 32-bit words likewise.
 - _int4_words_kernel: int4 input, float output, in 32-bit words likewise.
 
 Every launch passes enable_fp_fusion=False, so a multiply and an add are fused only
@@ -20,6 +22,8 @@ integers), or the fma is the rounding step of the rule, which the reference comp
 exactly in float64. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32 lowering
 on NVIDIA GPUs is approximate.
 """
+
+import functools
 
 import torch
 import triton
@@ -36,7 +40,11 @@ from .format import (
     HOP_FLUSH,
     QMAX,
     SCALE_DROP,
+    SQUARE_QMAX,
+    SQUARE_SCALE_DROP,
+    SQUARE_THRESHOLDS,
     TINY,
+    check_code,
     check_float_input,
     check_format,
     check_out,
@@ -45,6 +53,7 @@ from .format import (
     check_residual,
     packed_len,
 )
+from .launch import CachedLauncher
 
 __all__ = [
     "packed_len",
@@ -65,17 +74,20 @@ __all__ = [
 # ROUND_MAGIC) rounds the exact product to an integer q (half to even) and leaves the
 # bits 0x4B400000 + q, whose low byte / nibble is q in two's complement.
 _SCALE_DROP = tl.constexpr(SCALE_DROP)
+_SQUARE_DROP = tl.constexpr(SQUARE_SCALE_DROP)
+_SQUARE_QMAX = tl.constexpr(SQUARE_QMAX)
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _MAGIC_BITS = tl.constexpr(0x4B400000)
 
 
 @triton.jit
-def _scale_rule(absmax, is_zero, QMAX: tl.constexpr):
+def _scale_rule(absmax, is_zero, QMAX: tl.constexpr, DROP: tl.constexpr):
     """(scale, inv) per block, the rule in reference.py: absmax / qmax rounded up to
-    SCALE_BITS significant bits, and its IEEE reciprocal; 0 and 0 for zero blocks."""
+    SCALE_BITS significant bits (the low bits DROP zero), and its IEEE reciprocal; 0 and
+    0 for zero blocks."""
     safe = tl.where(is_zero, 1.0, absmax)
     s = tl.math.div_rn(safe, tl.full(absmax.shape, QMAX, tl.float32))
-    s = ((s.to(tl.int32, bitcast=True) + _SCALE_DROP) & ~_SCALE_DROP).to(tl.float32, bitcast=True)
+    s = ((s.to(tl.int32, bitcast=True) + DROP) & ~DROP).to(tl.float32, bitcast=True)
     inv = tl.where(is_zero, 0.0, tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), s))
     return tl.where(is_zero, 0.0, s), inv
 
@@ -90,8 +102,47 @@ def _round_bits(y, inv):
 def _quantize_tile(x, QMAX: tl.constexpr, TINY: tl.constexpr):
     """fp32 [NB, P2] -> (q as _round_bits int32 [NB, P2], scale fp32 [NB])."""
     absmax = tl.max(tl.abs(x), axis=1)
-    scale, inv = _scale_rule(absmax, absmax < TINY, QMAX)
+    scale, inv = _scale_rule(absmax, absmax < TINY, QMAX, _SCALE_DROP)
     return _round_bits(x, inv[:, None]), scale
+
+
+# The square-law int4 code (reference._square_q): c = the number of thresholds T_t =
+# t^2 + t + 1/2 (t = 0..6) that the exact product y = |x| * inv reaches. Counting against
+# the rounded fp32 product rn(y) can only over-count: rounding is monotonic and every T_t
+# is an fp32 number, so T_t <= y implies T_t <= rn(y), and T_t <= rn(y) with y < T_t
+# forces rn(y) == T_t (else T_t would lie strictly between y and rn(y), nearer to y).
+# That case is the largest threshold counted, T_(c-1) = c^2 - c + 1/2, and one fma settles
+# it: fma(|x|, inv, -T) is the exact y - T rounded once, whose sign is the exact sign
+# (the difference is a multiple of 2^-48 or more near T, far from underflow).
+_T0 = tl.constexpr(SQUARE_THRESHOLDS[0])
+_T1 = tl.constexpr(SQUARE_THRESHOLDS[1])
+_T2 = tl.constexpr(SQUARE_THRESHOLDS[2])
+_T3 = tl.constexpr(SQUARE_THRESHOLDS[3])
+_T4 = tl.constexpr(SQUARE_THRESHOLDS[4])
+_T5 = tl.constexpr(SQUARE_THRESHOLDS[5])
+_T6 = tl.constexpr(SQUARE_THRESHOLDS[6])
+
+
+@triton.jit
+def _square_q(x, inv):
+    """The square code's q = sign(x) c as int32 (low nibble = the two's-complement
+    nibble), bit for bit reference._square_q (the argument above)."""
+    a = tl.abs(x)
+    y = a * inv
+    c = ((y >= _T0).to(tl.int32) + (y >= _T1).to(tl.int32) + (y >= _T2).to(tl.int32)
+         + (y >= _T3).to(tl.int32) + (y >= _T4).to(tl.int32) + (y >= _T5).to(tl.int32)
+         + (y >= _T6).to(tl.int32))
+    top = (c * c - c).to(tl.float32) + 0.5  # T_(c-1); c = 0 gives 0.5 > y: no effect
+    c = c - ((y == top) & (tl.fma(a, inv, -top) < 0.0)).to(tl.int32)
+    return tl.where(x < 0, -c, c)
+
+
+@triton.jit
+def _quantize_tile_square(x, TINY: tl.constexpr):
+    """fp32 [NB, P2] -> (q int32 [NB, P2], scale fp32 [NB]) in the square code."""
+    absmax = tl.max(tl.abs(x), axis=1)
+    scale, inv = _scale_rule(absmax, absmax < TINY, _SQUARE_QMAX, _SQUARE_DROP)
+    return _square_q(x, inv[:, None]), scale
 
 
 @triton.jit
@@ -162,9 +213,13 @@ def _load_q(ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOC
 
 @triton.jit
 def _load_blocks(ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_P2: tl.constexpr):
-    """Read NB consecutive blocks back as fp32 [NB, BLOCK_P2] (q * scale)."""
-    return _load_q(ptr, NB, BITS, BLOCK, BLOCK_P2) * _load_scales(scale_ptr, NB)[:, None]
+                 BLOCK_P2: tl.constexpr, SQUARE: tl.constexpr):
+    """Read NB consecutive blocks back as fp32 [NB, BLOCK_P2] (q * scale; int4 in the
+    square code: q |q| * scale, exact)."""
+    q = _load_q(ptr, NB, BITS, BLOCK, BLOCK_P2)
+    if SQUARE and BITS == 4:
+        q = q * tl.abs(q)
+    return q * _load_scales(scale_ptr, NB)[:, None]
 
 
 # The int4 -> requantized qgZ hop (reference._int4_hop, docs/KERNELS.md): sums are kept
@@ -223,7 +278,7 @@ def _hop_requant_scale(absmax, pow2, QMAX: tl.constexpr, TINY: tl.constexpr, HOP
     """absmax of a hop sum (in units of 2^(e_max + 22)) -> (scale in true units, inv in
     the sum's units): _scale_rule, scaled by powers of two (exact)."""
     a22 = absmax * 4194304.0  # 2^22
-    scale, inv = _scale_rule(absmax, (a22 < HOP_FLOOR) | (a22 * pow2 < TINY), QMAX)
+    scale, inv = _scale_rule(absmax, (a22 < HOP_FLOOR) | (a22 * pow2 < TINY), QMAX, _SCALE_DROP)
     return (scale * 4194304.0) * pow2, inv
 
 
@@ -281,15 +336,27 @@ def _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB: tl.constexpr):
 
 
 @triton.jit
-def _load_words(w_ptr, f_ptr, NB: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, MAGIC: tl.constexpr):
+def _square_nibble(w, SHIFT: tl.constexpr):
+    """Nibble SHIFT / 4 of int32 words as the square code's fp32 q |q|."""
+    q = _nibble(w, SHIFT)
+    return q * tl.abs(q)
+
+
+@triton.jit
+def _load_words(w_ptr, f_ptr, NB: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, MAGIC: tl.constexpr,
+                SQUARE: tl.constexpr):
     """NB int4 blocks (W words each) as 8 fp32 tiles [NB, W_P2] (q * scale, nibble i in
-    tile i); padding words read as 0 and dequantize to 0.
+    tile i; SQUARE: q |q| * scale, exact); padding words read as 0 and dequantize to 0.
 
     MAGIC: each nibble comes from _word_nibbles as q * 2^P and is multiplied by scale *
     2^-P: the same real product q * scale, hence the same fp32 rounding."""
     w = _load_tile(w_ptr, NB, W_P2, W)
     s = tl.load(f_ptr + tl.arange(0, NB))[:, None]
-    if MAGIC:
+    if SQUARE:
+        return (_square_nibble(w, 0) * s, _square_nibble(w, 4) * s, _square_nibble(w, 8) * s,
+                _square_nibble(w, 12) * s, _square_nibble(w, 16) * s, _square_nibble(w, 20) * s,
+                _square_nibble(w, 24) * s, _square_nibble(w, 28) * s)
+    elif MAGIC:
         n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w)
         s0, s4, s8, s12, s16 = _nibble_scales(s)
         return n0 * s0, n1 * s4, n2 * s8, n3 * s12, n4 * s16, n5 * s8, n6 * s12, n7 * s16
@@ -375,13 +442,57 @@ def _int4_hop_kernel(
 
 
 @triton.jit
+def _int4_square_hop_kernel(
+    in_ptr, out_ptr,
+    in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
+    out_row_groups, out_row_words, out_payload_words,
+    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr,
+):
+    # int4 -> int4 in the square code, in 32-bit words: the reference's generic hop
+    # (dequantize each row, q |q| s exact; sum in row order; requantize). The levels need
+    # 7 bits with their bias, so the linear hop's exact-product sum does not apply: each
+    # nibble is converted, squared and scaled (_load_words), and the requantized nibbles
+    # are masked into words in place (no interleave).
+    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
+    row = orow * in_rows_per_out * in_row_words
+    a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
+                                                 NB, W, W_P2, False, True)
+    for r in tl.static_range(1, N_SUM):
+        row = (orow * in_rows_per_out + r) * in_row_words
+        e0, e1, e2, e3, e4, e5, e6, e7 = _load_words(in_w + row + in_blk * W,
+                                                     in_f + row + in_payload_words + in_blk, NB, W, W_P2, False,
+                                                     True)
+        a0 = a0 + e0
+        a1 = a1 + e1
+        a2 = a2 + e2
+        a3 = a3 + e3
+        a4 = a4 + e4
+        a5 = a5 + e5
+        a6 = a6 + e6
+        a7 = a7 + e7
+    # padding words dequantize to 0 in every row, so they never raise the absmax
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
+                      tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
+    absmax = tl.max(amax, axis=1)
+    scale, inv = _scale_rule(absmax, absmax < TINY, _SQUARE_QMAX, _SQUARE_DROP)
+    inv = inv[:, None]
+    word = ((_square_q(a0, inv) & 0xF) | ((_square_q(a1, inv) & 0xF) << 4) | ((_square_q(a2, inv) & 0xF) << 8)
+            | ((_square_q(a3, inv) & 0xF) << 12) | ((_square_q(a4, inv) & 0xF) << 16)
+            | ((_square_q(a5, inv) & 0xF) << 20) | ((_square_q(a6, inv) & 0xF) << 24)
+            | (_square_q(a7, inv) << 28))
+    out_row = orow * out_row_words
+    _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
+    tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
+
+
+@triton.jit
 def _int4_words_kernel(
     in_ptr, out_ptr,
     in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
     out_row_groups, factor,
     NB: tl.constexpr, N_SUM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, W: tl.constexpr,
     W_P2: tl.constexpr, HAS_FACTOR: tl.constexpr, ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    MAGIC: tl.constexpr,
+    MAGIC: tl.constexpr, SQUARE: tl.constexpr,
 ):
     # int4 -> float (dequantize, the final reduce): the same indexing and summation
     # order as _dequant_reduce_kernel, in 32-bit words: a block is W = BLOCK // 8 payload
@@ -389,11 +500,12 @@ def _int4_words_kernel(
     orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
     row = orow * in_rows_per_out * in_row_words
     a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
-                                                 NB, W, W_P2, MAGIC)
+                                                 NB, W, W_P2, MAGIC, SQUARE)
     for r in tl.static_range(1, N_SUM):
         row = (orow * in_rows_per_out + r) * in_row_words
         e0, e1, e2, e3, e4, e5, e6, e7 = _load_words(in_w + row + in_blk * W,
-                                                     in_f + row + in_payload_words + in_blk, NB, W, W_P2, MAGIC)
+                                                     in_f + row + in_payload_words + in_blk, NB, W, W_P2, MAGIC,
+                                                     SQUARE)
         a0 = a0 + e0
         a1 = a1 + e1
         a2 = a2 + e2
@@ -447,7 +559,7 @@ def _quantize_kernel(
     x_ptr, res_ptr, out_ptr,
     m, chunk_blocks, row_groups, row_bytes, payload_bytes,
     NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
-    QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr,
+    QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
 ):
     # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
     # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
@@ -461,12 +573,20 @@ def _quantize_kernel(
     if HAS_RES:
         r_blk = res_ptr + src * BLOCK
         x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
-    q, scale = _quantize_tile(x, QMAX, TINY)
+    if SQUARE and BITS == 4:
+        q, scale = _quantize_tile_square(x, TINY)
+    else:
+        q, scale = _quantize_tile(x, QMAX, TINY)
     row_ptr = out_ptr + row * row_bytes
     _store_blocks(row_ptr + b * (BLOCK * BITS // 8), row_ptr + payload_bytes + b * 4, q, scale,
                   NB, BITS, BLOCK, BLOCK_P2)
     if HAS_RES:
-        _store_tile(r_blk, x - (q - _MAGIC_BITS).to(tl.float32) * scale[:, None], NB, BLOCK_P2, BLOCK)
+        if SQUARE and BITS == 4:
+            qf = q.to(tl.float32)
+            deq = (qf * tl.abs(qf)) * scale[:, None]
+        else:
+            deq = (q - _MAGIC_BITS).to(tl.float32) * scale[:, None]
+        _store_tile(r_blk, x - deq, NB, BLOCK_P2, BLOCK)
 
 
 @triton.jit
@@ -477,6 +597,7 @@ def _dequant_reduce_kernel(
     NB: tl.constexpr, N_SUM: tl.constexpr, BITS_IN: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr, QMAX_OUT: tl.constexpr, TINY: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr, HOP_FLUSH: tl.constexpr, HOP_FLOOR: tl.constexpr,
+    SQUARE: tl.constexpr,
 ):
     # Output blocks (orow, ob .. ob + NB - 1) sum input rows orow * in_rows_per_out + r,
     # r < N_SUM, at blocks orow * in_blocks_per_out + ob .. of each row. The row loop is
@@ -487,7 +608,7 @@ def _dequant_reduce_kernel(
     ob = (pid % out_row_groups) * NB
     in_blk = orow * in_blocks_per_out + ob
     row_ptr = in_ptr + orow * in_rows_per_out * in_row_bytes
-    if BITS_IN == 4 and BITS_OUT != 0:
+    if BITS_IN == 4 and BITS_OUT != 0 and not SQUARE:
         # int4 -> requantized (the qgZ hop): reference._int4_hop, as _int4_hop_kernel
         first = row_ptr + in_payload_bytes + in_blk * 4  # row 0's scales
         pow2, norm, bias = _hop_prologue(first, in_row_bytes, NB, N_SUM, HOP_FLUSH, True)
@@ -506,15 +627,18 @@ def _dequant_reduce_kernel(
                       _round_bits(acc, inv[:, None]), scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
         return
     acc = _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
-                       NB, BITS_IN, BLOCK, BLOCK_P2)
+                       NB, BITS_IN, BLOCK, BLOCK_P2, SQUARE)
     for r in tl.static_range(1, N_SUM):
         row_ptr = in_ptr + (orow * in_rows_per_out + r) * in_row_bytes
         acc = acc + _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
-                                 NB, BITS_IN, BLOCK, BLOCK_P2)
+                                 NB, BITS_IN, BLOCK, BLOCK_P2, SQUARE)
     if BITS_OUT != 0:
         if BLOCK != BLOCK_P2:  # padding lanes must not touch the absmax
             acc = tl.where((tl.arange(0, BLOCK_P2) < BLOCK)[None, :], acc, 0.0)
-        q, scale = _quantize_tile(acc, QMAX_OUT, TINY)
+        if SQUARE and BITS_OUT == 4:
+            q, scale = _quantize_tile_square(acc, TINY)
+        else:
+            q, scale = _quantize_tile(acc, QMAX_OUT, TINY)
         row_ptr = out_ptr + orow * out_row_bytes
         _store_blocks(row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
                       q, scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
@@ -525,6 +649,22 @@ def _dequant_reduce_kernel(
         if ACCUMULATE:
             acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
         _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
+
+
+# One cached launcher per kernel (kernels/launch.py): after the first call of a
+# specialization, a call costs the compiled kernel's own launcher, not the JIT's binding.
+# CACHED_LAUNCH = False sends every call through the JIT (the benchmark's comparison).
+_QUANTIZE = CachedLauncher(_quantize_kernel)
+_DEQUANT_REDUCE = CachedLauncher(_dequant_reduce_kernel)
+_INT4_HOP = CachedLauncher(_int4_hop_kernel)
+_INT4_WORDS = CachedLauncher(_int4_words_kernel)
+_INT4_SQUARE_HOP = CachedLauncher(_int4_square_hop_kernel)
+CACHED_LAUNCH = True
+
+
+def _launcher(cached: CachedLauncher) -> CachedLauncher:
+    cached.enabled = CACHED_LAUNCH
+    return cached
 
 
 # Launch shape: warps per program and blocks per program (NB). The defaults come from
@@ -547,19 +687,31 @@ def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: in
     """Constexprs and launch options. NB (blocks per program) is the largest of
     {nb_default, 2, 1} dividing every count; warps give about `per_thread` elements per
     thread. H200 sweep at 256M elements (docs/PERFORMANCE.md): quantize is fastest with
-    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread."""
-    p2 = triton.next_power_of_2(block)
-    want = NB_OVERRIDE or nb_default
+    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread.
+    Memoised (the overrides are part of the key): a fresh dict per call, since callers
+    edit it."""
+    return dict(_launch_opts_cached(block, per_thread, nb_default, block_counts, NB_OVERRIDE, WARPS_OVERRIDE))
+
+
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 without its constexpr-function wrapper (microseconds a call)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_opts_cached(block, per_thread, nb_default, block_counts, nb_override, warps_override):
+    p2 = _next_pow2(block)
+    want = nb_override or nb_default
     nb = next(c for c in (want, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
-    warps = WARPS_OVERRIDE or max(1, min(16, p2 * nb // (32 * per_thread)))
-    return dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
+    warps = warps_override or max(1, min(16, p2 * nb // (32 * per_thread)))
+    return tuple(dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False).items())
 
 
 def _interpreting() -> bool:
     return isinstance(_quantize_kernel, InterpretedFunction)
 
 
-def _quantize_rows(x, residual, rows, k, m, S, bits, block):
+def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear"):
     """Quantize rows x [rows, k*S] where output row j block b reads chunk (b//cb)*m + j."""
     P = packed_len(k * S, bits, block)
     out = torch.empty((rows, P), dtype=torch.uint8, device=x.device)
@@ -568,9 +720,9 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block):
     row_blocks, chunk_blocks = k * S // block, S // block
     opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
     res = residual if residual is not None else x
-    _quantize_kernel[(rows * row_blocks // opts["NB"],)](
-        x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8,
-        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, **opts,
+    _launcher(_QUANTIZE)(
+        (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8,
+        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", **opts,
     )
     return out
 
@@ -587,91 +739,105 @@ def _use_words(recv, out, bits_in, bits_out, block) -> bool:
 
 
 def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_per_out, in_blocks_per_out,
-                           out_row_len, bits_out, block, factor=None, accumulate=False):
+                           out_row_len, bits_out, block, factor=None, accumulate=False, code="linear"):
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
+    square = code == "square"
     if _use_words(recv, out, bits_in, bits_out, block):
         per_thread = HOP_PER_THREAD if bits_out else WORDS_PER_THREAD
         opts = _launch_opts(block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
-        opts.update(W=block // 8, W_P2=triton.next_power_of_2(block // 8))
+        opts.update(W=block // 8, W_P2=_next_pow2(block // 8))
         grid = (out_rows * out_row_blocks // opts["NB"],)
         args = (recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
                 out_row_blocks // opts["NB"])
-        if bits_out:
+        if bits_out and square:
             del opts["BLOCK"], opts["BLOCK_P2"]
-            _int4_hop_kernel[grid](*args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
+            _launcher(_INT4_SQUARE_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum, **opts)
+        elif bits_out:
+            del opts["BLOCK"], opts["BLOCK_P2"]
+            _launcher(_INT4_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
                                    HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, **opts)
         else:
             del opts["TINY"]
             magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
-            _int4_words_kernel[grid](*args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
-                                     ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic, **opts)
+            _launcher(_INT4_WORDS)(grid, *args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
+                                   ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic,
+                                   SQUARE=square, **opts)
         return out
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
-    _dequant_reduce_kernel[(out_rows * out_row_blocks // opts["NB"],)](
-        recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
+    _launcher(_DEQUANT_REDUCE)(
+        (out_rows * out_row_blocks // opts["NB"],), recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
         out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
         N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
         HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
-        HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, **opts,
+        HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts,
     )
     return out
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear") -> torch.Tensor:
     check_float_input(x)
     L = x.shape[-1] if x.dim() else 0
     check_format(L, bits, block)
+    check_code(code)
     lead = x.shape[:-1]
     flat = x.contiguous().reshape(-1, L)
-    out = _quantize_rows(flat, None, flat.shape[0], 1, 1, L, bits, block)
+    out = _quantize_rows(flat, None, flat.shape[0], 1, 1, L, bits, block, code)
     return out.reshape(*lead, out.shape[-1])
 
 
 def dequantize(
-    packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32
+    packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
+    code: str = "linear",
 ) -> torch.Tensor:
     check_packed(packed, L, bits, block)
+    check_code(code)
     lead = packed.shape[:-1]
     flat = packed.contiguous().reshape(-1, packed.shape[-1])
     out = torch.empty((flat.shape[0], L), dtype=dtype, device=packed.device)
     if flat.shape[0] == 0:
         return out.reshape(*lead, L)
-    _dequant_reduce_launch(flat, out, flat.shape[0], 1, L, bits, 1, 0, L, 0, block)
+    _dequant_reduce_launch(flat, out, flat.shape[0], 1, L, bits, 1, 0, L, 0, block, code=code)
     return out.reshape(*lead, L)
 
 
 def reorder_quantize(
     grad: torch.Tensor, k: int, m: int, bits: int = 4, block: int = DEFAULT_BLOCK,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None, code: str = "linear",
 ) -> torch.Tensor:
     check_float_input(grad)
     S = check_reorder(grad.numel(), k, m, block)
     check_format(S, bits, block)
+    check_code(code)
     if residual is not None:
         check_residual(residual, grad)
-    return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block)
+    return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block, code)
 
 
 def dequant_reduce_quantize(
-    recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK
+    recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK,
+    code: str = "linear",
 ) -> torch.Tensor:
     check_format(S, bits_out, block)
     check_packed(recv, k * S, bits_in, block)
+    check_code(code)
     flat = recv.contiguous().reshape(-1, recv.shape[-1])
     out = torch.empty((k, packed_len(S, bits_out, block)), dtype=torch.uint8, device=recv.device)
-    return _dequant_reduce_launch(flat, out, k, flat.shape[0], k * S, bits_in, 0, S // block, S, bits_out, block)
+    return _dequant_reduce_launch(flat, out, k, flat.shape[0], k * S, bits_in, 0, S // block, S, bits_out, block,
+                                  code=code)
 
 
 def dequant_reduce(
     recv: torch.Tensor, S: int, bits: int = 4, block: int = DEFAULT_BLOCK, scale: float = 1.0,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, code: str = "linear",
 ) -> torch.Tensor:
     check_packed(recv, S, bits, block)
+    check_code(code)
     flat = recv.contiguous().reshape(-1, recv.shape[-1])
     accumulate = out is not None
     if accumulate:
         check_out(out, S)
     else:
         out = torch.empty(S, dtype=torch.float32, device=recv.device)
-    return _dequant_reduce_launch(flat, out, 1, flat.shape[0], S, bits, 0, 0, S, 0, block, float(scale), accumulate)
+    return _dequant_reduce_launch(flat, out, 1, flat.shape[0], S, bits, 0, 0, S, 0, block, float(scale), accumulate,
+                                  code)

@@ -9,6 +9,12 @@ exact product), then one cast to the requested dtype. Sums run over rows in orde
 1, ... starting from +0.0, one fp32 add per row, except the int4 -> requantized hop,
 which sums in the exactly reproducible form of _int4_hop.
 
+The square-law int4 code (`code="square"`, format.INT4_CODES; int8 is always linear):
+scale = absmax / 49 rounded up to SQUARE_SCALE_BITS (18) bits, y = |x| * inv (exact),
+c = the number of thresholds t^2 + t + 1/2 (t = 0..6) that y reaches, q = sign(x) c;
+dequantize q |q| * scale (exact). Its hop dequantizes, sums the rows in order from +0.0
+and requantizes (no exact-product form: q |q| + 49 needs 7 bits).
+
 Note: never write `qmax / tensor`: torch computes a python-scalar numerator as
 reciprocal(tensor) * qmax, which is not the IEEE quotient.
 """
@@ -21,7 +27,11 @@ from .format import (
     HOP_FLUSH,
     QMAX,
     SCALE_DROP,
+    SQUARE_QMAX,
+    SQUARE_SCALE_DROP,
+    SQUARE_THRESHOLDS,
     TINY,
+    check_code,
     check_float_input,
     check_format,
     check_out,
@@ -41,17 +51,25 @@ __all__ = [
 ]
 
 
-def _round_up_scale(s: torch.Tensor) -> torch.Tensor:
-    """Positive fp32 -> the smallest value >= it with SCALE_BITS significant bits."""
-    return ((s.view(torch.int32) + SCALE_DROP) & ~SCALE_DROP).view(torch.float32)
+def _round_up_scale(s: torch.Tensor, drop: int = SCALE_DROP) -> torch.Tensor:
+    """Positive fp32 -> the smallest value >= it with SCALE_BITS significant bits (the
+    low bits `drop` zero)."""
+    return ((s.view(torch.int32) + drop) & ~drop).view(torch.float32)
 
 
-def _scale_rule(absmax: torch.Tensor, is_zero: torch.Tensor, bits: int):
-    """(scale, inv) per block: scale = absmax / qmax rounded up to SCALE_BITS bits,
-    inv = 1 / scale (IEEE divisions); both 0 for zero blocks."""
-    qmax = torch.full_like(absmax, float(QMAX[bits]))
+def _square(bits: int, code: str) -> bool:
+    """Whether a segment of `bits` uses the square-law code (only int4 has one)."""
+    check_code(code)
+    return bits == 4 and code == "square"
+
+
+def _scale_rule(absmax: torch.Tensor, is_zero: torch.Tensor, bits: int, square: bool = False):
+    """(scale, inv) per block: scale = absmax / qmax rounded up to SCALE_BITS bits (the
+    square code: / 49, SQUARE_SCALE_BITS bits), inv = 1 / scale (IEEE divisions); both 0
+    for zero blocks."""
+    qmax = torch.full_like(absmax, float(SQUARE_QMAX if square else QMAX[bits]))
     safe = torch.where(is_zero, torch.ones_like(absmax), absmax)
-    scale = _round_up_scale(torch.div(safe, qmax))
+    scale = _round_up_scale(torch.div(safe, qmax), SQUARE_SCALE_DROP if square else SCALE_DROP)
     inv = torch.where(is_zero, torch.zeros_like(absmax), torch.div(torch.ones_like(scale), scale))
     return torch.where(is_zero, torch.zeros_like(scale), scale), inv
 
@@ -60,6 +78,16 @@ def _round_q(blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """q = the exact product blocks * inv rounded half to even (exact in fp64: two
     24-bit significands), as int8. |q| <= qmax: absmax * inv <= qmax * (1 + 2^-23)."""
     return torch.round(blocks.double() * inv.double().unsqueeze(-1)).to(torch.int8)
+
+
+def _square_q(blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """The square code's q = sign(x) c, c = #{t : |x| * inv >= t^2 + t + 1/2} (the
+    product exact in fp64), as int8."""
+    y = blocks.abs().double() * inv.double().unsqueeze(-1)
+    c = torch.zeros(y.shape, dtype=torch.int8, device=y.device)
+    for thr in SQUARE_THRESHOLDS:
+        c += (y >= thr).to(torch.int8)
+    return torch.where(blocks < 0, -c, c)
 
 
 def _pack(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -72,17 +100,20 @@ def _pack(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([payload, scale.contiguous().view(torch.uint8)], dim=-1)
 
 
-def _quantize_fp32(xf: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+def _quantize_fp32(xf: torch.Tensor, bits: int, block: int, code: str = "linear") -> torch.Tensor:
     """xf: fp32 [..., L] -> packed uint8 [..., packed_len]."""
     lead, L = xf.shape[:-1], xf.shape[-1]
     blocks = xf.reshape(*lead, L // block, block)
     absmax = blocks.abs().amax(dim=-1)
-    scale, inv = _scale_rule(absmax, absmax < TINY, bits)
-    return _pack(_round_q(blocks, inv).reshape(*lead, L), scale, bits)
+    square = _square(bits, code)
+    scale, inv = _scale_rule(absmax, absmax < TINY, bits, square)
+    q = _square_q(blocks, inv) if square else _round_q(blocks, inv)
+    return _pack(q.reshape(*lead, L), scale, bits)
 
 
-def _dequantize_fp32(packed: torch.Tensor, L: int, bits: int, block: int) -> torch.Tensor:
-    """packed uint8 [..., P] -> fp32 [..., L] (q * scale, one fp32 multiply)."""
+def _dequantize_fp32(packed: torch.Tensor, L: int, bits: int, block: int, code: str = "linear") -> torch.Tensor:
+    """packed uint8 [..., P] -> fp32 [..., L] (q * scale, one fp32 multiply; the square
+    code q |q| * scale, exact)."""
     nbytes = L * bits // 8
     payload = packed[..., :nbytes]
     scale = packed[..., nbytes:].contiguous().view(torch.float32)
@@ -94,6 +125,8 @@ def _dequantize_fp32(packed: torch.Tensor, L: int, bits: int, block: int) -> tor
         q = torch.stack([lo, hi], dim=-1).flatten(-2)
     lead = packed.shape[:-1]
     qf = q.to(torch.float32).reshape(*lead, L // block, block)
+    if _square(bits, code):
+        qf = qf * qf.abs()
     return (qf * scale.unsqueeze(-1)).reshape(*lead, L)
 
 
@@ -105,19 +138,21 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK) -> torch.Tensor:
-    """x [..., L] (bf16/fp16/fp32) -> uint8 [..., packed_len(L, bits, block)]."""
+def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear") -> torch.Tensor:
+    """x [..., L] (bf16/fp16/fp32) -> uint8 [..., packed_len(L, bits, block)].
+    code: the int4 code ("linear" or "square"; int8 is always linear)."""
     check_float_input(x)
     check_format(x.shape[-1] if x.dim() else 0, bits, block)
-    return _quantize_fp32(x.to(torch.float32), bits, block)
+    return _quantize_fp32(x.to(torch.float32), bits, block, code)
 
 
 def dequantize(
-    packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32
+    packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
+    code: str = "linear",
 ) -> torch.Tensor:
     """uint8 [..., packed_len(L)] -> [..., L] of `dtype` (rounded once from fp32)."""
     check_packed(packed, L, bits, block)
-    return _dequantize_fp32(packed, L, bits, block).to(dtype)
+    return _dequantize_fp32(packed, L, bits, block, code).to(dtype)
 
 
 def reorder_quantize(
@@ -127,6 +162,7 @@ def reorder_quantize(
     bits: int = 4,
     block: int = DEFAULT_BLOCK,
     residual: torch.Tensor | None = None,
+    code: str = "linear",
 ) -> torch.Tensor:
     """grad [n*S] (n = k*m chunks; chunk a*m + j belongs to node a, local rank j)
     -> uint8 [m, packed_len(k*S)]: row j holds chunks j, m + j, ..., (k-1)*m + j.
@@ -141,9 +177,9 @@ def reorder_quantize(
         check_residual(residual, grad)
         x = x + residual
     xr = x.reshape(k, m, S).transpose(0, 1).reshape(m, k * S)
-    packed = _quantize_fp32(xr, bits, block)
+    packed = _quantize_fp32(xr, bits, block, code)
     if residual is not None:
-        err = xr - _dequantize_fp32(packed, k * S, bits, block)
+        err = xr - _dequantize_fp32(packed, k * S, bits, block, code)
         residual.copy_(err.reshape(m, k, S).transpose(0, 1).reshape(-1))
     return packed
 
@@ -151,16 +187,18 @@ def reorder_quantize(
 
 
 def dequant_reduce_quantize(
-    recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK
+    recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK,
+    code: str = "linear",
 ) -> torch.Tensor:
     """recv uint8 [m, packed_len(k*S, bits_in)] -> uint8 [k, packed_len(S, bits_out)]:
-    dequantize the m rows, sum them in fp32, requantize each of the k chunks of S."""
+    dequantize the m rows, sum them in fp32, requantize each of the k chunks of S.
+    code: the int4 code of the int4 side(s)."""
     check_format(S, bits_out, block)
     check_packed(recv, k * S, bits_in, block)
-    if bits_in == 4:
+    if bits_in == 4 and not _square(4, code):
         return _int4_hop(recv.reshape(-1, recv.shape[-1]), k, S, bits_out, block)
-    rows = _dequantize_fp32(recv.reshape(-1, recv.shape[-1]), k * S, bits_in, block)
-    return _quantize_fp32(_sum_rows(rows).reshape(k, S), bits_out, block)
+    rows = _dequantize_fp32(recv.reshape(-1, recv.shape[-1]), k * S, bits_in, block, code)
+    return _quantize_fp32(_sum_rows(rows).reshape(k, S), bits_out, block, code)
 
 
 def _int4_hop(recv: torch.Tensor, k: int, S: int, bits_out: int, block: int) -> torch.Tensor:
@@ -200,11 +238,12 @@ def dequant_reduce(
     block: int = DEFAULT_BLOCK,
     scale: float = 1.0,
     out: torch.Tensor | None = None,
+    code: str = "linear",
 ) -> torch.Tensor:
     """recv uint8 [k, packed_len(S)] -> fp32 [S] = scale * sum of the k rows.
     With `out` (fp32 [S]) the result is ADDED into out (gradient accumulation)."""
     check_packed(recv, S, bits, block)
-    rows = _dequantize_fp32(recv.reshape(-1, recv.shape[-1]), S, bits, block)
+    rows = _dequantize_fp32(recv.reshape(-1, recv.shape[-1]), S, bits, block, code)
     res = _sum_rows(rows) * float(scale)  # fp32 tensor * python float: fp32(scale) multiply
     if out is None:
         return res

@@ -82,7 +82,9 @@ def error_feedback_file(ckpt_dir: str, rank: int) -> str:
 
 
 # what the qgZ residuals depend on besides the layout: a change of these restarts them
-_EF_SETTINGS = ("grad_bits_intra", "grad_bits_inter", "block_size", "grad_exact_own_rows")
+_EF_SETTINGS = ("grad_bits_intra", "grad_bits_inter", "block_size", "grad_exact_own_rows", "grad_code")
+# what a checkpoint saved before a setting existed meant by it
+_EF_SETTINGS_BEFORE = {"grad_code": "linear"}
 
 
 # ------------------------------------------------------------------------ RNG streams
@@ -486,8 +488,9 @@ def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, to
     path = error_feedback_file(ckpt, topo.rank)
     if sd["layout"] != layout_dict(topo.layout):
         reason = f"the layout changed ({sd['layout']} -> {layout_dict(topo.layout)})"
-    elif any(saved["zero"].get(k) != getattr(config.zero, k) for k in _EF_SETTINGS):
-        reason = "the qgZ bits, block size or own-rows setting changed"
+    elif any(saved["zero"].get(k, _EF_SETTINGS_BEFORE.get(k)) != getattr(config.zero, k)
+             for k in _EF_SETTINGS):
+        reason = "the qgZ bits, block size, own-rows setting or int4 code changed"
     elif not os.path.isfile(path):
         reason = "the checkpoint holds none (saved without error feedback, or at DP=1)"
     else:

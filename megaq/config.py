@@ -269,6 +269,12 @@ class ZeroFlags:
         "--zero-quantized-gradients-intra-bits", "qgZ bits of the in-node hop only (in-node "
         "bytes, never cross-node; docs/ZEROPP.md 'Fidelity' has the trade-off); default: "
         "--zero-quantized-gradients-bits", type=int, choices=[4, 8])
+    zero_quantized_gradients_code: str = flag(
+        "--zero-quantized-gradients-code", "qgZ: the int4 code of the gradient hops (int8 hops "
+        "are linear): linear, a nibble q means q*absmax/7 (values below absmax/14 of their "
+        "block arrive as 0); square, q|q|*absmax/49 (levels 0,1,4,...,49; values down to "
+        "absmax/98 survive). Same bytes; docs/ZEROPP.md 'The square-law code'",
+        ZeroConfig.grad_code, choices=["linear", "square"])
     zero_quantization_block_size: int = flag("--zero-quantization-block-size",
                                              "elements per quantization block",
                                              ZeroConfig.block_size, type=int)
@@ -317,6 +323,7 @@ class ZeroFlags:
             error_feedback=self.zero_gradient_error_feedback,
             grad_exact_own_rows=self.zero_quantized_gradients_exact_own_rows,
             weight_deltas=self.zero_weight_deltas, weight_delta_bits=self.zero_weight_delta_bits,
+            grad_code=self.zero_quantized_gradients_code,
             block_size=self.zero_quantization_block_size,
             grad_chunk=self.zero_quantized_gradients_chunk)
 

@@ -82,7 +82,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--no-load-optim", "--no-save-optim", "--finetune", "--pretrained-checkpoint",
           "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler",
           "--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler",
-          "--fp8-format", "--fp8-recipe",
+          "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
           "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir",
           "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
           "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")

@@ -104,6 +104,7 @@ def build_trainer(config, topo, t_start: float | None = None):
     from megaq.data.setup import build_data
     from megaq.lr_schedule import LRSchedule
     from megaq.model import build_model_chunks
+    from megaq.parallel import fp8_delayed
     from megaq.training import TrainingParts, Trainer, TrainState
     from megaq.zero import build_engine
 
@@ -163,6 +164,9 @@ def build_trainer(config, topo, t_start: float | None = None):
             state.consumed_samples = loaded["consumed_samples"]
             state.skipped_total = loaded["extra"].get("skipped_total", 0)
             state.nan_total = loaded["extra"].get("nan_total", 0)
+            note = fp8_delayed.restore(chunks, topo, loaded["extra"].get("fp8_amax"))
+            if note and rank0:
+                print(f" note: {note}", flush=True)
             if rank0:
                 print(f" loaded checkpoint {loaded['path']} at iteration {state.iteration} "
                       f"(consumed samples {state.consumed_samples})", flush=True)

@@ -32,7 +32,7 @@ from megaq import failure, watchdog
 from megaq.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
                                  training_log_line, validation_log_line)
 from megaq.metrics import MetricsWriter, SetAside, comm_per_node_per_iteration
-from megaq.parallel import comm
+from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallel.pipeline.p2p import StepTimer
 
@@ -178,7 +178,10 @@ class Trainer:
         timers.stop("optimizer")
         loss = self._global_mean(loss_sum, self.training.num_micro_batches)  # the one host sync
         grad_norm = float(norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        # delayed FP8 scaling: this step's amaxes into the histories (dropped when skipped)
+        fp8_delayed.step(self.p.model_chunks, self.topo.tp, self.topo.dp, skipped=not finite)
+        if not finite:
             engine.skip_step()
             return loss, grad_norm, False
         timers.start("optimizer")
@@ -229,7 +232,8 @@ class Trainer:
                 self.config.checkpointing.save, s.iteration, config=self.config, topo=self.topo,
                 engine=self.p.engine, lr_schedule=self.p.lr_schedule,
                 consumed_samples=s.consumed_samples,
-                extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total},
+                extra={"skipped_total": s.skipped_total, "nan_total": s.nan_total,
+                       "fp8_amax": fp8_delayed.checkpoint_extra(self.p.model_chunks, self.topo)},
                 save_optim=not self.config.checkpointing.no_save_optim)
         if self.rank0:
             ms = (time.perf_counter() - t0) * 1000

@@ -26,7 +26,7 @@ import torch._dynamo  # noqa: F401  (imported once before the ranks fork)
 
 from megaq import pretrain
 from megaq.model import GPTConfig, GPTModel
-from megaq.parallel import fp8
+from megaq.parallel import fp8, fp8_delayed
 from megaq.parallel.fp8 import FP8Recipe, capture_scales, quantize
 from megaq.parallel.launch import run_on_ranks
 from megaq.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -246,3 +246,207 @@ def test_fp8_compiled_blocks_match_eager(recipe):
     assert _rel(lc, le) < 1e-5
     for name, g in ge.items():
         assert _rel(gc[name], g) < 1e-5, name
+
+
+# ------------------------------------------------------------ delayed scaling
+def _delayed_layers(topo, steps):
+    """A column- and a row-parallel layer with the delayed recipe trained `steps` steps
+    on different inputs (fp8_delayed.step after each backward): per step the outputs
+    and grads, and at the end every history and scale."""
+    g, n, r = topo.tp, topo.tp.size, topo.tp_rank
+    recipe = FP8Recipe("hybrid", "delayed", amax_history_len=3)
+    col = ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False, fp8=recipe)
+    row = RowParallelLinear(N, K, g, init_weight=lambda s: _randn(11, *s), bias=False, fp8=recipe)
+    per_step = []
+    for s in range(steps):
+        # the amaxes move from step to step, so the history's scales differ from current ones
+        x, dy = _randn(12 + s, T, B, K) * (1 + s), _randn(20 + s, T, B, N).chunk(n, -1)[r]
+        xr, dyr = _randn(30 + s, T, B, N), _randn(40 + s, T, B, K) / (1 + s)
+        xr[..., s] *= 20.0  # an outlier in one rank's shard of the row-parallel input
+        xr = xr.chunk(n, -1)[r].clone().requires_grad_()
+        x.requires_grad_()
+        y, yr = col(x), row(xr)
+        y.backward(dy)
+        yr.backward(dyr)
+        per_step.append({"col": (y.detach(), x.grad, col.weight.grad.clone()),
+                         "row": (yr.detach(), xr.grad, row.weight.grad.clone())})
+        col.weight.grad = row.weight.grad = None
+        fp8_delayed.step([col, row], g)
+    return per_step, [(m.fp8_amax.history.clone(), m.fp8_amax.scale.clone()) for m in (col, row)]
+
+
+def test_delayed_scaling_histories_and_scales_are_identical_at_every_tp_size():
+    """The amaxes are MAX-reduced over TP once per step, so every TP split keeps the
+    TP=1 history and scales bit for bit and casts every element as TP=1 does: outputs
+    and grads agree to fp32 summation order (1e-5, as the tensorwise test)."""
+    steps = 4  # more than the history (3): the oldest step rolls out
+    ref_steps, ref_state = run_on_ranks(_delayed_layers, 1, tp=1, args=(steps,))[0]
+    (hist, scale), _ = ref_state
+    assert (hist > 0).all()
+    assert torch.equal(scale, fp8.scale_from_amax(hist.amax(0), fp8.E4M3, False)
+                       .where(torch.tensor([True, False]),
+                              fp8.scale_from_amax(hist.amax(0), fp8.E5M2, False)))
+    for tp in (2, 4):
+        out = run_on_ranks(_delayed_layers, tp, tp=tp, args=(steps,))
+        for r, (res_steps, state) in enumerate(out):
+            for (h, s), (h1, s1) in zip(state, ref_state):
+                assert torch.equal(h, h1) and torch.equal(s, s1), f"tp={tp} rank {r}"
+        for step in range(steps):
+            per_rank = [res[0][step] for res in out]
+            for layer, dims in (("col", (-1, None, 0)), ("row", (None, -1, 1))):
+                for i, dim in enumerate(dims):
+                    err = _rel(_full(per_rank, layer, i, dim), ref_steps[step][layer][i])
+                    assert err < 1e-5, f"tp={tp} step {step} {layer}[{i}]: rel err {err:.2e}"
+
+
+def test_delayed_scaling_starts_as_tensorwise_then_casts_with_the_history():
+    """Step 1 (empty history) scales as the tensorwise recipe, bit for bit; later steps
+    cast x and dY with fp8_max / (the history's max, or its newest row) and record the
+    current amaxes; a skipped step leaves the history alone."""
+    from megaq.parallel.comm import Group
+
+    g = Group(ranks=[0], nodes=[0], pg=None, rank_index=0)
+
+    def layer(scaling, algo="max"):
+        rec = FP8Recipe("hybrid", scaling, amax_history_len=2, amax_compute_algo=algo)
+        return ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False, fp8=rec)
+
+    def run(m, x, dy):
+        x = x.clone().requires_grad_()
+        with capture_scales() as scales:
+            y = m(x)
+            y.backward(dy)
+        return (y.detach(), x.grad, m.weight.grad), dict(scales)
+
+    xs = [_randn(50 + s, T, B, K) * (3 - s) for s in range(3)]
+    dys = [_randn(60 + s, T, B, N) * 10 ** -s for s in range(3)]
+    tw, dl, mr = layer("tensorwise"), layer("delayed"), layer("delayed", "most_recent")
+    a, _ = run(tw, xs[0], dys[0])
+    b, _ = run(dl, xs[0], dys[0])
+    assert all(torch.equal(u, v) for u, v in zip(a, b))  # step 1: tensorwise exactly
+    amaxes = []
+    for s in range(3):
+        amaxes.append(torch.stack([xs[s].abs().amax(), dys[s].abs().amax()]))
+        for m in (dl, mr):
+            if s:
+                _, scales = run(m, xs[s], dys[s])
+                hist = torch.stack(amaxes[-3:-1][::-1])  # the two previous steps, newest first
+                amax = hist.amax(0) if m is dl else hist[0]
+                assert torch.equal(scales["input"], 1 / fp8.scale_from_amax(amax[0], fp8.E4M3, False))
+                assert torch.equal(scales["grad_output"],
+                                   1 / fp8.scale_from_amax(amax[1], fp8.E5M2, False))
+            else:
+                run(m, xs[0], dys[0])
+            assert torch.equal(m.fp8_amax.now, amaxes[-1])
+            fp8_delayed.step(m, g)
+            assert torch.equal(m.fp8_amax.history[0], amaxes[-1]) and not m.fp8_amax.now.any()
+    before = dl.fp8_amax.history.clone()
+    run(dl, xs[0] * 1e3, dys[0])
+    fp8_delayed.step(dl, g, skipped=True)
+    assert torch.equal(dl.fp8_amax.history, before) and not dl.fp8_amax.now.any()
+
+
+def test_delayed_cast_compiled_gives_the_same_fp8_bytes_and_amax_as_eager():
+    """The fused (inductor) delayed cast writes the same FP8 bytes and the same amax as
+    the eager ops, and the same bytes as the tensorwise cast with that scale (fp8.cast)."""
+    x = _randn(70, 64, 96).to(torch.bfloat16) * 5
+    for dtype, scale in ((fp8.E4M3, torch.tensor(30.0)), (fp8.E5M2, torch.tensor(4096.0))):
+        eager = fp8.quantize_delayed(x, dtype, scale)
+        torch._dynamo.reset()
+        fused = torch.compile(fp8.quantize_delayed, backend="inductor", fullgraph=True)(x, dtype, scale)
+        assert torch.equal(fused[0].view(torch.uint8), eager[0].view(torch.uint8))
+        assert torch.equal(fused[0].view(torch.uint8), fp8.cast(x, scale, dtype).view(torch.uint8))
+        assert torch.equal(fused[1], eager[1]) and torch.equal(fused[2], eager[2])
+        assert eager[2].item() == x.float().abs().max().item()
+
+
+def test_delayed_scaling_compiled_blocks_match_eager_without_graph_breaks():
+    """Two steps (the tensorwise-scaled first step, then the history's scales) through
+    compile_blocks with fullgraph=True (a graph break raises), equal to eager: losses,
+    gradients, histories (aot_eager; same casts of the same values: 1e-5)."""
+    from megaq.model.gpt import compile_blocks
+
+    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
+              fp8_format="hybrid", fp8_recipe="delayed")
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 64, (2, 17), generator=gen) for _ in range(2)]
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPTModel(GPTConfig.llama(**kw))
+        if compiled:
+            compile_blocks(model, backend="aot_eager", fullgraph=True)
+        out = []
+        for ids in batches:
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+            loss.mean().backward()
+            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad()
+            fp8_delayed.step(model, None)
+        hists = [s.history.clone() for s in fp8_delayed.states(model)]
+        results.append((out, hists))
+    (oe, he), (oc, hc) = results
+    assert len(he) == 8 and all((h[:2] > 0).all() for h in he)  # 4 GEMMs x 2 layers, 2 steps
+    for (le, ge), (lc, gc) in zip(oe, oc):
+        assert _rel(lc, le) < 1e-5
+        for name, g in ge.items():
+            assert _rel(gc[name], g) < 1e-5, name
+    for a, b in zip(he, hc):
+        assert _rel(b, a) < 1e-5
+
+
+def test_fp8_delayed_training_resumes_exactly_from_a_checkpoint(tmp_path):
+    """Delayed scaling's amax histories travel in the checkpoint (every pipeline stage's,
+    gathered over PP): a run resumed at iteration 2 repeats the uninterrupted run's
+    losses bit for bit (PP=2 gloo ranks, torch_dist, fp32 masters). Without the
+    histories, iteration 3 would cast with current scales and its loss would differ."""
+    def argv(extra):
+        return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+                "--train-iters", "4", "--lr", "5e-3", "--lr-warmup-iters", "1",
+                "--mock-data", "--vocab-size", "96", "--log-interval", "1", "--eval-iters", "0",
+                "--attention-dropout", "0", "--hidden-dropout", "0", "--swiglu",
+                "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--disable-bias-linear", "--pipeline-model-parallel-size", "2",
+                "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
+                "--data-cache-path", str(tmp_path / "cache"), *extra]
+    ck = str(tmp_path / "ck")
+    full = run_on_ranks(_train, 2, pp=2, args=(argv(["--save", ck, "--save-interval", "2"]),))[1]
+    with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2\n")
+    resumed = run_on_ranks(_train, 2, pp=2, args=(argv(["--load", ck]),))[1]
+    assert len(full) == 4 and [full[i] for i in (3, 4)] == [resumed[i] for i in (3, 4)], (full, resumed)
+
+
+def _dp_histories(topo):
+    """Two DP ranks see different data; after fp8_delayed.step both hold the max."""
+    recipe = FP8Recipe("hybrid", "delayed", amax_history_len=2)
+    col = ColumnParallelLinear(K, N, topo.tp, init_weight=lambda s: _randn(10, *s), bias=False,
+                               fp8=recipe)
+    x = (_randn(80 + topo.dp_rank, T, B, K) * (1 + 4 * topo.dp_rank)).requires_grad_()
+    dy = _randn(90 + topo.dp_rank, T, B, N) * (5 - 4 * topo.dp_rank)
+    col(x).backward(dy)
+    local = col.fp8_amax.now.clone()
+    fp8_delayed.step(col, topo.tp, topo.dp)
+    return local, col.fp8_amax.history.clone(), col.fp8_amax.scale.clone()
+
+
+def test_delayed_scaling_reduces_amaxes_over_dp():
+    """Every DP rank rolls the same history (the MAX over ranks), so the ranks cast with
+    the same scales and any rank's checkpoint record serves them all."""
+    out = run_on_ranks(_dp_histories, 2, tp=1)
+    assert not torch.equal(out[0][0], out[1][0])  # the ranks' own amaxes differ
+    expect = torch.maximum(out[0][0], out[1][0])
+    for _, hist, scale in out:
+        assert torch.equal(hist[0], expect) and torch.equal(scale, out[0][2])
+
+
+def test_bad_delayed_settings_are_refused():
+    with pytest.raises(ValueError, match="--fp8-amax-history-len 0 must be >= 1"):
+        GPTConfig(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=0)
+    with pytest.raises(ValueError, match="--fp8-amax-compute-algo"):
+        GPTConfig(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_compute_algo="mean")
+    w = torch.zeros(16, 16)
+    with pytest.raises(ValueError, match="amax state"):  # a layer without its AmaxState
+        fp8.linear(torch.zeros(2, 16), w, None, FP8Recipe("hybrid", "delayed"), None, "column")

@@ -326,3 +326,172 @@ def test_ops_dispatch(tq, monkeypatch):
     monkeypatch.setenv("MEGAQ_KERNELS", "bogus")
     with pytest.raises(ValueError, match="MEGAQ_KERNELS"):
         ops.quantize(x, 8, 64)
+
+
+# ----------------------------------------------------------- the square-law int4 code
+SQ_LEVELS = torch.tensor([c * c for c in range(8)], dtype=torch.float64)
+
+
+def _square_nearest(x, inv):
+    """The definition, in fp64: c = the level c^2 nearest to y = |x| * inv (exact),
+    ties to the larger; q = sign(x) c."""
+    y = x.double().abs() * inv.double().unsqueeze(-1)
+    d = (y.unsqueeze(-1) - SQ_LEVELS).abs()
+    # ties to the larger level: among equal distances argmin picks the first, so flip
+    c = 7 - d.flip(-1).argmin(-1)
+    return torch.where(x < 0, -c, c)
+
+
+def _near_thresholds(block, seed):
+    """[4, block] fp32: each row's absmax 49 * 2^e, the other values a few ulps around
+    every threshold t^2 + t + 1/2 of y = |x| * inv, so that the fp32 product rn(y) lands
+    on a threshold from below (the case reference and Triton settle with an fma)."""
+    from megaq.kernels.format import SQUARE_THRESHOLDS
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for e in (-3, 0, 5, 8):  # absmax below fp16's largest value
+        s = torch.tensor(2.0 ** e * (1 + torch.rand(1, generator=g).item()))
+        absmax = (s * 49).float()
+        _, inv = ref._scale_rule(absmax.view(1), torch.zeros(1, dtype=torch.bool), 4, True)
+        vals = [absmax]
+        while len(vals) < block:
+            t = SQUARE_THRESHOLDS[len(vals) % 7]
+            base = torch.tensor(t, dtype=torch.float32) / inv[0]  # ~ T * s, fp32
+            step = int(torch.randint(-3, 4, (1,), generator=g))
+            v = torch.nextafter(base, torch.tensor(float("inf") if step > 0 else 0.0)) if step else base
+            for _ in range(abs(step) - 1):
+                v = torch.nextafter(v, torch.tensor(float("inf") if step > 0 else 0.0))
+            vals.append(v * (1 if len(vals) % 2 else -1))
+        rows.append(torch.stack(vals))
+    return torch.stack(rows).float()
+
+
+def test_square_code_is_the_nearest_level_and_within_its_bound():
+    from megaq.kernels.format import SQUARE_SCALE_DROP, max_error_over_absmax
+
+    torch.manual_seed(22)
+    block = 64
+    mags = torch.tensor([1e-3, 1.0, 30.0, 1e6])
+    x = (torch.randn(2, 4, block) * torch.exp(torch.randn(2, 4, block)) * mags.view(1, 4, 1)).reshape(2, -1)
+    x = torch.cat([x, _near_thresholds(block, 1).reshape(2, -1)], -1)
+    L = x.shape[-1]
+    packed = ref.quantize(x, 4, block, "square")
+    assert packed.shape[-1] == packed_len(L, 4, block)  # the same bytes as linear int4
+    scales = _scales(packed, L, 4, block)
+    absmax = _blocks(x, block).abs().amax(-1).double()
+    assert ((scales.view(torch.int32) & SQUARE_SCALE_DROP) == 0).all()  # 18-bit scales
+    assert (scales.double() >= absmax / 49 * (1 - 2.0 ** -24)).all()
+    assert (scales.double() <= absmax / 49 * (1 + 2.0 ** -17)).all()
+    # q is the nearest level (the definition, evaluated in fp64)
+    inv = 1 / scales
+    nib = torch.stack([(packed[..., :L // 2] << 4).view(torch.int8) >> 4,
+                       packed[..., :L // 2].view(torch.int8) >> 4], -1).reshape(2, -1)
+    assert torch.equal(_blocks(nib.long(), block), _square_nearest(_blocks(x, block), inv))
+    # dequantize: q |q| * scale, exact (every level is an fp32 number)
+    deq = ref.dequantize(packed, L, 4, block, code="square")
+    levels = _blocks(deq.double(), block) / scales.double().unsqueeze(-1)
+    assert torch.equal(levels.abs(), levels.abs().round()) and set(levels.abs().unique().tolist()) <= set(
+        SQ_LEVELS.tolist())
+    # the error bound (docs/ZEROPP.md): <= 6.5 s, and near zero <= sqrt(|x| s) + s / 2
+    err = (_blocks(x, block).double() - _blocks(deq, block).double()).abs()
+    assert (err <= absmax.unsqueeze(-1) * max_error_over_absmax(4, "square")).all()
+    s = scales.double().unsqueeze(-1)
+    assert (err <= ((_blocks(x, block).double().abs() * s).sqrt() + s / 2) * (1 + 2.0 ** -16)).all()
+    # values down to absmax / 98 survive; the linear code zeroes everything below absmax / 14
+    small = _blocks(x, block).abs().double() >= absmax.unsqueeze(-1) / 98 * (1 + 2.0 ** -16)
+    assert (_blocks(deq, block)[small] != 0).all()
+
+
+def test_square_code_bad_name():
+    with pytest.raises(ValueError, match="int4 code 'cube'"):
+        ref.quantize(torch.randn(128), 4, 64, "cube")
+    with pytest.raises(ValueError, match="int4 code"):
+        ops.dequant_reduce(torch.zeros(2, packed_len(64, 4, 64), dtype=torch.uint8), 64, 4, 64, code="log")
+
+
+@pytest.mark.parametrize("block", [64, 96])
+def test_square_triton_quantize_dequantize_bit_identical(tq, block):
+    torch.manual_seed(block)
+    ties = 0
+    for dtype in DTYPES:
+        x = torch.randn(2, 3, 4 * block) * 3
+        x[0, 1, :block] = 0  # zero block
+        x[1, 2, block:2 * block] *= 1e-3
+        x[1, 0] = _near_thresholds(block, block).reshape(-1)
+        x = x.to(dtype).to(DEV)
+        a, b = ref.quantize(x, 4, block, "square"), tq.quantize(x, 4, block, "square")
+        assert torch.equal(a, b.cpu() if DEV == "cpu" else a.new_tensor(b)), (dtype, (a.cpu() != b.cpu()).sum())
+        # the tie case of the Triton argument was exercised: rn(|x| * inv) on a threshold
+        # with the exact product below it
+        xs = _blocks(x[1, 0].float().cpu(), block)
+        inv = 1 / _scales(a[1, 0].cpu(), 4 * block, 4, block).unsqueeze(-1)
+        y32, y64 = xs.abs() * inv, xs.abs().double() * inv.double()
+        thr = torch.tensor([t * t + t + 0.5 for t in range(7)])
+        ties += int(((y32.unsqueeze(-1) == thr) & (y64.unsqueeze(-1) < thr.double())).sum())
+        for out_dtype in {dtype, torch.float32}:
+            da = ref.dequantize(a, x.shape[-1], 4, block, out_dtype, "square")
+            db = tq.dequantize(a, x.shape[-1], 4, block, out_dtype, "square")
+            assert db.dtype == out_dtype and torch.equal(da, db), (dtype, out_dtype)
+    assert ties > 0
+
+
+@pytest.mark.parametrize("words", [True, False])  # the word kernels, and the byte kernel
+@pytest.mark.parametrize("block", [64, 96])  # 96: W = 12 words, padded to 16
+def test_square_triton_fused_kernels_bit_identical(tq, monkeypatch, words, block):
+    monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
+    torch.manual_seed(5)
+    k, m, S = 2, 3, 2 * block
+    grad = (torch.randn(k * m * S) * torch.exp(torch.randn(k * m * S))).to(torch.bfloat16).to(DEV)
+    a = ref.reorder_quantize(grad, k, m, 4, block, code="square")
+    assert torch.equal(a, tq.reorder_quantize(grad, k, m, 4, block, code="square"))
+    res_a = torch.randn(grad.numel(), device=DEV) * 0.01
+    res_b = res_a.clone()
+    a = ref.reorder_quantize(grad, k, m, 4, block, res_a, "square")
+    b = tq.reorder_quantize(grad, k, m, 4, block, res_b, "square")
+    assert torch.equal(a, b) and torch.equal(res_a, res_b)
+    a8 = ref.reorder_quantize(grad, k, m, 8, block, code="square")  # int8 stays linear
+    assert torch.equal(a8, ref.reorder_quantize(grad, k, m, 8, block))
+    for recv, bits_in in ((a, 4), (a8, 8)):
+        for bits_out in (8, 4):
+            c = ref.dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, "square")
+            d = tq.dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, "square")
+            assert torch.equal(c, d), (bits_in, bits_out)
+    # the hop on the edge cases of the linear hop's test (scales of any width over 2^+-40,
+    # zero, flushed-size and cancelling rows; nibble -8, which the code never writes)
+    edge = _hop_input(4, k, 4 * block, block, seed=block + words)
+    for bits_out in (8, 4):
+        assert torch.equal(ref.dequant_reduce_quantize(edge, k, 4 * block, 4, bits_out, block, "square"),
+                           tq.dequant_reduce_quantize(edge.to(DEV), k, 4 * block, 4, bits_out, block,
+                                                      "square").cpu())
+    for out in (None, torch.randn(S, device=DEV)):
+        e = ref.dequant_reduce(c, S, 4, block, 0.125, None if out is None else out.clone(), "square")
+        f = tq.dequant_reduce(c, S, 4, block, 0.125, None if out is None else out.clone(), "square")
+        assert torch.equal(e, f)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_square_qgz_pipeline_within_bound(tq, backend):
+    """Two square hops: each errs by at most 6.5 of its scales per element (docs/ZEROPP.md)."""
+    mod = ref if backend == "torch" else tq
+    torch.manual_seed(3)
+    block, S = 32, 64
+    for k, m in ((1, 4), (2, 2)):
+        n = k * m
+        grads = [(torch.randn(n * S, device=DEV) * (1 + r)).to(torch.bfloat16) for r in range(n)]
+        exact = torch.stack([g.double() for g in grads]).mean(0).view(n, S)
+        sent = [mod.reorder_quantize(g, k, m, 4, block, code="square") for g in grads]
+        hop2 = {(a, j): mod.dequant_reduce_quantize(torch.stack([sent[a * m + jj][j] for jj in range(m)]),
+                                                    k, S, 4, 4, block, "square")
+                for a in range(k) for j in range(m)}
+        for a in range(k):
+            for j in range(m):
+                recv = torch.stack([hop2[(aa, j)][a] for aa in range(k)])
+                got = mod.dequant_reduce(recv, S, 4, block, 1.0 / n, code="square").double()
+                s1 = sum(_scales(sent[aa * m + jj][j], k * S, 4, block).view(k, -1)[a]
+                         for aa in range(k) for jj in range(m))
+                s2 = _scales(recv, S, 4, block).sum(0)
+                bound = ((s1 + s2).double() * 6.5 * (1 + 2.0 ** -16) / n).repeat_interleave(block)
+                slack = 1e-6 * max(g.float().abs().max().item() for g in grads)
+                err = (got - exact[a * m + j]).abs()
+                assert (err <= bound + slack).all(), (k, m, a, j, (err - bound).max())

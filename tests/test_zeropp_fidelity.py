@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from megaq.kernels.format import max_error_over_absmax
 from megaq.parallel.launch import run_on_ranks
 from megaq.zero import ZeroConfig
 from megaq.zero.zeropp import QuantizedGradReducer, rails_of
@@ -76,10 +77,13 @@ def _worker(topo):
     # One step's feedback bound (docs/ZEROPP.md "Error bounds"), int4 both hops, with
     # each rank's own rows exact: hop 1 quantizes the rows of the ranks whose local
     # index is not mine, hop 2 the partial sums of the nodes that are not mine.
-    q, m = 7, rails.m
+    # c = the code's worst error / absmax per hop (1/14 for linear int4, 6.5/49 for the
+    # square code); with feedback c/(1-c) for hop 1, c/(1-c)^2 for hop 2 (for linear:
+    # 1/(2q-1) and (2q/(2q-1))/(2q-1), docs/ZEROPP.md "Error bounds").
+    c, m = max_error_over_absmax(4, cfg_on.grad_code), rails.m
     a, j = me // m, me % m
-    hop1 = sum(absmax[r] for r in range(n) if r % m != j) / (2 * q - 1)
-    hop2 = sum(absmax[r] for r in range(n) if r // m != a) * (2 * q / (2 * q - 1)) / (2 * q - 1)
+    hop1 = sum(absmax[r] for r in range(n) if r % m != j) * c / (1 - c)
+    hop2 = sum(absmax[r] for r in range(n) if r // m != a) * c / (1 - c) ** 2
     bound = (hop1 + hop2) / n * (1 + SLACK)
     out = {"k": rails.k, "m": rails.m}
     for name, (cls, cfg) in variants.items():
@@ -177,11 +181,12 @@ def test_exact_own_row_is_left_out_of_the_quantized_sum_at_every_position():
     from megaq.zero.zeropp.grads import _reduce_rows
 
     L, bits, block = 128, 4, 64
-    recv = ops.quantize(torch.randn(4, L, generator=torch.Generator().manual_seed(3)), bits, block)
     own = torch.full((L,), 0.25)
-    for mine in range(4):
-        want = torch.zeros(L)
-        for r in range(4):
-            if r != mine:  # the fused kernel's order: rows in index order from +0.0
-                want = want + ops.dequantize(recv[r], L, bits, block)
-        assert torch.equal(_reduce_rows(recv, mine, L, bits, block, own), want + own), mine
+    for code in ("linear", "square"):
+        recv = ops.quantize(torch.randn(4, L, generator=torch.Generator().manual_seed(3)), bits, block, code)
+        for mine in range(4):
+            want = torch.zeros(L)
+            for r in range(4):
+                if r != mine:  # the fused kernel's order: rows in index order from +0.0
+                    want = want + ops.dequantize(recv[r], L, bits, block, code=code)
+            assert torch.equal(_reduce_rows(recv, mine, L, bits, block, own, code), want + own), (code, mine)

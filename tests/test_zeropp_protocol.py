@@ -21,6 +21,9 @@ step, absmax/(2q), and never returns a value above the block's absmax.
 * qgZ with error feedback, T calls summed: the residuals telescope, leaving
       (1/n) sum_r M_r (1/(2 q_intra - 1) + (2 q_intra/(2 q_intra - 1)) / (2 q_inter - 1))
   however large T is (without feedback the same error repeats T times).
+* The square-law int4 code (--zero-quantized-gradients-code square): 6.5/49 of the
+  absmax per hop replaces 1/(2q) = 1/14 (the widest gap between its levels, 36 .. 49
+  steps of absmax/49); with feedback c/(1-c) replaces 1/(2q-1) (_qgz_coef).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import os
 import pytest
 import torch
 
-from megaq.kernels.format import QMAX
+from megaq.kernels.format import QMAX, max_error_over_absmax
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA, Group
 from megaq.parallel.launch import run_on_ranks
@@ -93,15 +96,19 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _qgz_coef(rails, cfg, feedback=False) -> float:
-    q1, q2 = QMAX[cfg.grad_bits_intra], QMAX[cfg.grad_bits_inter]
+    """The per-hop coefficients c (worst error / absmax: 1/(2q) for linear, 6.5/49 for
+    the square int4 code; format.max_error_over_absmax) combined as the docstring says:
+    c1 + c2, with feedback c1/(1-c1) + c2/((1-c1)(1-c2)) (for linear, 1/(2q1-1) + ...)."""
+    c1 = max_error_over_absmax(cfg.grad_bits_intra, cfg.grad_code)
+    c2 = max_error_over_absmax(cfg.grad_bits_inter, cfg.grad_code)
     if feedback:
-        first, second = 1 / (2 * q1 - 1), (2 * q1 / (2 * q1 - 1)) / (2 * q2 - 1)
+        first, second = c1 / (1 - c1), c2 / ((1 - c1) * (1 - c2))
     else:
-        first, second = 1 / (2 * q1), 1 / (2 * q2)
+        first, second = c1, c2
     if rails.k == 1:
         return first
     if rails.m == 1:
-        return 1 / (2 * q2 - 1) if feedback else 1 / (2 * q2)
+        return c2 / (1 - c2) if feedback else c2
     return first + second
 
 
@@ -260,6 +267,10 @@ def _cases(hpz):
         "qgz8": dict(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=8),
         "qgz84": dict(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4),
         "all": dict(ALL_ON, hpz_partition_size=hpz),
+        # both int4 codes explicitly, whichever is the default (bound: _qgz_coef)
+        "qgz_linear": dict(quantized_gradients=True, grad_code="linear"),
+        "qgz_square": dict(quantized_gradients=True, grad_code="square"),
+        "qgz84_square": dict(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4, grad_code="square"),
     }
 
 
@@ -277,6 +288,8 @@ def test_zeropp_protocols_match_exact_and_byte_model(tp, pp, rpn, hpz):
     results = run_on_ranks(_protocol_worker, 8, tp=tp, pp=pp, ranks_per_node=rpn,
                            hpz_size=hpz, args=(cases,))
     _check(results, cases, hpz, tp * pp)
+    # the square-law int4 code sends exactly the linear code's bytes, per phase and link
+    assert results[0]["qgz_square"]["bytes"] == results[0]["qgz_linear"]["bytes"]
     if two_nodes_dp8:
         # Cross-node bytes of a step, all three on vs ZeRO-3 (bf16 weights and grads),
         # for block-aligned units as the engine lays them out: ~0.23 here with 64-element

@@ -94,7 +94,15 @@ class GPTConfig:
         "output gradients); embedding, output layer, norms stay bf16", choices=["e4m3", "hybrid"])
     fp8_recipe: str = flag(
         "--fp8-recipe", "FP8 scaling with --fp8-format: one dynamic scale per tensor, or per row "
-        "(power-of-two scales)", "tensorwise", choices=["tensorwise", "rowwise"])
+        "(power-of-two scales), or delayed (per tensor, inputs and gradients scaled from an "
+        "amax history: fewer passes over the activations)", "tensorwise",
+        choices=["tensorwise", "rowwise", "delayed"])
+    fp8_amax_history_len: int = flag(
+        "--fp8-amax-history-len", "--fp8-recipe delayed: steps of amax history per tensor", 16,
+        type=int)
+    fp8_amax_compute_algo: str = flag(
+        "--fp8-amax-compute-algo", "--fp8-recipe delayed: scale from the history's max or its "
+        "most recent step", "max", choices=["max", "most_recent"])
     # ---- set by the run, not by model flags ----
     vocab_size: int | None = 256  # the tokenizer's (None: not known yet)
     sequence_parallel: bool = False  # --sequence-parallel (ParallelConfig) with TP > 1
@@ -142,7 +150,10 @@ class GPTConfig:
             raise ModelConfigError(f"--normalization {self.normalization!r} is not supported; "
                                    f"use LayerNorm or RMSNorm")
         if self.fp8_format is not None:
-            FP8Recipe(self.fp8_format, self.fp8_recipe)  # raises on an unknown format / recipe
+            try:
+                self.fp8  # noqa: B018 - builds the recipe, which checks its settings
+            except ValueError as e:
+                raise ModelConfigError(str(e)) from None
         self._check_recompute()
         if (self.position_embedding_type == "learned_absolute"
                 and self.seq_length > self.max_position_embeddings):
@@ -194,7 +205,8 @@ class GPTConfig:
         the output layer, norms and attention's softmax stay in the params dtype."""
         if self.fp8_format is None:
             return None
-        return FP8Recipe(self.fp8_format, self.fp8_recipe)
+        return FP8Recipe(self.fp8_format, self.fp8_recipe, self.fp8_amax_history_len,
+                         self.fp8_amax_compute_algo)
 
     @property
     def tie_embeddings(self) -> bool:

@@ -4,7 +4,7 @@ The one entry point is :func:`linear`, which ColumnParallelLinear and RowParalle
 call in place of ``F.linear``. With a recipe it computes ``y = x W^T`` and, in
 backward, ``dX = dY W`` and ``dW = dY^T X`` as FP8 GEMMs; without one it is F.linear.
 
-Recipe (dynamic "current" scaling, as torchao's float8 training):
+Recipe (dynamic "current" scaling, as torchao's float8 training, or delayed):
 
 * ``--fp8-format e4m3``: every operand in E4M3. ``hybrid``: activations and weights in
   E4M3, the output gradient dY in E5M2 (more range, less precision).
@@ -13,6 +13,9 @@ Recipe (dynamic "current" scaling, as torchao's float8 training):
   (per token for X, per output feature for W in forward, ...), rounded down to a
   power of two so that dequantising is exact. Scales are computed from the tensor
   being cast, every step: no amax history, nothing to checkpoint.
+  ``delayed``: tensorwise, but x and dY take their scales from an amax history
+  (megaq.parallel.fp8_delayed), so their cast is one pointwise op that inductor
+  fuses into the producing kernel together with the amax for the history.
 * The GEMM runs ``torch._scaled_mm`` on CUDA GPUs with FP8 tensor cores (compute
   capability >= 8.9): it multiplies the FP8 operands, accumulates in fp32 and
   multiplies by the inverse scales. Forward uses fast accumulation, the two
@@ -53,7 +56,8 @@ PHASE = "tp"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "delayed")
+AMAX_ALGOS = ("max", "most_recent")
 
 
 @dataclass(frozen=True)
@@ -63,16 +67,30 @@ class FP8Recipe:
 
     format: str = "hybrid"
     scaling: str = "tensorwise"
+    # delayed scaling only: steps of amax history, and how a scale is taken from it
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"--fp8-format {self.format!r} is not supported; use one of {FORMATS}")
         if self.scaling not in RECIPES:
             raise ValueError(f"--fp8-recipe {self.scaling!r} is not supported; use one of {RECIPES}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len {self.amax_history_len} must be >= 1")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(f"--fp8-amax-compute-algo {self.amax_compute_algo!r} is not "
+                             f"supported; use one of {AMAX_ALGOS}")
 
     @property
     def rowwise(self) -> bool:
         return self.scaling == "rowwise"
+
+    @property
+    def delayed(self) -> bool:
+        """Per-tensor scales of x and dY from an amax history (megaq.parallel.fp8_delayed);
+        the weight keeps its current per-tensor scale."""
+        return self.scaling == "delayed"
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -158,6 +176,24 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
     return q, inv
 
 
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """|x|'s max as fp32, reduced per row first: the iteration shape of the kernels that
+    produce x (norms, SwiGLU, their backward), so inductor computes it in the same pass
+    that writes x's FP8 copy (max is exact: the same value as x.abs().amax())."""
+    return x.abs().amax(dim=-1).amax().float()
+
+
+def quantize_delayed(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
+                     role: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast x with a scale known before x (delayed scaling): one pointwise cast and, on
+    the same input, the amax that feeds the history (not this cast). Returns (x_fp8,
+    inverse scale, local amax)."""
+    q = cast(x, scale, dtype)
+    inv = scale.reciprocal()
+    log_scale(role, inv)
+    return q, inv, tensor_amax(x)
+
+
 def log_scale(role: str, inv: torch.Tensor) -> None:
     """Record a cast's inverse scale inside :func:`capture_scales` (tests)."""
     if _SCALE_LOG is not None:
@@ -213,13 +249,21 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, recipe: FP8Recipe, group: Group, parallel: str,
-                weight_fp8=None, weight_inv=None):
+                weight_fp8=None, weight_inv=None, amax_scale=None, amax_now=None,
+                grad_sink=None, ready: bool = False, record: bool = False):
         col = parallel == "column"
         rw, fwd = recipe.rowwise, recipe.forward_dtype
         x2 = x.reshape(-1, x.shape[-1])
-        # rowwise: scales along the input features, split only in a row-parallel layer;
-        # tensorwise: the weight is split in both kinds of layer, x only in row-parallel
-        xq, xs = quantize(x2, fwd, -1 if rw else None, rw, _maybe(group, not col), "input")
+        delayed = amax_scale is not None
+        if delayed and ready:  # the history's scale; this x's amax on the side, same pass
+            xq, xs, x_amax = quantize_delayed(x2, fwd, amax_scale[0], "input")
+        else:
+            # rowwise: scales along the input features, split only in a row-parallel layer;
+            # tensorwise: the weight is split in both kinds of layer, x only in row-parallel
+            xq, xs = quantize(x2, fwd, -1 if rw else None, rw, _maybe(group, not col), "input")
+            x_amax = tensor_amax(x2) if delayed else None
+        if delayed and record:  # this step's running max (the history: fp8_delayed)
+            amax_now[0].copy_(torch.maximum(amax_now[0], x_amax))
         if weight_fp8 is not None:  # gathered in FP8 by the ZeRO engine: cast already
             wq, ws = weight_fp8, weight_inv
             log_scale("weight", ws)
@@ -228,6 +272,9 @@ class _FP8Linear(torch.autograd.Function):
                               "weight")
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype, fast_accum=True)
         ctx.recipe, ctx.group, ctx.col = recipe, group, col
+        # delayed: dY's scale, and whether to report dY's amax (as the grad of amax.grad_sink)
+        ctx.dy_scale = amax_scale[1] if delayed and ready else None
+        ctx.amax_to_sink = delayed and record
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         if rw:  # backward casts along other dims: keep the originals
             ctx.save_for_backward(x2, weight)
@@ -254,22 +301,28 @@ class _FP8Linear(torch.autograd.Function):
                 dw = scaled_mm(dyq.t(), xq, dys.t(), xs, ctx.w_dtype, fast_accum=False)
         else:
             xq, xs, wq, ws = ctx.saved_tensors
-            dyq, dys = quantize(dy2, gdt, None, False, _maybe(group, col), "grad_output")
+            if ctx.dy_scale is not None:
+                dyq, dys, dy_amax = quantize_delayed(dy2, gdt, ctx.dy_scale, "grad_output")
+            else:
+                dyq, dys = quantize(dy2, gdt, None, False, _maybe(group, col), "grad_output")
+                dy_amax = tensor_amax(dy2) if ctx.amax_to_sink else None
             if ctx.needs_input_grad[0]:
                 dx = scaled_mm(dyq, wq, dys, ws, ctx.x_dtype, fast_accum=False)
             if ctx.needs_input_grad[1]:
                 dw = scaled_mm(dyq.t(), xq, dys, xs, ctx.w_dtype, fast_accum=False)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, None, None, None, None, None
+        sink = dy_amax.reshape(1) if ctx.amax_to_sink else None
+        return dx, dw, None, None, None, None, None, None, None, sink, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            recipe: FP8Recipe | None, group: Group, parallel: str,
            weight_fp8: torch.Tensor | None = None,
-           weight_inv: torch.Tensor | None = None) -> torch.Tensor:
+           weight_inv: torch.Tensor | None = None, amax_state=None) -> torch.Tensor:
     """The TP layers' GEMM: F.linear without a recipe, else the FP8 GEMMs above
-    (`weight_fp8` / `weight_inv`: the weight as ZeRO's FP8 gather delivered it)."""
+    (`weight_fp8` / `weight_inv`: the weight as ZeRO's FP8 gather delivered it;
+    `amax_state`: the layer's fp8_delayed.AmaxState, for the delayed recipe)."""
     if recipe is None:
         return F.linear(x, weight, bias)
     if parallel not in ("column", "row"):
@@ -277,9 +330,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if weight_fp8 is not None and recipe.rowwise:
         raise ValueError("an FP8-gathered weight carries one per-tensor scale; the rowwise "
                          "recipe casts per row: use --fp8-recipe tensorwise")
-    y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv)
+    if recipe.delayed != (amax_state is not None):
+        raise ValueError("the delayed FP8 recipe needs the layer's amax state (and only it)")
+    if amax_state is None:
+        y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv)
+    else:  # the grad sink's gradient carries dY's amax out of backward (fp8_delayed)
+        s = amax_state
+        y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv,
+                             s.scale, s.now, s.grad_sink, s.ready, torch.is_grad_enabled())
     return y if bias is None else y + bias
 
 
-__all__ = ["FP8Recipe", "linear", "quantize", "scale_from_amax", "cast", "scaled_mm", "emulation", "capture_scales",
+__all__ = ["FP8Recipe", "linear", "quantize", "quantize_delayed", "tensor_amax", "AMAX_ALGOS", "scale_from_amax", "cast", "scaled_mm", "emulation", "capture_scales",
            "fp8_gemm_available", "FORMATS", "RECIPES"]

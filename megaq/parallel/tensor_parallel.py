@@ -35,6 +35,7 @@ from torch import nn
 
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
+from megaq.parallel import fp8_delayed
 from megaq.parallel.fp8 import FP8Recipe
 from megaq.parallel.fp8 import linear as fp8_or_bf16_linear
 
@@ -421,6 +422,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         _no_fp8_weight(self)
+        fp8_delayed.attach(self, fp8)
 
     def forward(self, x, weight: torch.Tensor | None = None):
         weight_fp8 = self.weight_fp8 if weight is None else None  # a passed weight is not ours
@@ -430,7 +432,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tp_region(x, self.tp_group)
         y = fp8_or_bf16_linear(x, weight, self.bias, self.fp8, self.tp_group, "column",
-                               weight_fp8, self.weight_fp8_inv)
+                               weight_fp8, self.weight_fp8_inv, self.fp8_amax)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -459,10 +461,11 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         _no_fp8_weight(self)
+        fp8_delayed.attach(self, fp8)
 
     def forward(self, x):
         y = fp8_or_bf16_linear(x, self.weight, None, self.fp8, self.tp_group, "row",
-                               self.weight_fp8, self.weight_fp8_inv)
+                               self.weight_fp8, self.weight_fp8_inv, self.fp8_amax)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaq.kernels.format import QMAX
+from megaq.kernels.format import INT4_CODES, QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
 OPTIMIZER_NAMES = ("adam", "sgd")  # --optimizer (megaq.zero.optimizer.OPTIMIZERS)
@@ -91,6 +91,11 @@ class ZeroConfig:
     # difference to its reference crosses nodes, and every gather runs in-node.
     weight_deltas: bool = False
     weight_delta_bits: int = 4          # bits per element of a difference (4 or 8)
+    # qgZ: the int4 code of the gradient hops (int8 hops are always linear): "linear", a
+    # nibble q means q * absmax/7, rounds every value below absmax/14 of its block to 0;
+    # "square", q |q| * absmax/49, keeps values down to absmax/98 (same bytes;
+    # docs/ZEROPP.md "The square-law code"). qwZ's int4 weights are always linear.
+    grad_code: str = "linear"
 
     def __post_init__(self):
         if self.stage not in (0, 3):
@@ -117,6 +122,9 @@ class ZeroConfig:
             if getattr(self, name) not in QMAX:
                 raise ZeroConfigError(f"ZeRO++ {name}={getattr(self, name)} is not supported; "
                                       f"use 8 or 4")
+        if self.grad_code not in INT4_CODES:
+            raise ZeroConfigError(f"grad_code {self.grad_code!r} (--zero-quantized-gradients-code) "
+                                  f"is not supported; use one of {', '.join(INT4_CODES)}")
         if self.hpz_partition_size < 1:
             raise ZeroConfigError(f"hpz_partition_size {self.hpz_partition_size} "
                                   f"(--zero-hpz-partition-size) must be >= 1 (1 = off)")
@@ -166,7 +174,7 @@ def check_fp8_weight_gathers(fp8_recipe, cfg: ZeroConfig) -> None:
     if cfg.fp8_weights and fp8_recipe.rowwise:
         raise ZeroConfigError("--zero-quantized-weights fp8 gathers one scale per weight tensor "
                               "but --fp8-recipe rowwise scales per row: use --fp8-recipe "
-                              "tensorwise with FP8 weight gathers")
+                              "tensorwise or delayed with FP8 weight gathers")
     if cfg.quantized_weights and fp8_recipe is not None:
         raise ZeroConfigError("int8 qwZ (--zero-quantized-weights) dequantizes to bf16, which the "
                               "FP8 GEMMs (--fp8-format) would cast again: use "

@@ -2,9 +2,22 @@
 
 For each size N (elements of the operation's full-precision side) it times the Triton
 kernel, the plain-PyTorch reference (eager, and torch.compile'd), and a device-to-device
-copy of N bf16 elements, all in the same run. Prints a table and writes JSON (--out).
+copy of N bf16 elements, all in the same run; with --deepspeed also DeepSpeed's CUDA
+kernels (its QuantizerBuilder op, JIT-built on first use) on the same shapes. Prints a
+table and writes JSON (--out).
+
+Two timings per case (GPU):
+  graph  CUDA-graph replays back to back (--calls-per-graph calls per graph): the
+         kernels' throughput, with no host cost (`ms`, `GBps`)
+  cold   one eager call at a time with the L2 flushed before it (triton.testing.do_bench,
+         median): the call as a training step makes it, Python and launch included
+         (`cold_ms`, `cold_GBps`)
+Impl `triton` uses the cached launcher (kernels/launch.py), `triton_jit` the same kernel
+through Triton's JIT launch (cold timing only: in a graph both are the same kernel).
 
     python tools/bench/bench_kernels.py --out docs/results/kernels_h200.json          # GPU
+    python tools/bench/bench_kernels.py --deepspeed --no-reference --sizes 16777216 67108864 \
+        --out $OUT/kernels_vs_deepspeed.json                                         # GPU, vs DeepSpeed
     python tools/bench/bench_kernels.py --device cpu --sizes 65536 --block 1024     # smoke test
 
 Operations (bf16 input/output, fp32 accumulation):
@@ -13,6 +26,12 @@ Operations (bf16 input/output, fp32 accumulation):
   reorder_quantize4            bf16 gradient [N], k=2 nodes x m=4 ranks -> int4 [m, ...]
   dequant_reduce_quantize4     int4 [m=4, N/m] received rows -> sum -> int4 [k=2, N/(m k)]
   dequant_reduce4              int4 [k=2, N/k] -> fp32 [N/k] (scaled sum)
+
+DeepSpeed's counterparts (fp16 in/out: its kernels read and write __half; the same
+bytes as bf16), groups of --block elements, symmetric: quantize / dequantize (8 and 4
+bits), swizzle_quant (reorder_quantize4, k nodes x m ranks), quantized_reduction (the
+hop, m ranks per node). GB/s use megaq's byte count for the operation; `vs DeepSpeed`
+is DeepSpeed's time over megaq's (above 1: megaq is faster).
 """
 
 import argparse
@@ -36,7 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep", nargs="*", default=[], metavar="BLOCKxWARPSxNB",
                    help="also time the Triton kernels for these launch shapes, e.g. 4096x8x2 "
                         "(block size, warps per program, blocks per program)")
-    p.add_argument("--sweep-size", type=int, default=None, help="elements for the sweep (default 256M)")
+    p.add_argument("--sweep-size", type=int, nargs="+", default=None, help="elements for the sweep (default 256M)")
+    p.add_argument("--ops", nargs="+", default=None, metavar="OP",
+                   help="time only these operations (table and sweep), e.g. quantize8 quantize4")
     p.add_argument("--skip-table", action="store_true", help="only run the sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--calls-per-graph", type=int, default=10,
@@ -45,6 +66,13 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd baselines")
     p.add_argument("--compile-ops", nargs="*", default=None,
                    help="only these ops get a torch.compile'd baseline (default: all), e.g. quantize8")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the plain-torch baselines (eager and compiled)")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="also time DeepSpeed's quantizer kernels (needs the deepspeed package, a CUDA "
+                        "toolkit and ninja: `pip install .[bench-deepspeed]`; docs/KERNELS.md)")
+    p.add_argument("--cold-reps", type=int, default=100,
+                   help="do_bench's measuring time in ms for the cold per-call timing (default 100)")
     p.add_argument("--out", default=None, help="write results as JSON here")
     return p.parse_args(argv)
 
@@ -61,13 +89,16 @@ def main(argv=None):
 
     block = args.block or DEFAULT_BLOCK
     sizes = args.sizes or (DEFAULT_SIZES if device == "cuda" else [64 * block])
-    use_compile = not args.no_compile and device == "cuda"
+    use_compile = not args.no_compile and not args.no_reference and device == "cuda"
+    if args.deepspeed and device != "cuda":
+        sys.exit("error: --deepspeed needs a CUDA device (DeepSpeed's kernels are CUDA only); drop it on CPU")
+    ds = load_deepspeed() if args.deepspeed else None
     step = block * K_NODES * M_RANKS
     bad = [n for n in sizes if n % step]
     if bad:
         sys.exit(f"error: sizes {bad} are not multiples of block * {K_NODES * M_RANKS} = {step}; pick multiples")
 
-    timer = Timer(device, args.iters, args.calls_per_graph)
+    timer = Timer(device, args.iters, args.calls_per_graph, args.cold_reps)
     compiled = {}
 
     def baseline(op, fn):
@@ -85,14 +116,17 @@ def main(argv=None):
         "k_nodes": K_NODES,
         "m_ranks": M_RANKS,
         "iters": args.iters,
-        "timing": f"CUDA graph replays back to back, {args.calls_per_graph} calls per graph "
-                  "(copy: eager back to back), median of batches",
+        "timing": f"ms: CUDA graph replays back to back, {args.calls_per_graph} calls per graph "
+                  "(copy: eager back to back), median of batches; cold_ms: one eager call after an L2 "
+                  f"flush, triton.testing.do_bench median over {args.cold_reps} ms",
+        "deepspeed": ds.version if ds else None,
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
     }
     results = []
     for n in ([] if args.skip_table else sizes):
         try:
-            results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline)
+            results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline,
+                                  reference_baselines=not args.no_reference, ds=ds, only_ops=args.ops)
         except torch.OutOfMemoryError:
             print(f"# {n} elements: out of memory, skipped", file=sys.stderr)
         if device == "cuda":
@@ -101,21 +135,38 @@ def main(argv=None):
             write_json(args.out, {"meta": meta, "results": results, "block_sweep": [], "partial": True})
     sweep = []
     if args.sweep:
-        n = args.sweep_size or (256 << 20 if device == "cuda" else sizes[0])
         shapes = [tuple(int(v) for v in c.lower().split("x")) for c in args.sweep]
-        sweep = bench_tuning(torch, quant, packed_len, n, shapes, device, timer)
+        for n in args.sweep_size or [256 << 20 if device == "cuda" else sizes[0]]:
+            sweep += bench_tuning(torch, quant, packed_len, n, shapes, device, timer, args.ops)
 
     print_table(results, sizes)
-    if sweep:
-        print(f"\ntuning sweep (triton GB/s at {_fmt_size(sweep[0]['elements'])} elements)")
-        shapes = list(dict.fromkeys(r["shape"] for r in sweep))
-        by_key = {(r["op"], r["shape"]): r["GBps"] for r in sweep}
-        ops = list(dict.fromkeys(r["op"] for r in sweep))
-        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:13]:>14}" for op in ops))
+    ratios = deepspeed_ratios(results)
+    if ratios:
+        print_ratios(ratios, sizes)
+    ds_cold = {(r["op"], r["elements"]): r["cold_ms"] for r in results
+               if r.get("impl") == "deepspeed" and "cold_ms" in r}
+    for n in dict.fromkeys(r["elements"] for r in sweep):
+        rows = [r for r in sweep if r["elements"] == n]
+        print(f"\ntuning sweep at {_fmt_size(n)} elements: triton GB/s, graph replay | cold per call"
+              + (" | DeepSpeed's cold time over this shape's" if ds_cold else ""))
+        shapes = list(dict.fromkeys(r["shape"] for r in rows))
+        by_key = {(r["op"], r["shape"]): r for r in rows}
+        ops = list(dict.fromkeys(r["op"] for r in rows))
+        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:15]:>26}" for op in ops))
         for sh in shapes:
-            print(f"{sh:<20}" + "".join(f"{by_key[(op, sh)]:>14.0f}" for op in ops))
+            line = f"{sh:<20}"
+            for op in ops:
+                c = by_key[(op, sh)]
+                cell = f"{c['GBps']:.0f}"
+                if "cold_ms" in c:
+                    cell += f" | {c['cold_GBps']:.0f}"
+                    if (op, n) in ds_cold:
+                        c["vs_deepspeed_cold"] = ds_cold[(op, n)] / c["cold_ms"]
+                        cell += f" | {c['vs_deepspeed_cold']:.3f}x"
+                line += f"{cell:>26}"
+            print(line)
     if args.out:
-        write_json(args.out, {"meta": meta, "results": results, "block_sweep": sweep})
+        write_json(args.out, {"meta": meta, "results": results, "vs_deepspeed": ratios, "block_sweep": sweep})
 
 
 class Timer:
@@ -125,8 +176,18 @@ class Timer:
     kernels launched back to back from C++ (docs/PERFORMANCE.md compares 1 and 10 calls
     per graph); eager timing is the fallback when capture fails."""
 
-    def __init__(self, device, iters, calls_per_graph=10):
-        self.device, self.iters, self.CALLS_PER_GRAPH = device, iters, calls_per_graph
+    def __init__(self, device, iters, calls_per_graph=10, cold_reps=100):
+        self.device, self.iters, self.CALLS_PER_GRAPH, self.cold_reps = device, iters, calls_per_graph, cold_reps
+
+    def cold(self, fn):
+        """Milliseconds of one eager call with the L2 flushed first (do_bench: a 256 MB
+        write before each call, CUDA events around the call, median). Host time that
+        outlasts the flush shows up in the figure. CPU: the host clock, as __call__."""
+        if self.device != "cuda":
+            return self(fn)
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=self.cold_reps, return_mode="median")
 
     def __call__(self, fn, graph=True):
         import torch
@@ -172,40 +233,55 @@ class Timer:
         return sorted(times)[len(times) // 2]
 
 
-def bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline):
+def bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline, reference_baselines=True,
+               ds=None, only_ops=None):
     k, m = K_NODES, M_RANKS
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     rows, cases = [], []
 
-    def add(op, impl, nbytes, fn, graph=True):
-        if fn is not None:
-            cases.append((op, impl, nbytes, fn, graph))
+    def add(op, impl, nbytes, fn, graph=True, cold=True):
+        if only_ops and op not in only_ops and op != "copy_bf16":
+            return
+        if fn is not None and (reference_baselines or impl not in ("eager", "compiled")):
+            cases.append((op, impl, nbytes, fn, graph, cold))
 
-    def time_case(op, impl, nbytes, fn, graph):
+    def add_triton(op, nbytes, fn):
+        add(op, "triton", nbytes, fn)
+        add(op, "triton_jit", nbytes, jit_launch(quant, fn), graph=None)
+
+    def time_case(op, impl, nbytes, fn, graph, cold):
         try:
-            ms = timer(fn, graph)
+            ms = timer(fn, graph) if graph is not None else None
+            cold_ms = timer.cold(fn) if cold and device == "cuda" else None
         except Exception as exc:  # a torch.compile failure must not lose the other numbers
             if impl != "compiled":
                 raise
             print(f"# {op} {impl} at {n}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
             return
-        rows.append({"op": op, "impl": impl, "elements": n, "bytes": nbytes, "ms": ms, "GBps": nbytes / ms / 1e6})
+        if ms is None and cold_ms is None:  # cold-only case off the GPU
+            return
+        row = {"op": op, "impl": impl, "elements": n, "bytes": nbytes}
+        if ms is not None:
+            row.update(ms=ms, GBps=nbytes / ms / 1e6)
+        if cold_ms is not None:
+            row.update(cold_ms=cold_ms, cold_GBps=nbytes / cold_ms / 1e6)
+        rows.append(row)
 
     check_identical(torch, quant, reference, x, n, block, rows)
     dst = torch.empty_like(x)
     # eager, back to back: a D2D memcpy captured in a CUDA graph runs on the copy engines
     # (~2.6 TB/s on the H200), while the eager one runs as a kernel at full speed
-    add("copy_bf16", "torch", 4 * n, lambda: dst.copy_(x), graph=False)
+    add("copy_bf16", "torch", 4 * n, lambda: dst.copy_(x), graph=False, cold=False)
 
     for bits in (8, 4):
         P = packed_len(n, bits, block)
         q_bytes = 2 * n + P
-        add(f"quantize{bits}", "triton", q_bytes, lambda bits=bits: quant.quantize(x, bits, block))
+        add_triton(f"quantize{bits}", q_bytes, lambda bits=bits: quant.quantize(x, bits, block))
         add(f"quantize{bits}", "eager", q_bytes, lambda bits=bits: reference.quantize(x, bits, block))
         comp = baseline(f"quantize{bits}", reference.quantize)
         add(f"quantize{bits}", "compiled", q_bytes, comp and (lambda bits=bits, comp=comp: comp(x, bits, block)))
         args = (quant.quantize(x, bits, block), n, bits, block, torch.bfloat16)
-        add(f"dequantize{bits}", "triton", q_bytes, lambda args=args: quant.dequantize(*args))
+        add_triton(f"dequantize{bits}", q_bytes, lambda args=args: quant.dequantize(*args))
         add(f"dequantize{bits}", "eager", q_bytes, lambda args=args: reference.dequantize(*args))
         comp = baseline(f"dequantize{bits}", reference.dequantize)
         add(f"dequantize{bits}", "compiled", q_bytes, comp and (lambda args=args, comp=comp: comp(*args)))
@@ -213,7 +289,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     # fused reorder + int4 quantize of a gradient split over k*m ranks
     S = n // (k * m)
     r_bytes = 2 * n + m * packed_len(k * S, 4, block)
-    add("reorder_quantize4", "triton", r_bytes, lambda: quant.reorder_quantize(x, k, m, 4, block))
+    add_triton("reorder_quantize4", r_bytes, lambda: quant.reorder_quantize(x, k, m, 4, block))
     add("reorder_quantize4", "eager", r_bytes, lambda: reference.reorder_quantize(x, k, m, 4, block))
     comp = baseline("reorder_quantize4", reference.reorder_quantize)
     add("reorder_quantize4", "compiled", r_bytes, comp and (lambda comp=comp: comp(x, k, m, 4, block)))
@@ -221,7 +297,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     # in-node hop: m received rows of k*S elements each -> k requantized chunks of S
     recv = quant.reorder_quantize(x, k, m, 4, block)
     drq_bytes = recv.numel() + k * packed_len(S, 4, block)
-    add("dequant_reduce_quantize4", "triton", drq_bytes, lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block))
+    add_triton("dequant_reduce_quantize4", drq_bytes, lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block))
     add("dequant_reduce_quantize4", "eager", drq_bytes,
         lambda: reference.dequant_reduce_quantize(recv, k, S, 4, 4, block))
     comp = baseline("dequant_reduce_quantize4", reference.dequant_reduce_quantize)
@@ -231,15 +307,98 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     L = n // k
     fin = quant.quantize(x.view(k, L), 4, block)
     dr_bytes = fin.numel() + 4 * L
-    add("dequant_reduce4", "triton", dr_bytes, lambda: quant.dequant_reduce(fin, L, 4, block, 0.125))
+    add_triton("dequant_reduce4", dr_bytes, lambda: quant.dequant_reduce(fin, L, 4, block, 0.125))
     add("dequant_reduce4", "eager", dr_bytes, lambda: reference.dequant_reduce(fin, L, 4, block, 0.125))
     comp = baseline("dequant_reduce4", reference.dequant_reduce)
     add("dequant_reduce4", "compiled", dr_bytes, comp and (lambda comp=comp: comp(fin, L, 4, block, 0.125)))
+
+    if ds is not None:
+        nbytes = {"quantize8": 2 * n + packed_len(n, 8, block), "quantize4": 2 * n + packed_len(n, 4, block),
+                  "reorder_quantize4": r_bytes, "dequant_reduce_quantize4": drq_bytes}
+        nbytes["dequantize8"], nbytes["dequantize4"] = nbytes["quantize8"], nbytes["quantize4"]
+        for op, fn in ds.cases(torch, x, block, k, m, rows).items():
+            add(op, "deepspeed", nbytes[op], fn)
     # the copy and the Triton kernels first, the (long-running) torch baselines after
     # them, so that no baseline's heat or clock state lands on a kernel's figure
-    for case in sorted(cases, key=lambda c: c[1] not in ("torch", "triton")):
+    for case in sorted(cases, key=lambda c: c[1] not in ("torch", "triton", "triton_jit", "deepspeed")):
         time_case(*case)
     return rows
+
+
+def jit_launch(quant, fn):
+    """fn with every kernel launched through Triton's JIT (quant.CACHED_LAUNCH off)."""
+    def run():
+        quant.CACHED_LAUNCH = False
+        try:
+            return fn()
+        finally:
+            quant.CACHED_LAUNCH = True
+    return run
+
+
+class DeepSpeedKernels:
+    """DeepSpeed's quantizer op (csrc/quantization, JIT-built by its QuantizerBuilder),
+    called as its ZeRO++ code calls it: quantize / dequantize for weights (qwZ),
+    swizzle_quant -> quantized_reduction for gradients (qgZ)."""
+
+    def __init__(self, module, version):
+        self.op, self.version = module, version
+
+    def cases(self, torch, x, block, k, m, rows):
+        op, sym = self.op, self.op.Symmetric
+        n = x.numel()
+        groups = n // block
+        xh = x.to(torch.float16)  # its kernels read __half: same bytes as bf16
+        cases = {}
+        for bits in (8, 4):
+            q, s = op.quantize(xh, groups, bits, sym)
+            cases[f"quantize{bits}"] = lambda bits=bits: op.quantize(xh, groups, bits, sym)
+            cases[f"dequantize{bits}"] = lambda q=q, s=s, bits=bits: op.dequantize(q, s, groups, bits, sym)
+            # the op is called right: the round trip within one step (its step is absmax /
+            # 2^(bits-1), and the largest value clips to 2^(bits-1) - 1 steps) plus fp16 rounding
+            err = (op.dequantize(q, s, groups, bits, sym).float() - xh.float()).view(groups, block).abs().amax(1)
+            ok = bool((err <= s.view(-1) * (1 + 2.0 ** -8) + xh.float().view(groups, block).abs().amax(1)
+                       * 2.0 ** -10).all())
+            rows.append({"op": f"check_deepspeed_round_trip{bits}", "impl": "-", "elements": n, "within_bound": ok})
+        qs, ss = op.swizzle_quant(xh, groups, 4, sym, 1, k, m)
+        cases["reorder_quantize4"] = lambda: op.swizzle_quant(xh, groups, 4, sym, 1, k, m)
+        cases["dequant_reduce_quantize4"] = lambda: op.quantized_reduction(qs, ss, groups, groups // m, 4, sym, m)
+        return cases
+
+
+def load_deepspeed():
+    """DeepSpeed's quantizer op, JIT-built (minutes the first time; cached afterwards)."""
+    try:
+        import deepspeed
+        from deepspeed.ops.op_builder import QuantizerBuilder
+    except ImportError as exc:
+        sys.exit(f"error: --deepspeed needs the deepspeed package ({exc}); install it with "
+                 "`pip install .[bench-deepspeed]` (offline: docs/KERNELS.md, 'DeepSpeed comparison')")
+    t0 = time.perf_counter()
+    module = QuantizerBuilder().load()
+    print(f"# DeepSpeed {deepspeed.__version__} quantizer op loaded in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    return DeepSpeedKernels(module, deepspeed.__version__)
+
+
+def deepspeed_ratios(results):
+    """Per op and size: DeepSpeed's time over megaq's (cached launch), cold and graph."""
+    by = {(r["op"], r["impl"], r["elements"]): r for r in results if "impl" in r}
+    out = []
+    for (op, impl, n), d in by.items():
+        t = by.get((op, "triton", n))
+        if impl != "deepspeed" or t is None:
+            continue
+        row = {"op": op, "elements": n}
+        if "cold_ms" in d and "cold_ms" in t:
+            row["cold"] = d["cold_ms"] / t["cold_ms"]
+        if "ms" in d and "ms" in t:
+            row["graph"] = d["ms"] / t["ms"]
+        j = by.get((op, "triton_jit", n))
+        if j is not None and "cold_ms" in d and "cold_ms" in j:
+            row["cold_jit"] = d["cold_ms"] / j["cold_ms"]
+        out.append(row)
+    return out
 
 
 def check_identical(torch, quant, reference, x, n, block, rows):
@@ -261,8 +420,9 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
-def bench_tuning(torch, quant, packed_len, n, shapes, device, timer):
-    """Triton GB/s per launch shape (block, warps per program, blocks per program)."""
+def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None):
+    """Triton GB/s per launch shape (block, warps per program, blocks per program), graph
+    replay and (GPU) cold per call."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
@@ -281,26 +441,52 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer):
                 cases.append((f"dequantize{bits}", nbytes, lambda bits=bits, packed=packed:
                               quant.dequantize(packed, n, bits, block, torch.bfloat16)))
             for op, nbytes, fn in cases:
+                if only_ops and op not in only_ops:
+                    continue
                 ms = timer(fn)
-                rows.append({"op": op, "shape": f"{block}x{warps}x{nb}", "elements": n, "ms": ms,
-                             "GBps": nbytes / ms / 1e6})
+                row = {"op": op, "shape": f"{block}x{warps}x{nb}", "elements": n, "ms": ms, "GBps": nbytes / ms / 1e6}
+                if device == "cuda":
+                    row["cold_ms"] = timer.cold(fn)
+                    row["cold_GBps"] = nbytes / row["cold_ms"] / 1e6
+                rows.append(row)
         finally:
             quant.WARPS_OVERRIDE = quant.NB_OVERRIDE = None
     return rows
 
 
 def print_table(results, sizes):
-    results = [r for r in results if "GBps" in r]
-    op_order = list(dict.fromkeys(r["op"] for r in results))  # rows grouped by op
-    ops = sorted(dict.fromkeys((r["op"], r["impl"]) for r in results), key=lambda oi: op_order.index(oi[0]))
-    by_key = {(r["op"], r["impl"], r["elements"]): r["GBps"] for r in results}
-    head = f"{'op':<26}{'impl':<10}" + "".join(f"{_fmt_size(n):>10}" for n in sizes)
-    print("effective GB/s (bytes read + written)")
+    for key, title in (("GBps", "effective GB/s (bytes read + written), CUDA-graph replay"),
+                       ("cold_GBps", "effective GB/s, one eager call after an L2 flush (do_bench median)")):
+        rows = [r for r in results if key in r]
+        if not rows:
+            continue
+        op_order = list(dict.fromkeys(r["op"] for r in rows))  # rows grouped by op
+        ops = sorted(dict.fromkeys((r["op"], r["impl"]) for r in rows), key=lambda oi: op_order.index(oi[0]))
+        by_key = {(r["op"], r["impl"], r["elements"]): r[key] for r in rows}
+        head = f"{'op':<26}{'impl':<11}" + "".join(f"{_fmt_size(n):>10}" for n in sizes)
+        print(title)
+        print(head)
+        print("-" * len(head))
+        for op, impl in ops:
+            cells = "".join(_fmt_rate(by_key[(op, impl, n)]) if (op, impl, n) in by_key else f"{'-':>10}"
+                            for n in sizes)
+            print(f"{op:<26}{impl:<11}{cells}")
+        print()
+
+
+def print_ratios(ratios, sizes):
+    print("vs DeepSpeed: its time / megaq's (cold per call | graph replay; cold with the JIT launch)")
+    head = f"{'op':<26}" + "".join(f"{_fmt_size(n):>22}" for n in sizes)
     print(head)
     print("-" * len(head))
-    for op, impl in ops:
-        cells = "".join(_fmt_rate(by_key[(op, impl, n)]) if (op, impl, n) in by_key else f"{'-':>10}" for n in sizes)
-        print(f"{op:<26}{impl:<10}{cells}")
+    by = {(r["op"], r["elements"]): r for r in ratios}
+    for op in dict.fromkeys(r["op"] for r in ratios):
+        cells = ""
+        for n in sizes:
+            r = by.get((op, n), {})
+            cell = " | ".join(f"{r[k]:.2f}x" if k in r else "-" for k in ("cold", "graph", "cold_jit"))
+            cells += f"{cell:>22}"
+        print(f"{op:<26}{cells}")
 
 
 def _fmt_rate(v):

@@ -14,10 +14,13 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
   megaq-fp8tw-comp  megaq-s0-comp with FP8 GEMMs in the blocks (--fp8-format hybrid
                   --fp8-recipe tensorwise: E4M3 forward, E5M2 grads, per-tensor scales)
   megaq-fp8rw-comp  the same with --fp8-format e4m3 --fp8-recipe rowwise
+  megaq-fp8dl-comp  the same with --fp8-format hybrid --fp8-recipe delayed (x and dY
+                  scaled from a 16-step amax history, amax taken in the casting pass)
   megaq-s3-fp8tw-comp       megaq-s3-comp with the tensorwise FP8 GEMMs (bf16 weight gathers)
   megaq-s3-fp8tw-fp8g-comp  the same with FP8 weight gathers (--zero-quantized-weights fp8:
                   the engine casts each weight to E4M3 once per step, the GEMMs read the
                   gathered E4M3 weights; no bf16 copy of the block weights)
+  megaq-s3-fp8dl-fp8g-comp  the same with the delayed recipe
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -62,11 +65,13 @@ SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 16), "1.3B": (24, 204
          "3B": (28, 3072, 24, 4)}
 VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp",
             "megaq-fp8tw-comp", "megaq-fp8rw-comp", "ao-tw-comp", "ao-rw-comp",
-            "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp"]
+            "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp", "megaq-fp8dl-comp",
+            "megaq-s3-fp8dl-fp8g-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
-FP8_VARIANTS = {"fp8tw": ("hybrid", "tensorwise"), "fp8rw": ("e4m3", "rowwise")}
+FP8_VARIANTS = {"fp8tw": ("hybrid", "tensorwise"), "fp8rw": ("e4m3", "rowwise"),
+                "fp8dl": ("hybrid", "delayed")}
 AO_VARIANTS = {"ao-tw": "tensorwise", "ao-rw": "rowwise"}
 
 
@@ -191,11 +196,14 @@ def use_fp8(model, fp8_format, fp8_recipe):
     built them (the CPU model is built once per size: its init is the slow part)."""
     import dataclasses
 
+    from megaq.parallel import fp8_delayed
+
     model.config = dataclasses.replace(model.config, fp8_format=fp8_format, fp8_recipe=fp8_recipe)
     for layer in model.layers:
-        for m in layer.modules():
+        for m in list(layer.modules()):
             if hasattr(m, "fp8"):
                 m.fp8 = model.config.fp8
+                fp8_delayed.attach(m, m.fp8)  # the delayed recipe's amax history
     return model
 
 
@@ -203,6 +211,7 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
     import copy
 
     from megaq.model.gpt import compile_blocks
+    from megaq.parallel import fp8_delayed
     from megaq.parallel.topology import Layout, build_topology
     from megaq.zero import ZeroConfig, build_engine
 
@@ -225,6 +234,7 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
     def opt_step():
         engine.finish_grad_sync()
         engine.clip_grad_norm(1.0)
+        fp8_delayed.step(model, None)  # delayed FP8 scaling's history (megaq.training's order)
         engine.step(3e-4)
 
     return (model, engine), fwd_bwd, opt_step, getattr(engine.optimizer, "kind", "?")
@@ -289,6 +299,7 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t0 = time.time()
+    breaks0 = sum(torch._dynamo.utils.counters["graph_break"].values())
     keep, fwd_bwd, opt_step, opt_kind = build(size, variant, dev)
     batches = make_batches(size, dev)
     for i in range(warmup):
@@ -305,6 +316,11 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
         opt_step()
         ev[i][2].record()
     torch.cuda.synchronize()
+    # a graph break in a compiled block costs more than FP8 gains: say so in the results
+    graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks0
+    if graph_breaks:
+        print(f"WARNING {size} {variant}: {graph_breaks} graph breaks "
+              f"{dict(torch._dynamo.utils.counters['graph_break'])}", flush=True)
     profile = None
     if profile_dir is not None:
         profile = profile_steps(size, variant, fwd_bwd, opt_step, batches, profile_dir)
@@ -320,7 +336,7 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
                mfu_with_head=tps * flops_per_token(size, True) / 1e12 / PEAK_TFLOPS,
                peak_mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
                setup_s=setup_s, optimizer=opt_kind, base_mem_gib=base / 2**30,
-               loss_first=float(losses[0]), loss_last=float(losses[-1]))
+               loss_first=float(losses[0]), loss_last=float(losses[-1]), graph_breaks=graph_breaks)
     if profile:
         res["profile_ms_per_step_by_kind"] = profile
     del keep, fwd_bwd, opt_step, batches, losses
@@ -576,6 +592,8 @@ def fp8_check(dev, tokens=2048):
     out = {"fp8_gemm_available": fp8.fp8_gemm_available(dev)}
     group = single_rank_group()
     for fmt, recipe in FP8_VARIANTS.values():
+        if recipe == "delayed":  # the tensorwise cast and GEMMs with a history's scale
+            continue
         rec = fp8.FP8Recipe(fmt, recipe)
         for name, (k, n) in shapes.items():
             x = torch.randn(tokens, k, device=dev, generator=g).bfloat16()
@@ -630,6 +648,7 @@ def train_check(dev, steps=30, shape=(4, 512, 8, 8), seq=512):
                                     ("reference", "ref-eager", None),
                                     ("megaq fp8 tensorwise", "megaq-s0-fp8tw", "auto"),
                                     ("megaq fp8 rowwise", "megaq-s0-fp8rw", "auto"),
+                                    ("megaq fp8 delayed", "megaq-s0-fp8dl", "auto"),
                                     ("torchao tensorwise", "ao-tw-eager", None),
                                     ("torchao rowwise", "ao-rw-eager", None)):
             os.environ["MEGAQ_KERNELS"] = env or "auto"
@@ -669,7 +688,9 @@ def print_tables(results, zpp):
         return f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
 
     for r in results:
-        ao = {"megaq-fp8tw-comp": "ao-tw-comp", "megaq-fp8rw-comp": "ao-rw-comp"}.get(r["variant"])
+        # delayed scaling is compared with torchao's per-tensor (current scaling) recipe
+        ao = {"megaq-fp8tw-comp": "ao-tw-comp", "megaq-fp8rw-comp": "ao-rw-comp",
+              "megaq-fp8dl-comp": "ao-tw-comp"}.get(r["variant"])
         print(f"| {r['size']} | {r['variant']} | {r['micro_batch']} | {r['step_ms']:.1f} "
               f"({r['fwd_bwd_ms']:.1f} / {r['optimizer_ms']:.1f}) | {r['tokens_per_s'] / 1e3:.1f}K | "
               f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {100 * r['mfu_with_head']:.1f}% | "
@@ -677,7 +698,8 @@ def print_tables(results, zpp):
               f"{ratio(r, ao) if ao else '-'} |")
     for size in dict.fromkeys(r["size"] for r in results):
         tps = {r["variant"]: r for r in results if r["size"] == size}
-        rows = [v for v in ("megaq-s3-comp", "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp") if v in tps]
+        rows = [v for v in ("megaq-s3-comp", "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp",
+                            "megaq-s3-fp8dl-fp8g-comp") if v in tps]
         if len(rows) > 1:  # the FP8 weight gathers against bf16 and FP8 GEMMs, same engine
             base = tps[rows[0]]["tokens_per_s"]
             print(f"\nZeRO-3 at {size}: " + ", ".join(

@@ -33,6 +33,9 @@ A configuration is ``zero3`` or tokens joined by ``+`` (each maps to flags):
                keeps for itself in each all-to-all exact, fp32, instead of int4)
     wd         --zero-weight-deltas (needs hpz: only int4 weight differences cross nodes)
     d4 / d8    --zero-weight-delta-bits (the width of those differences)
+    sq / lin   --zero-quantized-gradients-code square / linear (the int4 code of the
+               gradient hops); without either, a qgz configuration passes the shipped
+               default code explicitly, so a cached run's argv says which code it ran
 
 and the aliases ``zeropp`` (qwz+hpz+qgz with the shipped defaults: int4 both hops, block
 2048, own rows quantized, no error feedback) and ``deltas`` (hpz+wd+qgz); an alias may start a composite
@@ -70,7 +73,10 @@ TOKENS = {
     "ef": ["--zero-gradient-error-feedback"],
     "xown": ["--zero-quantized-gradients-exact-own-rows"],
     "wd": ["--zero-weight-deltas"],
+    "sq": ["--zero-quantized-gradients-code", "square"],
+    "lin": ["--zero-quantized-gradients-code", "linear"],
 }
+CODE_FLAG = "--zero-quantized-gradients-code"
 PREFIX_TOKENS = {  # token prefix + integer -> flag
     "g": "--zero-quantized-gradients-bits",
     "i": "--zero-quantized-gradients-intra-bits",
@@ -81,7 +87,7 @@ ALIASES = {
     "zeropp": "qwz+hpz+qgz",
     "deltas": "hpz+wd+qgz",
 }
-GRAD_ONLY = ("ef", "xown")  # need qgz
+GRAD_ONLY = ("ef", "xown", "sq", "lin")  # need qgz
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -117,6 +123,9 @@ def config_flags(name: str, hpz: int) -> list[str]:
             raise ConfigError(f"token {t!r} in {name!r} needs hpZ's reference weights: add 'hpz'")
         if t[:1] == "d" and "wd" not in tokens:
             raise ConfigError(f"token {t!r} in {name!r} sets weight-delta options: add 'wd'")
+    if "qgz" in tokens and CODE_FLAG not in flags:  # pin the default: the argv names the code
+        from megaq.zero.config import ZeroConfig
+        flags += [CODE_FLAG, ZeroConfig.grad_code]
     return flags
 
 

@@ -9,6 +9,7 @@ fresh process, ZeRO-3 at DP=1, bf16 weights with fp32 masters, compiled blocks:
   bf16   bf16 GEMMs
   fp8    FP8 GEMMs in the blocks (--fp8-format hybrid --fp8-recipe tensorwise)
   fp8g   fp8 plus FP8 weight gathers (--zero-quantized-weights fp8)
+  fp8dl  FP8 GEMMs with delayed scaling (--fp8-recipe delayed: x and dY from an amax history)
 
 Default model (GPT-2 small's blocks; 91M parameters, 85M of them in the blocks, with
 the 4096-token vocabulary): 12 layers, hidden 768, 12 heads, seq 1024, micro-batch 8, global batch 16 (two micro-batches, so the
@@ -44,6 +45,7 @@ VARIANTS = {
     "bf16": [],
     "fp8": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     "fp8g": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--zero-quantized-weights", "fp8"],
+    "fp8dl": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],  # amax history, Megatron's defaults
 }
 CRITERION = 0.01  # issue 20: FP8 final validation loss within 1% of bf16
 

@@ -17,8 +17,9 @@ the mean of the 4 ranks' gradients) for 2 nodes x 2, and print per unit:
           result is exactly 0 (every contribution rounded to 0)
 
 for the int4 code of the kernels (linear: levels k * absmax / 7, nearest), the same with
-stochastic rounding (linear-sr, seeded), and the square-law code of
-tools/bench/qgz_probe.py (square: levels k^2 * absmax / 49, nearest in value), with every
+stochastic rounding (linear-sr, seeded), and the square-law code
+(`--zero-quantized-gradients-code square`; levels k^2 * absmax / 49, nearest in value; replayed
+here in float64 with unrounded scales), with every
 row quantized or with each rank's own rows exact, block 2048.
 
     python tools/bench/qgz_grad_error.py capture --dir /tmp/qgz_grads --steps 60,150,250 --iters 260

@@ -9,17 +9,13 @@ experimental change that has no flag in megaq, applied inside each rank:
                   gradient carries the cost.
   --sr            stochastic rounding in the torch reference's int4/int8 rounding
                   (floor(x / step + U[0,1)), seeded per rank) instead of nearest.
-  --code sq       a square-law int4 code: a nibble q means sign(q) * q^2 * s with
-                  s = absmax / 49 (levels 0, 1, 4, ..., 49 steps), q the nearest level in
-                  value. Same bytes as int4 (4-bit payload + one fp32 scale per block);
-                  the smallest level is absmax / 49 instead of absmax / 7, so values
-                  7x smaller survive. int8 (qwZ) is unchanged. Only the torch reference
-                  is patched (CPU runs); the Triton kernels do not have it.
 
-    python tools/bench/qgz_probe.py --config qgz --seed 1234 --code sq
+The square-law int4 code is a setting, not a probe: `--zero-quantized-gradients-code
+square` (convergence.py's `+sq` token).
+
     python tools/bench/qgz_probe.py --config qgz --seed 1234 --units head
 
-Runs are cached under --cache-dir by (argv, units, sr, code). A table of every cached
+Runs are cached under --cache-dir by (argv, units, sr). A table of every cached
 probe against the harness's ZeRO-3 runs of the same seed and corpus (paired difference
 of the last-20-iteration training loss and of the final validation loss, mean and 95%
 t interval as convergence.py reports them):
@@ -44,48 +40,6 @@ sys.path.insert(0, HERE)
 import convergence as cv  # noqa: E402
 
 
-def patch_square_code():
-    """Replace the reference's int4 quantize / dequantize / hop by the square-law code."""
-    import torch
-
-    import megaq.kernels.reference as R
-
-    lin_q, lin_dq = R._quantize_fp32, R._dequantize_fp32
-
-    def quant(xf, bits, block):
-        if bits != 4:
-            return lin_q(xf, bits, block)
-        lead, L = xf.shape[:-1], xf.shape[-1]
-        b = xf.reshape(*lead, L // block, block)
-        am = b.abs().amax(-1)
-        zero = am < R.TINY
-        safe = torch.where(zero, torch.ones_like(am), am)
-        scale = R._round_up_scale(torch.div(safe, torch.full_like(am, 49.0)))
-        inv = torch.where(zero, torch.zeros_like(am), torch.div(torch.ones_like(scale), scale))
-        scale = torch.where(zero, torch.zeros_like(scale), scale)
-        y = b.abs().double() * inv.double().unsqueeze(-1)
-        c = torch.zeros_like(y)
-        for t in range(7):  # nearest level in value: thresholds (t^2 + (t+1)^2) / 2
-            c = c + (y >= t * t + t + 0.5).double()
-        q = (torch.sign(b).double() * c).to(torch.int8)
-        return R._pack(q.reshape(*lead, L), scale, bits)
-
-    def dequant(packed, L, bits, block):
-        if bits != 4:
-            return lin_dq(packed, L, bits, block)
-        v = lin_dq(packed, L, bits, block)  # q * s, exact
-        s = packed[..., L * bits // 8:].contiguous().view(torch.float32)
-        lead = packed.shape[:-1]
-        q = (v.reshape(*lead, L // block, block) / torch.where(s == 0, torch.ones_like(s), s).unsqueeze(-1)).round()
-        return (q * q.abs() * s.unsqueeze(-1)).reshape(*lead, L)
-
-    def hop(recv, k, S, bits_out, block):
-        rows = dequant(recv.reshape(-1, recv.shape[-1]), k * S, 4, block)
-        return quant(R._sum_rows(rows).reshape(k, S), bits_out, block)
-
-    R._quantize_fp32, R._dequantize_fp32, R._int4_hop = quant, dequant, hop
-
-
 def patch_stochastic_rounding(rank: int):
     import torch
 
@@ -100,7 +54,7 @@ def patch_stochastic_rounding(rank: int):
     R._round_q = _round_q
 
 
-def rank_main(topo, argv, metrics, units, sr, code):
+def rank_main(topo, argv, metrics, units, sr):
     import torch
 
     torch.set_num_threads(1)
@@ -118,8 +72,6 @@ def rank_main(topo, argv, metrics, units, sr, code):
         grads.QuantizedGradReducer.start_reduce = start_reduce
     if sr:
         patch_stochastic_rounding(topo.rank)
-    if code == "sq":
-        patch_square_code()
     from megaq import pretrain
 
     if topo.rank == 0:
@@ -192,7 +144,6 @@ def main(argv=None):
     p.add_argument("--seed", type=int)
     p.add_argument("--units", default="", help="regex of the unit names qgZ is kept for")
     p.add_argument("--sr", action="store_true", help="stochastic rounding")
-    p.add_argument("--code", default="", choices=["", "sq"], help="sq: the square-law int4 code")
     p.add_argument("--data-path", default=None)
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--cache-dir", default=os.path.join(cv.REPO, "data_cache", "qgz_probe"))
@@ -204,9 +155,8 @@ def main(argv=None):
         p.error("--config and --seed are required (or --report)")
     a = cv.parse(["--data-path", o.data_path, "--tokenizer-model", o.tokenizer_model] if o.data_path else [])
     run_argv = cv.model_argv(a, o.seed, "bf16") + cv.config_flags(o.config, a.world // 2)
-    label = (f"{o.config}{'+sr' if o.sr else ''}{'+' + o.code if o.code else ''}"
-             f"{'+only(' + o.units + ')' if o.units else ''}")
-    key = hashlib.sha256(json.dumps([run_argv, o.units, o.sr] + ([o.code] if o.code else [])).encode()).hexdigest()[:16]
+    label = f"{o.config}{'+sr' if o.sr else ''}{'+only(' + o.units + ')' if o.units else ''}"
+    key = hashlib.sha256(json.dumps([run_argv, o.units, o.sr]).encode()).hexdigest()[:16]
     out = os.path.join(o.cache_dir, f"{key}.json")
     if os.path.exists(out):
         print("cached", out)
@@ -218,9 +168,9 @@ def main(argv=None):
     t0 = time.time()
     hpz = a.world // 2 if "--zero-hpz-partition-size" in run_argv else 1
     res = run_on_ranks(rank_main, a.world, ranks_per_node=a.world // 2, hpz_size=hpz,
-                       args=(run_argv, metrics, o.units, o.sr, o.code), timeout=7200)[0]
+                       args=(run_argv, metrics, o.units, o.sr), timeout=7200)[0]
     run = {"label": f"{label}@{o.seed}/bf16",
-           "probe": {"units": o.units, "sr": o.sr, "code": o.code, "config": o.config, "data": bool(o.data_path)},
+           "probe": {"units": o.units, "sr": o.sr, "config": o.config, "data": bool(o.data_path)},
            "argv": run_argv, "wall_s": time.time() - t0,
            "train": {int(k): v for k, v in res["losses"].items()},
            "val": {int(k): v for k, v in res["val"].items()},

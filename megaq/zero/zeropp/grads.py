@@ -4,7 +4,7 @@ For a unit's full flat gradient of n*S elements (n = DP size = k nodes x m ranks
 node, S = my shard), DP rank ``a*m + j`` (node a, local index j) must end with
 ``sum over DP ranks / n`` of chunk ``a*m + j``:
 
-1. reorder + quantize (int4 by default): row j' = chunks a'*m + j' for a' = 0..k-1,
+1. reorder + quantize (int4 by default, in the int4 code ``cfg.grad_code``): row j' = chunks a'*m + j' for a' = 0..k-1,
    the part that in-node peer j' will forward to the rails;
 2. in-node all-to-all over ``topo.intra`` (row j' -> local peer j');
 3. dequantize the m rows, sum in fp32, requantize per chunk (one fused kernel) ->
@@ -179,15 +179,15 @@ class QuantizedGradReducer:
             if cfg.error_feedback:
                 res = self._residual(self._res2, key, i, (r.k, s), x.device)
                 y = x.reshape(r.k, s).to(torch.float32) + res
-                q = ops.quantize(y, bits, cfg.block_size)
-                res.copy_(y - ops.dequantize(q, s, bits, cfg.block_size, torch.float32))
+                q = ops.quantize(y, bits, cfg.block_size, cfg.grad_code)
+                res.copy_(y - ops.dequantize(q, s, bits, cfg.block_size, torch.float32, cfg.grad_code))
                 if own is not None:
                     res[r.a].zero_()  # my own row is used exactly: it leaves no residual
             else:
-                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block_size)
+                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block_size, cfg.grad_code)
             return q, None, own
         res = self._residual(self._res1, key, i, (x.numel(),), x.device) if cfg.error_feedback else None
-        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block_size, res)
+        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block_size, res, cfg.grad_code)
         own = None
         if cfg.grad_exact_own_rows:  # row j stays on this rank: keep it exact (fp32), not quantized
             own = x.reshape(r.k, r.m, s)[:, r.j].to(torch.float32).reshape(-1)
@@ -211,24 +211,26 @@ class QuantizedGradReducer:
             send, own2 = recv1, own1
         elif cfg.error_feedback or own1 is not None:
             if own1 is not None:  # the peers' rows dequantized, plus my own row exactly
-                y = _reduce_rows(recv1, r.j, r.k * s, cfg.grad_bits_intra, cfg.block_size, own1)
+                y = _reduce_rows(recv1, r.j, r.k * s, cfg.grad_bits_intra, cfg.block_size, own1, cfg.grad_code)
             else:
-                rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block_size, torch.float32)
+                rows = ops.dequantize(recv1, r.k * s, cfg.grad_bits_intra, cfg.block_size, torch.float32,
+                                      cfg.grad_code)
                 y = _sum_rows(rows)
             y = y.reshape(r.k, s)
             if cfg.error_feedback:
                 res = self._residual(self._res2, key, i, (r.k, s), recv1.device)
                 y = y + res
-            send = ops.quantize(y, cfg.grad_bits_inter, cfg.block_size)
+            send = ops.quantize(y, cfg.grad_bits_inter, cfg.block_size, cfg.grad_code)
             if cfg.error_feedback:
-                res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block_size, torch.float32))
+                res.copy_(y - ops.dequantize(send, s, cfg.grad_bits_inter, cfg.block_size, torch.float32,
+                                             cfg.grad_code))
             if own1 is not None:
                 own2 = y[r.a].clone()  # my node's partial sum of my chunk: exact (no residual)
                 if cfg.error_feedback:
                     res[r.a].zero_()
         else:
             send = ops.dequant_reduce_quantize(recv1, r.k, s, cfg.grad_bits_intra,
-                                               cfg.grad_bits_inter, cfg.block_size)
+                                               cfg.grad_bits_inter, cfg.block_size, cfg.grad_code)
         recv2 = torch.empty_like(send)
         h2 = comm.all_to_all(recv2, send, self.inter, PHASE, async_op=True)
         return recv2, h2, cfg.grad_bits_inter, own2
@@ -242,24 +244,24 @@ class QuantizedGradReducer:
         scale = 1.0 / self.n  # the DP size, exactly once
         if own is not None:  # the other rows dequantized plus my own exact row, then / n
             me = self.rails.j if self.rails.k == 1 else self.rails.a
-            part = _reduce_rows(recv, me, hi - lo, bits, self.cfg.block_size, own) * scale
+            part = _reduce_rows(recv, me, hi - lo, bits, self.cfg.block_size, own, self.cfg.grad_code) * scale
             out[lo:min(hi, S)].add_(part[:min(hi, S) - lo])
         elif hi <= S:
-            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, out[lo:hi])
+            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, out[lo:hi], self.cfg.grad_code)
         else:  # the chunk reaches into the padding: only the real part is accumulated
-            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale)
+            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, code=self.cfg.grad_code)
             out[lo:S].add_(part[:S - lo])
 
 
 def _reduce_rows(recv: torch.Tensor, mine: int, L: int, bits: int, block: int,
-                 own: torch.Tensor) -> torch.Tensor:
+                 own: torch.Tensor, code: str) -> torch.Tensor:
     """fp32 [L]: the packed rows of ``recv`` other than row ``mine`` dequantized and
     summed in row order (one fused kernel), plus ``own`` (this rank's exact row, which
     never crossed a link and so was never quantized)."""
     # slices, not a list index: no host-to-device index copy (CUDA-graph capturable)
     rows = torch.cat([recv[:mine], recv[mine + 1:]]) if 0 < mine < recv.shape[0] - 1 else (
         recv[1:] if mine == 0 else recv[:mine])
-    return ops.dequant_reduce(rows, L, bits, block, 1.0) + own
+    return ops.dequant_reduce(rows, L, bits, block, 1.0, code=code) + own
 
 
 def _sum_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,260 @@
+"""The cached launch path (kernels/launch.py): one compiled kernel per specialization,
+never another's, and results bit-identical to the torch reference through it.
+
+On CPU the kernels run under the Triton interpreter, whose kernels have no compiled
+form, so FakeJIT stands in for the JIT: it launches the real (interpreted) kernel and
+returns a FakeCompiled that records the specialization it was "compiled" for. Its
+launcher, the one the cache calls on every later call, first checks that the call's
+arguments have exactly that specialization and constexprs (so a cache that hands out a
+kernel for another dtype, alignment, block or int class fails here), then launches the
+kernel with the arguments as the JIT's launcher would receive them (all parameters in
+order, constexprs included). On a GPU (TRITON_INTERPRET=0) the last test also drives
+the real compiled launchers.
+"""
+
+import importlib
+import inspect
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from megaq.kernels import launch, reference as ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+STREAM, FUNCTION, METADATA = object(), object(), object()
+
+
+def _truth_spec(args):
+    """The JIT's specialization of runtime arguments, written out independently of
+    kernels/launch.py: pointer dtype and 16-byte alignment; int: the constant 1,
+    16-divisible, width; float: fp32."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(("ptr", str(a.dtype), a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            width = "i32" if -2**31 <= a < 2**31 else ("u64" if a >= 2**63 else "i64")
+            out.append(("int", "constexpr 1" if a == 1 else width, a % 16 == 0))
+        else:
+            out.append(("fp32",))
+    return out
+
+
+def _params(kernel):
+    fn = getattr(kernel, "fn", kernel)
+    return [SimpleNamespace(name=n, is_constexpr=p.annotation is tl.constexpr)
+            for n, p in inspect.signature(fn).parameters.items()]
+
+
+class FakeCompiled:
+    def __init__(self, jit, spec, kwargs, n_runtime):
+        self.jit, self.spec, self.kwargs, self.n_runtime = jit, spec, dict(kwargs), n_runtime
+        self.function, self.packed_metadata = FUNCTION, METADATA
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *all_args):
+        assert (stream, function, metadata) == (STREAM, FUNCTION, METADATA)
+        assert enter_hook is None and exit_hook is None
+        names = [p.name for p in self.jit.params]
+        assert len(all_args) == len(names), "the launcher takes every parameter, constexprs included"
+        runtime, consts = all_args[:self.n_runtime], dict(zip(names[self.n_runtime:], all_args[self.n_runtime:]))
+        assert _truth_spec(runtime) == self.spec, "cached kernel launched for another specialization"
+        assert all(self.kwargs[k] == v and type(self.kwargs[k]) is type(v) for k, v in consts.items())
+        self.jit.fast_runs += 1
+        self.jit.inner[(g0, g1, g2)](*runtime, **self.kwargs)
+
+
+class FakeJIT:
+    """A JIT stand-in around a runnable kernel (interpreted on CPU)."""
+
+    def __init__(self, inner):
+        self.inner, self.params = inner, _params(inner)
+        self.compiles, self.fast_runs = 0, 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.compiles += 1
+            self.inner[grid](*args, **kwargs)
+            return FakeCompiled(self, _truth_spec(args), kwargs, len(args))
+        return run
+
+
+def _fake_launcher(kernel):
+    return launch.CachedLauncher(FakeJIT(kernel), get_device=lambda: 0, get_stream=lambda d: STREAM)
+
+
+@triton.jit
+def _axpb_kernel(x_ptr, out_ptr, n, a, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0).to(tl.float32)
+    tl.store(out_ptr + i, x * a + SHIFT, mask=i < n)
+
+
+def _axpb(launcher, x, a, block, shift=1, **opts):
+    """out = x * a + shift in fp32; a is a power of two, so the product is exact and the
+    result does not depend on whether the compiler fuses it into an fma."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    launcher((triton.cdiv(x.numel(), block),), x, out, x.numel(), a, BLOCK=block, SHIFT=shift, **opts)
+    assert torch.equal(out, x.float() * a + shift)
+
+
+def test_one_compiled_kernel_per_specialization():
+    fl = _fake_launcher(_axpb_kernel)
+    buf = torch.randn(200, device=DEV)
+    calls = [  # (x, block, shift, options): each line a new specialization unless marked
+        (buf[:64], 32, 1, {}),
+        (buf[:64], 32, 1, {}),  # same: cached
+        (buf[:64].bfloat16(), 32, 1, {}),  # dtype
+        (buf[1:65], 32, 1, {}),  # pointer not 16-byte aligned
+        (buf[:64], 64, 1, {}),  # block (constexpr)
+        (buf[:64], 32, 2, {}),  # another constexpr
+        (buf[:64], 32, 1.0, {}),  # a constexpr of another type, equal to 1
+        (buf[:64], 32, 1, {"num_warps": 2}),  # launch option
+        (buf[:1], 32, 1, {}),  # n == 1
+        (buf[:17], 32, 1, {}),  # n: neither 1 nor 16-divisible
+        (buf[:48], 32, 1, {}),  # n 16-divisible (the JIT would share 64's kernel; the key is finer)
+    ]
+    runs = 0
+    for x, block, shift, opts in calls:
+        for a in (2.0, -0.5):  # a scalar: keyed by value (finer than the JIT), so a new entry
+            for _ in range(2):  # the second launch comes from the cache
+                _axpb(fl, x, a, block, shift, **opts)
+                runs += 1
+    new = 2 * (len(calls) - 1)  # the second line repeats the first
+    assert fl.kernel.compiles == new == fl.compiles
+    assert fl.kernel.fast_runs == runs - new
+
+
+def test_wrong_specialization_is_caught(monkeypatch):
+    """The check above can fail: a cache key blind to dtype hands the fp32 kernel to a
+    bf16 call, and the fake launcher refuses it."""
+    fl = _fake_launcher(_axpb_kernel)
+    x = torch.randn(64, device=DEV)
+    _axpb(fl, x, 2.0, 32)
+    monkeypatch.setattr(launch, "tensor_key", lambda t: "blind")
+    fl._entries = {}
+    _axpb(fl, x, 2.0, 32)  # compiles fp32 under the blind key
+    with pytest.raises(AssertionError, match="another specialization"):
+        _axpb(fl, x.bfloat16(), 2.0, 32)
+
+
+def test_fallbacks_launch_through_the_jit():
+    fl = _fake_launcher(_axpb_kernel)
+    fl.enabled = False
+    x = torch.randn(64, device=DEV)
+    _axpb(fl, x, 2.0, 32)
+    _axpb(fl, x, 2.0, 32)
+    assert fl.kernel.compiles == 2 and fl.compiles == 0  # every call through the JIT
+    fl = _fake_launcher(_axpb_kernel)
+    fl._hooks_active = lambda: True  # a profiler's launch hook: the JIT builds its metadata
+    _axpb(fl, x, 2.0, 32)
+    _axpb(fl, x, 2.0, 32)
+    assert fl.kernel.compiles == 2 and fl.kernel.fast_runs == 0
+
+
+@pytest.fixture()
+def quant_fake(monkeypatch):
+    """kernels.quant with every launcher driving FakeJIT (the real kernels inside)."""
+    from megaq.kernels import quant
+
+    if DEV == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(quant._quantize_kernel, InterpretedFunction):
+            quant = importlib.reload(quant)
+    fakes = {}
+    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS", "_INT4_SQUARE_HOP"):
+        fakes[name] = _fake_launcher(getattr(quant, name).kernel)
+        monkeypatch.setattr(quant, name, fakes[name])
+    return quant, fakes
+
+
+@pytest.mark.parametrize("words,block,dtypes", [
+    (None, 96, (torch.float32, torch.bfloat16)),  # int4 word kernels (W = 12 padded to 16)
+    (False, 64, (torch.bfloat16,)),  # the byte kernel
+])
+def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block, dtypes):
+    tq, fakes = quant_fake
+    monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
+    k, m, S = 2, 2, 2 * block
+    for dtype in dtypes:
+        g = torch.Generator().manual_seed(block)
+        x = (torch.randn(k * m * S, generator=g) * 3).to(dtype).to(DEV)
+        for _ in range(2):  # the second round launches from the cache
+            for bits in (8, 4):
+                a = tq.quantize(x, bits, block)
+                assert torch.equal(a.cpu(), ref.quantize(x.cpu(), bits, block)), (block, dtype, bits)
+                d = tq.dequantize(a, x.numel(), bits, block, dtype)
+                assert torch.equal(d.cpu(), ref.dequantize(a.cpu(), x.numel(), bits, block, dtype))
+            for code in ("linear", "square"):  # the int4 gradient codes
+                r = tq.reorder_quantize(x, k, m, 4, block, code=code)
+                assert torch.equal(r.cpu(), ref.reorder_quantize(x.cpu(), k, m, 4, block, code=code))
+                h = tq.dequant_reduce_quantize(r, k, S, 4, 4, block, code=code)
+                assert torch.equal(h.cpu(), ref.dequant_reduce_quantize(r.cpu(), k, S, 4, 4, block, code=code))
+                f = tq.dequant_reduce(h, S, 4, block, 0.125, code=code)
+                assert torch.equal(f.cpu(), ref.dequant_reduce(h.cpu(), S, 4, block, 0.125, code=code))
+    used = [f for f in fakes.values() if f.compiles]
+    assert used and all(f.kernel.fast_runs >= f.compiles for f in used)
+
+
+@pytest.mark.skipif(INTERPRETED or DEV != "cuda", reason="compiled Triton launchers need a GPU")
+def test_real_cached_launches_match_the_jit():
+    from megaq.kernels import quant
+
+    block, k, m = 4096, 2, 4
+    x = torch.randn(k * m * 4 * block, device="cuda", dtype=torch.bfloat16)
+    S = x.numel() // (k * m)
+    outs = {}
+    for cached in (False, True, True):  # the JIT, the first cached call, a cache hit
+        quant.CACHED_LAUNCH = cached
+        try:
+            r = quant.reorder_quantize(x, k, m, 4, block)
+            outs.setdefault(cached, []).append((quant.quantize(x, 8, block), r,
+                                                quant.dequant_reduce_quantize(r, k, S, 4, 4, block),
+                                                quant.dequantize(r, k * S, 4, block, torch.bfloat16)))
+        finally:
+            quant.CACHED_LAUNCH = True
+    for got in outs[True]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[False][0], got))
+    assert quant._INT4_HOP.compiles >= 1 and quant._QUANTIZE.compiles >= 1
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="CPU only: swaps Triton's active driver (the GPU test above is real)")
+def test_cached_launch_passes_what_the_jit_passes():
+    """This machine's Triton, its CUDA backend compiling for sm_90 on the CPU, with a
+    stand-in driver whose launcher records its arguments (tools/bench/host_driver.py):
+    for every call the cached launch hands the compiled-kernel launcher exactly what
+    Triton's JIT launch hands it for the same call (the same compiled function, metadata,
+    grid, stream and arguments, constexprs included), hooks aside (none set: None)."""
+    pytest.importorskip("triton.backends.nvidia.driver")
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "bench"))
+    from host_driver import host_driver
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(getattr(_axpb_kernel, "fn", _axpb_kernel))  # compiled mode, whatever TRITON_INTERPRET says
+    buf = torch.randn(100)
+    out = torch.empty(100)
+    with host_driver() as calls:
+        cl = launch.CachedLauncher(kernel)
+        functions = set()
+        for x, block in ((buf[:64], 32), (buf[:64], 64), (buf[1:65], 32), (buf[:64].half(), 32), (buf[:64], 32)):
+            kernel[(2,)](x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+            jit = calls[-1]
+            for _ in range(2):  # a miss (through the JIT), then a hit (cached), once per new specialization
+                cl((2,), x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+                got = calls[-1]
+                assert len(got) == len(jit) and all(a is b or a == b for a, b in zip(got[:6] + got[9:], jit[:6] + jit[9:]))
+            assert got[6:9] == (None, None, None)
+            assert all(not getattr(h, "calls", h) for h in jit[7:9])  # the JIT's hooks: none set
+            functions.add(jit[4])
+    assert len(functions) == 4 and cl.compiles == 4  # block, alignment and dtype each compile their own
