@@ -70,11 +70,12 @@ class QuantizedDeltas:
     def nbytes(self, n: int) -> int:
         return packed_len(n, self.bits, self.block)
 
+    # the linear code (q * absmax/q_max): the error bound below is its half step
     def encode(self, diff: torch.Tensor) -> torch.Tensor:
-        return ops.quantize(diff, self.bits, self.block)
+        return ops.quantize(diff, self.bits, self.block, code="linear")
 
     def decode(self, packed: torch.Tensor, n: int) -> torch.Tensor:
-        return ops.dequantize(packed, n, self.bits, self.block, torch.float32)
+        return ops.dequantize(packed, n, self.bits, self.block, torch.float32, code="linear")
 
 
 class ExactDeltas:
