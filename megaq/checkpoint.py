@@ -194,6 +194,7 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
             root, iteration, config=config, topo=topo, engine=engine, lr_schedule=lr_schedule,
             consumed_samples=consumed_samples, extra=extra, save_optim=save_optim)
     full = engine.full_state()  # collective over DP: full fp32 weights + optimizer state
+    engine.checkpoint_taken()
     if not save_optim:
         full = weights_only_state(full)
     rank = topo.rank if topo is not None else 0

@@ -291,6 +291,16 @@ class ZeroFlags:
         "chunk; the two all-to-all hops of consecutive chunks overlap (larger chunks mean fewer, "
         "bigger collectives)", ZeroConfig.grad_chunk, type=int)
 
+    zero_weight_deltas: bool = switch(
+        "--zero-weight-deltas", "weight gathers that send only each shard's quantized "
+        "difference to the previous step's weights across nodes (needs "
+        "--zero-hpz-partition-size N > 1: hpZ's in-node slices become the persistent "
+        "reference weights, error-fed; every gather then runs in-node; docs/ZEROPP.md "
+        "'Weight deltas')")
+    zero_weight_delta_bits: int = flag(
+        "--zero-weight-delta-bits", "bits per element of the weight differences "
+        "(--zero-weight-deltas)", ZeroConfig.weight_delta_bits, type=int, choices=[4, 8])
+
     def __post_init__(self):
         chunk = self.zero_quantized_gradients_chunk
         if chunk < 1:
@@ -312,6 +322,7 @@ class ZeroFlags:
             grad_bits_inter=self.zero_quantized_gradients_bits,
             error_feedback=self.zero_gradient_error_feedback,
             grad_exact_own_rows=self.zero_quantized_gradients_exact_own_rows,
+            weight_deltas=self.zero_weight_deltas, weight_delta_bits=self.zero_weight_delta_bits,
             grad_code=self.zero_quantized_gradients_code,
             block_size=self.zero_quantization_block_size,
             grad_chunk=self.zero_quantized_gradients_chunk)

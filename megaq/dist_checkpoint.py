@@ -445,6 +445,7 @@ def save_checkpoint(root: str, iteration: int, *, config, topo, engine, lr_sched
                                     lr_schedule.state_dict(), model_optim, extra)
     rng = ckpt.rng_state()
     residuals = engine.error_feedback_state()
+    engine.checkpoint_taken()
     job = dict(root=root, iteration=iteration, tmp=tmp, final=final, state=state, common=common,
                rng=rng, residuals=residuals, rank=rank, group=group, remove_tmp=remove_tmp)
     if not config.checkpointing.async_save:

@@ -253,6 +253,7 @@ def _print_banner(config, topo) -> None:
     lay, z, t = topo.layout, config.zero, config.training
     zpp = [name for on, name in ((z.quantized_weights, "qwZ"),
                                  (z.hpz_partition_size > 1, f"hpZ({z.hpz_partition_size})"),
+                                 (z.weight_deltas, f"weight deltas(int{z.weight_delta_bits})"),
                                  (z.quantized_gradients, f"qgZ(int{z.grad_bits_intra})")) if on]
     print(f" megaq: {_device_description()}, backend {_backend_name()}; "
           f"world {lay.world_size} = TP {lay.tp} x PP {lay.pp} x DP {lay.dp} on "

@@ -100,6 +100,11 @@ def test_configuration_is_frozen_and_serialisable():
     (["--zero-quantized-weights", "--fp8-format", "hybrid"], 1,
      "use --zero-quantized-weights fp8 with FP8 GEMMs"),
     (["--zero-quantized-weights", "fp4"], 1, "argument --zero-quantized-weights: invalid choice"),
+    # weight deltas keep hpZ's slices as the references, and replace qwZ's gather
+    (["--zero-weight-deltas"], 1, "add --zero-hpz-partition-size N"),
+    (["--zero-weight-deltas", "--zero-hpz-partition-size", "2", "--zero-quantized-weights"], 2,
+     "drop --zero-quantized-weights"),
+    (["--zero-weight-delta-bits", "2"], 1, "argument --zero-weight-delta-bits: invalid choice"),
 ])
 def test_refusals_name_the_flag(extra, world, needle):
     with pytest.raises(ArgumentsError) as e:
@@ -124,6 +129,10 @@ def test_zero_flags_reach_the_engine_config():
     assert (z.grad_chunk, z.grad_bits_intra, z.grad_bits_inter, z.block_size) == (4096, 8, 8, 64)
     assert z.error_feedback and z.quantized_weights and z.gather_dtype == torch.bfloat16
     assert z.betas == (0.9, 0.95) and z.weight_decay == 0.1 and z.lr == 1e-3
+    z = parse(["--zero-hpz-partition-size", "2", "--zero-weight-deltas",
+               "--zero-weight-delta-bits", "8"], world=2).zero
+    assert z.weight_deltas and z.weight_delta_bits == 8 and z.hpz_partition_size == 2
+    assert ZeroConfig().weight_delta_bits == 4 and not ZeroConfig().weight_deltas
 
 
 def test_every_flag_is_one_config_field():
@@ -179,7 +188,8 @@ def test_help_lists_megatron_and_zeropp_flags():
                  "--zero-stage", "--zero-quantized-weights", "--zero-hpz-partition-size",
                  "--zero-quantized-gradients", "--gpus-per-node", "--metrics-file",
                  "--data-cache-path", "--demo-corpus", "--save-interval", "--load",
-                 "--zero-quantized-gradients-chunk", "--log-comm-time"):
+                 "--zero-quantized-gradients-chunk", "--log-comm-time", "--zero-weight-deltas",
+                 "--zero-weight-delta-bits"):
         assert flag in text, flag
 
 

@@ -49,6 +49,9 @@ class DictEngine:
     def error_feedback_state(self):
         return {}  # no qgZ error feedback here (tests/test_checkpoint_resume.py has it)
 
+    def checkpoint_taken(self):
+        """No weight-delta references to re-synchronise here."""
+
 
 def run_config(argv=ARGV):
     config = parse_config(argv, world_size=1)

@@ -151,6 +151,16 @@ def test_harness_configs_reach_the_intended_settings():
         cv.config_flags("qwz+xown", 2)
     with pytest.raises(cv.ConfigError):
         cv.config_flags("qgz+x7", 2)
+    # weight deltas: hpZ references + int4 (or d8: int8) differences
+    for name, bits in (("deltas", 4), ("deltas+d8", 8), ("hpz+wd", 4)):
+        z = parse_config(cv.model_argv(a, 1234, "bf16") + cv.config_flags(name, 2),
+                         world_size=4, ranks_per_node=2).zero
+        assert (z.weight_deltas, z.weight_delta_bits, z.hpz_partition_size) == (True, bits, 2)
+        assert z.quantized_gradients == name.startswith("deltas") and not z.quantized_weights
+    with pytest.raises(cv.ConfigError):
+        cv.config_flags("qgz+wd", 2)  # weight deltas without hpZ
+    with pytest.raises(cv.ConfigError):
+        cv.config_flags("hpz+d8", 2)  # a delta option without weight deltas
 
 
 def test_harness_interval_is_students_t():

@@ -7,10 +7,13 @@ Seam 1, weight gathering (:class:`WeightGatherer`)
     ``phase`` is ``"weight_gather_fwd"`` or ``"weight_gather_bwd"``.
     ``on_forward_gathered(part)``: called once ``part.full`` is complete in forward
     (hpZ keeps its secondary in-node shard from it).
-    ``invalidate()``: called after every optimizer step and state load (the shards
-    changed: drop secondary copies).
+    ``invalidate()``: called after every state load and other weight write (the shards
+    changed: drop secondary copies), and after every optimizer step unless the
+    gatherer has ``after_step()``, which the engine then calls instead (weight deltas
+    keep their references across steps).
     Plain: one ``comm.all_gather`` over ``topo.dp``. ZeRO++ (qwZ and/or hpZ):
-    megaq.zero.zeropp.weights.ZeroPPWeightGatherer. FP8 weight gathers:
+    megaq.zero.zeropp.weights.ZeroPPWeightGatherer. Weight deltas (hpZ references +
+    quantized differences): megaq.zero.zeropp.deltas.WeightDeltaGatherer. FP8 weight gathers:
     megaq.zero.zeropp.fp8_weights.FP8WeightGatherer (``part.full_fp8`` filled too).
 
 Seam 2, gradient reduction (:class:`GradReducer`)
@@ -35,6 +38,7 @@ import torch
 from megaq.parallel import comm
 from megaq.parallel.comm import Handle
 from megaq.zero.config import ZeroConfig
+from megaq.zero.zeropp.deltas import WeightDeltaGatherer
 from megaq.zero.zeropp.fp8_weights import FP8WeightGatherer
 from megaq.zero.zeropp.grads import QuantizedGradReducer
 from megaq.zero.zeropp.weights import ZeroPPWeightGatherer
@@ -93,6 +97,8 @@ def make_gatherer(topo, cfg: ZeroConfig, partitions=()):
     cfg.fp8_weights, ZeRO++'s when qwZ or hpZ is on, else the plain one."""
     if cfg.fp8_weights:
         return FP8WeightGatherer(topo, cfg, partitions)
+    if cfg.weight_deltas:
+        return WeightDeltaGatherer(topo, cfg, partitions)
     if cfg.weights_need_zeropp:
         return ZeroPPWeightGatherer(topo, cfg)
     return WeightGatherer(topo, cfg)

@@ -86,6 +86,11 @@ class ZeroConfig:
     # (H200 time: tools/bench/bench_qgz_paths.py), and its gain is the share of the own
     # rows, 1/m and 1/k of the contributions: large at 2 nodes x 2, small at scale.
     grad_exact_own_rows: bool = False
+    # Weight deltas (megaq.zero.zeropp.deltas, needs hpZ): hpZ's secondary slices live
+    # across steps as the reference weights; after a step only each shard's quantized
+    # difference to its reference crosses nodes, and every gather runs in-node.
+    weight_deltas: bool = False
+    weight_delta_bits: int = 4          # bits per element of a difference (4 or 8)
     # qgZ: the int4 code of the gradient hops (int8 hops are always linear): "linear", a
     # nibble q means q * absmax/7, rounds every value below absmax/14 of its block to 0;
     # "square", q |q| * absmax/49, keeps values down to absmax/98 (same bytes;
@@ -113,7 +118,7 @@ class ZeroConfig:
                                   f"torch.float32 or torch.bfloat16")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise ZeroConfigError(f"grad_sync {self.grad_sync!r} unknown; use one of {GRAD_SYNC_MODES}")
-        for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
+        for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter", "weight_delta_bits"):
             if getattr(self, name) not in QMAX:
                 raise ZeroConfigError(f"ZeRO++ {name}={getattr(self, name)} is not supported; "
                                       f"use 8 or 4")
@@ -133,6 +138,14 @@ class ZeroConfig:
             raise ZeroConfigError("FP8 weight gathers and int8 qwZ both quantize the weight "
                                   "gather; choose one: --zero-quantized-weights fp8 (FP8 GEMMs) "
                                   "or --zero-quantized-weights (int8, bf16 GEMMs)")
+        if self.weight_deltas and not self.hpz:
+            raise ZeroConfigError("--zero-weight-deltas keeps hpZ's in-node secondary partition "
+                                  "as the reference weights; add --zero-hpz-partition-size N "
+                                  "(N > 1 DP ranks of a node, e.g. the DP ranks per node)")
+        if self.weight_deltas and (self.quantized_weights or self.fp8_weights):
+            raise ZeroConfigError("--zero-weight-deltas replaces the quantized weight gather "
+                                  "(it sends quantized differences instead); drop "
+                                  "--zero-quantized-weights")
         if self.stage == 0 and self.zeropp_enabled:
             raise ZeroConfigError("ZeRO++ switches need --zero-stage 3 (they change how ZeRO-3 "
                                   "gathers weights and reduces gradients)")

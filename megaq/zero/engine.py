@@ -308,8 +308,8 @@ class ZeroEngine:
     def step(self, lr: float) -> None:
         self.optimizer.step(lr)
         self._norm = None
-        if self.gatherer is not None:
-            self.gatherer.invalidate()
+        if self.gatherer is not None:  # weight deltas keep their references (after_step)
+            getattr(self.gatherer, "after_step", self.gatherer.invalidate)()
 
     def skip_step(self) -> None:
         """Bookkeeping for a step the loop skipped (non-finite grads): drop the grads."""
@@ -337,6 +337,15 @@ class ZeroEngine:
         reset = getattr(self.reducer, "reset_error_feedback", None)
         if reset is not None:  # qgZ residuals belong to the old trajectory
             reset()
+
+    def checkpoint_taken(self) -> None:
+        """Call when a checkpoint of the current weights was taken. Weight deltas
+        (--zero-weight-deltas) keep references that trail the weights by a quantization
+        error, and a load re-synchronises them at full precision; re-synchronising them
+        here too makes a resumed run continue exactly as the uninterrupted one (one
+        full-precision gather per save)."""
+        if self.gatherer is not None and self.cfg.weight_deltas:
+            self.gatherer.invalidate()
 
     def error_feedback_state(self) -> dict[str, torch.Tensor]:
         """qgZ's error-feedback residuals of this rank ({} when there are none)."""

@@ -31,12 +31,14 @@ A configuration is ``zero3`` or tokens joined by ``+`` (each maps to flags):
                parameter per rank)
     xown       --zero-quantized-gradients-exact-own-rows (opt-in: keep the row a rank
                keeps for itself in each all-to-all exact, fp32, instead of int4)
+    wd         --zero-weight-deltas (needs hpz: only int4 weight differences cross nodes)
+    d4 / d8    --zero-weight-delta-bits (the width of those differences)
     sq / lin   --zero-quantized-gradients-code square / linear (the int4 code of the
                gradient hops); without either, a qgz configuration passes the shipped
                default code explicitly, so a cached run's argv says which code it ran
 
-and the alias ``zeropp`` (qwz+hpz+qgz with the shipped defaults: int4 both hops, block
-2048, own rows quantized, no error feedback); an alias may start a composite
+and the aliases ``zeropp`` (qwz+hpz+qgz with the shipped defaults: int4 both hops, block
+2048, own rows quantized, no error feedback) and ``deltas`` (hpz+wd+qgz); an alias may start a composite
 (``zeropp+xown+ef``; a later token overrides an earlier one). The names ``qgz_v1`` and
 ``zeropp_v1`` of older tables are today's ``qgz`` and ``zeropp``. Runs are cached by their exact argv (and CACHE_EPOCH)
 under --cache-dir, so a table can be extended or re-plotted without re-training.
@@ -70,6 +72,7 @@ TOKENS = {
     "qgz": ["--zero-quantized-gradients"],
     "ef": ["--zero-gradient-error-feedback"],
     "xown": ["--zero-quantized-gradients-exact-own-rows"],
+    "wd": ["--zero-weight-deltas"],
     "sq": ["--zero-quantized-gradients-code", "square"],
     "lin": ["--zero-quantized-gradients-code", "linear"],
 }
@@ -78,9 +81,11 @@ PREFIX_TOKENS = {  # token prefix + integer -> flag
     "g": "--zero-quantized-gradients-bits",
     "i": "--zero-quantized-gradients-intra-bits",
     "b": "--zero-quantization-block-size",
+    "d": "--zero-weight-delta-bits",
 }
 ALIASES = {
     "zeropp": "qwz+hpz+qgz",
+    "deltas": "hpz+wd+qgz",
 }
 GRAD_ONLY = ("ef", "xown", "sq", "lin")  # need qgz
 
@@ -114,6 +119,10 @@ def config_flags(name: str, hpz: int) -> list[str]:
                               f"i<bits>, b<block> joined by '+'")
         if (t in GRAD_ONLY or t[:1] in "gi") and "qgz" not in tokens:
             raise ConfigError(f"token {t!r} in {name!r} sets qgZ options: add 'qgz'")
+        if (t == "wd" or t[:1] == "d") and "hpz" not in tokens:
+            raise ConfigError(f"token {t!r} in {name!r} needs hpZ's reference weights: add 'hpz'")
+        if t[:1] == "d" and "wd" not in tokens:
+            raise ConfigError(f"token {t!r} in {name!r} sets weight-delta options: add 'wd'")
     if "qgz" in tokens and CODE_FLAG not in flags:  # pin the default: the argv names the code
         from megaq.zero.config import ZeroConfig
         flags += [CODE_FLAG, ZeroConfig.grad_code]
@@ -177,7 +186,8 @@ def _bytes_per_iter(metrics: str) -> dict:
             rec = json.loads(line)
             if rec.get("type") == "train" and rec.get("comm"):
                 comm = rec["comm"]
-    phases = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce")
+    phases = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce", "weight_delta_gather",
+              "weight_ref_gather")
     return {"intra_node": sum(v.get("intra_node", 0) for p, v in comm.items() if p in phases),
             "inter_node": sum(v.get("inter_node", 0) for p, v in comm.items() if p in phases),
             "by_phase": comm}

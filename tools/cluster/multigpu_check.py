@@ -212,6 +212,12 @@ def numerics(args, env, log_dir) -> dict:
     runs["zeropp_1node_nohpz_bf16"] = (base + one_node + ["--zero-quantized-weights",
                                                           "--zero-quantized-gradients"],
                                        "ref_bf16", TOL["zeropp"])
+    # weight deltas over the same one-node hpZ group (point-to-point differences, the
+    # references' in-node gathers on the side stream): int4 weight error, as ZeRO++'s
+    runs[f"deltas_1node_hpz{g}_bf16"] = (base + one_node + ["--zero-hpz-partition-size", str(g),
+                                                            "--zero-weight-deltas",
+                                                            "--zero-quantized-gradients"],
+                                         "ref_bf16", TOL["zeropp"])
     # tied embeddings: on one stage (the head reads the embedding unit, kept gathered
     # between the two), and split over the pipeline (the tied copies' gradient all-reduce)
     for tp, pp, dp in dict.fromkeys([(1, 1, g), next((x for x in splits if x[1] > 1), (1, 1, g))]):

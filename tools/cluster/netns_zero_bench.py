@@ -1,7 +1,8 @@
 """ZeRO-3 vs ZeRO++ step time over an emulated two-node link, at several link rates.
 
-The same small Llama-style model and batch run as four configurations (ZeRO-3, qwZ,
-qwZ + hpZ, full ZeRO++ = qwZ + hpZ + qgZ). Each configuration is one launch on a
+The same small Llama-style model and batch run as five configurations (ZeRO-3, qwZ,
+qwZ + hpZ, full ZeRO++ = qwZ + hpZ + qgZ, and weight deltas = hpZ + int4 weight
+differences + qgZ). Each configuration is one launch on a
 freshly built link (tools/cluster/emulate_cluster.py) whose rate is switched in place through
 the rate schedule; `--repeats` passes go over the configurations in alternating order.
 Per (config, rate): median step time over the timed iterations of all passes, bytes
@@ -33,6 +34,8 @@ CONFIGS = {   # name -> ZeRO flags (DeepSpeed's names, as pretrain_gpt.py takes 
     "qwZ": ["--zero-quantized-weights"],
     "qwZ+hpZ": ["--zero-quantized-weights", "--zero-hpz-partition-size", "2"],
     "ZeRO++": ["--zero-quantized-weights", "--zero-hpz-partition-size", "2",
+               "--zero-quantized-gradients"],
+    "deltas": ["--zero-hpz-partition-size", "2", "--zero-weight-deltas",
                "--zero-quantized-gradients"],
 }
 
@@ -110,19 +113,22 @@ def aggregate(runs: list[dict]) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    base = {r["rate"]: r["step_ms"] for r in records if r["config"] == "ZeRO-3" and "step_ms" in r}
+    def step_of(config):
+        return {r["rate"]: r["step_ms"] for r in records if r["config"] == config and "step_ms" in r}
+    base, zpp = step_of("ZeRO-3"), step_of("ZeRO++")
     nan = float("nan")
-    rows = ["| link rate | config | step ms | speedup vs ZeRO-3 | link MB/iter | megaq inter-node "
-            "MB/iter | link / megaq | link busy share |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| link rate | config | step ms | speedup vs ZeRO-3 | vs ZeRO++ | link MB/iter | "
+            "megaq inter-node MB/iter | link / megaq | link busy share |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
-            rows.append(f"| {r['rate']} | {r['config']} | failed | | | | | |")
+            rows.append(f"| {r['rate']} | {r['config']} | failed | | | | | | |")
             continue
-        sp = base.get(r["rate"])
+        sp, spp = base.get(r["rate"]), zpp.get(r["rate"])
         rows.append(
             f"| {r['rate']} | {r['config']} | {r['step_ms']:.0f} | "
             f"{(sp / r['step_ms']) if sp else nan:.2f}x | "
+            f"{(spp / r['step_ms']) if spp else nan:.2f}x | "
             f"{r.get('steady_link_bytes_per_iteration', nan) / 1e6:.2f} | "
             f"{r['steady_accounted_per_iteration'] / 1e6:.2f} | "
             f"{r.get('steady_link_over_accounted') or nan:.3f} | "
@@ -151,7 +157,7 @@ def plot(records: list[dict], path: str) -> None:
     ax.minorticks_off()
     ax.set_xlabel("emulated inter-node link rate per direction (Mbit/s)")
     ax.set_ylabel("step time (ms): median, bars min..max")
-    ax.set_title("2 emulated nodes x 2 ranks (gloo, CPU): ZeRO-3 vs ZeRO++")
+    ax.set_title("2 emulated nodes x 2 ranks (gloo, CPU): ZeRO-3, ZeRO++, deltas")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -222,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(records))
     result = {
-        "what": "ZeRO-3 vs ZeRO++ over an emulated 2-node link (network namespaces, tc tbf)",
+        "what": "ZeRO-3 vs ZeRO++ vs weight deltas over an emulated 2-node link (network "
+                "namespaces, tc tbf)",
         "command": "scripts/emulate_cluster.sh bench " + " ".join(argv if argv is not None
                                                                     else sys.argv[1:]),
         "model_args": base, "configs": {c: CONFIGS[c] for c in configs},

@@ -51,8 +51,7 @@ def weight_gather(S: int, k: int, m: int, elem: int, cfg: ZeroConfig, backward: 
     """
     n = k * m
     if backward and cfg.hpz:
-        h = cfg.hpz_partition_size
-        return add(ring(h, 1, n * S * elem), times=n // h)
+        return reference_gather(S, k, m, elem, cfg)
     if cfg.quantized_weights:
         return ring(n, k, n * packed_len(padded(S, cfg.block_size), cfg.weight_bits, cfg.block_size))
     return ring(n, k, n * S * elem)
@@ -82,8 +81,47 @@ def grad_reduce(S: int, k: int, m: int, grad_elem: int, cfg: ZeroConfig) -> dict
     return ring(k * m, k, k * m * S * grad_elem)
 
 
+def delta_bytes(S: int, cfg: ZeroConfig) -> int:
+    """Bytes of one shard's packed difference (weight deltas)."""
+    return packed_len(padded(S, cfg.block_size), cfg.weight_delta_bits, cfg.block_size)
+
+
+def weight_deltas(S: int, k: int, m: int, cfg: ZeroConfig, delta_elem_bytes: int | None = None
+                  ) -> dict[str, int]:
+    """Weight deltas: one unit's differences, each owner's packed shard sent to the member
+    of every hpZ group that covers it (megaq.zero.zeropp.deltas.delta_routes), over one DP
+    group whose member a*m + j is local index j on node a. delta_elem_bytes: bytes per
+    element on the wire instead of the packed format (the exact codec sends 4)."""
+    n, h = k * m, cfg.hpz_partition_size
+    per = n // h
+    P = S * delta_elem_bytes if delta_elem_bytes else delta_bytes(S, cfg)
+    out = {INTRA: 0, INTER: 0}
+    for r in range(n):
+        for g in range(n // h):
+            dest = g * h + r // per
+            if dest != r:
+                out[INTER if dest // m != r // m else INTRA] += P
+    return out
+
+
+def reference_gather(S: int, k: int, m: int, elem: int, cfg: ZeroConfig) -> dict[str, int]:
+    """One gather of a unit from hpZ slices (hpZ's later gathers; every gather with weight
+    deltas): each hpZ group all-gathers the full unit in-node."""
+    h = cfg.hpz_partition_size
+    return add(ring(h, 1, k * m * S * elem), times=k * m // h)
+
+
 def step(S: int, k: int, m: int, elem: int, grad_elem: int, cfg: ZeroConfig) -> dict[str, dict[str, int]]:
-    """Per phase, one step with one micro-batch: forward gather, backward gather, reduce."""
+    """Per phase, one step with one micro-batch: forward gather, backward gather, reduce.
+    Weight deltas: a step after the first (the first re-synchronises with a plain forward
+    gather, ``weight_gather(..., backward=False)`` without qwZ)."""
+    if cfg.weight_deltas:
+        return {
+            "weight_delta_gather": weight_deltas(S, k, m, cfg),
+            "weight_ref_gather": reference_gather(S, k, m, elem, cfg),
+            "weight_gather_bwd": reference_gather(S, k, m, elem, cfg),
+            "grad_reduce": grad_reduce(S, k, m, grad_elem, cfg),
+        }
     return {
         "weight_gather_fwd": weight_gather(S, k, m, elem, cfg, backward=False),
         "weight_gather_bwd": weight_gather(S, k, m, elem, cfg, backward=True),
