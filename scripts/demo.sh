@@ -18,6 +18,8 @@
 #
 # CPU ranks over gloo unless 16+ GPUs are visible (then NCCL + bf16). Knobs (env):
 #   DEMO_DIR (default <repo>/demo)  DEMO_ITERS (default 100)  DEMO_DEVICE=cpu|gpu
+#   DEMO_WEIGHTS=qwz|deltas (default qwz: int8 weight gathers; deltas: --zero-weight-deltas,
+#   4-bit weight differences across nodes and every gather in-node from hpZ's references)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
@@ -41,7 +43,11 @@ else
   export OMP_NUM_THREADS=1
 fi
 
-zeropp=(--zero-quantized-weights --zero-hpz-partition-size 2 --zero-quantized-gradients)
+case "${DEMO_WEIGHTS:-qwz}" in
+  qwz) zeropp=(--zero-quantized-weights --zero-hpz-partition-size 2 --zero-quantized-gradients) ;;
+  deltas) zeropp=(--zero-weight-deltas --zero-hpz-partition-size 2 --zero-quantized-gradients) ;;
+  *) echo "error: DEMO_WEIGHTS=${DEMO_WEIGHTS} is not qwz or deltas" >&2; exit 2 ;;
+esac
 
 rm -f "$DEMO_DIR/metrics.jsonl"
 echo "[demo] training: TP=2 x PP=2 x DP=4 on $NPROC $device ranks posing as 2 nodes of 8"
@@ -80,10 +86,15 @@ print(f"[demo] lm loss {first['lm_loss']:.3f} (iteration {first['iteration']}) -
       + (f"; validation loss {va[0]['val_loss']:.3f} -> {va[-1]['val_loss']:.3f}" if va else ""))
 c = last["comm"]
 z = lambda k: c.get(k, {}).get("inter_node", 0) / 2**10
+deltas = "weight_delta_gather" in c  # DEMO_WEIGHTS=deltas
 print(f"[demo] cross-node KiB per node per iteration: weight_gather_fwd {z('weight_gather_fwd'):.0f} "
-      f"(qwZ), weight_gather_bwd {z('weight_gather_bwd'):.0f} (hpZ keeps it in-node), "
+      f"({'weight deltas: next line' if deltas else 'qwZ'}), weight_gather_bwd {z('weight_gather_bwd'):.0f} (hpZ keeps it in-node), "
       f"grad_reduce {z('grad_reduce'):.0f} (qgZ), pp {z('pp'):.0f}; "
       f"M = {last['zero_model_bytes'] / 2**10:.0f} KiB (fp32) per DP group")
+if deltas:
+    print(f"[demo] weight deltas, cross-node KiB per node per iteration: weight_delta_gather "
+          f"{z('weight_delta_gather'):.0f} (4-bit differences), weight_ref_gather "
+          f"{z('weight_ref_gather'):.0f} (in-node, from hpZ's references)")
 PYEOF
 echo "[demo] sample from the checkpoint (consolidated from TP=2 x PP=2 onto one process):"
 python tools/generate.py --load "$DEMO_DIR/checkpoints" --prompt "def " --max-new-tokens 60

@@ -88,6 +88,20 @@ def test_readme_demo_sample_matches_what_the_demo_prints(tmp_path):
             "the demo prints (numbers aside):\n  " + "\n  ".join(printed))
 
 
+def test_demo_summary_reports_the_weight_delta_phases(tmp_path):
+    """DEMO_WEIGHTS=deltas: the summary names the delta and reference gathers with their bytes."""
+    program = re.search(r"<<'PYEOF'\n(.*?)\nPYEOF", _demo_script(), re.S).group(1)
+    comm = {"weight_gather_fwd": {"inter_node": 0}, "grad_reduce": {"inter_node": 908 * 2**10},
+            "weight_delta_gather": {"inter_node": 454 * 2**10}, "weight_ref_gather": {"inter_node": 0}}
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"type": "train", "iteration": 1, "lm_loss": 7.0, "comm": comm,
+                                   "zero_model_bytes": 2**20}) + "\n")
+    r = subprocess.run([sys.executable, "-c", program, str(metrics)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "weight_gather_fwd 0 (weight deltas: next line)" in r.stdout, r.stdout
+    assert ("weight_delta_gather 454 (4-bit differences), weight_ref_gather 0 (in-node" in r.stdout), r.stdout
+
+
 def test_matcher_tells_a_stale_phase_name_apart():
     """The check fails on the README drift it exists for: a renamed or missing phase."""
     printed = ("[demo] cross-node KiB per node per iteration: weight_gather_fwd 1359 (qwZ), "
