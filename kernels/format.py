@@ -51,6 +51,12 @@ SQUARE_SCALE_DROP = (1 << (24 - SQUARE_SCALE_BITS)) - 1
 # The square code picks the nearest level in units of s: level c for t^2 + t + 1/2 <= y <
 # (t+1)^2 + (t+1) + 1/2, i.e. the thresholds SQUARE_THRESHOLDS[c-1] <= y < [c].
 SQUARE_THRESHOLDS = tuple(t * t + t + 0.5 for t in range(7))
+# Reading a square-code scale, both implementations keep its top SQUARE_SCALE_BITS bits
+# and read one below SQUARE_SCALE_FLOOR as 0: no-ops for the scales quantize writes
+# (18 bits, 0 or >= TINY / 49 > 2^-96), and for any other buffer they make every level
+# q |q| s, and s * 2^-24 (the GPU's per-nibble scaling), exact fp32 numbers, so that a
+# fused multiply-add of a level rounds exactly as the reference's multiply then add.
+SQUARE_SCALE_FLOOR = 2.0 ** -100
 
 if sys.byteorder != "little":  # the scale bytes are written as little-endian fp32
     raise ImportError("megaq.kernels assumes a little-endian host")

@@ -42,6 +42,7 @@ from .format import (
     SCALE_DROP,
     SQUARE_QMAX,
     SQUARE_SCALE_DROP,
+    SQUARE_SCALE_FLOOR,
     SQUARE_THRESHOLDS,
     TINY,
     check_code,
@@ -76,6 +77,7 @@ __all__ = [
 _SCALE_DROP = tl.constexpr(SCALE_DROP)
 _SQUARE_DROP = tl.constexpr(SQUARE_SCALE_DROP)
 _SQUARE_QMAX = tl.constexpr(SQUARE_QMAX)
+_SQUARE_FLOOR = tl.constexpr(SQUARE_SCALE_FLOOR)
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _MAGIC_BITS = tl.constexpr(0x4B400000)
 
@@ -218,7 +220,7 @@ def _load_blocks(ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl
     square code: q |q| * scale, exact)."""
     q = _load_q(ptr, NB, BITS, BLOCK, BLOCK_P2)
     if SQUARE and BITS == 4:
-        q = q * tl.abs(q)
+        return (q * tl.abs(q)) * _square_read_scale(_load_scales(scale_ptr, NB))[:, None]
     return q * _load_scales(scale_ptr, NB)[:, None]
 
 
@@ -336,10 +338,41 @@ def _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB: tl.constexpr):
 
 
 @triton.jit
-def _square_nibble(w, SHIFT: tl.constexpr):
-    """Nibble SHIFT / 4 of int32 words as the square code's fp32 q |q|."""
-    q = _nibble(w, SHIFT)
-    return q * tl.abs(q)
+def _square_word_levels(w):
+    """int32 words -> the square code's levels of their 8 nibbles, q |q| * 4^P exactly
+    (fp32), P = 0, 4, 8, 12 for nibbles 0-3 in place and 4-7 from the word shifted right
+    by 16: each nibble decoded as in _nibble_at (one LOP3, one FADD, no int -> float
+    conversion), then one FMUL by its own absolute value. P <= 12 keeps the matching
+    scale * 4^-P normal (scales are 0 or >= TINY / 49, so >= 2^-120 after 2^-24)."""
+    w = w ^ -2004318072  # 0x88888888: every nibble u = q + 8 (padding: q = 0)
+    hi = (w >> 16) | 0x4B000000
+    w = w | 0x4B000000
+    n0 = _nibble_at(w, 0, 8388616.0)
+    n1 = _nibble_at(w, 4, 8388736.0)
+    n2 = _nibble_at(w, 8, 8390656.0)
+    n3 = _nibble_at(w, 12, 8421376.0)
+    n4 = _nibble_at(hi, 0, 8388616.0)
+    n5 = _nibble_at(hi, 4, 8388736.0)
+    n6 = _nibble_at(hi, 8, 8390656.0)
+    n7 = _nibble_at(hi, 12, 8421376.0)
+    return (n0 * tl.abs(n0), n1 * tl.abs(n1), n2 * tl.abs(n2), n3 * tl.abs(n3),
+            n4 * tl.abs(n4), n5 * tl.abs(n5), n6 * tl.abs(n6), n7 * tl.abs(n7))
+
+
+@triton.jit
+def _square_read_scale(s):
+    """A square-code scale as read (format.SQUARE_SCALE_FLOOR): its top 18 bits, 0 below
+    the floor."""
+    s = (s.to(tl.int32, bitcast=True) & ~_SQUARE_DROP).to(tl.float32, bitcast=True)
+    return tl.where(s < _SQUARE_FLOOR, 0.0, s)
+
+
+@triton.jit
+def _square_scales(s):
+    """The read scale times 4^-P for P = 0, 4, 8, 12: exact, >= 2^-124 or 0 (see
+    _square_word_levels and format.SQUARE_SCALE_FLOOR)."""
+    s = _square_read_scale(s)
+    return s, s * 0.00390625, s * 0.0000152587890625, s * 5.9604644775390625e-08
 
 
 @triton.jit
@@ -352,10 +385,10 @@ def _load_words(w_ptr, f_ptr, NB: tl.constexpr, W: tl.constexpr, W_P2: tl.conste
     2^-P: the same real product q * scale, hence the same fp32 rounding."""
     w = _load_tile(w_ptr, NB, W_P2, W)
     s = tl.load(f_ptr + tl.arange(0, NB))[:, None]
-    if SQUARE:
-        return (_square_nibble(w, 0) * s, _square_nibble(w, 4) * s, _square_nibble(w, 8) * s,
-                _square_nibble(w, 12) * s, _square_nibble(w, 16) * s, _square_nibble(w, 20) * s,
-                _square_nibble(w, 24) * s, _square_nibble(w, 28) * s)
+    if SQUARE:  # q |q| 4^P times scale 4^-P: the exact level q |q| scale
+        v0, v1, v2, v3, v4, v5, v6, v7 = _square_word_levels(w)
+        s0, s4, s8, s12 = _square_scales(s)
+        return v0 * s0, v1 * s4, v2 * s8, v3 * s12, v4 * s0, v5 * s4, v6 * s8, v7 * s12
     elif MAGIC:
         n0, n1, n2, n3, n4, n5, n6, n7 = _word_nibbles(w)
         s0, s4, s8, s12, s16 = _nibble_scales(s)
@@ -449,27 +482,28 @@ def _int4_square_hop_kernel(
     NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr,
 ):
     # int4 -> int4 in the square code, in 32-bit words: the reference's generic hop
-    # (dequantize each row, q |q| s exact; sum in row order; requantize). The levels need
-    # 7 bits with their bias, so the linear hop's exact-product sum does not apply: each
-    # nibble is converted, squared and scaled (_load_words), and the requantized nibbles
-    # are masked into words in place (no interleave).
+    # (dequantize each row, q |q| s exact; sum in row order from +0.0; requantize). Per
+    # element and row: the level q |q| 4^P (_square_word_levels: LOP3, FADD, FMUL) and one
+    # FFMA with scale 4^-P, an exact product plus the add, which rounds as the reference's
+    # add of the dequantized row. The linear hop's bias form does not apply (the biased
+    # level q |q| + 49 needs 7 bits). The requantized nibbles are masked into words in
+    # place (no interleave).
     orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
     row = orow * in_rows_per_out * in_row_words
     a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
                                                  NB, W, W_P2, False, True)
     for r in tl.static_range(1, N_SUM):
         row = (orow * in_rows_per_out + r) * in_row_words
-        e0, e1, e2, e3, e4, e5, e6, e7 = _load_words(in_w + row + in_blk * W,
-                                                     in_f + row + in_payload_words + in_blk, NB, W, W_P2, False,
-                                                     True)
-        a0 = a0 + e0
-        a1 = a1 + e1
-        a2 = a2 + e2
-        a3 = a3 + e3
-        a4 = a4 + e4
-        a5 = a5 + e5
-        a6 = a6 + e6
-        a7 = a7 + e7
+        v0, v1, v2, v3, v4, v5, v6, v7 = _square_word_levels(_load_tile(in_w + row + in_blk * W, NB, W_P2, W))
+        s0, s4, s8, s12 = _square_scales(tl.load(in_f + row + in_payload_words + in_blk + tl.arange(0, NB))[:, None])
+        a0 = tl.fma(v0, s0, a0)
+        a1 = tl.fma(v1, s4, a1)
+        a2 = tl.fma(v2, s8, a2)
+        a3 = tl.fma(v3, s12, a3)
+        a4 = tl.fma(v4, s0, a4)
+        a5 = tl.fma(v5, s4, a5)
+        a6 = tl.fma(v6, s8, a6)
+        a7 = tl.fma(v7, s12, a7)
     # padding words dequantize to 0 in every row, so they never raise the absmax
     amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
                       tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))

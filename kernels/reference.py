@@ -29,6 +29,7 @@ from .format import (
     SCALE_DROP,
     SQUARE_QMAX,
     SQUARE_SCALE_DROP,
+    SQUARE_SCALE_FLOOR,
     SQUARE_THRESHOLDS,
     TINY,
     check_code,
@@ -127,6 +128,8 @@ def _dequantize_fp32(packed: torch.Tensor, L: int, bits: int, block: int, code: 
     qf = q.to(torch.float32).reshape(*lead, L // block, block)
     if _square(bits, code):
         qf = qf * qf.abs()
+        scale = (scale.view(torch.int32) & ~SQUARE_SCALE_DROP).view(torch.float32)  # format.SQUARE_SCALE_FLOOR
+        scale = torch.where(scale < SQUARE_SCALE_FLOOR, torch.zeros_like(scale), scale)
     return (qf * scale.unsqueeze(-1)).reshape(*lead, L)
 
 
