@@ -273,7 +273,7 @@ class ZeroFlags:
         "--zero-quantized-gradients-code", "qgZ: the int4 code of the gradient hops (int8 hops "
         "are linear): linear, a nibble q means q*absmax/7 (values below absmax/14 of their "
         "block arrive as 0); square, q|q|*absmax/49 (levels 0,1,4,...,49; values down to "
-        "absmax/98 survive). Same bytes; docs/ZEROPP.md 'The square-law code'",
+        "absmax/98 survive; the default). Same bytes; docs/ZEROPP.md 'The square-law code'",
         ZeroConfig.grad_code, choices=["linear", "square"])
     zero_quantization_block_size: int = flag("--zero-quantization-block-size",
                                              "elements per quantization block",

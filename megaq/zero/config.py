@@ -95,7 +95,9 @@ class ZeroConfig:
     # nibble q means q * absmax/7, rounds every value below absmax/14 of its block to 0;
     # "square", q |q| * absmax/49, keeps values down to absmax/98 (same bytes;
     # docs/ZEROPP.md "The square-law code"). qwZ's int4 weights are always linear.
-    grad_code: str = "linear"
+    # Square is the default: the linear code's dead zone cost +1.4-1.7% loss against
+    # ZeRO-3 in the harness, the square code's about 0 (docs/PERFORMANCE.md).
+    grad_code: str = "square"
 
     def __post_init__(self):
         if self.stage not in (0, 3):
