@@ -11,7 +11,7 @@ first quantization, and the owner applies H^T after the final sum. What is check
   ||x||_2 (sign flips and the factor 1/8 are exact); forward then inverse, 12u.
 * Without quantization, summing transformed gradients and transforming back gives the
   plain sum: the reduce-scatter stays in H's domain.
-* On 4 gloo ranks as 2 nodes x 2 (and 2 nodes x 1): with heavy-tailed gradients (one
+* On 4 gloo ranks as 2 nodes x 2 (and 2 nodes x 1, 1 node x 2): with heavy-tailed gradients (one
   large element per block) Hadamard qgZ's relative error is well below plain qgZ's, for
   int4/int4, the 8-bit in-node / 4-bit cross-node split, and the square code; its error
   is within the qgZ bound taken in H's domain; error feedback (residuals in H's domain)
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from megaq.kernels import ops
@@ -198,13 +199,14 @@ def _check_qgz(results, layout):
         assert b["had"]["bytes"][INTER] > 0
 
 
-def test_hadamard_qgz_two_nodes_by_two():
-    _check_qgz(run_on_ranks(_qgz_worker, 4, ranks_per_node=2, timeout=600), (2, 2))
-
-
-def test_hadamard_qgz_one_rank_per_node():
-    # m = 1: the first quantization goes straight into the cross-node layout
-    _check_qgz(run_on_ranks(_qgz_worker, 2, ranks_per_node=1, timeout=600), (2, 1))
+@pytest.mark.parametrize("world, per_node", [
+    (4, 2),  # 2 nodes x 2: both hops
+    (2, 1),  # one rank per node: the first quantization goes straight into the cross-node layout
+    (2, 2),  # one node: the in-node hop's rows are final
+])
+def test_hadamard_qgz_protocol(world, per_node):
+    layout = (world // per_node, per_node)
+    _check_qgz(run_on_ranks(_qgz_worker, world, ranks_per_node=per_node, timeout=600), layout)
 
 
 # ------------------------------------------------------------------ inside the engine
