@@ -286,6 +286,52 @@ def _hop_requant_scale(absmax, pow2, QMAX: tl.constexpr, TINY: tl.constexpr, HOP
     return (scale * 4194304.0) * pow2, inv
 
 
+# The blockwise randomized Hadamard transform (reference._hadamard_fp32): the butterfly
+# runs on the whole [NB, BLOCK_P2] tile seen as flat groups of 64 (BLOCK is a multiple of
+# 64, so groups never straddle blocks, and padding lanes form whole zero groups that stay
+# zero). Stage h pairs lanes i and i + h inside each group of 2h: the tile is reshaped to
+# [groups, 2, h], the pair axis moved last and split; the two halves are joined back as
+# (a + b, a - b). Plain fp32 adds (no fma), in the reference's order: bit for bit. The
+# fused uses: _quantize_kernel (before the absmax), the float outputs of
+# _dequant_reduce_kernel and _int4_words_kernel (after the sum and factor, in element order).
+_HAD = tl.constexpr(HADAMARD_SIZE)
+
+
+@triton.jit
+def _butterfly(x, N: tl.constexpr, H: tl.constexpr):
+    y = tl.permute(tl.reshape(x, [N // (2 * H), 2, H]), (0, 2, 1))
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [N])
+
+
+@triton.jit
+def _hadamard_tile(x, sign_ptr, NB: tl.constexpr, P2: tl.constexpr, INVERSE: tl.constexpr):
+    """fp32 [NB, P2] -> H x per 64 consecutive lanes (H^T x with INVERSE); signs from
+    sign_ptr (HADAMARD_SIZE fp32 +-1)."""
+    signs = tl.load(sign_ptr + tl.arange(0, P2) % _HAD)[None, :]
+    if not INVERSE:
+        x = x * signs
+    y = tl.reshape(x, [NB * P2])
+    y = _butterfly(y, NB * P2, 1)
+    y = _butterfly(y, NB * P2, 2)
+    y = _butterfly(y, NB * P2, 4)
+    y = _butterfly(y, NB * P2, 8)
+    y = _butterfly(y, NB * P2, 16)
+    y = _butterfly(y, NB * P2, 32)
+    y = tl.reshape(y, [NB, P2]) * 0.125
+    if INVERSE:
+        y = y * signs
+    return y
+
+
+@triton.jit
+def _hadamard_kernel(x_ptr, out_ptr, sign_ptr, NB: tl.constexpr, INVERSE: tl.constexpr):
+    # NB groups of 64 per program, fp32 output.
+    pid = tl.program_id(0).to(tl.int64)
+    x = _load_tile(x_ptr + pid * NB * _HAD, NB, _HAD, _HAD).to(tl.float32)
+    _store_tile(out_ptr + pid * NB * _HAD, _hadamard_tile(x, sign_ptr, NB, _HAD, INVERSE), NB, _HAD, _HAD)
+
+
 # int4 through 32-bit words (the default whenever the block is a multiple of 8 and the
 # buffers are 4-byte aligned): each thread loads whole words (16-byte vectors) and keeps
 # the 8 nibbles of a word as 8 separate [NB, W] tiles (element 8j + i is nibble i of word
@@ -491,12 +537,12 @@ def _int4_square_hop_kernel(
 
 @triton.jit
 def _int4_words_kernel(
-    in_ptr, out_ptr,
+    in_ptr, out_ptr, sign_ptr,
     in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
     out_row_groups, factor,
     NB: tl.constexpr, N_SUM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, W: tl.constexpr,
     W_P2: tl.constexpr, HAS_FACTOR: tl.constexpr, ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    MAGIC: tl.constexpr, SQUARE: tl.constexpr,
+    MAGIC: tl.constexpr, SQUARE: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     # int4 -> float (dequantize, the final reduce): the same indexing and summation
     # order as _dequant_reduce_kernel, in 32-bit words: a block is W = BLOCK // 8 payload
@@ -519,11 +565,14 @@ def _int4_words_kernel(
         a6 = a6 + e6
         a7 = a7 + e7
     o = out_ptr + (orow * out_row_groups * NB + ob) * BLOCK
-    if ACCUMULATE:
+    if ACCUMULATE or HADAMARD:
         acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB, BLOCK_P2)
         if HAS_FACTOR:
             acc = acc * factor
-        acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
+        if HADAMARD:  # in element order: H^T of the scaled sum (as the byte kernel)
+            acc = _hadamard_tile(acc, sign_ptr, NB, BLOCK_P2, True)
+        if ACCUMULATE:
+            acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
         _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
     else:  # scale and cast per nibble tile, then interleave the (narrower) outputs
         if HAS_FACTOR:
@@ -556,50 +605,6 @@ def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
         return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
-
-
-# The blockwise randomized Hadamard transform (reference._hadamard_fp32): the butterfly
-# runs on the whole [NB, BLOCK_P2] tile seen as flat groups of 64 (BLOCK is a multiple of
-# 64, so groups never straddle blocks, and padding lanes form whole zero groups that stay
-# zero). Stage h pairs lanes i and i + h inside each group of 2h: the tile is reshaped to
-# [groups, 2, h], the pair axis moved last and split; the two halves are joined back as
-# (a + b, a - b). Plain fp32 adds (no fma), in the reference's order: bit for bit.
-_HAD = tl.constexpr(HADAMARD_SIZE)
-
-
-@triton.jit
-def _butterfly(x, N: tl.constexpr, H: tl.constexpr):
-    y = tl.permute(tl.reshape(x, [N // (2 * H), 2, H]), (0, 2, 1))
-    a, b = tl.split(y)
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [N])
-
-
-@triton.jit
-def _hadamard_tile(x, sign_ptr, NB: tl.constexpr, P2: tl.constexpr, INVERSE: tl.constexpr):
-    """fp32 [NB, P2] -> H x per 64 consecutive lanes (H^T x with INVERSE); signs from
-    sign_ptr (HADAMARD_SIZE fp32 +-1)."""
-    signs = tl.load(sign_ptr + tl.arange(0, P2) % _HAD)[None, :]
-    if not INVERSE:
-        x = x * signs
-    y = tl.reshape(x, [NB * P2])
-    y = _butterfly(y, NB * P2, 1)
-    y = _butterfly(y, NB * P2, 2)
-    y = _butterfly(y, NB * P2, 4)
-    y = _butterfly(y, NB * P2, 8)
-    y = _butterfly(y, NB * P2, 16)
-    y = _butterfly(y, NB * P2, 32)
-    y = tl.reshape(y, [NB, P2]) * 0.125
-    if INVERSE:
-        y = y * signs
-    return y
-
-
-@triton.jit
-def _hadamard_kernel(x_ptr, out_ptr, sign_ptr, NB: tl.constexpr, INVERSE: tl.constexpr):
-    # NB groups of 64 per program, fp32 output.
-    pid = tl.program_id(0).to(tl.int64)
-    x = _load_tile(x_ptr + pid * NB * _HAD, NB, _HAD, _HAD).to(tl.float32)
-    _store_tile(out_ptr + pid * NB * _HAD, _hadamard_tile(x, sign_ptr, NB, _HAD, INVERSE), NB, _HAD, _HAD)
 
 
 @triton.jit
@@ -809,14 +814,15 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
     square = code == "square"
-    # The word kernel holds a block as 8 nibble tiles; the transform runs in the byte kernel.
-    if not hadamard and _use_words(recv, out, bits_in, bits_out, block):
+    if _use_words(recv, out, bits_in, bits_out, block):
         per_thread = HOP_PER_THREAD if bits_out else WORDS_PER_THREAD
         opts = _launch_opts(block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
         opts.update(W=block // 8, W_P2=_next_pow2(block // 8))
         grid = (out_rows * out_row_blocks // opts["NB"],)
         args = (recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
                 out_row_blocks // opts["NB"])
+        if not bits_out:
+            args = args[:2] + (_signs(recv.device),) + args[2:]
         if bits_out and square:
             del opts["BLOCK"], opts["BLOCK_P2"]
             _launcher(_INT4_SQUARE_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum, **opts)
@@ -829,7 +835,7 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
             magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
             _launcher(_INT4_WORDS)(grid, *args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
                                    ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic,
-                                   SQUARE=square, **opts)
+                                   SQUARE=square, HADAMARD=hadamard, **opts)
         return out
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
     _launcher(_DEQUANT_REDUCE)(

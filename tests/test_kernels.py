@@ -502,11 +502,14 @@ def _bits_equal(a, b):
     return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
 
 
-@pytest.mark.parametrize("block", [64, 192])  # a power of two, and a padded tile (192 -> 256 lanes)
-def test_hadamard_triton_bit_identical(tq, block):
+# a power of two, and a padded tile (192 -> 256 lanes); int4 float output in the 32-bit-word
+# kernel (the default) and in the byte kernel
+@pytest.mark.parametrize("block, words", [(64, True), (192, True), (64, False)])
+def test_hadamard_triton_bit_identical(tq, monkeypatch, block, words):
     """The transform, alone and fused into reorder_quantize (with and without a residual)
     and the final dequant_reduce, is bit-identical to the reference: the same fp32 adds
     in the same butterfly order, exact sign flips and an exact 1/8."""
+    monkeypatch.setattr(tq, "WORDS_OVERRIDE", None if words else False)
     g = torch.Generator().manual_seed(21)
     k, m, S = 2, 2, 2 * block
     x = (torch.randn(k * m * S, generator=g) * torch.rand(k * m * S, generator=g) ** 4).to(DEV)

@@ -28,8 +28,7 @@ Operations (bf16 input/output, fp32 accumulation):
   dequant_reduce4              int4 [k=2, N/k] -> fp32 [N/k] (scaled sum)
   reorder_quantize4_had        reorder_quantize4 with the Hadamard transform fused in
                                (--zero-hadamard-gradients; same bytes)
-  dequant_reduce4_had          dequant_reduce4 with the inverse transform fused in (the
-                               byte kernel: the word kernel has no transform)
+  dequant_reduce4_had          dequant_reduce4 with the inverse transform fused in
 
 DeepSpeed's counterparts (fp16 in/out: its kernels read and write __half; the same
 bytes as bf16), groups of --block elements, symmetric: quantize / dequantize (8 and 4
