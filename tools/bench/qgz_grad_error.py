@@ -20,10 +20,13 @@ for the int4 code of the kernels (linear: levels k * absmax / 7, nearest), the s
 stochastic rounding (linear-sr, seeded), and the square-law code
 (`--zero-quantized-gradients-code square`; levels k^2 * absmax / 49, nearest in value; replayed
 here in float64 with unrounded scales), with every
-row quantized or with each rank's own rows exact, block 2048.
+row quantized or with each rank's own rows exact, block 2048. With --hadamard, also
+each code after the blockwise randomized Hadamard transform of --zero-hadamard-gradients
+(rows "<code>+had": every rank's gradient transformed per 64 elements, the result
+transformed back; float64 here).
 
     python tools/bench/qgz_grad_error.py capture --dir /tmp/qgz_grads --steps 60,150,250 --iters 260
-    python tools/bench/qgz_grad_error.py analyze --dir /tmp/qgz_grads
+    python tools/bench/qgz_grad_error.py analyze --dir /tmp/qgz_grads --hadamard
 """
 
 from __future__ import annotations
@@ -95,9 +98,22 @@ def _qdq(x, code: str, block: int, gen=None):
     return (torch.sign(b) * c * c * s).reshape(-1)
 
 
+def _hadamard64(x, inverse=False):
+    """The kernels' transform (kernels/reference.py: signs, butterfly, 1/8) in float64."""
+    from megaq.kernels.reference import _hadamard_fp32  # dtype-generic despite the name
+
+    return _hadamard_fp32(x, inverse)
+
+
 def two_hops(G, code: str, own_exact: bool, block: int, gen=None):
-    """What each rank (a, j) of 2 nodes x 2 ends with for its chunk 2a + j, all chunks."""
+    """What each rank (a, j) of 2 nodes x 2 ends with for its chunk 2a + j, all chunks.
+    code "<code>+had": the hops run on the transformed gradients, the result is
+    transformed back."""
     import torch
+
+    if code.endswith("+had"):
+        out = two_hops([_hadamard64(g) for g in G], code[:-4], own_exact, block, gen)
+        return _hadamard64(out, inverse=True)
 
     n, k, m = 4, 2, 2
     S = G[0].numel() // n
@@ -134,7 +150,7 @@ def analyze(o):
     for u in units:
         rms = torch.sqrt(sum(exact[(c, u)].reshape(-1, 64).pow(2).mean(-1) for c in steps) / len(steps))
         w = rms.clamp_min(1e-30).repeat_interleave(64)
-        for code in ("linear", "linear-sr", "square"):
+        for code in ("linear", "linear-sr", "square") + (("linear+had", "square+had") if o.hadamard else ()):
             for own in (False, True):
                 l2 = e2 = an = z = 0.0
                 for c in steps:
@@ -161,6 +177,7 @@ def main(argv=None):
     an = sub.add_parser("analyze")
     an.add_argument("--dir", required=True)
     an.add_argument("--block", type=int, default=2048)
+    an.add_argument("--hadamard", action="store_true", help="also the codes after the Hadamard transform")
     o = p.parse_args(argv)
     capture(o) if o.cmd == "capture" else analyze(o)
 
