@@ -27,6 +27,13 @@ transformed back; float64 here).
 
     python tools/bench/qgz_grad_error.py capture --dir /tmp/qgz_grads --steps 60,150,250 --iters 260
     python tools/bench/qgz_grad_error.py analyze --dir /tmp/qgz_grads --hadamard
+
+synthetic: the same replay on heavy-tailed synthetic gradients (4 ranks of N(0,1) x
+exp(N(0,1)), seeded), printing per code the relative L2 error, the median per-coordinate
+error |err| / |x|, the share of coordinates whose error exceeds their value, and the
+share sent as 0 (docs/PERFORMANCE.md "qgZ with the Hadamard transform"):
+
+    python tools/bench/qgz_grad_error.py synthetic --elements 65536
 """
 
 from __future__ import annotations
@@ -166,6 +173,23 @@ def analyze(o):
                       f"| {(l2 / e2) ** 0.5:.3f} | {an / len(steps):.3f} | {z / len(steps):.3f} |")
 
 
+def synthetic(o):
+    import torch
+
+    g = torch.Generator().manual_seed(o.seed)
+    G = [torch.randn(o.elements, dtype=torch.float64, generator=g)
+         * torch.exp(torch.randn(o.elements, dtype=torch.float64, generator=g)) for _ in range(4)]
+    ex = sum(G) / 4
+    print(f"4 ranks x {o.elements} elements, N(0,1) x exp(N(0,1)), seed {o.seed}; block {o.block}; 2 nodes x 2")
+    print("| code | relative L2 | median |err| / |x| | share with |err| > |x| | sent as 0 |")
+    print("|---|---:|---:|---:|---:|")
+    for code in ("linear", "linear+had", "square", "square+had"):
+        res = two_hops(G, code, False, o.block)
+        rel = (res - ex).abs() / ex.abs()
+        print(f"| {code} | {float((res - ex).norm() / ex.norm()):.3f} | {float(rel.median()):.3f} "
+              f"| {float((rel > 1).double().mean()):.3f} | {float(((res == 0) & (ex != 0)).double().mean()):.3f} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -178,8 +202,12 @@ def main(argv=None):
     an.add_argument("--dir", required=True)
     an.add_argument("--block", type=int, default=2048)
     an.add_argument("--hadamard", action="store_true", help="also the codes after the Hadamard transform")
+    sy = sub.add_parser("synthetic")
+    sy.add_argument("--elements", type=int, default=65536, help="per rank, a multiple of 4 x block")
+    sy.add_argument("--block", type=int, default=2048)
+    sy.add_argument("--seed", type=int, default=0)
     o = p.parse_args(argv)
-    capture(o) if o.cmd == "capture" else analyze(o)
+    {"capture": capture, "analyze": analyze, "synthetic": synthetic}[o.cmd](o)
 
 
 if __name__ == "__main__":
