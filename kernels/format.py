@@ -58,6 +58,36 @@ SQUARE_THRESHOLDS = tuple(t * t + t + 0.5 for t in range(7))
 # fused multiply-add of a level rounds exactly as the reference's multiply then add.
 SQUARE_SCALE_FLOOR = 2.0 ** -100
 
+# The randomized Hadamard transform of qgZ (--zero-hadamard-gradients, docs/ZEROPP.md
+# "Hadamard-smoothed gradients"): every HADAMARD_SIZE consecutive elements x of a flat
+# gradient buffer become H x = (1/8) W D x, W the 64 x 64 Sylvester Walsh-Hadamard matrix
+# (entries +-1, W W = 64 I) and D = diag(HADAMARD_SIGNS), the same fixed random signs in
+# every group and on every rank. H is orthogonal (H^T = (1/8) D W), so sums over ranks
+# commute with it. 1/8 = 1/sqrt(64) is a power of two: the normalisation is exact.
+HADAMARD_SIZE = 64
+HADAMARD_SEED = 0x5EED21  # fixed: every rank, every run and every checkpoint agree
+
+
+def _hadamard_signs(seed: int, n: int) -> tuple:
+    """n signs +-1.0 from a fixed 32-bit LCG (Numerical Recipes constants), top bit: the
+    same on every host and independent of torch's RNG."""
+    out, state = [], seed
+    for _ in range(n):
+        state = (1664525 * state + 1013904223) % (1 << 32)
+        out.append(-1.0 if state >> 31 else 1.0)
+    return tuple(out)
+
+
+HADAMARD_SIGNS = _hadamard_signs(HADAMARD_SEED, HADAMARD_SIZE)
+
+
+def check_hadamard(L: int) -> None:
+    """Raise one clear ValueError when a segment of L elements cannot be transformed."""
+    if L <= 0 or L % HADAMARD_SIZE:
+        raise ValueError(f"the Hadamard transform works on groups of {HADAMARD_SIZE} elements: length {L} "
+                         f"(and the block size) must be a multiple of {HADAMARD_SIZE}")
+
+
 if sys.byteorder != "little":  # the scale bytes are written as little-endian fp32
     raise ImportError("megaq.kernels assumes a little-endian host")
 

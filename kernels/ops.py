@@ -20,6 +20,7 @@ __all__ = [
     "reorder_quantize",
     "dequant_reduce_quantize",
     "dequant_reduce",
+    "hadamard",
     "backend_for",
 ]
 
@@ -40,21 +41,31 @@ def backend_for(t: torch.Tensor):
 # segments are always linear.
 
 
-def quantize(x, bits=8, block=DEFAULT_BLOCK, code="linear"):
-    return backend_for(x).quantize(x, bits, block, code)
+# hadamard: the blockwise randomized Hadamard transform of qgZ (reference.hadamard):
+# quantize / reorder_quantize transform their input first, dequant_reduce applies the
+# inverse to its result.
+
+
+def quantize(x, bits=8, block=DEFAULT_BLOCK, code="linear", hadamard=False):
+    return backend_for(x).quantize(x, bits, block, code, hadamard)
 
 
 def dequantize(packed, L, bits=8, block=DEFAULT_BLOCK, dtype=torch.float32, code="linear"):
     return backend_for(packed).dequantize(packed, L, bits, block, dtype, code)
 
 
-def reorder_quantize(grad, k, m, bits=4, block=DEFAULT_BLOCK, residual=None, code="linear"):
-    return backend_for(grad).reorder_quantize(grad, k, m, bits, block, residual, code)
+def reorder_quantize(grad, k, m, bits=4, block=DEFAULT_BLOCK, residual=None, code="linear", hadamard=False):
+    return backend_for(grad).reorder_quantize(grad, k, m, bits, block, residual, code, hadamard)
 
 
 def dequant_reduce_quantize(recv, k, S, bits_in=4, bits_out=4, block=DEFAULT_BLOCK, code="linear"):
     return backend_for(recv).dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, code)
 
 
-def dequant_reduce(recv, S, bits=4, block=DEFAULT_BLOCK, scale=1.0, out=None, code="linear"):
-    return backend_for(recv).dequant_reduce(recv, S, bits, block, scale, out, code)
+def dequant_reduce(recv, S, bits=4, block=DEFAULT_BLOCK, scale=1.0, out=None, code="linear", hadamard=False):
+    return backend_for(recv).dequant_reduce(recv, S, bits, block, scale, out, code, hadamard)
+
+
+def hadamard(x, inverse=False):
+    """fp32 [..., L]: H x (H^T x with inverse) per 64 consecutive elements."""
+    return backend_for(x).hadamard(x, inverse)

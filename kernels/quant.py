@@ -43,9 +43,12 @@ from .format import (
     SQUARE_QMAX,
     SQUARE_SCALE_DROP,
     SQUARE_SCALE_FLOOR,
+    HADAMARD_SIGNS,
+    HADAMARD_SIZE,
     SQUARE_THRESHOLDS,
     TINY,
     check_code,
+    check_hadamard,
     check_float_input,
     check_format,
     check_out,
@@ -63,6 +66,7 @@ __all__ = [
     "reorder_quantize",
     "dequant_reduce_quantize",
     "dequant_reduce",
+    "hadamard",
 ]
 
 
@@ -282,6 +286,52 @@ def _hop_requant_scale(absmax, pow2, QMAX: tl.constexpr, TINY: tl.constexpr, HOP
     a22 = absmax * 4194304.0  # 2^22
     scale, inv = _scale_rule(absmax, (a22 < HOP_FLOOR) | (a22 * pow2 < TINY), QMAX, _SCALE_DROP)
     return (scale * 4194304.0) * pow2, inv
+
+
+# The blockwise randomized Hadamard transform (reference._hadamard_fp32): the butterfly
+# runs on the whole [NB, BLOCK_P2] tile seen as flat groups of 64 (BLOCK is a multiple of
+# 64, so groups never straddle blocks, and padding lanes form whole zero groups that stay
+# zero). Stage h pairs lanes i and i + h inside each group of 2h: the tile is reshaped to
+# [groups, 2, h], the pair axis moved last and split; the two halves are joined back as
+# (a + b, a - b). Plain fp32 adds (no fma), in the reference's order: bit for bit. The
+# fused uses: _quantize_kernel (before the absmax), the float outputs of
+# _dequant_reduce_kernel and _int4_words_kernel (after the sum and factor, in element order).
+_HAD = tl.constexpr(HADAMARD_SIZE)
+
+
+@triton.jit
+def _butterfly(x, N: tl.constexpr, H: tl.constexpr):
+    y = tl.permute(tl.reshape(x, [N // (2 * H), 2, H]), (0, 2, 1))
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [N])
+
+
+@triton.jit
+def _hadamard_tile(x, sign_ptr, NB: tl.constexpr, P2: tl.constexpr, INVERSE: tl.constexpr):
+    """fp32 [NB, P2] -> H x per 64 consecutive lanes (H^T x with INVERSE); signs from
+    sign_ptr (HADAMARD_SIZE fp32 +-1)."""
+    signs = tl.load(sign_ptr + tl.arange(0, P2) % _HAD)[None, :]
+    if not INVERSE:
+        x = x * signs
+    y = tl.reshape(x, [NB * P2])
+    y = _butterfly(y, NB * P2, 1)
+    y = _butterfly(y, NB * P2, 2)
+    y = _butterfly(y, NB * P2, 4)
+    y = _butterfly(y, NB * P2, 8)
+    y = _butterfly(y, NB * P2, 16)
+    y = _butterfly(y, NB * P2, 32)
+    y = tl.reshape(y, [NB, P2]) * 0.125
+    if INVERSE:
+        y = y * signs
+    return y
+
+
+@triton.jit
+def _hadamard_kernel(x_ptr, out_ptr, sign_ptr, NB: tl.constexpr, INVERSE: tl.constexpr):
+    # NB groups of 64 per program, fp32 output.
+    pid = tl.program_id(0).to(tl.int64)
+    x = _load_tile(x_ptr + pid * NB * _HAD, NB, _HAD, _HAD).to(tl.float32)
+    _store_tile(out_ptr + pid * NB * _HAD, _hadamard_tile(x, sign_ptr, NB, _HAD, INVERSE), NB, _HAD, _HAD)
 
 
 # int4 through 32-bit words (the default whenever the block is a multiple of 8 and the
@@ -521,12 +571,12 @@ def _int4_square_hop_kernel(
 
 @triton.jit
 def _int4_words_kernel(
-    in_ptr, out_ptr,
+    in_ptr, out_ptr, sign_ptr,
     in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
     out_row_groups, factor,
     NB: tl.constexpr, N_SUM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, W: tl.constexpr,
     W_P2: tl.constexpr, HAS_FACTOR: tl.constexpr, ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr,
-    MAGIC: tl.constexpr, SQUARE: tl.constexpr,
+    MAGIC: tl.constexpr, SQUARE: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     # int4 -> float (dequantize, the final reduce): the same indexing and summation
     # order as _dequant_reduce_kernel, in 32-bit words: a block is W = BLOCK // 8 payload
@@ -549,11 +599,14 @@ def _int4_words_kernel(
         a6 = a6 + e6
         a7 = a7 + e7
     o = out_ptr + (orow * out_row_groups * NB + ob) * BLOCK
-    if ACCUMULATE:
+    if ACCUMULATE or HADAMARD:
         acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, NB, BLOCK_P2)
         if HAS_FACTOR:
             acc = acc * factor
-        acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
+        if HADAMARD:  # in element order: H^T of the scaled sum (as the byte kernel)
+            acc = _hadamard_tile(acc, sign_ptr, NB, BLOCK_P2, True)
+        if ACCUMULATE:
+            acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
         _store_tile(o, _cast_out(acc, out_ptr.dtype.element_ty, MANUAL_BF16), NB, BLOCK_P2, BLOCK)
     else:  # scale and cast per nibble tile, then interleave the (narrower) outputs
         if HAS_FACTOR:
@@ -590,10 +643,11 @@ def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, res_ptr, out_ptr,
+    x_ptr, res_ptr, out_ptr, sign_ptr,
     m, chunk_blocks, row_groups, row_bytes, payload_bytes,
     NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
     QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
+    HADAMARD: tl.constexpr,
 ):
     # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
     # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
@@ -604,6 +658,8 @@ def _quantize_kernel(
     src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
     x_blk = x_ptr + src * BLOCK
     x = _load_tile(x_blk, NB, BLOCK_P2, BLOCK).to(tl.float32)
+    if HADAMARD:  # quantize H x: the transform fused in (the residual is in H's domain)
+        x = _hadamard_tile(x, sign_ptr, NB, BLOCK_P2, False)
     if HAS_RES:
         r_blk = res_ptr + src * BLOCK
         x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
@@ -625,13 +681,13 @@ def _quantize_kernel(
 
 @triton.jit
 def _dequant_reduce_kernel(
-    in_ptr, out_ptr,
+    in_ptr, out_ptr, sign_ptr,
     in_row_bytes, in_payload_bytes, in_rows_per_out, in_blocks_per_out,
     out_row_groups, out_row_bytes, out_payload_bytes, factor,
     NB: tl.constexpr, N_SUM: tl.constexpr, BITS_IN: tl.constexpr, BITS_OUT: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr, QMAX_OUT: tl.constexpr, TINY: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ACCUMULATE: tl.constexpr, MANUAL_BF16: tl.constexpr, HOP_FLUSH: tl.constexpr, HOP_FLOOR: tl.constexpr,
-    SQUARE: tl.constexpr,
+    SQUARE: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     # Output blocks (orow, ob .. ob + NB - 1) sum input rows orow * in_rows_per_out + r,
     # r < N_SUM, at blocks orow * in_blocks_per_out + ob .. of each row. The row loop is
@@ -679,6 +735,8 @@ def _dequant_reduce_kernel(
     else:
         if HAS_FACTOR:
             acc = acc * factor
+        if HADAMARD:  # the rows were summed in H's domain: back with H^T, then accumulate
+            acc = _hadamard_tile(acc, sign_ptr, NB, BLOCK_P2, True)
         o = out_ptr + (orow * out_row_groups * NB + ob) * BLOCK
         if ACCUMULATE:
             acc = _load_tile(o, NB, BLOCK_P2, BLOCK) + acc
@@ -693,6 +751,7 @@ _DEQUANT_REDUCE = CachedLauncher(_dequant_reduce_kernel)
 _INT4_HOP = CachedLauncher(_int4_hop_kernel)
 _INT4_WORDS = CachedLauncher(_int4_words_kernel)
 _INT4_SQUARE_HOP = CachedLauncher(_int4_square_hop_kernel)
+_HADAMARD = CachedLauncher(_hadamard_kernel)
 CACHED_LAUNCH = True
 
 
@@ -745,7 +804,17 @@ def _interpreting() -> bool:
     return isinstance(_quantize_kernel, InterpretedFunction)
 
 
-def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear"):
+_SIGNS: dict = {}  # device -> the HADAMARD_SIGNS tensor (a constant, built once per device)
+
+
+def _signs(device) -> torch.Tensor:
+    t = _SIGNS.get(device)
+    if t is None:
+        t = _SIGNS[device] = torch.tensor(HADAMARD_SIGNS, dtype=torch.float32, device=device)
+    return t
+
+
+def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadamard=False):
     """Quantize rows x [rows, k*S] where output row j block b reads chunk (b//cb)*m + j."""
     P = packed_len(k * S, bits, block)
     out = torch.empty((rows, P), dtype=torch.uint8, device=x.device)
@@ -755,8 +824,9 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear"):
     opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
     res = residual if residual is not None else x
     _launcher(_QUANTIZE)(
-        (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8,
-        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", **opts,
+        (rows * row_blocks // opts["NB"],), x, res, out, _signs(x.device), m, chunk_blocks, row_blocks // opts["NB"],
+        P, k * S * bits // 8,
+        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard, **opts,
     )
     return out
 
@@ -773,7 +843,8 @@ def _use_words(recv, out, bits_in, bits_out, block) -> bool:
 
 
 def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_per_out, in_blocks_per_out,
-                           out_row_len, bits_out, block, factor=None, accumulate=False, code="linear"):
+                           out_row_len, bits_out, block, factor=None, accumulate=False, code="linear",
+                           hadamard=False):
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
     square = code == "square"
@@ -784,6 +855,8 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
         grid = (out_rows * out_row_blocks // opts["NB"],)
         args = (recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
                 out_row_blocks // opts["NB"])
+        if not bits_out:
+            args = args[:2] + (_signs(recv.device),) + args[2:]
         if bits_out and square:
             del opts["BLOCK"], opts["BLOCK_P2"]
             _launcher(_INT4_SQUARE_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum, **opts)
@@ -796,27 +869,31 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
             magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
             _launcher(_INT4_WORDS)(grid, *args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
                                    ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic,
-                                   SQUARE=square, **opts)
+                                   SQUARE=square, HADAMARD=hadamard, **opts)
         return out
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
     _launcher(_DEQUANT_REDUCE)(
-        (out_rows * out_row_blocks // opts["NB"],), recv, out, recv.shape[-1], L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
+        (out_rows * out_row_blocks // opts["NB"],), recv, out, _signs(recv.device), recv.shape[-1],
+        L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
         out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
         N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
         HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
-        HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts,
+        HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, HADAMARD=hadamard, **opts,
     )
     return out
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear") -> torch.Tensor:
+def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear",
+             hadamard: bool = False) -> torch.Tensor:
     check_float_input(x)
     L = x.shape[-1] if x.dim() else 0
     check_format(L, bits, block)
     check_code(code)
+    if hadamard:
+        check_hadamard(block)
     lead = x.shape[:-1]
     flat = x.contiguous().reshape(-1, L)
-    out = _quantize_rows(flat, None, flat.shape[0], 1, 1, L, bits, block, code)
+    out = _quantize_rows(flat, None, flat.shape[0], 1, 1, L, bits, block, code, hadamard)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -837,15 +914,17 @@ def dequantize(
 
 def reorder_quantize(
     grad: torch.Tensor, k: int, m: int, bits: int = 4, block: int = DEFAULT_BLOCK,
-    residual: torch.Tensor | None = None, code: str = "linear",
+    residual: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False,
 ) -> torch.Tensor:
     check_float_input(grad)
     S = check_reorder(grad.numel(), k, m, block)
     check_format(S, bits, block)
     check_code(code)
+    if hadamard:
+        check_hadamard(block)
     if residual is not None:
         check_residual(residual, grad)
-    return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block, code)
+    return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block, code, hadamard)
 
 
 def dequant_reduce_quantize(
@@ -863,10 +942,12 @@ def dequant_reduce_quantize(
 
 def dequant_reduce(
     recv: torch.Tensor, S: int, bits: int = 4, block: int = DEFAULT_BLOCK, scale: float = 1.0,
-    out: torch.Tensor | None = None, code: str = "linear",
+    out: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False,
 ) -> torch.Tensor:
     check_packed(recv, S, bits, block)
     check_code(code)
+    if hadamard:
+        check_hadamard(block)
     flat = recv.contiguous().reshape(-1, recv.shape[-1])
     accumulate = out is not None
     if accumulate:
@@ -874,4 +955,19 @@ def dequant_reduce(
     else:
         out = torch.empty(S, dtype=torch.float32, device=recv.device)
     return _dequant_reduce_launch(flat, out, 1, flat.shape[0], S, bits, 0, 0, S, 0, block, float(scale), accumulate,
-                                  code)
+                                  code, hadamard)
+
+
+def hadamard(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    check_float_input(x)
+    L = x.shape[-1] if x.dim() else 0
+    check_hadamard(L)
+    flat = x.contiguous().reshape(-1)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    groups = flat.numel() // HADAMARD_SIZE
+    if groups == 0:
+        return out
+    nb = next(c for c in (16, 8, 4, 2, 1) if groups % c == 0)
+    _launcher(_HADAMARD)((groups // nb,), flat, out, _signs(x.device), NB=nb, INVERSE=inverse,
+                         num_warps=max(1, nb // 4), enable_fp_fusion=False)
+    return out

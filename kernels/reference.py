@@ -15,6 +15,13 @@ c = the number of thresholds t^2 + t + 1/2 (t = 0..6) that y reaches, q = sign(x
 dequantize q |q| * scale (exact). Its hop dequantizes, sums the rows in order from +0.0
 and requantizes (no exact-product form: q |q| + 49 needs 7 bits).
 
+The Hadamard transform (`hadamard`, and `hadamard=True` of quantize / reorder_quantize /
+dequant_reduce; format.HADAMARD_SIZE): per group of 64 elements, forward = signs, then the
+butterfly, then * 1/8; inverse = butterfly, * 1/8, then signs. The butterfly has six
+stages h = 1, 2, 4, ..., 32; stage h replaces each pair (a, b) = (x[i], x[i + h]) (i with
+bit h clear) by (a + b, a - b), one fp32 add each. Sign flips and the power-of-two 1/8
+are exact, so the only roundings are the 6 x 64 adds, in the same order in both backends.
+
 Note: never write `qmax / tensor`: torch computes a python-scalar numerator as
 reciprocal(tensor) * qmax, which is not the IEEE quotient.
 """
@@ -30,9 +37,12 @@ from .format import (
     SQUARE_QMAX,
     SQUARE_SCALE_DROP,
     SQUARE_SCALE_FLOOR,
+    HADAMARD_SIGNS,
+    HADAMARD_SIZE,
     SQUARE_THRESHOLDS,
     TINY,
     check_code,
+    check_hadamard,
     check_float_input,
     check_format,
     check_out,
@@ -49,6 +59,7 @@ __all__ = [
     "reorder_quantize",
     "dequant_reduce_quantize",
     "dequant_reduce",
+    "hadamard",
 ]
 
 
@@ -133,6 +144,33 @@ def _dequantize_fp32(packed: torch.Tensor, L: int, bits: int, block: int, code: 
     return (qf * scale.unsqueeze(-1)).reshape(*lead, L)
 
 
+def _hadamard_fp32(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """fp32 [..., L] (L a multiple of 64) -> H x, or H^T x with inverse (module note)."""
+    shape = x.shape
+    signs = torch.tensor(HADAMARD_SIGNS, dtype=torch.float32, device=x.device)
+    y = x.reshape(-1, HADAMARD_SIZE)
+    if not inverse:
+        y = y * signs
+    h = 1
+    while h < HADAMARD_SIZE:
+        y = y.reshape(-1, HADAMARD_SIZE // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2)
+        h *= 2
+    y = y.reshape(-1, HADAMARD_SIZE) * 0.125
+    if inverse:
+        y = y * signs
+    return y.reshape(shape)
+
+
+def hadamard(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [..., L] (bf16/fp16/fp32, L a multiple of 64) -> fp32 [..., L]: the blockwise
+    randomized Hadamard transform H of every 64 consecutive elements (H^T with inverse)."""
+    check_float_input(x)
+    check_hadamard(x.shape[-1] if x.dim() else 0)
+    return _hadamard_fp32(x.to(torch.float32), inverse)
+
+
 def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     """Sum over dim 0 in row order from +0.0: the order the Triton kernels use."""
     acc = torch.zeros_like(rows[0])
@@ -141,12 +179,18 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear") -> torch.Tensor:
+def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear",
+             hadamard: bool = False) -> torch.Tensor:
     """x [..., L] (bf16/fp16/fp32) -> uint8 [..., packed_len(L, bits, block)].
-    code: the int4 code ("linear" or "square"; int8 is always linear)."""
+    code: the int4 code ("linear" or "square"; int8 is always linear). hadamard: quantize
+    H x (the blockwise transform above; L and block multiples of 64)."""
     check_float_input(x)
     check_format(x.shape[-1] if x.dim() else 0, bits, block)
-    return _quantize_fp32(x.to(torch.float32), bits, block, code)
+    xf = x.to(torch.float32)
+    if hadamard:
+        check_hadamard(block)
+        xf = _hadamard_fp32(xf)
+    return _quantize_fp32(xf, bits, block, code)
 
 
 def dequantize(
@@ -166,16 +210,23 @@ def reorder_quantize(
     block: int = DEFAULT_BLOCK,
     residual: torch.Tensor | None = None,
     code: str = "linear",
+    hadamard: bool = False,
 ) -> torch.Tensor:
     """grad [n*S] (n = k*m chunks; chunk a*m + j belongs to node a, local rank j)
     -> uint8 [m, packed_len(k*S)]: row j holds chunks j, m + j, ..., (k-1)*m + j.
 
     residual (optional, fp32 [n*S], error feedback): grad + residual is quantized
     and residual is overwritten in place with (grad + residual) - dequant(q).
+    hadamard: H grad is quantized instead of grad (block a multiple of 64, so the groups
+    never straddle chunks); the residual then lives in the transformed domain:
+    H grad + residual is quantized.
     """
     check_float_input(grad)
     S = check_reorder(grad.numel(), k, m, block)
     x = grad.reshape(-1).to(torch.float32)
+    if hadamard:
+        check_hadamard(block)
+        x = _hadamard_fp32(x)
     if residual is not None:
         check_residual(residual, grad)
         x = x + residual
@@ -242,12 +293,17 @@ def dequant_reduce(
     scale: float = 1.0,
     out: torch.Tensor | None = None,
     code: str = "linear",
+    hadamard: bool = False,
 ) -> torch.Tensor:
     """recv uint8 [k, packed_len(S)] -> fp32 [S] = scale * sum of the k rows.
-    With `out` (fp32 [S]) the result is ADDED into out (gradient accumulation)."""
+    With `out` (fp32 [S]) the result is ADDED into out (gradient accumulation).
+    hadamard: the rows are in the transformed domain; H^T (scale * sum) is the result."""
     check_packed(recv, S, bits, block)
     rows = _dequantize_fp32(recv.reshape(-1, recv.shape[-1]), S, bits, block, code)
     res = _sum_rows(rows) * float(scale)  # fp32 tensor * python float: fp32(scale) multiply
+    if hadamard:
+        check_hadamard(block)
+        res = _hadamard_fp32(res, inverse=True)
     if out is None:
         return res
     check_out(out, S)

@@ -82,9 +82,11 @@ def error_feedback_file(ckpt_dir: str, rank: int) -> str:
 
 
 # what the qgZ residuals depend on besides the layout: a change of these restarts them
-_EF_SETTINGS = ("grad_bits_intra", "grad_bits_inter", "block_size", "grad_exact_own_rows", "grad_code")
+# (with grad_hadamard the residuals live in the transformed domain)
+_EF_SETTINGS = ("grad_bits_intra", "grad_bits_inter", "block_size", "grad_exact_own_rows", "grad_code",
+                "grad_hadamard")
 # what a checkpoint saved before a setting existed meant by it
-_EF_SETTINGS_BEFORE = {"grad_code": "linear"}
+_EF_SETTINGS_BEFORE = {"grad_code": "linear", "grad_hadamard": False}
 
 
 # ------------------------------------------------------------------------ RNG streams
@@ -490,7 +492,7 @@ def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, to
         reason = f"the layout changed ({sd['layout']} -> {layout_dict(topo.layout)})"
     elif any(saved["zero"].get(k, _EF_SETTINGS_BEFORE.get(k)) != getattr(config.zero, k)
              for k in _EF_SETTINGS):
-        reason = "the qgZ bits, block size, own-rows setting or int4 code changed"
+        reason = "the qgZ bits, block size, own-rows setting, int4 code or Hadamard setting changed"
     elif not os.path.isfile(path):
         reason = "the checkpoint holds none (saved without error feedback, or at DP=1)"
     else:

@@ -275,6 +275,12 @@ class ZeroFlags:
         "block arrive as 0); square, q|q|*absmax/49 (levels 0,1,4,...,49; values down to "
         "absmax/98 survive; the default). Same bytes; docs/ZEROPP.md 'The square-law code'",
         ZeroConfig.grad_code, choices=["linear", "square"])
+    zero_hadamard_gradients: bool = switch(
+        "--zero-hadamard-gradients", "qgZ: quantize each rank's gradient after a blockwise "
+        "randomized Hadamard transform (groups of 64, fixed signs; the inverse after the final "
+        "reduce) that spreads outliers over their group; same bytes; needs "
+        "--zero-quantized-gradients and a block size multiple of 64 (docs/ZEROPP.md "
+        "'Hadamard-smoothed gradients')")
     zero_quantization_block_size: int = flag("--zero-quantization-block-size",
                                              "elements per quantization block",
                                              ZeroConfig.block_size, type=int)
@@ -324,6 +330,7 @@ class ZeroFlags:
             grad_exact_own_rows=self.zero_quantized_gradients_exact_own_rows,
             weight_deltas=self.zero_weight_deltas, weight_delta_bits=self.zero_weight_delta_bits,
             grad_code=self.zero_quantized_gradients_code,
+            grad_hadamard=self.zero_hadamard_gradients,
             block_size=self.zero_quantization_block_size,
             grad_chunk=self.zero_quantized_gradients_chunk)
 

@@ -105,6 +105,10 @@ def test_configuration_is_frozen_and_serialisable():
     (["--zero-weight-deltas", "--zero-hpz-partition-size", "2", "--zero-quantized-weights"], 2,
      "drop --zero-quantized-weights"),
     (["--zero-weight-delta-bits", "2"], 1, "argument --zero-weight-delta-bits: invalid choice"),
+    # the Hadamard transform is part of qgZ, and works on 64-element groups of a block
+    (["--zero-hadamard-gradients"], 1, "add --zero-quantized-gradients"),
+    (["--zero-hadamard-gradients", "--zero-quantized-gradients", "--zero-quantization-block-size", "96"], 1,
+     "--zero-quantization-block-size 96 must be a multiple of 64"),
 ])
 def test_refusals_name_the_flag(extra, world, needle):
     with pytest.raises(ArgumentsError) as e:
@@ -133,6 +137,10 @@ def test_zero_flags_reach_the_engine_config():
                "--zero-weight-delta-bits", "8"], world=2).zero
     assert z.weight_deltas and z.weight_delta_bits == 8 and z.hpz_partition_size == 2
     assert ZeroConfig().weight_delta_bits == 4 and not ZeroConfig().weight_deltas
+    z = parse(["--zero-quantized-gradients", "--zero-hadamard-gradients",
+               "--zero-quantized-gradients-intra-bits", "8"], world=1).zero
+    assert z.grad_hadamard and (z.grad_bits_intra, z.grad_bits_inter) == (8, 4)
+    assert not ZeroConfig().grad_hadamard
 
 
 def test_every_flag_is_one_config_field():
@@ -189,7 +197,7 @@ def test_help_lists_megatron_and_zeropp_flags():
                  "--zero-quantized-gradients", "--gpus-per-node", "--metrics-file",
                  "--data-cache-path", "--demo-corpus", "--save-interval", "--load",
                  "--zero-quantized-gradients-chunk", "--log-comm-time", "--zero-weight-deltas",
-                 "--zero-weight-delta-bits"):
+                 "--zero-weight-delta-bits", "--zero-hadamard-gradients"):
         assert flag in text, flag
 
 

@@ -93,14 +93,17 @@ def test_dp_reshard_4_to_2_with_other_zeropp_switches(run_a, tmp_path):
     assert out_c[0]["losses"][3] == pytest.approx(out_a[0]["losses"][3], rel=1e-5)
 
 
-@pytest.mark.parametrize("code", ["linear", "square"])  # both int4 codes of the gradient hops
+# both int4 codes of the gradient hops, and the Hadamard-smoothed hops (residuals in H's domain)
+@pytest.mark.parametrize("code", ["linear", "square", "linear+hadamard"])
 def test_exact_resume_with_qgz_error_feedback(tmp_path, code):
     """qgZ with error feedback: each rank's residuals are saved (qgz/rank_*.pt) and
     restored, so a resumed run's iteration 4 (whose gradients are quantized with the
     residuals left by iteration 3) is bit-identical to the uninterrupted run's; with
     residuals restarting from zero it is not. 4 ranks as 2 nodes of 2: both hops."""
+    code, _, had = code.partition("+")
     zpp = ["--gpus-per-node", "2", "--zero-quantized-gradients", "--zero-gradient-error-feedback",
-           "--zero-quantization-block-size", "32", "--zero-quantized-gradients-code", code]
+           "--zero-quantization-block-size", "64" if had else "32", "--zero-quantized-gradients-code", code]
+    zpp += ["--zero-hadamard-gradients"] if had else []
     full = model_argv(str(tmp_path), 4, zpp + ["--save", str(tmp_path / "ck"), "--save-interval", "2"])
     out_a = run_on_ranks(_train, 4, ranks_per_node=2, args=(full,))
     assert os.path.isfile(ckpt.error_feedback_file(ckpt.iteration_dir(str(tmp_path / "ck"), 2), 3))

@@ -495,3 +495,49 @@ def test_square_qgz_pipeline_within_bound(tq, backend):
                 slack = 1e-6 * max(g.float().abs().max().item() for g in grads)
                 err = (got - exact[a * m + j]).abs()
                 assert (err <= bound + slack).all(), (k, m, a, j, (err - bound).max())
+
+
+# ------------------------------------------------ the Hadamard transform (qgZ option)
+def _bits_equal(a, b):
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+# a power of two, and a padded tile (192 -> 256 lanes); int4 float output in the 32-bit-word
+# kernel (the default) and in the byte kernel
+@pytest.mark.parametrize("block, words", [(64, True), (192, True), (64, False)])
+def test_hadamard_triton_bit_identical(tq, monkeypatch, block, words):
+    """The transform, alone and fused into reorder_quantize (with and without a residual)
+    and the final dequant_reduce, is bit-identical to the reference: the same fp32 adds
+    in the same butterfly order, exact sign flips and an exact 1/8."""
+    monkeypatch.setattr(tq, "WORDS_OVERRIDE", None if words else False)
+    g = torch.Generator().manual_seed(21)
+    k, m, S = 2, 2, 2 * block
+    x = (torch.randn(k * m * S, generator=g) * torch.rand(k * m * S, generator=g) ** 4).to(DEV)
+    for inverse in (False, True):
+        assert _bits_equal(tq.hadamard(x.reshape(-1, 64), inverse), ref.hadamard(x.reshape(-1, 64), inverse))
+    assert _bits_equal(tq.hadamard(x.bfloat16()), ref.hadamard(x.bfloat16()))
+    for bits, code in ((4, "linear"), (8, "linear"), (4, "square")):
+        assert torch.equal(tq.reorder_quantize(x, k, m, bits, block, code=code, hadamard=True),
+                           ref.reorder_quantize(x, k, m, bits, block, code=code, hadamard=True))
+        r1 = torch.randn(x.numel(), generator=g).to(DEV) * 0.01
+        r2 = r1.clone()
+        assert torch.equal(tq.reorder_quantize(x, k, m, bits, block, r1, code, hadamard=True),
+                           ref.reorder_quantize(x, k, m, bits, block, r2, code, hadamard=True))
+        assert _bits_equal(r1, r2)
+        packed = ref.quantize(x.reshape(k * m, S), bits, block, code)
+        assert _bits_equal(tq.dequant_reduce(packed, S, bits, block, 0.25, code=code, hadamard=True),
+                           ref.dequant_reduce(packed, S, bits, block, 0.25, code=code, hadamard=True))
+        o1 = torch.randn(S, generator=g).to(DEV)
+        o2 = o1.clone()
+        tq.dequant_reduce(packed, S, bits, block, 0.25, o1, code, hadamard=True)
+        ref.dequant_reduce(packed, S, bits, block, 0.25, o2, code, hadamard=True)
+        assert _bits_equal(o1, o2)
+    assert torch.equal(tq.quantize(x.reshape(4, S), 4, block, hadamard=True),
+                       ref.quantize(x.reshape(4, S), 4, block, hadamard=True))
+    # the option does something: a different payload than plain quantization
+    assert not torch.equal(ref.quantize(x.reshape(4, S), 4, block, hadamard=True),
+                           ref.quantize(x.reshape(4, S), 4, block))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ref.reorder_quantize(torch.randn(4 * 96), 2, 2, 4, 96, hadamard=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        tq.hadamard(torch.randn(96).to(DEV))

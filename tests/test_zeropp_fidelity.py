@@ -166,6 +166,16 @@ def test_harness_configs_reach_the_intended_settings():
         cv.config_flags("qgz+wd", 2)  # weight deltas without hpZ
     with pytest.raises(cv.ConfigError):
         cv.config_flags("hpz+d8", 2)  # a delta option without weight deltas
+    # Hadamard-smoothed qgZ, with weight deltas and with SDP4Bit's 8-bit in-node hop
+    for name, intra, deltas in (("deltas+had", 4, True), ("zeropp+had+i8", 8, False)):
+        z = parse_config(cv.model_argv(a, 1234, "bf16") + cv.config_flags(name, 2),
+                         world_size=4, ranks_per_node=2).zero
+        assert z.grad_hadamard and z.quantized_gradients and z.weight_deltas == deltas
+        assert (z.grad_bits_intra, z.grad_bits_inter) == (intra, 4)
+    assert not parse_config(cv.model_argv(a, 1234, "bf16") + cv.config_flags("zeropp", 2),
+                            world_size=4, ranks_per_node=2).zero.grad_hadamard
+    with pytest.raises(cv.ConfigError):
+        cv.config_flags("qwz+had", 2)  # the transform without qgZ
 
 
 def test_harness_interval_is_students_t():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaq.kernels.format import INT4_CODES, QMAX
+from megaq.kernels.format import HADAMARD_SIZE, INT4_CODES, QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
 OPTIMIZER_NAMES = ("adam", "sgd")  # --optimizer (megaq.zero.optimizer.OPTIMIZERS)
@@ -98,6 +98,10 @@ class ZeroConfig:
     # Square is the default: the linear code's dead zone cost +1.4-1.7% loss against
     # ZeRO-3 in the harness, the square code's about 0 (docs/PERFORMANCE.md).
     grad_code: str = "square"
+    # qgZ: quantize each rank's gradient after a blockwise randomized Hadamard transform
+    # (64 elements, fixed signs; the inverse after the final reduce) that spreads outliers
+    # over their group, so the block's absmax wastes less of the int4 range. Same bytes.
+    grad_hadamard: bool = False
 
     def __post_init__(self):
         if self.stage not in (0, 3):
@@ -136,6 +140,13 @@ class ZeroConfig:
         if self.error_feedback and not self.quantized_gradients:
             raise ZeroConfigError("error_feedback (--zero-gradient-error-feedback) needs "
                                   "quantized_gradients (--zero-quantized-gradients)")
+        if self.grad_hadamard and not self.quantized_gradients:
+            raise ZeroConfigError("--zero-hadamard-gradients transforms qgZ's quantized gradient "
+                                  "hops; add --zero-quantized-gradients")
+        if self.grad_hadamard and self.block_size % HADAMARD_SIZE:
+            raise ZeroConfigError(f"--zero-hadamard-gradients transforms groups of {HADAMARD_SIZE} "
+                                  f"elements inside each quantization block: --zero-quantization-"
+                                  f"block-size {self.block_size} must be a multiple of {HADAMARD_SIZE}")
         if self.fp8_weights and self.quantized_weights:
             raise ZeroConfigError("FP8 weight gathers and int8 qwZ both quantize the weight "
                                   "gather; choose one: --zero-quantized-weights fp8 (FP8 GEMMs) "

@@ -26,6 +26,9 @@ Operations (bf16 input/output, fp32 accumulation):
   reorder_quantize4            bf16 gradient [N], k=2 nodes x m=4 ranks -> int4 [m, ...]
   dequant_reduce_quantize4     int4 [m=4, N/m] received rows -> sum -> int4 [k=2, N/(m k)]
   dequant_reduce4              int4 [k=2, N/k] -> fp32 [N/k] (scaled sum)
+  reorder_quantize4_had        reorder_quantize4 with the Hadamard transform fused in
+                               (--zero-hadamard-gradients; same bytes)
+  dequant_reduce4_had          dequant_reduce4 with the inverse transform fused in
 
 DeepSpeed's counterparts (fp16 in/out: its kernels read and write __half; the same
 bytes as bf16), groups of --block elements, symmetric: quantize / dequantize (8 and 4
@@ -294,6 +297,10 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     comp = baseline("reorder_quantize4", reference.reorder_quantize)
     add("reorder_quantize4", "compiled", r_bytes, comp and (lambda comp=comp: comp(x, k, m, 4, block)))
 
+    add_triton("reorder_quantize4_had", r_bytes, lambda: quant.reorder_quantize(x, k, m, 4, block, hadamard=True))
+    add("reorder_quantize4_had", "eager", r_bytes,
+        lambda: reference.reorder_quantize(x, k, m, 4, block, hadamard=True))
+
     # in-node hop: m received rows of k*S elements each -> k requantized chunks of S
     recv = quant.reorder_quantize(x, k, m, 4, block)
     drq_bytes = recv.numel() + k * packed_len(S, 4, block)
@@ -311,6 +318,10 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     add("dequant_reduce4", "eager", dr_bytes, lambda: reference.dequant_reduce(fin, L, 4, block, 0.125))
     comp = baseline("dequant_reduce4", reference.dequant_reduce)
     add("dequant_reduce4", "compiled", dr_bytes, comp and (lambda comp=comp: comp(fin, L, 4, block, 0.125)))
+    add_triton("dequant_reduce4_had", dr_bytes,
+               lambda: quant.dequant_reduce(fin, L, 4, block, 0.125, hadamard=True))
+    add("dequant_reduce4_had", "eager", dr_bytes,
+        lambda: reference.dequant_reduce(fin, L, 4, block, 0.125, hadamard=True))
 
     if ds is not None:
         nbytes = {"quantize8": 2 * n + packed_len(n, 8, block), "quantize4": 2 * n + packed_len(n, 4, block),
@@ -416,6 +427,11 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     h = quant.dequant_reduce_quantize(r, k, S, 4, 4, block)
     ok &= torch.equal(h, reference.dequant_reduce_quantize(r, k, S, 4, 4, block))
     ok &= torch.equal(quant.dequant_reduce(h, S, 4, block, 0.125), reference.dequant_reduce(h, S, 4, block, 0.125))
+    if block % 64 == 0:  # the Hadamard variants (--zero-hadamard-gradients)
+        ok &= torch.equal(quant.reorder_quantize(x, k, m, 4, block, hadamard=True),
+                          reference.reorder_quantize(x, k, m, 4, block, hadamard=True))
+        ok &= torch.equal(quant.dequant_reduce(h, S, 4, block, 0.125, hadamard=True),
+                          reference.dequant_reduce(h, S, 4, block, 0.125, hadamard=True))
     rows.append({"op": "check_triton_equals_reference", "impl": "-", "elements": n, "identical": bool(ok)})
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 

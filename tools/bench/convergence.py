@@ -36,6 +36,8 @@ A configuration is ``zero3`` or tokens joined by ``+`` (each maps to flags):
     sq / lin   --zero-quantized-gradients-code square / linear (the int4 code of the
                gradient hops); without either, a qgz configuration passes the shipped
                default code explicitly, so a cached run's argv says which code it ran
+    had        --zero-hadamard-gradients (qgZ quantizes after a blockwise randomized
+               Hadamard transform; the inverse after the final reduce)
 
 and the aliases ``zeropp`` (qwz+hpz+qgz with the shipped defaults: int4 both hops, block
 2048, own rows quantized, no error feedback) and ``deltas`` (hpz+wd+qgz); an alias may start a composite
@@ -75,6 +77,7 @@ TOKENS = {
     "wd": ["--zero-weight-deltas"],
     "sq": ["--zero-quantized-gradients-code", "square"],
     "lin": ["--zero-quantized-gradients-code", "linear"],
+    "had": ["--zero-hadamard-gradients"],
 }
 CODE_FLAG = "--zero-quantized-gradients-code"
 PREFIX_TOKENS = {  # token prefix + integer -> flag
@@ -87,7 +90,7 @@ ALIASES = {
     "zeropp": "qwz+hpz+qgz",
     "deltas": "hpz+wd+qgz",
 }
-GRAD_ONLY = ("ef", "xown", "sq", "lin")  # need qgz
+GRAD_ONLY = ("ef", "xown", "sq", "lin", "had")  # need qgz
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,

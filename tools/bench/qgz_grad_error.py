@@ -20,10 +20,20 @@ for the int4 code of the kernels (linear: levels k * absmax / 7, nearest), the s
 stochastic rounding (linear-sr, seeded), and the square-law code
 (`--zero-quantized-gradients-code square`; levels k^2 * absmax / 49, nearest in value; replayed
 here in float64 with unrounded scales), with every
-row quantized or with each rank's own rows exact, block 2048.
+row quantized or with each rank's own rows exact, block 2048. With --hadamard, also
+each code after the blockwise randomized Hadamard transform of --zero-hadamard-gradients
+(rows "<code>+had": every rank's gradient transformed per 64 elements, the result
+transformed back; float64 here).
 
     python tools/bench/qgz_grad_error.py capture --dir /tmp/qgz_grads --steps 60,150,250 --iters 260
-    python tools/bench/qgz_grad_error.py analyze --dir /tmp/qgz_grads
+    python tools/bench/qgz_grad_error.py analyze --dir /tmp/qgz_grads --hadamard
+
+synthetic: the same replay on heavy-tailed synthetic gradients (4 ranks of N(0,1) x
+exp(N(0,1)), seeded), printing per code the relative L2 error, the median per-coordinate
+error |err| / |x|, the share of coordinates whose error exceeds their value, and the
+share sent as 0 (docs/PERFORMANCE.md "qgZ with the Hadamard transform"):
+
+    python tools/bench/qgz_grad_error.py synthetic --elements 65536
 """
 
 from __future__ import annotations
@@ -95,9 +105,22 @@ def _qdq(x, code: str, block: int, gen=None):
     return (torch.sign(b) * c * c * s).reshape(-1)
 
 
+def _hadamard64(x, inverse=False):
+    """The kernels' transform (kernels/reference.py: signs, butterfly, 1/8) in float64."""
+    from megaq.kernels.reference import _hadamard_fp32  # dtype-generic despite the name
+
+    return _hadamard_fp32(x, inverse)
+
+
 def two_hops(G, code: str, own_exact: bool, block: int, gen=None):
-    """What each rank (a, j) of 2 nodes x 2 ends with for its chunk 2a + j, all chunks."""
+    """What each rank (a, j) of 2 nodes x 2 ends with for its chunk 2a + j, all chunks.
+    code "<code>+had": the hops run on the transformed gradients, the result is
+    transformed back."""
     import torch
+
+    if code.endswith("+had"):
+        out = two_hops([_hadamard64(g) for g in G], code[:-4], own_exact, block, gen)
+        return _hadamard64(out, inverse=True)
 
     n, k, m = 4, 2, 2
     S = G[0].numel() // n
@@ -134,7 +157,7 @@ def analyze(o):
     for u in units:
         rms = torch.sqrt(sum(exact[(c, u)].reshape(-1, 64).pow(2).mean(-1) for c in steps) / len(steps))
         w = rms.clamp_min(1e-30).repeat_interleave(64)
-        for code in ("linear", "linear-sr", "square"):
+        for code in ("linear", "linear-sr", "square") + (("linear+had", "square+had") if o.hadamard else ()):
             for own in (False, True):
                 l2 = e2 = an = z = 0.0
                 for c in steps:
@@ -150,6 +173,23 @@ def analyze(o):
                       f"| {(l2 / e2) ** 0.5:.3f} | {an / len(steps):.3f} | {z / len(steps):.3f} |")
 
 
+def synthetic(o):
+    import torch
+
+    g = torch.Generator().manual_seed(o.seed)
+    G = [torch.randn(o.elements, dtype=torch.float64, generator=g)
+         * torch.exp(torch.randn(o.elements, dtype=torch.float64, generator=g)) for _ in range(4)]
+    ex = sum(G) / 4
+    print(f"4 ranks x {o.elements} elements, N(0,1) x exp(N(0,1)), seed {o.seed}; block {o.block}; 2 nodes x 2")
+    print("| code | relative L2 | median |err| / |x| | share with |err| > |x| | sent as 0 |")
+    print("|---|---:|---:|---:|---:|")
+    for code in ("linear", "linear+had", "square", "square+had"):
+        res = two_hops(G, code, False, o.block)
+        rel = (res - ex).abs() / ex.abs()
+        print(f"| {code} | {float((res - ex).norm() / ex.norm()):.3f} | {float(rel.median()):.3f} "
+              f"| {float((rel > 1).double().mean()):.3f} | {float(((res == 0) & (ex != 0)).double().mean()):.3f} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -161,8 +201,13 @@ def main(argv=None):
     an = sub.add_parser("analyze")
     an.add_argument("--dir", required=True)
     an.add_argument("--block", type=int, default=2048)
+    an.add_argument("--hadamard", action="store_true", help="also the codes after the Hadamard transform")
+    sy = sub.add_parser("synthetic")
+    sy.add_argument("--elements", type=int, default=65536, help="per rank, a multiple of 4 x block")
+    sy.add_argument("--block", type=int, default=2048)
+    sy.add_argument("--seed", type=int, default=0)
     o = p.parse_args(argv)
-    capture(o) if o.cmd == "capture" else analyze(o)
+    {"capture": capture, "analyze": analyze, "synthetic": synthetic}[o.cmd](o)
 
 
 if __name__ == "__main__":

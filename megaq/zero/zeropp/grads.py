@@ -36,6 +36,15 @@ cumulative error over T calls is then one residual, not T errors. It is off by
 default: the residuals are as large as each unit's full gradient on every rank
 (4 bytes per parameter per rank), which undoes ZeRO-3's memory savings at scale.
 
+Hadamard-smoothed gradients (``grad_hadamard``, opt-in): every 64 consecutive elements
+of the flat gradient are multiplied by the same orthogonal H (fixed random signs, then the
+normalised Walsh-Hadamard matrix; kernels/format.py) before step 1's quantization, fused
+into it, and by H^T after step 5's sum, fused into the final dequantize. H is linear and
+the same on every rank, and 64 divides the block, so the groups never straddle a chunk
+or a block: the hops sum transformed values, and step 3's kernel is unchanged. Every
+value in between (the own exact rows, the error-feedback residuals) lives in the
+transformed domain; H^T is applied once, to the summed result.
+
 Every collective here is tagged ``grad_reduce``.
 """
 
@@ -171,10 +180,14 @@ class QuantizedGradReducer:
         lo, hi = bounds
         s = hi - lo
         cfg, r = self.cfg, self.rails
+        had = cfg.grad_hadamard
         x = self._chunk_input(grad2d, lo, hi)
         if r.m == 1:
             # No in-node peers: quantize straight into the cross-node layout [k, P(s)].
             bits = cfg.grad_bits_inter
+            if had and (cfg.error_feedback or cfg.grad_exact_own_rows):
+                x = ops.hadamard(x)  # one pass; the residual / own row are in H's domain
+                had = False
             own = x.reshape(r.k, s)[r.a].to(torch.float32) if cfg.grad_exact_own_rows else None
             if cfg.error_feedback:
                 res = self._residual(self._res2, key, i, (r.k, s), x.device)
@@ -184,13 +197,16 @@ class QuantizedGradReducer:
                 if own is not None:
                     res[r.a].zero_()  # my own row is used exactly: it leaves no residual
             else:
-                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block_size, cfg.grad_code)
+                q = ops.quantize(x.reshape(r.k, s), bits, cfg.block_size, cfg.grad_code, had)
             return q, None, own
         res = self._residual(self._res1, key, i, (x.numel(),), x.device) if cfg.error_feedback else None
-        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block_size, res, cfg.grad_code)
+        send = ops.reorder_quantize(x, r.k, r.m, cfg.grad_bits_intra, cfg.block_size, res, cfg.grad_code, had)
         own = None
         if cfg.grad_exact_own_rows:  # row j stays on this rank: keep it exact (fp32), not quantized
-            own = x.reshape(r.k, r.m, s)[:, r.j].to(torch.float32).reshape(-1)
+            own = x.reshape(r.k, r.m, s)[:, r.j].to(torch.float32)
+            if had:  # the same transform the fused quantize applied, bit for bit
+                own = ops.hadamard(own)
+            own = own.reshape(-1)
             if res is not None:
                 res.view(r.k, r.m, s)[:, r.j].zero_()
         recv = torch.empty_like(send)
@@ -245,11 +261,15 @@ class QuantizedGradReducer:
         if own is not None:  # the other rows dequantized plus my own exact row, then / n
             me = self.rails.j if self.rails.k == 1 else self.rails.a
             part = _reduce_rows(recv, me, hi - lo, bits, self.cfg.block_size, own, self.cfg.grad_code) * scale
+            if self.cfg.grad_hadamard:
+                part = ops.hadamard(part, inverse=True)
             out[lo:min(hi, S)].add_(part[:min(hi, S) - lo])
         elif hi <= S:
-            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, out[lo:hi], self.cfg.grad_code)
+            ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, out[lo:hi], self.cfg.grad_code,
+                               self.cfg.grad_hadamard)
         else:  # the chunk reaches into the padding: only the real part is accumulated
-            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, code=self.cfg.grad_code)
+            part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, code=self.cfg.grad_code,
+                                      hadamard=self.cfg.grad_hadamard)
             out[lo:S].add_(part[:S - lo])
 
 
