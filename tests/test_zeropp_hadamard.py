@@ -108,6 +108,8 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
     return b.expand(*b.shape[:-1], BLOCK).reshape(x.shape)
 
 
+# the linear code unless a case names the square one (the default is square: the cases
+# compare the transform against the code it was built to help)
 CASES = {
     "plain": dict(),
     "had": dict(grad_hadamard=True),
@@ -127,7 +129,8 @@ def _qgz_worker(topo):
     rails = rails_of(topo)
     out = {}
     for name, kw in CASES.items():
-        cfg = ZeroConfig(quantized_gradients=True, block_size=BLOCK, grad_chunk=CHUNK, **kw)
+        cfg = ZeroConfig(quantized_gradients=True, block_size=BLOCK, grad_chunk=CHUNK,
+                         **{"grad_code": "linear", **kw})
         red = QuantizedGradReducer(topo, cfg)
         calls = EF_CALLS if cfg.error_feedback else 1
         err2 = norm2 = 0.0
