@@ -191,7 +191,10 @@ def _scenarios(topo, scenarios):
 
 
 def test_fp8_gathers_train_bit_identically_under_tp2_pp2_dp2_hpz_qgz():
-    steps, zpp = 6, dict(Z3, hpz_partition_size=2, quantized_gradients=True, grad_chunk=128)
+    # the linear int4 code: the 0.5% closeness bound below was set for it (the square
+    # default's closeness to ZeRO-3 is tests/test_zeropp_training.py's)
+    steps, zpp = 6, dict(Z3, hpz_partition_size=2, quantized_gradients=True, grad_chunk=128,
+                         grad_code="linear")
     res = run_on_ranks(_scenarios, 8, tp=2, pp=2, ranks_per_node=4, hpz_size=2, args=({
         "fp8": (Z3, steps),
         "fp8g": (dict(Z3, fp8_weights=True), steps, None, 2, True),  # + activation recompute
