@@ -68,6 +68,9 @@ class ZeroConfig:
     use_apex: bool | None = None  # None: apex FusedAdam when importable
     # torch's fused AdamW (when apex is not used); None: on CUDA only (CPU: foreach)
     fused_adamw: bool | None = None
+    # megaq's one-pass AdamW (megaq.kernels.fused_adamw): the update and the write of the
+    # gather-dtype weights in one kernel; None: on CUDA unless use_apex=True
+    fused_step: bool | None = None
     # ---- ZeRO++ (megaq.zero.zeropp; DeepSpeed's switch names, docs/ZEROPP.md) ----
     quantized_weights: bool = False     # qwZ: blockwise-quantized forward all-gather
     weight_bits: int = 8                # qwZ: bits per weight (8 or 4)

@@ -13,12 +13,15 @@ fp32 accumulator that megaq.zero.grads.GradState owns (read, never written, here
 update runs on *leaf tensors that view* these buffers, one per (partition, decay
 group): at most two per partition because partitions are laid out decay-first; the
 inner torch optimizer's per-parameter state is pointed at views of the same named
-buffers, so it updates them in place. The AdamW inner optimizer is apex FusedAdam
-(adam_w_mode) when importable on CUDA, else torch.optim.AdamW with ``fused=True`` on
-CUDA (``ZeroConfig.fused_adamw`` to choose) and ``foreach=True`` elsewhere; the fused
-one also applies the clip factor (``scale_grads``). SGD is torch.optim.SGD
-(foreach). After the update the new weights are written back into the gather-dtype
-shards.
+buffers, so it updates them in place. AdamW on CUDA runs megaq's one-pass step
+(megaq.kernels.fused_adamw; ``ZeroConfig.fused_step``): per leaf one kernel reads the
+fp32 grad, master and moments, applies the clip factor, and writes the master, the
+moments and the gather-dtype weights (the bf16 model copy) in the same pass. Otherwise
+the inner optimizer is apex FusedAdam (adam_w_mode; ``use_apex``), or torch.optim.AdamW
+with ``fused=True`` on CUDA (``ZeroConfig.fused_adamw``) and ``foreach=True``
+elsewhere; torch's fused one also applies the clip factor (``scale_grads``). SGD is
+torch.optim.SGD (foreach). After an inner optimizer's update the new weights are
+written back into the gather-dtype shards as a separate pass.
 
 Global grad norm: each rank sums the squares of the gradient elements it *owns*
 (its DP shard of sharded partitions; replicated partitions on DP rank 0 only;
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from megaq.kernels import fused_adamw
 from megaq.parallel import comm
 from megaq.zero.config import ZeroConfig
 from megaq.zero.grads import GradState
@@ -160,20 +164,27 @@ class ShardedOptimizer:
         if self.kind == "fused":
             self._grad_scale = (1.0 / coef).to(torch.float32)
             return
+        if self.kind == "onepass":  # megaq's kernel multiplies by it
+            self._grad_scale = coef.to(torch.float32)
+            return
         self.grads.scale(coef)
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float) -> None:
         self.step_count += 1
-        if self.inner is None:
+        if not self._leaves:
             return
         self.grads.read()  # settled: the leaves' .grad view these accumulators
+        self._update(lr)
+        self._grad_scale = None
+
+    def _update(self, lr: float) -> None:
+        """The inner optimizer's step on the leaves, then the gather-dtype write-back."""
         for g in self.inner.param_groups:
             g["lr"] = lr
         if self.kind == "fused":
             self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it
         self.inner.step()
-        self._grad_scale = None
         for st in self.states:
             st.write_back()
 
@@ -195,6 +206,10 @@ class ShardedAdamW(ShardedOptimizer):
     def _build_inner(self, param_groups, device):
         cfg = self.cfg
         on_cuda = device.type == "cuda"
+        if cfg.fused_step or (cfg.fused_step is None and on_cuda and not cfg.use_apex):
+            self.kind = "onepass"  # no inner optimizer: _update runs megaq's kernel
+            self._leaf_decay = {id(p): g["weight_decay"] for g in param_groups for p in g["params"]}
+            return None
         fused_adam = _apex_fused_adam() if (cfg.use_apex is not False and on_cuda) else None
         if cfg.use_apex and fused_adam is None:
             raise RuntimeError("use_apex=True but apex.optimizers.FusedAdam is not importable on "
@@ -206,6 +221,18 @@ class ShardedAdamW(ShardedOptimizer):
                               adam_w_mode=True)
         return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                  fused=fused or None, foreach=None if fused else True)
+
+    def _update(self, lr: float) -> None:
+        if self.kind != "onepass":
+            return super()._update(lr)
+        cfg = self.cfg
+        scalars = {wd: fused_adamw.step_scalars(lr, wd, cfg.betas, cfg.eps, self.step_count)
+                   for wd in set(self._leaf_decay.values())}
+        for leaf, st, a, b in self._leaves:
+            out = None if st.master is st.part.shard else st.part.shard[a:b]
+            fused_adamw.adamw_step(leaf.data, leaf.grad, st.state["exp_avg"][a:b],
+                                   st.state["exp_avg_sq"][a:b], out, self._grad_scale,
+                                   scalars[self._leaf_decay[id(leaf)]])
 
     def _install_step(self, state, leaf, step):
         if self.kind == "apex":  # apex keeps one step per param group

@@ -1,0 +1,86 @@
+"""AdamW step fused with the write of the model's low-precision weights.
+
+A mixed-precision optimizer step reads the fp32 gradient, master weight and the two
+moments, writes the three back, then (as a separate pass) rounds the new master into
+the model's bf16 weights. :func:`adamw_step` does both in one pass over flat buffers:
+28 + 2 bytes per element instead of 28 + 4 + 2, and no second launch per buffer.
+
+The update is decoupled AdamW (torch.optim.AdamW's arithmetic, in fp32):
+
+    g  = grad * coef                          (coef: the clip factor, optional)
+    p  = p - lr * weight_decay * p
+    m  = beta1 * m + (1 - beta1) * g
+    v  = beta2 * v + (1 - beta2) * g * g
+    p  = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    out = p rounded to out's dtype (round to nearest even)
+
+The scalar factors are computed once in double precision on the host and rounded to
+fp32 (:func:`step_scalars`); the element-wise arithmetic is fp32 with correctly rounded
+division and square root, no fused multiply-adds, so the Triton kernel and
+:func:`adamw_step_reference` give the same bits (tests/test_fused_adamw.py). Against
+torch's own fused AdamW the order of a few roundings differs (it uses lerp for m and
+multiplies by the bias corrections in another order): about one fp32 ulp per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .fused_common import use_triton
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def step_scalars(lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
+                 step: int) -> tuple[float, ...]:
+    """The kernel's scalar arguments for optimizer step `step` (1-based), each an fp32
+    value: (lr * wd, beta1, 1 - beta1, beta2, 1 - beta2, lr / bc1, sqrt(bc2), eps)."""
+    if step < 1:
+        raise ValueError(f"AdamW step {step}: steps count from 1")
+    beta1, beta2 = betas
+    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    return tuple(_f32(x) for x in (lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
+                                   lr / bc1, math.sqrt(bc2), eps))
+
+
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, out, coef, scalars) -> None:
+    """The torch definition of the fused step (in place on flat fp32 buffers)."""
+    decay, beta1, omb1, beta2, omb2, step_size, bc2_sqrt, eps = scalars
+    g = grad * coef if coef is not None else grad
+    p = param - decay * param
+    m = beta1 * exp_avg + omb1 * g
+    v = beta2 * exp_avg_sq + omb2 * g * g
+    # torch's CPU fp32 sqrt is not always correctly rounded; via float64 it is (as the
+    # kernel's sqrt_rn and numpy's, which the Triton interpreter uses)
+    denom = v.double().sqrt().float() / bc2_sqrt + eps
+    p = p - (step_size * m) / denom
+    param.copy_(p)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if out is not None:
+        out.copy_(p)
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, out: torch.Tensor | None, coef: torch.Tensor | None,
+               scalars: tuple[float, ...]) -> None:
+    """One AdamW step on flat, contiguous fp32 buffers of equal length, in place; `out`
+    (any float dtype, same length) receives the new weights; `coef` (0-d fp32 tensor)
+    multiplies the gradient first. Triton on CUDA, the reference elsewhere."""
+    bufs = (param, grad, exp_avg, exp_avg_sq)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape
+           or t.dim() != 1 for t in bufs):
+        raise ValueError("adamw_step wants flat contiguous fp32 param, grad and moments "
+                         "of one length")
+    if out is not None and (out.shape != param.shape or not out.is_contiguous()):
+        raise ValueError("adamw_step's out must be flat, contiguous and as long as param")
+    if use_triton(param):
+        from . import fused_adamw_triton as k
+
+        k.adamw_step(param, grad, exp_avg, exp_avg_sq, out, coef, scalars)
+    else:
+        adamw_step_reference(param, grad, exp_avg, exp_avg_sq, out, coef, scalars)
