@@ -71,6 +71,21 @@ def test_emulated_gemm_is_the_fp32_product_of_the_cast_operands():
     assert 1e-3 < _rel(y, a @ b) < 0.1  # FP8 is really in effect, and close
 
 
+def test_gemm_operands_get_the_layouts_scaled_mm_reads(monkeypatch):
+    """torch._scaled_mm reads A row-major and B column-major: the weight-gradient GEMM's
+    dY^T and X and the input-gradient GEMM's W are row-major FP8 tensors, copied into
+    those layouts by megaq's transpose kernel (the interpreter here) with every value
+    kept; an operand already laid out (the forward's W^T) is passed as it is."""
+    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
+    dyq, _ = quantize(_randn(3, 48, 32), fp8.E5M2, None, False)
+    xq, _ = quantize(_randn(4, 48, 16), fp8.E4M3, None, False)
+    a, b = fp8._row_major(dyq.t()), fp8._col_major(xq)
+    assert a.is_contiguous() and b.t().is_contiguous()
+    assert torch.equal(a.float(), dyq.t().float()) and torch.equal(b.float(), xq.float())
+    assert fp8._row_major(dyq) is dyq
+    assert fp8._col_major(xq.t()).data_ptr() == xq.data_ptr()
+
+
 def test_bad_fp8_settings_are_refused():
     with pytest.raises(ValueError, match="--fp8-format"):
         GPTConfig(fp8_format="e5m2")
@@ -172,14 +187,15 @@ def _train(topo, argv):
     return pretrain.main(argv, topo=topo).losses
 
 
-def _fp8_argv(tmp_path, extra):
+def _fp8_argv(tmp_path, extra, fmt="e4m3", recipe="rowwise", iters=3):
+    """pretrain_gpt.py's arguments for a tiny Llama with FP8 GEMMs."""
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--train-iters", "3", "--lr", "5e-3", "--lr-warmup-iters", "1",
+            "--train-iters", str(iters), "--lr", "5e-3", "--lr-warmup-iters", "1",
             "--mock-data", "--vocab-size", "96", "--log-interval", "1", "--eval-iters", "0",
             "--attention-dropout", "0", "--hidden-dropout", "0", "--swiglu",
             "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--disable-bias-linear", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise",
+            "--disable-bias-linear", "--fp8-format", fmt, "--fp8-recipe", recipe,
             "--data-cache-path", str(tmp_path / "cache"), *extra]
 
 
@@ -402,15 +418,9 @@ def test_fp8_delayed_training_resumes_exactly_from_a_checkpoint(tmp_path):
     losses bit for bit (PP=2 gloo ranks, torch_dist, fp32 masters). Without the
     histories, iteration 3 would cast with current scales and its loss would differ."""
     def argv(extra):
-        return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-                "--train-iters", "4", "--lr", "5e-3", "--lr-warmup-iters", "1",
-                "--mock-data", "--vocab-size", "96", "--log-interval", "1", "--eval-iters", "0",
-                "--attention-dropout", "0", "--hidden-dropout", "0", "--swiglu",
-                "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-                "--disable-bias-linear", "--pipeline-model-parallel-size", "2",
-                "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
-                "--data-cache-path", str(tmp_path / "cache"), *extra]
+        return _fp8_argv(tmp_path, ["--pipeline-model-parallel-size", "2",
+                                    "--fp8-amax-history-len", "4", *extra],
+                         "hybrid", "delayed", iters=4)
     ck = str(tmp_path / "ck")
     full = run_on_ranks(_train, 2, pp=2, args=(argv(["--save", ck, "--save-interval", "2"]),))[1]
     with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:

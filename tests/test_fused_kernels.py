@@ -16,6 +16,7 @@ from megaq.kernels import fused_cross_entropy as fce
 from megaq.kernels import fused_rmsnorm as frn
 from megaq.kernels import fused_rope as frp
 from megaq.kernels import fused_swiglu as fsw
+from megaq.kernels import transpose as ktr
 
 
 @pytest.fixture(autouse=True)
@@ -131,6 +132,28 @@ def test_cross_entropy_large_vocab_streams_chunks(monkeypatch):
                                   lambda t: fce.cross_entropy_reference(t, labels, 67), [logits])
     assert rel(lf, lr) < 1e-5 and rel(gf[0][:, :67], gr[0][:, :67]) < 1e-5
     assert torch.all(gf[0][:, 67:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8])
+@pytest.mark.parametrize("shape", [(300, 130), (128, 256), (1, 17)])
+def test_fp8_transpose_copies_every_byte(dtype, shape):
+    """The FP8 operands' transposed copy (partial tiles at both edges, a single row):
+    a byte move, so equal bit for bit to x.t().contiguous(), and contiguous."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(dtype)
+    y = ktr.transpose(x)
+    assert y.dtype == dtype and y.is_contiguous() and y.shape == shape[::-1]
+    assert torch.equal(y.view(torch.uint8), ktr.transpose_reference(x).view(torch.uint8))
+
+
+def test_fp8_transpose_is_one_op_in_a_compiled_graph():
+    """Traced by torch.compile without a graph break, with the right output shape."""
+    fn = torch.compile(lambda a: ktr.transpose(a.to(torch.float8_e5m2)).float() * 2,
+                       backend="aot_eager", fullgraph=True)
+    a = torch.randn(64, 48)
+    assert torch.equal(fn(a), a.to(torch.float8_e5m2).float().t() * 2)
+    with pytest.raises(ValueError, match="1-byte elements"):
+        ktr.transpose(a)
 
 
 def test_bad_inputs_are_refused():

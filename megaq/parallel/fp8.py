@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megaq.kernels.transpose import transpose
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
 
@@ -200,8 +201,22 @@ def log_scale(role: str, inv: torch.Tensor) -> None:
         _SCALE_LOG.append((role, inv.detach().clone()))
 
 
+def _row_major(a: torch.Tensor) -> torch.Tensor:
+    """`a` as _scaled_mm's first operand (row-major). A transposed view (dY^T in the
+    weight-gradient GEMM) is copied by megaq.kernels.transpose: an op that inductor does
+    not fuse into the reduction kernel producing dY, where its transposed store is slow
+    (that module's docstring)."""
+    if a.is_contiguous():
+        return a
+    return transpose(a.t()) if a.t().is_contiguous() else a.contiguous()
+
+
 def _col_major(b: torch.Tensor) -> torch.Tensor:
-    return b if b.t().is_contiguous() else b.t().contiguous().t()
+    """`b` as _scaled_mm's second operand (column-major): X in the weight-gradient GEMM,
+    W in the input-gradient GEMM are row-major and copied as in :func:`_row_major`."""
+    if b.t().is_contiguous():
+        return b
+    return transpose(b).t() if b.is_contiguous() else b.t().contiguous().t()
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
@@ -212,7 +227,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
     rowwise = a_inv.dim() > 0
     if not fp8_gemm_available(a.device) or a.shape[1] % 16 or b.shape[1] % 16:
         return ((a.float() @ b.float()) * a_inv * b_inv).to(out_dtype)
-    a, b = a.contiguous(), _col_major(b)
+    a, b = _row_major(a), _col_major(b)
     # cuBLASLt wants 16-byte aligned operands: ZeRO's FP8 gathers lay their weights out
     # aligned (megaq.zero.partition); no check here, it would break a compiled graph
     mm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only

@@ -1,0 +1,46 @@
+"""Transposed copy of an FP8 GEMM operand, as one op that torch.compile does not fuse.
+
+torch._scaled_mm on Hopper reads both FP8 operands K-major (A row-major, B column-major),
+so the weight-gradient GEMM dW = dY^T X needs dY and X with the token dimension
+contiguous: transposed copies of the FP8 tensors the other GEMMs read. Left to
+inductor, the copy of dY is fused into the kernel that produces dY (the SwiGLU, RoPE
+or norm backward with the cast and its amax reduction): that kernel iterates rows for
+the reduction, so the transposed store writes one byte per row, 16 KiB apart, and the
+fused kernel ran about 2.5x slower than its bytes need (docs/PERFORMANCE.md, FP8).
+:func:`transpose` is a custom op instead (inductor calls it, never fuses into it): the
+producer writes dY once, row-major, and this kernel copies it in 128 x 128 tiles, whole
+lines read and written. `transpose_reference` (``x.t().contiguous()``) is the torch
+definition; both move bytes, so they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fused_common import use_triton
+
+
+def transpose_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous()
+
+
+@torch.library.custom_op("megaq::transpose_1byte", mutates_args=())
+def _transpose_op(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from . import transpose_triton as k
+
+        return k.transpose(x)
+    return transpose_reference(x)
+
+
+@_transpose_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[1], x.shape[0]))
+
+
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """x [M, N] (contiguous, 1-byte elements: FP8) -> a contiguous [N, M] copy of x.t()."""
+    if x.dim() != 2 or x.element_size() != 1 or not x.is_contiguous():
+        raise ValueError(f"transpose wants a contiguous 2-D tensor of 1-byte elements, got "
+                         f"{x.dtype} of shape {tuple(x.shape)} and strides {x.stride()}")
+    return _transpose_op(x)
