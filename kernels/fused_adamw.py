@@ -11,15 +11,18 @@ The update is decoupled AdamW (torch.optim.AdamW's arithmetic, in fp32):
     p  = p - lr * weight_decay * p
     m  = beta1 * m + (1 - beta1) * g
     v  = beta2 * v + (1 - beta2) * g * g
-    p  = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    p  = p - (lr / (1 - beta1^t)) * m / (sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps)
     out = p rounded to out's dtype (round to nearest even)
 
 The scalar factors are computed once in double precision on the host and rounded to
 fp32 (:func:`step_scalars`); the element-wise arithmetic is fp32 with correctly rounded
-division and square root, no fused multiply-adds, so the Triton kernel and
-:func:`adamw_step_reference` give the same bits (tests/test_fused_adamw.py). Against
-torch's own fused AdamW the order of a few roundings differs (it uses lerp for m and
-multiplies by the bias corrections in another order): about one fp32 ulp per step.
+division and square root, no fused multiply-adds, and no division by a scalar (torch
+on CUDA turns ``tensor / scalar`` into a multiply by the reciprocal, so the reference
+multiplies by a host-computed reciprocal itself): the Triton kernel and
+:func:`adamw_step_reference` give the same bits on the CPU (tests/test_fused_adamw.py)
+and on CUDA (bench_train --check). Against torch's own AdamW the order of a few
+roundings differs (lerp for m, a division by sqrt(1 - beta2^t)): about one fp32 ulp
+per step.
 """
 
 from __future__ import annotations
@@ -38,25 +41,25 @@ def _f32(x: float) -> float:
 def step_scalars(lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
                  step: int) -> tuple[float, ...]:
     """The kernel's scalar arguments for optimizer step `step` (1-based), each an fp32
-    value: (lr * wd, beta1, 1 - beta1, beta2, 1 - beta2, lr / bc1, sqrt(bc2), eps)."""
+    value: (lr * wd, beta1, 1 - beta1, beta2, 1 - beta2, lr / bc1, 1 / sqrt(bc2), eps)."""
     if step < 1:
         raise ValueError(f"AdamW step {step}: steps count from 1")
     beta1, beta2 = betas
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     return tuple(_f32(x) for x in (lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
-                                   lr / bc1, math.sqrt(bc2), eps))
+                                   lr / bc1, 1.0 / math.sqrt(bc2), eps))
 
 
 def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, out, coef, scalars) -> None:
     """The torch definition of the fused step (in place on flat fp32 buffers)."""
-    decay, beta1, omb1, beta2, omb2, step_size, bc2_sqrt, eps = scalars
+    decay, beta1, omb1, beta2, omb2, step_size, inv_bc2_sqrt, eps = scalars
     g = grad * coef if coef is not None else grad
     p = param - decay * param
     m = beta1 * exp_avg + omb1 * g
     v = beta2 * exp_avg_sq + omb2 * g * g
     # torch's CPU fp32 sqrt is not always correctly rounded; via float64 it is (as the
     # kernel's sqrt_rn and numpy's, which the Triton interpreter uses)
-    denom = v.double().sqrt().float() / bc2_sqrt + eps
+    denom = v.double().sqrt().float() * inv_bc2_sqrt + eps
     p = p - (step_size * m) / denom
     param.copy_(p)
     exp_avg.copy_(m)

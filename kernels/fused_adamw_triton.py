@@ -9,7 +9,7 @@ import triton.language as tl
 
 @triton.jit
 def _adamw_step(P, G, M, V, OUT, COEF, n, decay, beta1, one_minus_beta1, beta2,
-                one_minus_beta2, step_size, bc2_sqrt, eps,
+                one_minus_beta2, step_size, inv_bc2_sqrt, eps,
                 HAS_COEF: tl.constexpr, WRITE_OUT: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -22,7 +22,7 @@ def _adamw_step(P, G, M, V, OUT, COEF, n, decay, beta1, one_minus_beta1, beta2,
     p = p - decay * p
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
     p = p - tl.div_rn(step_size * m, denom)
     tl.store(P + offs, p, mask=mask)
     tl.store(M + offs, m, mask=mask)

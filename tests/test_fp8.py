@@ -29,7 +29,7 @@ from megaq.model import GPTConfig, GPTModel
 from megaq.parallel import fp8, fp8_delayed
 from megaq.parallel.fp8 import FP8Recipe, capture_scales, quantize
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megaq.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, single_rank_group
 
 RECIPES = [("hybrid", "tensorwise"), ("e4m3", "tensorwise"), ("hybrid", "rowwise")]
 
@@ -74,16 +74,50 @@ def test_emulated_gemm_is_the_fp32_product_of_the_cast_operands():
 def test_gemm_operands_get_the_layouts_scaled_mm_reads(monkeypatch):
     """torch._scaled_mm reads A row-major and B column-major: the weight-gradient GEMM's
     dY^T and X and the input-gradient GEMM's W are row-major FP8 tensors, copied into
-    those layouts by megaq's transpose kernel (the interpreter here) with every value
-    kept; an operand already laid out (the forward's W^T) is passed as it is."""
+    those layouts by megaq's transpose kernel (the interpreter here) or, for a dY^T
+    left to inductor, by .contiguous(), with every value kept; an operand already laid
+    out (the forward's W^T) is passed as it is."""
     monkeypatch.setenv("MEGAQ_KERNELS", "triton")
     dyq, _ = quantize(_randn(3, 48, 32), fp8.E5M2, None, False)
     xq, _ = quantize(_randn(4, 48, 16), fp8.E4M3, None, False)
-    a, b = fp8._row_major(dyq.t()), fp8._col_major(xq)
-    assert a.is_contiguous() and b.t().is_contiguous()
-    assert torch.equal(a.float(), dyq.t().float()) and torch.equal(b.float(), xq.float())
-    assert fp8._row_major(dyq) is dyq
+    b = fp8._col_major(xq)
+    assert b.t().is_contiguous() and torch.equal(b.float(), xq.float())
+    for fused in (False, True):
+        a = fp8._row_major(dyq.t(), fused)
+        assert a.is_contiguous() and torch.equal(a.float(), dyq.t().float())
+    assert fp8._row_major(dyq, False) is dyq
     assert fp8._col_major(xq.t()).data_ptr() == xq.data_ptr()
+
+
+@pytest.mark.parametrize("parallel", ["column", "row"])
+@pytest.mark.parametrize("recipe,tol", [(("hybrid", "tensorwise"), 1e-6), (("e4m3", "rowwise"), 5e-3)])
+def test_scaled_mm_path_with_transposed_operands_matches_the_emulation(monkeypatch, parallel,
+                                                                        recipe, tol):
+    """The torch._scaled_mm path itself (forced here: torch's CPU build has the op too),
+    with the backward's operands copied by megaq's transpose op (both dW operands in a
+    row-parallel layer, x only in a column-parallel one), eager and compiled (fullgraph:
+    the op traces without a graph break): y, dX and dW equal the emulation's.
+    Tolerances: tensorwise writes fp32 here, so only the accumulation order differs
+    (~1e-7); rowwise multiplies in bf16 (the GPU kernels' output), half a bf16 ulp ~2e-3."""
+    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
+    rec = FP8Recipe(*recipe)
+    x, w, dy = _randn(5, 64, 32), 0.1 * _randn(6, 48, 32), _randn(7, 64, 48)
+    group = single_rank_group()
+
+    def run(scaled_mm_path, compiled=False):
+        monkeypatch.setattr(fp8, "fp8_gemm_available", lambda device: scaled_mm_path)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn = lambda a, b: fp8.linear(a, b, None, rec, group, parallel)  # noqa: E731
+        if compiled:
+            fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        y = fn(xx, ww)
+        y.backward(dy)
+        return y.detach(), xx.grad, ww.grad
+
+    emulated = run(False)
+    for got in (run(True), run(True, compiled=True)):
+        for a, b in zip(got, emulated):
+            assert _rel(a, b) < tol
 
 
 def test_bad_fp8_settings_are_refused():
