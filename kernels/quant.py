@@ -45,7 +45,6 @@ from .format import (
     SQUARE_SCALE_FLOOR,
     HADAMARD_SIGNS,
     HADAMARD_SIZE,
-    SQUARE_THRESHOLDS,
     TINY,
     check_code,
     check_hadamard,
@@ -113,34 +112,31 @@ def _quantize_tile(x, QMAX: tl.constexpr, TINY: tl.constexpr):
 
 
 # The square-law int4 code (reference._square_q): c = the number of thresholds T_t =
-# t^2 + t + 1/2 (t = 0..6) that the exact product y = |x| * inv reaches. Counting against
-# the rounded fp32 product rn(y) can only over-count: rounding is monotonic and every T_t
-# is an fp32 number, so T_t <= y implies T_t <= rn(y), and T_t <= rn(y) with y < T_t
-# forces rn(y) == T_t (else T_t would lie strictly between y and rn(y), nearer to y).
-# That case is the largest threshold counted, T_(c-1) = c^2 - c + 1/2, and one fma settles
-# it: fma(|x|, inv, -T) is the exact y - T rounded once, whose sign is the exact sign
-# (the difference is a multiple of 2^-48 or more near T, far from underflow).
-_T0 = tl.constexpr(SQUARE_THRESHOLDS[0])
-_T1 = tl.constexpr(SQUARE_THRESHOLDS[1])
-_T2 = tl.constexpr(SQUARE_THRESHOLDS[2])
-_T3 = tl.constexpr(SQUARE_THRESHOLDS[3])
-_T4 = tl.constexpr(SQUARE_THRESHOLDS[4])
-_T5 = tl.constexpr(SQUARE_THRESHOLDS[5])
-_T6 = tl.constexpr(SQUARE_THRESHOLDS[6])
+# t^2 + t + 1/2 (t = 0..6) that the exact product y = |x| * inv reaches, i.e. the c with
+# T_(c-1) <= y < T_c (T_-1 = -inf, T_7 = +inf). As T_t = (t + 1/2)^2 + 1/4, sqrt(T_(c-1))
+# exceeds c - 1/2 by more than 1/(8c) >= 1/56 and sqrt(T_c) exceeds c + 1/2 by less than
+# 1/4, so e = min(round(sqrt(rn(y))), 7) is c or c + 1 (a tie at c + 1/2 may round either
+# way): rn(y) >= T_(c-1) still (rounding is monotonic, T is an fp32 number), and the
+# square root's error (~2^-22 relative, against margins >= 1/56 and 1/4) cannot cross
+# either bound. One exact compare settles it: c = e - 1 where y < T_(e-1). fma(|x|, inv,
+# -T) is the exact y - T rounded once, whose sign is the exact sign (the difference is a
+# multiple of 2^-48 or more near T, far from underflow). e = 0 means y < 0.5: the clamp
+# at 0 keeps c = 0. One square root (MUFU) and a dozen full-rate operations per element
+# instead of 7 compares, 7 conversions and a fix-up; the result does not depend on the
+# root's accuracy. The rounding to an integer and the result use _ROUND_MAGIC as
+# _round_bits does.
 
 
 @triton.jit
 def _square_q(x, inv):
-    """The square code's q = sign(x) c as int32 (low nibble = the two's-complement
-    nibble), bit for bit reference._square_q (the argument above)."""
+    """The square code's q = sign(x) c, as _round_bits gives q (int32 0x4B400000 + q:
+    the low nibble is q's two's-complement nibble), bit for bit reference._square_q (the
+    argument above)."""
     a = tl.abs(x)
-    y = a * inv
-    c = ((y >= _T0).to(tl.int32) + (y >= _T1).to(tl.int32) + (y >= _T2).to(tl.int32)
-         + (y >= _T3).to(tl.int32) + (y >= _T4).to(tl.int32) + (y >= _T5).to(tl.int32)
-         + (y >= _T6).to(tl.int32))
-    top = (c * c - c).to(tl.float32) + 0.5  # T_(c-1); c = 0 gives 0.5 > y: no effect
-    c = c - ((y == top) & (tl.fma(a, inv, -top) < 0.0)).to(tl.int32)
-    return tl.where(x < 0, -c, c)
+    e = tl.minimum((tl.sqrt(a * inv) + _ROUND_MAGIC) - _ROUND_MAGIC, 7.0)
+    lo = tl.fma(e, e - 1.0, 0.5)  # T_(e-1), exact
+    c = tl.maximum(tl.where(tl.fma(a, inv, -lo) < 0.0, e - 1.0, e), 0.0)
+    return (tl.where(x < 0, -c, c) + _ROUND_MAGIC).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -672,7 +668,7 @@ def _quantize_kernel(
                   NB, BITS, BLOCK, BLOCK_P2)
     if HAS_RES:
         if SQUARE and BITS == 4:
-            qf = q.to(tl.float32)
+            qf = (q - _MAGIC_BITS).to(tl.float32)
             deq = (qf * tl.abs(qf)) * scale[:, None]
         else:
             deq = (q - _MAGIC_BITS).to(tl.float32) * scale[:, None]
