@@ -36,6 +36,10 @@ HOP_FLUSH = 2.0 ** -100
 HOP_FLOOR = 2.0 ** -42
 DEFAULT_BLOCK = 4096
 SCALE_BYTES = 4
+# The functions every kernel backend (kernels/quant.py, kernels/reference.py) provides
+# with the same signatures, and kernels/ops.py dispatches to.
+KERNEL_API = ("packed_len", "quantize", "dequantize", "reorder_quantize", "dequant_reduce_quantize",
+              "dequant_reduce", "hadamard")
 
 # How an int4 nibble q (-7..7) maps to a value, given its block's scale s (int8 is always
 # linear). "linear": q * s, s = absmax / 7 (rounded up to SCALE_BITS bits). "square":

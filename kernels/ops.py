@@ -10,19 +10,11 @@ import os
 import torch
 
 from . import reference
-from .format import DEFAULT_BLOCK, packed_len
+from .format import DEFAULT_BLOCK, KERNEL_API
+from .format import packed_len as _packed_len
 
-__all__ = [
-    "DEFAULT_BLOCK",
-    "packed_len",
-    "quantize",
-    "dequantize",
-    "reorder_quantize",
-    "dequant_reduce_quantize",
-    "dequant_reduce",
-    "hadamard",
-    "backend_for",
-]
+__all__ = ["DEFAULT_BLOCK", *KERNEL_API, "backend_for"]
+packed_len = _packed_len  # part of every backend's API (format.KERNEL_API)
 
 
 def backend_for(t: torch.Tensor):

@@ -1,6 +1,6 @@
 """Triton kernels for the packed blockwise format (kernels/format.py).
 
-Same signatures and bit-identical results as kernels/reference.py. Four kernels do all
+Same signatures and bit-identical results as kernels/reference.py. These kernels do all
 the work, one Triton program per NB consecutive quantization blocks:
 
 - _quantize_kernel: quantize one block of a (possibly reordered) fp32/bf16/fp16 input,
@@ -10,10 +10,9 @@ the work, one Triton program per NB consecutive quantization blocks:
   accumulate / cast into a float output (plain dequantize, final reduce). Any block
   size and alignment.
 - _int4_hop_kernel: the hop for int4 input and int4 output, reading the payload as
-  32-bit words (block a multiple of 8, 4-byte aligned buffers): one LOP3 and one FFMA
-  per input element (docs/KERNELS.md, "The qgZ hop").
-- _int4_square_hop_kernel: the hop in the square-law int4 code (dequantize, sum,
-  requantize), in 32-bit words likewise.
+  32-bit words (block a multiple of 8, 4-byte aligned buffers): in the linear code one
+  LOP3 and one FFMA per input element (docs/KERNELS.md, "The qgZ hop"); in the
+  square-law code dequantize, sum, requantize.
 - _int4_words_kernel: int4 input, float output, in 32-bit words likewise.
 
 Every launch passes enable_fp_fusion=False, so a multiply and an add are fused only
@@ -45,7 +44,7 @@ from .format import (
     SQUARE_SCALE_FLOOR,
     HADAMARD_SIGNS,
     HADAMARD_SIZE,
-    SQUARE_THRESHOLDS,
+    KERNEL_API,
     TINY,
     check_code,
     check_hadamard,
@@ -59,15 +58,7 @@ from .format import (
 )
 from .launch import CachedLauncher
 
-__all__ = [
-    "packed_len",
-    "quantize",
-    "dequantize",
-    "reorder_quantize",
-    "dequant_reduce_quantize",
-    "dequant_reduce",
-    "hadamard",
-]
+__all__ = list(KERNEL_API)
 
 
 # Every tile below is [NB, BLOCK_P2]: NB consecutive quantization blocks handled by one
@@ -113,34 +104,31 @@ def _quantize_tile(x, QMAX: tl.constexpr, TINY: tl.constexpr):
 
 
 # The square-law int4 code (reference._square_q): c = the number of thresholds T_t =
-# t^2 + t + 1/2 (t = 0..6) that the exact product y = |x| * inv reaches. Counting against
-# the rounded fp32 product rn(y) can only over-count: rounding is monotonic and every T_t
-# is an fp32 number, so T_t <= y implies T_t <= rn(y), and T_t <= rn(y) with y < T_t
-# forces rn(y) == T_t (else T_t would lie strictly between y and rn(y), nearer to y).
-# That case is the largest threshold counted, T_(c-1) = c^2 - c + 1/2, and one fma settles
-# it: fma(|x|, inv, -T) is the exact y - T rounded once, whose sign is the exact sign
-# (the difference is a multiple of 2^-48 or more near T, far from underflow).
-_T0 = tl.constexpr(SQUARE_THRESHOLDS[0])
-_T1 = tl.constexpr(SQUARE_THRESHOLDS[1])
-_T2 = tl.constexpr(SQUARE_THRESHOLDS[2])
-_T3 = tl.constexpr(SQUARE_THRESHOLDS[3])
-_T4 = tl.constexpr(SQUARE_THRESHOLDS[4])
-_T5 = tl.constexpr(SQUARE_THRESHOLDS[5])
-_T6 = tl.constexpr(SQUARE_THRESHOLDS[6])
+# t^2 + t + 1/2 (t = 0..6) that the exact product y = |x| * inv reaches, i.e. the c with
+# T_(c-1) <= y < T_c (T_-1 = -inf, T_7 = +inf). As T_t = (t + 1/2)^2 + 1/4, sqrt(T_(c-1))
+# exceeds c - 1/2 by more than 1/(8c) >= 1/56 and sqrt(T_c) exceeds c + 1/2 by less than
+# 1/4, so e = min(round(sqrt(rn(y))), 7) is c or c + 1 (a tie at c + 1/2 may round either
+# way): rn(y) >= T_(c-1) still (rounding is monotonic, T is an fp32 number), and the
+# square root's error (~2^-22 relative, against margins >= 1/56 and 1/4) cannot cross
+# either bound. One exact compare settles it: c = e - 1 where y < T_(e-1). fma(|x|, inv,
+# -T) is the exact y - T rounded once, whose sign is the exact sign (the difference is a
+# multiple of 2^-48 or more near T, far from underflow). e = 0 means y < 0.5: the clamp
+# at 0 keeps c = 0. One square root (MUFU) and a dozen full-rate operations per element
+# instead of 7 compares, 7 conversions and a fix-up; the result does not depend on the
+# root's accuracy. The rounding to an integer and the result use _ROUND_MAGIC as
+# _round_bits does.
 
 
 @triton.jit
 def _square_q(x, inv):
-    """The square code's q = sign(x) c as int32 (low nibble = the two's-complement
-    nibble), bit for bit reference._square_q (the argument above)."""
+    """The square code's q = sign(x) c, as _round_bits gives q (int32 0x4B400000 + q:
+    the low nibble is q's two's-complement nibble), bit for bit reference._square_q (the
+    argument above)."""
     a = tl.abs(x)
-    y = a * inv
-    c = ((y >= _T0).to(tl.int32) + (y >= _T1).to(tl.int32) + (y >= _T2).to(tl.int32)
-         + (y >= _T3).to(tl.int32) + (y >= _T4).to(tl.int32) + (y >= _T5).to(tl.int32)
-         + (y >= _T6).to(tl.int32))
-    top = (c * c - c).to(tl.float32) + 0.5  # T_(c-1); c = 0 gives 0.5 > y: no effect
-    c = c - ((y == top) & (tl.fma(a, inv, -top) < 0.0)).to(tl.int32)
-    return tl.where(x < 0, -c, c)
+    e = tl.minimum((tl.sqrt(a * inv) + _ROUND_MAGIC) - _ROUND_MAGIC, 7.0)
+    lo = tl.fma(e, e - 1.0, 0.5)  # T_(e-1), exact
+    c = tl.maximum(tl.where(tl.fma(a, inv, -lo) < 0.0, e - 1.0, e), 0.0)
+    return (tl.where(x < 0, -c, c) + _ROUND_MAGIC).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -159,11 +147,17 @@ def _tile_offsets(NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
 @triton.jit
 def _load_tile(ptr, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
     """[NB, W] tile of rows STRIDE apart; lanes >= STRIDE (padding) read as 0."""
+    return _load_tile_evict(ptr, NB, W, STRIDE, "")
+
+
+@triton.jit
+def _load_tile_evict(ptr, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr, EVICT: tl.constexpr):
+    """_load_tile with an L2 eviction policy ("evict_first": data read once; "": the default)."""
     if W == STRIDE:
-        return tl.load(ptr + _tile_offsets(NB, W, STRIDE))
+        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), eviction_policy=EVICT)
     else:
         mask = (tl.arange(0, W) < STRIDE)[None, :] & (tl.arange(0, NB) < NB)[:, None]
-        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), mask=mask, other=0)
+        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), mask=mask, other=0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -187,6 +181,12 @@ def _store_blocks(ptr, scale_ptr, q, scale, NB: tl.constexpr, BITS: tl.constexpr
         lo, hi = tl.split(tl.reshape(q, [NB, BLOCK_P2 // 2, 2]))
         byte = (lo & 0xF) | (hi << 4)
         _store_tile(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2)
+    _store_scales(scale_ptr, scale, NB)
+
+
+@triton.jit
+def _store_scales(scale_ptr, scale, NB: tl.constexpr):
+    """NB fp32 scales written bytewise, little-endian (the byte kernel needs no alignment)."""
     bits = scale.to(tl.uint32, bitcast=True)
     shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
     _store_tile(scale_ptr, ((bits[:, None] >> shifts[None, :]) & 0xFF).to(tl.uint8), NB, 4, 4)
@@ -297,6 +297,7 @@ def _hop_requant_scale(absmax, pow2, QMAX: tl.constexpr, TINY: tl.constexpr, HOP
 # fused uses: _quantize_kernel (before the absmax), the float outputs of
 # _dequant_reduce_kernel and _int4_words_kernel (after the sum and factor, in element order).
 _HAD = tl.constexpr(HADAMARD_SIZE)
+_SIGN_BITS = tl.constexpr(sum(1 << i for i, sign in enumerate(HADAMARD_SIGNS) if sign < 0))
 
 
 @triton.jit
@@ -324,6 +325,170 @@ def _hadamard_tile(x, sign_ptr, NB: tl.constexpr, P2: tl.constexpr, INVERSE: tl.
     if INVERSE:
         y = y * signs
     return y
+
+
+# The forward transform fused into _quantize_kernel (_quantize_chunks): the tile
+# reshaped as above makes the compiler move every lane through shared memory and spill
+# (~130 GB/s on an H200). Instead each 64-group is held as 8 chunks of 8 consecutive
+# elements, chunk o in its own tile [NB, GB_P2, 8] (o = 0..7; group g of block n): the 8
+# lanes of a chunk are one 16-byte load in one thread, so stages 1, 2, 4 pair lanes inside
+# a thread (reshape, split, join: no data movement) and stages 8, 16, 32 pair whole tiles
+# (chunk o with o + 1, o + 2, o + 4): plain elementwise adds. The same adds of the same
+# operands in the same stage order as the reference: bit for bit.
+
+
+@triton.jit
+def _lane_stage(x, NB: tl.constexpr, GB: tl.constexpr, H: tl.constexpr):
+    """Butterfly stage H (1, 2 or 4) along the last axis (8 lanes) of x [NB, GB, 8]."""
+    y = tl.permute(tl.reshape(x, [NB, GB, 4 // H, 2, H]), (0, 1, 2, 4, 3))
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), [NB, GB, 8])
+
+
+@triton.jit
+def _lane_stages(x, o: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr):
+    """Chunk o: the signs (bit i of _SIGN_BITS: HADAMARD_SIGNS[i] is -1; a sign-bit flip
+    is x * -1 exactly, and needs no load), then stages 1, 2, 4."""
+    mask = tl.full([8], (_SIGN_BITS >> (o * 8)) & 0xFF, tl.int32)
+    flip = (((mask >> tl.arange(0, 8)) & 1) << 31)[None, None, :]
+    x = (x.to(tl.int32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+    return _lane_stage(_lane_stage(_lane_stage(x, NB, GB, 1), NB, GB, 2), NB, GB, 4)
+
+
+@triton.jit
+def _pair(a, b):
+    return a + b, a - b
+
+
+@triton.jit
+def _hadamard_chunks(c0, c1, c2, c3, c4, c5, c6, c7, NB: tl.constexpr, GB: tl.constexpr):
+    """The forward transform of 8 chunk tiles (fp32 [NB, GB, 8]): H x per group of 64."""
+    c0 = _lane_stages(c0, 0, NB, GB)
+    c1 = _lane_stages(c1, 1, NB, GB)
+    c2 = _lane_stages(c2, 2, NB, GB)
+    c3 = _lane_stages(c3, 3, NB, GB)
+    c4 = _lane_stages(c4, 4, NB, GB)
+    c5 = _lane_stages(c5, 5, NB, GB)
+    c6 = _lane_stages(c6, 6, NB, GB)
+    c7 = _lane_stages(c7, 7, NB, GB)
+    c0, c1 = _pair(c0, c1)  # stage 8
+    c2, c3 = _pair(c2, c3)
+    c4, c5 = _pair(c4, c5)
+    c6, c7 = _pair(c6, c7)
+    c0, c2 = _pair(c0, c2)  # stage 16
+    c1, c3 = _pair(c1, c3)
+    c4, c6 = _pair(c4, c6)
+    c5, c7 = _pair(c5, c7)
+    c0, c4 = _pair(c0, c4)  # stage 32
+    c1, c5 = _pair(c1, c5)
+    c2, c6 = _pair(c2, c6)
+    c3, c7 = _pair(c3, c7)
+    return c0 * 0.125, c1 * 0.125, c2 * 0.125, c3 * 0.125, c4 * 0.125, c5 * 0.125, c6 * 0.125, c7 * 0.125
+
+
+@triton.jit
+def _chunk_offsets(NB: tl.constexpr, GB_P2: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                   LANES: tl.constexpr):
+    """[NB, GB_P2, LANES] offsets n * BLOCK + g * GROUP + lane."""
+    return (tl.arange(0, NB)[:, None, None] * BLOCK + tl.arange(0, GB_P2)[None, :, None] * GROUP
+            + tl.arange(0, LANES)[None, None, :])
+
+
+@triton.jit
+def _chunk_mask(NB: tl.constexpr, GB: tl.constexpr, GB_P2: tl.constexpr, LANES: tl.constexpr):
+    """Groups g < GB (the others are padding of a block that is not a power of two)."""
+    return ((tl.arange(0, GB_P2) < GB)[None, :, None] & (tl.arange(0, NB) < NB)[:, None, None]
+            & (tl.arange(0, LANES) < LANES)[None, None, :])
+
+
+@triton.jit
+def _load_chunk(ptr, o: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr, GB_P2: tl.constexpr,
+                BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    """Chunk o of every group as fp32 [NB, GB_P2, 8]; padding groups read as 0."""
+    offs = _chunk_offsets(NB, GB_P2, BLOCK, _HAD, 8) + o * 8
+    if GB == GB_P2:
+        return tl.load(ptr + offs, eviction_policy=EVICT).to(tl.float32)
+    else:
+        return tl.load(ptr + offs, mask=_chunk_mask(NB, GB, GB_P2, 8), other=0,
+                       eviction_policy=EVICT).to(tl.float32)
+
+
+@triton.jit
+def _store_chunk(ptr, val, o: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr, GB_P2: tl.constexpr,
+                 BLOCK: tl.constexpr, LANES: tl.constexpr):
+    """Store [NB, GB_P2, LANES] at chunk o of every group (LANES elements per chunk)."""
+    offs = _chunk_offsets(NB, GB_P2, BLOCK, 8 * LANES, LANES) + o * LANES
+    if GB == GB_P2:
+        tl.store(ptr + offs, val)
+    else:
+        tl.store(ptr + offs, val, mask=_chunk_mask(NB, GB, GB_P2, LANES))
+
+
+@triton.jit
+def _quantize_chunk(c, o: tl.constexpr, inv, scale, pay_ptr, r_ptr, NB: tl.constexpr, GB: tl.constexpr,
+                    GB_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                    SQUARE: tl.constexpr):
+    """Quantize chunk tile o, store its payload bytes and (HAS_RES) its new residual."""
+    if SQUARE and BITS == 4:
+        q = _square_q(c, inv)
+    else:
+        q = _round_bits(c, inv)
+    if BITS == 8:
+        _store_chunk(pay_ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK, 8)
+    else:
+        lo, hi = tl.split(tl.reshape(q, [NB, GB_P2, 4, 2]))
+        byte = (lo & 0xF) | (hi << 4)
+        _store_chunk(pay_ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK // 2, 4)
+    if HAS_RES:
+        qf = (q - _MAGIC_BITS).to(tl.float32)
+        if SQUARE and BITS == 4:
+            qf = qf * tl.abs(qf)
+        _store_chunk(r_ptr, c - qf * scale, o, NB, GB, GB_P2, BLOCK, 8)
+
+
+@triton.jit
+def _quantize_chunks(x_ptr, r_ptr, pay_ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr,
+                     BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, QMAX: tl.constexpr, TINY: tl.constexpr,
+                     HAS_RES: tl.constexpr, SQUARE: tl.constexpr, HADAMARD: tl.constexpr, EVICT: tl.constexpr):
+    """_quantize_kernel's work for NB blocks of x (HADAMARD: of H x), plus the residual, in
+    chunk tiles (BLOCK a multiple of 64)."""
+    GB: tl.constexpr = BLOCK // _HAD
+    GB_P2: tl.constexpr = BLOCK_P2 // _HAD
+    c0 = _load_chunk(x_ptr, 0, NB, GB, GB_P2, BLOCK, EVICT)
+    c1 = _load_chunk(x_ptr, 1, NB, GB, GB_P2, BLOCK, EVICT)
+    c2 = _load_chunk(x_ptr, 2, NB, GB, GB_P2, BLOCK, EVICT)
+    c3 = _load_chunk(x_ptr, 3, NB, GB, GB_P2, BLOCK, EVICT)
+    c4 = _load_chunk(x_ptr, 4, NB, GB, GB_P2, BLOCK, EVICT)
+    c5 = _load_chunk(x_ptr, 5, NB, GB, GB_P2, BLOCK, EVICT)
+    c6 = _load_chunk(x_ptr, 6, NB, GB, GB_P2, BLOCK, EVICT)
+    c7 = _load_chunk(x_ptr, 7, NB, GB, GB_P2, BLOCK, EVICT)
+    if HADAMARD:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _hadamard_chunks(c0, c1, c2, c3, c4, c5, c6, c7, NB, GB_P2)
+    if HAS_RES:  # padding groups read as 0 here too, so they stay out of the absmax
+        c0 = c0 + _load_chunk(r_ptr, 0, NB, GB, GB_P2, BLOCK, "")
+        c1 = c1 + _load_chunk(r_ptr, 1, NB, GB, GB_P2, BLOCK, "")
+        c2 = c2 + _load_chunk(r_ptr, 2, NB, GB, GB_P2, BLOCK, "")
+        c3 = c3 + _load_chunk(r_ptr, 3, NB, GB, GB_P2, BLOCK, "")
+        c4 = c4 + _load_chunk(r_ptr, 4, NB, GB, GB_P2, BLOCK, "")
+        c5 = c5 + _load_chunk(r_ptr, 5, NB, GB, GB_P2, BLOCK, "")
+        c6 = c6 + _load_chunk(r_ptr, 6, NB, GB, GB_P2, BLOCK, "")
+        c7 = c7 + _load_chunk(r_ptr, 7, NB, GB, GB_P2, BLOCK, "")
+    absmax = tl.max(tl.max(_abs_max8(c0, c1, c2, c3, c4, c5, c6, c7), axis=2), axis=1)
+    if SQUARE and BITS == 4:
+        scale, inv = _scale_rule(absmax, absmax < TINY, _SQUARE_QMAX, _SQUARE_DROP)
+    else:
+        scale, inv = _scale_rule(absmax, absmax < TINY, QMAX, _SCALE_DROP)
+    _store_scales(scale_ptr, scale, NB)
+    inv = inv[:, None, None]
+    s3 = scale[:, None, None]
+    _quantize_chunk(c0, 0, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c1, 1, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c2, 2, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c3, 3, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c4, 4, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c5, 5, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c6, 6, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c7, 7, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
 
 
 @triton.jit
@@ -464,19 +629,29 @@ def _subnormal_nibble(w, P: tl.constexpr):
 
 
 @triton.jit
-def _int4_hop_kernel(
-    in_ptr, out_ptr,
-    in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
-    out_row_groups, out_row_words, out_payload_words,
-    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr,
-    HOP_FLUSH: tl.constexpr, HOP_FLOOR: tl.constexpr,
-):
-    # int4 -> int4, the qgZ hop, in 32-bit words: reference._int4_hop operation for
-    # operation. Per element and row: one LOP3 (the nibble u as a subnormal u * 2^(P-149))
-    # and one FFMA with t = s_r / 2^e_max * 2^(127 - P), adding the exact u * s_r /
-    # 2^(e_max + 22). Requantized with one FFMA (_round_bits) and packed with integer
-    # multiply-adds.
-    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
+def _abs_max8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Elementwise max |a| over 8 tiles: one cross-thread reduction after it, not 8."""
+    return tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
+                      tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
+
+
+@triton.jit
+def _store_words(out_ptr, out_row, ob, out_payload_words, word, scale, NB: tl.constexpr, W: tl.constexpr,
+                 W_P2: tl.constexpr):
+    """An int4 hop's output: NB blocks of W payload words from block ob of the row that
+    starts at word out_row, and their NB fp32 scales."""
+    _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
+    tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
+
+
+@triton.jit
+def _linear_hop_sum(in_w, in_f, orow, in_blk, in_row_words, in_payload_words, in_rows_per_out,
+                    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr,
+                    HOP_FLUSH: tl.constexpr):
+    """The linear hop's sum (reference._int4_hop operation for operation), as 8 nibble
+    tiles in units of 2^(e_max + 22), and 2^e_max. Per element and row: one LOP3 (the
+    nibble u as a subnormal u * 2^(P-149)) and one FFMA with t = s_r / 2^e_max * 2^(127 -
+    P), adding the exact u * s_r / 2^(e_max + 22)."""
     first = in_f + orow * in_rows_per_out * in_row_words + in_payload_words + in_blk  # row 0's scales
     pow2, norm, bias = _hop_prologue(first, in_row_words, NB, N_SUM, HOP_FLUSH, False)
     a0 = tl.zeros([NB, W_P2], tl.float32) - bias[:, None]
@@ -505,40 +680,17 @@ def _int4_hop_kernel(
         a5 = tl.fma(_subnormal_nibble(hi, 8), t8, a5)
         a6 = tl.fma(_subnormal_nibble(hi, 12), t12, a6)
         a7 = tl.fma(_subnormal_nibble(hi, 16), t16, a7)
-    # elementwise max over the 8 tiles first: one cross-thread reduction, not 8
-    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
-                      tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
-    if W != W_P2:  # padding words (u = 8 in every row) sum to rounding noise: keep it out
-        amax = tl.where((tl.arange(0, W_P2) < W)[None, :], amax, 0.0)
-    scale, inv = _hop_requant_scale(tl.max(amax, axis=1), pow2, 7, TINY, HOP_FLOOR)
-    inv = inv[:, None]
-    # sum of (0x4B400000 + q_i) * 16^i = sum q_i * 16^i + 0x4B400000 * 0x11111111 (mod
-    # 2^32); adding 0x88888888 - that constant gives nibbles u_i = q_i + 8 without
-    # carries, and xor 0x88888888 turns them into q_i's two's-complement nibbles
-    word = (_round_bits(a0, inv) + _round_bits(a1, inv) * 16 + _round_bits(a2, inv) * 256
-            + _round_bits(a3, inv) * 4096 + _round_bits(a4, inv) * 65536 + _round_bits(a5, inv) * 1048576
-            + _round_bits(a6, inv) * 16777216 + _round_bits(a7, inv) * 268435456)
-    word = (word + 1229490312) ^ -2004318072
-    out_row = orow * out_row_words
-    _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
-    tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
+    return pow2, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _int4_square_hop_kernel(
-    in_ptr, out_ptr,
-    in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
-    out_row_groups, out_row_words, out_payload_words,
-    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr,
-):
-    # int4 -> int4 in the square code, in 32-bit words: the reference's generic hop
-    # (dequantize each row, q |q| s exact; sum in row order from +0.0; requantize). Per
-    # element and row: the level q |q| 4^P (_square_word_levels: LOP3, FADD, FMUL) and one
-    # FFMA with scale 4^-P, an exact product plus the add, which rounds as the reference's
-    # add of the dequantized row. The linear hop's bias form does not apply (the biased
-    # level q |q| + 49 needs 7 bits). The requantized nibbles are masked into words in
-    # place (no interleave).
-    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
+def _square_hop_sum(in_w, in_f, orow, in_blk, in_row_words, in_payload_words, in_rows_per_out,
+                    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr):
+    """The square hop's sum as 8 nibble tiles: the reference's generic hop (dequantize each
+    row, q |q| s exact; sum in row order from +0.0). Per element and row: the level q |q|
+    4^P (_square_word_levels: LOP3, FADD, FMUL) and one FFMA with scale 4^-P, an exact
+    product plus the add, which rounds as the reference's add of the dequantized row. The
+    linear hop's bias form does not apply (the biased level q |q| + 49 needs 7 bits)."""
     row = orow * in_rows_per_out * in_row_words
     a0, a1, a2, a3, a4, a5, a6, a7 = _load_words(in_w + row + in_blk * W, in_f + row + in_payload_words + in_blk,
                                                  NB, W, W_P2, False, True)
@@ -554,19 +706,52 @@ def _int4_square_hop_kernel(
         a5 = tl.fma(v5, s4, a5)
         a6 = tl.fma(v6, s8, a6)
         a7 = tl.fma(v7, s12, a7)
-    # padding words dequantize to 0 in every row, so they never raise the absmax
-    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
-                      tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5)), tl.maximum(tl.abs(a6), tl.abs(a7))))
-    absmax = tl.max(amax, axis=1)
-    scale, inv = _scale_rule(absmax, absmax < TINY, _SQUARE_QMAX, _SQUARE_DROP)
-    inv = inv[:, None]
-    word = ((_square_q(a0, inv) & 0xF) | ((_square_q(a1, inv) & 0xF) << 4) | ((_square_q(a2, inv) & 0xF) << 8)
-            | ((_square_q(a3, inv) & 0xF) << 12) | ((_square_q(a4, inv) & 0xF) << 16)
-            | ((_square_q(a5, inv) & 0xF) << 20) | ((_square_q(a6, inv) & 0xF) << 24)
-            | (_square_q(a7, inv) << 28))
-    out_row = orow * out_row_words
-    _store_tile(out_ptr.to(tl.pointer_type(tl.int32)) + out_row + ob * W, word, NB, W_P2, W)
-    tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + out_row + out_payload_words + ob + tl.arange(0, NB), scale)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _pack_nibbles(q0, q1, q2, q3, q4, q5, q6, q7):
+    """8 tiles of q as _round_bits gives them (0x4B400000 + q) -> int32 words, q_i in
+    nibble i: sum of (0x4B400000 + q_i) * 16^i = sum q_i * 16^i + 0x4B400000 * 0x11111111
+    (mod 2^32); adding 0x88888888 - that constant gives nibbles u_i = q_i + 8 without
+    carries, and xor 0x88888888 turns them into q_i's two's-complement nibbles."""
+    word = (q0 + q1 * 16 + q2 * 256 + q3 * 4096 + q4 * 65536 + q5 * 1048576 + q6 * 16777216 + q7 * 268435456)
+    return (word + 1229490312) ^ -2004318072
+
+
+@triton.jit
+def _int4_hop_kernel(
+    in_ptr, out_ptr,
+    in_row_words, in_payload_words, in_rows_per_out, in_blocks_per_out,
+    out_row_groups, out_row_words, out_payload_words,
+    NB: tl.constexpr, N_SUM: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, TINY: tl.constexpr,
+    HOP_FLUSH: tl.constexpr, HOP_FLOOR: tl.constexpr, SQUARE: tl.constexpr,
+):
+    # int4 -> int4, the qgZ hop, in 32-bit words: the sum in 8 nibble tiles (linear code:
+    # _linear_hop_sum, square code: _square_hop_sum), requantized per tile with the code's
+    # rule and packed with integer multiply-adds (no interleave).
+    orow, ob, in_blk, in_w, in_f = _word_program(in_ptr, in_blocks_per_out, out_row_groups, NB)
+    if SQUARE:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _square_hop_sum(in_w, in_f, orow, in_blk, in_row_words, in_payload_words,
+                                                         in_rows_per_out, NB, N_SUM, W, W_P2)
+        # padding words dequantize to 0 in every row, so they never raise the absmax
+        absmax = tl.max(_abs_max8(a0, a1, a2, a3, a4, a5, a6, a7), axis=1)
+        scale, inv = _scale_rule(absmax, absmax < TINY, _SQUARE_QMAX, _SQUARE_DROP)
+        inv = inv[:, None]
+        word = _pack_nibbles(_square_q(a0, inv), _square_q(a1, inv), _square_q(a2, inv), _square_q(a3, inv),
+                             _square_q(a4, inv), _square_q(a5, inv), _square_q(a6, inv), _square_q(a7, inv))
+    else:
+        pow2, a0, a1, a2, a3, a4, a5, a6, a7 = _linear_hop_sum(in_w, in_f, orow, in_blk, in_row_words,
+                                                               in_payload_words, in_rows_per_out, NB, N_SUM, W,
+                                                               W_P2, HOP_FLUSH)
+        amax = _abs_max8(a0, a1, a2, a3, a4, a5, a6, a7)
+        if W != W_P2:  # padding words (u = 8 in every row) sum to rounding noise: keep it out
+            amax = tl.where((tl.arange(0, W_P2) < W)[None, :], amax, 0.0)
+        scale, inv = _hop_requant_scale(tl.max(amax, axis=1), pow2, 7, TINY, HOP_FLOOR)
+        inv = inv[:, None]
+        word = _pack_nibbles(_round_bits(a0, inv), _round_bits(a1, inv), _round_bits(a2, inv), _round_bits(a3, inv),
+                             _round_bits(a4, inv), _round_bits(a5, inv), _round_bits(a6, inv), _round_bits(a7, inv))
+    _store_words(out_ptr, orow * out_row_words, ob, out_payload_words, word, scale, NB, W, W_P2)
 
 
 @triton.jit
@@ -643,11 +828,11 @@ def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, res_ptr, out_ptr, sign_ptr,
+    x_ptr, res_ptr, out_ptr,
     m, chunk_blocks, row_groups, row_bytes, payload_bytes,
     NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
     QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
-    HADAMARD: tl.constexpr,
+    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr,
 ):
     # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
     # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
@@ -657,26 +842,27 @@ def _quantize_kernel(
     b = (pid % row_groups) * NB
     src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
     x_blk = x_ptr + src * BLOCK
-    x = _load_tile(x_blk, NB, BLOCK_P2, BLOCK).to(tl.float32)
-    if HADAMARD:  # quantize H x: the transform fused in (the residual is in H's domain)
-        x = _hadamard_tile(x, sign_ptr, NB, BLOCK_P2, False)
+    r_blk = res_ptr + src * BLOCK
+    row_ptr = out_ptr + row * row_bytes
+    pay_ptr = row_ptr + b * (BLOCK * BITS // 8)
+    scale_ptr = row_ptr + payload_bytes + b * 4
+    if HADAMARD or CHUNKED:  # HADAMARD: quantize H x (the residual is in H's domain)
+        _quantize_chunks(x_blk, r_blk, pay_ptr, scale_ptr, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES,
+                         SQUARE, HADAMARD, EVICT)
+        return
+    x = _load_tile_evict(x_blk, NB, BLOCK_P2, BLOCK, EVICT).to(tl.float32)
     if HAS_RES:
-        r_blk = res_ptr + src * BLOCK
         x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
     if SQUARE and BITS == 4:
         q, scale = _quantize_tile_square(x, TINY)
     else:
         q, scale = _quantize_tile(x, QMAX, TINY)
-    row_ptr = out_ptr + row * row_bytes
-    _store_blocks(row_ptr + b * (BLOCK * BITS // 8), row_ptr + payload_bytes + b * 4, q, scale,
-                  NB, BITS, BLOCK, BLOCK_P2)
+    _store_blocks(pay_ptr, scale_ptr, q, scale, NB, BITS, BLOCK, BLOCK_P2)
     if HAS_RES:
+        qf = (q - _MAGIC_BITS).to(tl.float32)
         if SQUARE and BITS == 4:
-            qf = q.to(tl.float32)
-            deq = (qf * tl.abs(qf)) * scale[:, None]
-        else:
-            deq = (q - _MAGIC_BITS).to(tl.float32) * scale[:, None]
-        _store_tile(r_blk, x - deq, NB, BLOCK_P2, BLOCK)
+            qf = qf * tl.abs(qf)
+        _store_tile(r_blk, x - qf * scale[:, None], NB, BLOCK_P2, BLOCK)
 
 
 @triton.jit
@@ -750,7 +936,6 @@ _QUANTIZE = CachedLauncher(_quantize_kernel)
 _DEQUANT_REDUCE = CachedLauncher(_dequant_reduce_kernel)
 _INT4_HOP = CachedLauncher(_int4_hop_kernel)
 _INT4_WORDS = CachedLauncher(_int4_words_kernel)
-_INT4_SQUARE_HOP = CachedLauncher(_int4_square_hop_kernel)
 _HADAMARD = CachedLauncher(_hadamard_kernel)
 CACHED_LAUNCH = True
 
@@ -764,6 +949,11 @@ def _launcher(cached: CachedLauncher) -> CachedLauncher:
 # the sweep in tools/bench/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
 NB_OVERRIDE = None
+# Quantize variants for that sweep: CHUNKED_OVERRIDE True reads every 64-group as 8 chunk
+# tiles (the layout of the fused Hadamard transform, _quantize_chunks) without the
+# transform; EVICT_OVERRIDE "evict_first" marks the (read-once) input for early L2 eviction.
+CHUNKED_OVERRIDE = None
+EVICT_OVERRIDE = None
 # The int4 word kernels: elements per thread and blocks per program by default (the
 # float-output kernel, and the hop, which wants more elements per thread to spread its
 # per-block work), and the overrides tools/bench/sweep_kernels.py sets (False = the byte
@@ -824,9 +1014,10 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
     opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
     res = residual if residual is not None else x
     _launcher(_QUANTIZE)(
-        (rows * row_blocks // opts["NB"],), x, res, out, _signs(x.device), m, chunk_blocks, row_blocks // opts["NB"],
+        (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
         P, k * S * bits // 8,
-        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard, **opts,
+        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
+        CHUNKED=bool(CHUNKED_OVERRIDE) and block % HADAMARD_SIZE == 0, EVICT=EVICT_OVERRIDE or "", **opts,
     )
     return out
 
@@ -857,13 +1048,10 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
                 out_row_blocks // opts["NB"])
         if not bits_out:
             args = args[:2] + (_signs(recv.device),) + args[2:]
-        if bits_out and square:
-            del opts["BLOCK"], opts["BLOCK_P2"]
-            _launcher(_INT4_SQUARE_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum, **opts)
-        elif bits_out:
+        if bits_out:
             del opts["BLOCK"], opts["BLOCK_P2"]
             _launcher(_INT4_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
-                                   HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, **opts)
+                                 HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts)
         else:
             del opts["TINY"]
             magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True

@@ -39,6 +39,7 @@ from .format import (
     SQUARE_SCALE_FLOOR,
     HADAMARD_SIGNS,
     HADAMARD_SIZE,
+    KERNEL_API,
     SQUARE_THRESHOLDS,
     TINY,
     check_code,
@@ -49,18 +50,11 @@ from .format import (
     check_packed,
     check_reorder,
     check_residual,
-    packed_len,
 )
+from .format import packed_len as _packed_len
 
-__all__ = [
-    "packed_len",
-    "quantize",
-    "dequantize",
-    "reorder_quantize",
-    "dequant_reduce_quantize",
-    "dequant_reduce",
-    "hadamard",
-]
+__all__ = list(KERNEL_API)
+packed_len = _packed_len  # part of every backend's API (format.KERNEL_API)
 
 
 def _round_up_scale(s: torch.Tensor, drop: int = SCALE_DROP) -> torch.Tensor:

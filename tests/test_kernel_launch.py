@@ -171,7 +171,7 @@ def quant_fake(monkeypatch):
         if not isinstance(quant._quantize_kernel, InterpretedFunction):
             quant = importlib.reload(quant)
     fakes = {}
-    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS", "_INT4_SQUARE_HOP"):
+    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS"):
         fakes[name] = _fake_launcher(getattr(quant, name).kernel)
         monkeypatch.setattr(quant, name, fakes[name])
     return quant, fakes

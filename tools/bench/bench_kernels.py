@@ -55,9 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="element counts (default 16M 64M 256M 1G)")
     p.add_argument("--block", type=int, default=None, help="quantization block (default: the kernels' default)")
-    p.add_argument("--sweep", nargs="*", default=[], metavar="BLOCKxWARPSxNB",
+    p.add_argument("--sweep", nargs="*", default=[], metavar="BLOCKxWARPSxNB[c][e]",
                    help="also time the Triton kernels for these launch shapes, e.g. 4096x8x2 "
-                        "(block size, warps per program, blocks per program)")
+                        "(block size, warps per program, blocks per program); quantize variants: "
+                        "suffix c = chunk tiles (quant.CHUNKED_OVERRIDE), e = evict-first input loads "
+                        "(quant.EVICT_OVERRIDE), e.g. 4096x4x2ce")
     p.add_argument("--sweep-size", type=int, nargs="+", default=None, help="elements for the sweep (default 256M)")
     p.add_argument("--ops", nargs="+", default=None, metavar="OP",
                    help="time only these operations (table and sweep), e.g. quantize8 quantize4")
@@ -138,7 +140,7 @@ def main(argv=None):
             write_json(args.out, {"meta": meta, "results": results, "block_sweep": [], "partial": True})
     sweep = []
     if args.sweep:
-        shapes = [tuple(int(v) for v in c.lower().split("x")) for c in args.sweep]
+        shapes = [parse_shape(c) for c in args.sweep]
         for n in args.sweep_size or [256 << 20 if device == "cuda" else sizes[0]]:
             sweep += bench_tuning(torch, quant, packed_len, n, shapes, device, timer, args.ops)
 
@@ -436,15 +438,30 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
+def parse_shape(text):
+    """'4096x4x2ce' -> (4096, 4, 2, 'ce'): block, warps, blocks per program, variant letters."""
+    flags = text.lower().lstrip("0123456789x")
+    body = text.lower()[:len(text) - len(flags)] if flags else text.lower()
+    try:
+        block, warps, nb = (int(v) for v in body.split("x"))
+    except ValueError:
+        sys.exit(f"error: --sweep shape {text!r} is not BLOCKxWARPSxNB[c][e], e.g. 4096x4x2 or 4096x4x2ce")
+    if set(flags) - set("ce"):
+        sys.exit(f"error: --sweep shape {text!r}: unknown variant letters {flags!r} (c: chunk tiles, e: evict-first)")
+    return block, warps, nb, flags
+
+
 def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None):
-    """Triton GB/s per launch shape (block, warps per program, blocks per program), graph
-    replay and (GPU) cold per call."""
+    """Triton GB/s per launch shape (block, warps per program, blocks per program, quantize
+    variant letters), graph replay and (GPU) cold per call."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
     rows = []
-    for block, warps, nb in shapes:
+    for block, warps, nb, flags in shapes:
         quant.WARPS_OVERRIDE, quant.NB_OVERRIDE = warps, nb
+        quant.CHUNKED_OVERRIDE = "c" in flags or None
+        quant.EVICT_OVERRIDE = "evict_first" if "e" in flags else None
         try:
             recv = quant.reorder_quantize(x, k, m, 4, block)
             cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
@@ -460,13 +477,14 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
                 if only_ops and op not in only_ops:
                     continue
                 ms = timer(fn)
-                row = {"op": op, "shape": f"{block}x{warps}x{nb}", "elements": n, "ms": ms, "GBps": nbytes / ms / 1e6}
+                row = {"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
+                       "GBps": nbytes / ms / 1e6}
                 if device == "cuda":
                     row["cold_ms"] = timer.cold(fn)
                     row["cold_GBps"] = nbytes / row["cold_ms"] / 1e6
                 rows.append(row)
         finally:
-            quant.WARPS_OVERRIDE = quant.NB_OVERRIDE = None
+            quant.WARPS_OVERRIDE = quant.NB_OVERRIDE = quant.CHUNKED_OVERRIDE = quant.EVICT_OVERRIDE = None
     return rows
 
 
