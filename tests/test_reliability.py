@@ -227,13 +227,11 @@ def test_nan_streak_leaves_latest_at_last_healthy_checkpoint(tmp_path):
 
 
 # --------------------------------------------------------------------- signals
-def _signal_when_training(sig, ranks, times=1, after="iteration        2/", gap=0.05):
+def _signal_when_training(sig, ranks, after="iteration        2/"):
     def inject(pids, outdir):
         wait_for(os.path.join(outdir, "0.out"), after)
-        for _ in range(times):
-            for r in ranks:
-                os.kill(pids[r], sig)
-            time.sleep(gap)
+        for r in ranks:
+            os.kill(pids[r], sig)
     return inject
 
 
@@ -248,12 +246,38 @@ def test_sigint_saves_at_next_iteration_and_exits_0(tmp_path):
     assert "saved checkpoint at iteration" in r["stdout"]
 
 
+def _running(pid) -> bool:
+    """Not yet exited (the launcher reaps its ranks only after on_start returns, so an
+    exited rank is a zombie until then)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _ctrl_c_until_exit(rank, gap=0.01, limit=120.0):
+    """Ctrl-C `rank` every `gap` s from its iteration 2 on, until it exits.
+
+    Why a stream, not two signals `gap` apart: Python runs a signal's handler only when
+    the main thread next executes bytecode, and two SIGINTs that arrive before that (the
+    rank not scheduled on a loaded machine, or blocked in a collective) make one handler
+    call. The stream needs no timing: once the first handler call has requested the
+    stop, any SIGINT that arrives before the stop takes effect (the all-reduce that
+    agrees on it and the rest of that step) is a second Ctrl-C. A run that ignored it
+    would stop at the boundary and exit 0 (or 130 without the message), and fail."""
+    def inject(pids, outdir):
+        wait_for(os.path.join(outdir, "0.out"), "iteration        2/")
+        t0 = time.monotonic()
+        while _running(pids[rank]) and time.monotonic() - t0 < limit:
+            os.kill(pids[rank], signal.SIGINT)
+            time.sleep(gap)
+    return inject
+
+
 def test_second_ctrl_c_exits_at_once(tmp_path):
-    # iterations of ~0.1 s or more, so that the second Ctrl-C lands before the boundary
+    # iterations of ~0.1 s or more: the stop takes effect only at an iteration boundary
     argv = tiny_argv(100000, "--exit-signal-handler", "--micro-batch-size", "8")
     argv[argv.index("--hidden-size") + 1] = "128"
     argv[argv.index("--seq-length") + 1] = "128"
-    r = run(argv, world=2, on_start=_signal_when_training(signal.SIGINT, [1], times=2, gap=0.01))
+    r = run(argv, world=2, on_start=_ctrl_c_until_exit(1))
     assert r["codes"][1] == 130, r
     assert "[rank 1] error: interrupted again (second Ctrl-C)" in r["stderr"]
 
