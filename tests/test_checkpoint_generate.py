@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from data_fixtures import tool
 from megaq import pretrain
 from megaq import checkpoint as ckpt
 from megaq import dist_checkpoint
@@ -72,14 +73,7 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
             assert torch.equal(first[name][key], again[name][key]), (name, key)
 
 
-def _generate(*argv):
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "generate.py"), *argv],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    return r.stderr.strip()
-
-
-def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path):
+def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, capsys):
     """The tool end to end on a real checkpoint: it consolidates the model, then finds no
     tokenizer (mock data) and says so in one line. Without its integrity manifest the
     checkpoint is refused, naming --no-verify-checkpoint, which (as in pretrain_gpt.py)
@@ -89,9 +83,20 @@ def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path):
             "--mock-data", "--vocab-size", "100", "--eval-iters", "0",
             "--save", str(tmp_path / "ck"), "--data-cache-path", str(tmp_path / "cache")]
     run_on_ranks(_train, 1, args=(argv,))
-    no_tokenizer = "error: tokenizer model None not found"
-    assert _generate("--load", str(tmp_path / "ck")).startswith(no_tokenizer)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "generate.py"), "--load",
+                        str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: tokenizer model None not found")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+    # the flag, in this process (a subprocess costs seconds of imports each)
+    generate = tool("generate")
     os.remove(os.path.join(ckpt.iteration_dir(str(tmp_path / "ck"), 1), integrity.MANIFEST_NAME))
-    refused = _generate("--load", str(tmp_path / "ck"))
-    assert "has no integrity manifest" in refused and "--no-verify-checkpoint" in refused
-    assert _generate("--load", str(tmp_path / "ck"), "--no-verify-checkpoint").startswith(no_tokenizer)
+    try:
+        assert generate.main(["--load", str(tmp_path / "ck")]) == 2
+        refused = capsys.readouterr().err.strip()
+        assert "has no integrity manifest" in refused and "--no-verify-checkpoint" in refused
+        assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint"]) == 2
+        assert capsys.readouterr().err.strip().startswith("error: tokenizer model None not found")
+    finally:
+        integrity.verify_checkpoints(True)  # the tool turned it off for this process
