@@ -254,18 +254,24 @@ def _running(pid) -> bool:
 
 
 def _ctrl_c_until_exit(rank, gap=0.01, limit=120.0):
-    """Ctrl-C `rank` every `gap` s from its iteration 2 on, until it exits.
+    """Ctrl-C `rank` every `gap` s, from the start of an iteration on, until it exits.
 
     Why a stream, not two signals `gap` apart: Python runs a signal's handler only when
     the main thread next executes bytecode, and two SIGINTs that arrive before that (the
     rank not scheduled on a loaded machine, or blocked in a collective) make one handler
-    call. The stream needs no timing: once the first handler call has requested the
-    stop, any SIGINT that arrives before the stop takes effect (the all-reduce that
-    agrees on it and the rest of that step) is a second Ctrl-C. A run that ignored it
-    would stop at the boundary and exit 0 (or 130 without the message), and fail."""
+    call. With a stream, once the first handler call has requested the stop, any SIGINT
+    that arrives before the stop takes effect is a second Ctrl-C; the stream starts as
+    rank 0 logs an iteration (all ranks are past its boundary), so the first call comes
+    early in the next iteration and the stop is a whole iteration of compute away: the
+    injector, which needs almost no CPU, has that long to send one more. A run that
+    ignored the second Ctrl-C would stop at the boundary and exit 0, and fail."""
     def inject(pids, outdir):
-        wait_for(os.path.join(outdir, "0.out"), "iteration        2/")
+        log = os.path.join(outdir, "0.out")
+        wait_for(log, "iteration        2/")  # training, signal handler installed
         t0 = time.monotonic()
+        while "iteration        3/" not in open(log, errors="replace").read():
+            assert time.monotonic() - t0 < limit, "iteration 3 never logged"
+            time.sleep(0.002)
         while _running(pids[rank]) and time.monotonic() - t0 < limit:
             os.kill(pids[rank], signal.SIGINT)
             time.sleep(gap)
