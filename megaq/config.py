@@ -3,7 +3,7 @@
     RunConfig
       model          megaq.model.GPTConfig          --num-layers, --hidden-size, --swiglu, ...
       parallel       megaq.parallel.ParallelConfig  --tensor-model-parallel-size, ... (+ Layout)
-      zero           megaq.zero.ZeroConfig          built from ZeroFlags (--zero-*) + optimizer
+      zero           megaq.zero.ZeroConfig          --zero-stage, --zero-quantized-weights, ...
       data           megaq.data.DataConfig          --data-path, --split, --mock-data, ...
       training       TrainingConfig                 --micro-batch-size, --train-iters, --bf16, ...
       optimizer      OptimizerConfig                --lr, --lr-decay-style, --adam-beta1, ...
@@ -240,102 +240,6 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class ZeroFlags:
-    """The command-line face of megaq.zero.ZeroConfig (DeepSpeed's names). Defaults are
-    ZeroConfig's own; :meth:`engine_config` builds the engine's config (which checks it)."""
-
-    FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"
-
-    zero_stage: int = flag(
-        "--zero-stage", "3: ZeRO-3 sharded params/grads/optimizer; 0: replicated, all-reduce",
-        ZeroConfig.stage, type=int, choices=[0, 3])
-    zero_quantized_weights: str | None = flag(
-        "--zero-quantized-weights", "qwZ: quantized forward weight all-gather. int8 (the "
-        "default when given without a value): blockwise int8, dequantized to bf16 for bf16 "
-        "GEMMs; fp8 (needs --fp8-format, tensorwise): the FP8 GEMM layers' weights travel as "
-        "E4M3 with the GEMM's scale and feed the FP8 GEMMs directly (docs/ZEROPP.md)",
-        nargs="?", const="int8", choices=["int8", "fp8"])
-    zero_hpz_partition_size: int = flag(
-        "--zero-hpz-partition-size",
-        "hpZ: secondary weight shard over this many in-node DP ranks (1 = off)",
-        ZeroConfig.hpz_partition_size, type=int)
-    zero_quantized_gradients: bool = switch(
-        "--zero-quantized-gradients", "qgZ: quantized two-hop all-to-all gradient reduce-scatter")
-    zero_quantized_gradients_bits: int = flag(
-        "--zero-quantized-gradients-bits", "qgZ bits per value of the cross-node hop (and of "
-        "the in-node hop unless --zero-quantized-gradients-intra-bits is given)",
-        ZeroConfig.grad_bits_inter, type=int, choices=[4, 8])
-    zero_quantized_gradients_intra_bits: int | None = flag(
-        "--zero-quantized-gradients-intra-bits", "qgZ bits of the in-node hop only (in-node "
-        "bytes, never cross-node; docs/ZEROPP.md 'Fidelity' has the trade-off); default: "
-        "--zero-quantized-gradients-bits", type=int, choices=[4, 8])
-    zero_quantized_gradients_code: str = flag(
-        "--zero-quantized-gradients-code", "qgZ: the int4 code of the gradient hops (int8 hops "
-        "are linear): linear, a nibble q means q*absmax/7 (values below absmax/14 of their "
-        "block arrive as 0); square, q|q|*absmax/49 (levels 0,1,4,...,49; values down to "
-        "absmax/98 survive; the default). Same bytes; docs/ZEROPP.md 'The square-law code'",
-        ZeroConfig.grad_code, choices=["linear", "square"])
-    zero_hadamard_gradients: bool = switch(
-        "--zero-hadamard-gradients", "qgZ: quantize each rank's gradient after a blockwise "
-        "randomized Hadamard transform (groups of 64, fixed signs; the inverse after the final "
-        "reduce) that spreads outliers over their group; same bytes; needs "
-        "--zero-quantized-gradients and a block size multiple of 64 (docs/ZEROPP.md "
-        "'Hadamard-smoothed gradients')")
-    zero_quantization_block_size: int = flag("--zero-quantization-block-size",
-                                             "elements per quantization block",
-                                             ZeroConfig.block_size, type=int)
-    zero_quantized_gradients_exact_own_rows: bool = switch(
-        "--zero-quantized-gradients-exact-own-rows",
-        "qgZ: keep the all-to-all row a rank keeps for itself exact (fp32, no bytes; its "
-        "gain is the own rows' share, 1/m in-node and 1/k cross-node; docs/ZEROPP.md 'Fidelity')")
-    zero_gradient_error_feedback: bool = switch(
-        "--zero-gradient-error-feedback", "qgZ: carry the quantization residual into the next "
-        "step (an fp32 residual as large as each unit's full gradient on every rank: 4 bytes "
-        "per parameter per rank; docs/ZEROPP.md 'Fidelity')")
-    zero_quantized_gradients_chunk: int = flag(
-        "--zero-quantized-gradients-chunk", "qgZ: elements of each rank's gradient shard per "
-        "chunk; the two all-to-all hops of consecutive chunks overlap (larger chunks mean fewer, "
-        "bigger collectives)", ZeroConfig.grad_chunk, type=int)
-
-    zero_weight_deltas: bool = switch(
-        "--zero-weight-deltas", "weight gathers that send only each shard's quantized "
-        "difference to the previous step's weights across nodes (needs "
-        "--zero-hpz-partition-size N > 1: hpZ's in-node slices become the persistent "
-        "reference weights, error-fed; every gather then runs in-node; docs/ZEROPP.md "
-        "'Weight deltas')")
-    zero_weight_delta_bits: int = flag(
-        "--zero-weight-delta-bits", "bits per element of the weight differences "
-        "(--zero-weight-deltas)", ZeroConfig.weight_delta_bits, type=int, choices=[4, 8])
-
-    def __post_init__(self):
-        chunk = self.zero_quantized_gradients_chunk
-        if chunk < 1:
-            raise ConfigError(f"--zero-quantized-gradients-chunk {chunk} must be >= 1 element "
-                              f"(e.g. {ZeroConfig.grad_chunk})")
-
-    def engine_config(self, training: TrainingConfig, optimizer: OptimizerConfig) -> ZeroConfig:
-        return ZeroConfig(
-            stage=self.zero_stage, gather_dtype=training.params_dtype,
-            optimizer=optimizer.optimizer, sgd_momentum=optimizer.sgd_momentum, lr=optimizer.lr,
-            betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
-            weight_decay=optimizer.weight_decay,
-            quantized_weights=self.zero_quantized_weights == "int8",
-            fp8_weights=self.zero_quantized_weights == "fp8",
-            hpz_partition_size=self.zero_hpz_partition_size,
-            quantized_gradients=self.zero_quantized_gradients,
-            grad_bits_intra=(self.zero_quantized_gradients_intra_bits
-                             or self.zero_quantized_gradients_bits),
-            grad_bits_inter=self.zero_quantized_gradients_bits,
-            error_feedback=self.zero_gradient_error_feedback,
-            grad_exact_own_rows=self.zero_quantized_gradients_exact_own_rows,
-            weight_deltas=self.zero_weight_deltas, weight_delta_bits=self.zero_weight_delta_bits,
-            grad_code=self.zero_quantized_gradients_code,
-            grad_hadamard=self.zero_hadamard_gradients,
-            block_size=self.zero_quantization_block_size,
-            grad_chunk=self.zero_quantized_gradients_chunk)
-
-
-@dataclass(frozen=True)
 class CheckpointConfig:
     FLAG_GROUP: ClassVar[str] = "checkpointing"
 
@@ -452,7 +356,7 @@ class LoggingConfig:
 
 
 # The flag groups of --help, in order (megaq.arguments.build_parser).
-FLAG_CLASSES = (GPTConfig, ParallelConfig, ZeroFlags, TrainingConfig, OptimizerConfig,
+FLAG_CLASSES = (GPTConfig, ParallelConfig, ZeroConfig, TrainingConfig, OptimizerConfig,
                 DataConfig, CheckpointConfig, LoggingConfig)
 
 
@@ -488,16 +392,21 @@ class RunConfig:
     def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":
         """The run's configuration from parsed flags (an argparse namespace) and the
         launcher's world size and ranks per node."""
-        zero = from_flags(ZeroFlags, flags)
         parallel = from_flags(ParallelConfig, flags, world_size=world_size,
-                              ranks_per_node=ranks_per_node, hpz_size=zero.zero_hpz_partition_size)
+                              ranks_per_node=ranks_per_node, hpz_size=flags.zero_hpz_partition_size)
         training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
         optimizer = from_flags(OptimizerConfig, flags, train_iters=training.train_iters,
                                train_samples=training.train_samples)
         model = from_flags(GPTConfig, flags, vocab_size=None,
                            sequence_parallel=parallel.sequence_parallel,
                            params_dtype=training.params_dtype, seed=training.seed)
-        return cls(model=model, parallel=parallel, zero=zero.engine_config(training, optimizer),
+        zero = from_flags(  # the --zero-* flags, plus the engine settings other flags own
+            ZeroConfig, flags, fp8_weights=flags.zero_quantized_weights == "fp8",
+            gather_dtype=training.params_dtype, optimizer=optimizer.optimizer,
+            sgd_momentum=optimizer.sgd_momentum, lr=optimizer.lr,
+            betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
+            weight_decay=optimizer.weight_decay)
+        return cls(model=model, parallel=parallel, zero=zero,
                    data=from_flags(DataConfig, flags), training=training, optimizer=optimizer,
                    checkpointing=from_flags(CheckpointConfig, flags),
                    logging=from_flags(LoggingConfig, flags))

@@ -63,17 +63,27 @@ def dest(f) -> str:
     return f.metadata["flag"].lstrip("-").replace("-", "_")
 
 
+def _add_field(parser, f) -> None:
+    kw = dict(f.metadata["argparse"])
+    if kw.get("action") == "store_true":
+        kw.setdefault("default", False)
+    elif f.metadata["value"] is None and not kw.get("required"):
+        kw.setdefault("default", f.default)
+    parser.add_argument(f.metadata["flag"], dest=dest(f), help=f.metadata["help"], **kw)
+
+
 def add_flags(parser: argparse.ArgumentParser, cls, title: str | None = None):
     """Add every flag field of `cls` to `parser`, as one --help group."""
     group = parser.add_argument_group(title or cls.FLAG_GROUP)
     for f in flag_fields(cls):
-        kw = dict(f.metadata["argparse"])
-        if kw.get("action") == "store_true":
-            kw.setdefault("default", False)
-        elif f.metadata["value"] is None and not kw.get("required"):
-            kw.setdefault("default", f.default)
-        group.add_argument(f.metadata["flag"], dest=dest(f), help=f.metadata["help"], **kw)
+        _add_field(group, f)
     return group
+
+
+def add_flag(parser: argparse.ArgumentParser, cls, field_name: str) -> None:
+    """Add one flag field of `cls` to `parser` (a tool that shares one of pretrain_gpt.py's
+    flags: same name, help and default)."""
+    _add_field(parser, next(f for f in flag_fields(cls) if f.name == field_name))
 
 
 def from_flags(cls, namespace, **derived):

@@ -5,6 +5,7 @@ second) is built once per test session, with a small jsonl corpus next to it.
 """
 
 import json
+import multiprocessing as mp
 import os
 
 import numpy as np
@@ -23,6 +24,25 @@ def write_jsonl(path, docs, key="text"):
         for d in docs:
             f.write(json.dumps(d if isinstance(d, dict) else {key: d}) + "\n")
     return path
+
+
+def _put_result(fn, q):
+    q.put(fn())
+
+
+def in_forked_children(fn, n: int = 3, timeout: float = 60) -> list:
+    """Call fn() in n forked processes at once (concurrent first users of a cache);
+    -> their return values, in the order they finished. Each child must exit cleanly."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_put_result, args=(fn, q)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return results
 
 
 def tool(name):
@@ -82,4 +102,4 @@ def token_stream(indexed, doc_order):
 
 
 __all__ = ["tiny_corpus", "tiny_tokenizer", "tiny_dataset", "write_jsonl", "run_tool", "quiet",
-           "REPO", "TINY_VOCAB", "token_stream"]
+           "REPO", "TINY_VOCAB", "token_stream", "in_forked_children"]

@@ -9,9 +9,11 @@ import sys
 import pytest
 import torch
 
+from data_fixtures import tool
 from megaq import pretrain
 from megaq import checkpoint as ckpt
 from megaq import dist_checkpoint
+from megaq import integrity
 from megaq.interop.ckpt_format import convert_format
 from megaq.data.gpt_dataset import MockGPTDataset
 from megaq.parallel.launch import run_on_ranks
@@ -71,9 +73,11 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
             assert torch.equal(first[name][key], again[name][key]), (name, key)
 
 
-def test_generate_refuses_a_mock_data_checkpoint_in_one_line(tmp_path):
+def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, capsys):
     """The tool end to end on a real checkpoint: it consolidates the model, then finds no
-    tokenizer (mock data) and says so in one line."""
+    tokenizer (mock data) and says so in one line. Without its integrity manifest the
+    checkpoint is refused, naming --no-verify-checkpoint, which (as in pretrain_gpt.py)
+    loads it unverified: the tool then gets as far as the tokenizer again."""
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-2",
             "--mock-data", "--vocab-size", "100", "--eval-iters", "0",
@@ -84,3 +88,15 @@ def test_generate_refuses_a_mock_data_checkpoint_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: tokenizer model None not found")
     assert len(r.stderr.strip().splitlines()) == 1
+
+    # the flag, in this process (a subprocess costs seconds of imports each)
+    generate = tool("generate")
+    os.remove(os.path.join(ckpt.iteration_dir(str(tmp_path / "ck"), 1), integrity.MANIFEST_NAME))
+    try:
+        assert generate.main(["--load", str(tmp_path / "ck")]) == 2
+        refused = capsys.readouterr().err.strip()
+        assert "has no integrity manifest" in refused and "--no-verify-checkpoint" in refused
+        assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint"]) == 2
+        assert capsys.readouterr().err.strip().startswith("error: tokenizer model None not found")
+    finally:
+        integrity.verify_checkpoints(True)  # the tool turned it off for this process

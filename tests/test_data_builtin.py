@@ -1,14 +1,14 @@
 """Built-in corpus: built once on first use, reused, safe under concurrent callers."""
 
+import functools
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
 
 import numpy as np
 
-from data_fixtures import REPO, quiet
+from data_fixtures import REPO, in_forked_children, quiet
 from megaq.data.builtin import ensure_builtin_corpus, stdlib_files
 from megaq.data.gpt_dataset import build_train_valid_test_datasets
 from megaq.data.indexed import IndexedDataset
@@ -17,21 +17,10 @@ from megaq.data.tokenizer import build_tokenizer
 SMALL = {"vocab_size": 400, "max_bytes": 120_000}
 
 
-def _ensure_in_child(cache, q):
-    q.put(ensure_builtin_corpus(cache, log=quiet, **SMALL))
-
-
 def test_concurrent_first_use_builds_once_and_reuses(tmp_path):
     cache = str(tmp_path / "cache")
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_ensure_in_child, args=(cache, q)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = in_forked_children(functools.partial(ensure_builtin_corpus, cache, log=quiet, **SMALL),
+                                 timeout=120)
     assert len(set(results)) == 1
     prefix, model = results[0]
     build_dir = os.path.dirname(prefix)

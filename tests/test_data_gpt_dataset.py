@@ -1,13 +1,13 @@
 """GPT dataset: samples across documents, split, cached indices, blending, mock data."""
 
+import functools
 import json
-import multiprocessing as mp
 import os
 
 import numpy as np
 import pytest
 
-from data_fixtures import token_stream
+from data_fixtures import in_forked_children, token_stream
 from megaq.data.blending import build_blending_indices, parse_data_path
 from megaq.data.errors import DataError
 from megaq.data.gpt_dataset import (GPTDataset, build_train_valid_test_datasets, parse_split,
@@ -86,22 +86,12 @@ def test_one_rank_builds_others_load_after_barrier(tmp_path, tiny_dataset):
     assert all(np.array_equal(loaded[i]["tokens"], built[i]["tokens"]) for i in (0, 1, 299))
 
 
-def _build_in_child(prefix, cache, q):
-    ds = build([prefix], cache)[0]
-    q.put(ds.shuffle_idx[:20].tolist())
+def _shuffle_head(prefix, cache):
+    return build([prefix], cache)[0].shuffle_idx[:20].tolist()
 
 
 def test_concurrent_builders_agree(tmp_path, tiny_dataset):
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_build_in_child, args=(tiny_dataset, str(tmp_path), q))
-             for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = in_forked_children(functools.partial(_shuffle_head, tiny_dataset, str(tmp_path)))
     assert results[0] == results[1] == results[2]
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
 

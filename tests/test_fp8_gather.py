@@ -31,7 +31,7 @@ from megaq.zero import ZeroConfig, ZeroConfigError, build_engine
 from megaq.zero.zeropp import rails_of, volume
 from megaq.zero.zeropp.fp8_weights import rest_layout
 
-from zero_harness import MBS, SEQ, model_config
+from zero_harness import MBS, SEQ, learnable_batch, model_config, split_microbatches
 
 FP8 = dict(fp8_format="hybrid", fp8_recipe="tensorwise")
 MODEL = dict(params_dtype=torch.bfloat16, hidden_size=64, num_attention_heads=4,
@@ -133,18 +133,9 @@ def test_fp8_gathers_move_half_the_bf16_bytes_and_match_the_byte_model():
 
 # ------------------------------------------------------------------- training
 def _microbatches(step, dp_rank, dp, vocab, n_micro):
-    """Learnable tokens (arithmetic sequences mod vocab, as tests/test_zeropp_training.py),
-    two global batches in turn, so that a few steps lower the loss clearly."""
-    g = torch.Generator().manual_seed(1000 + step % 2)
-    rows = dp * MBS * n_micro
-    start = torch.randint(0, vocab, (rows, 1), generator=g)
-    stride = torch.randint(1, 4, (rows, 1), generator=g)
-    data = (start + stride * torch.arange(SEQ + 1)) % vocab
-    out = []
-    for i in range(n_micro):
-        mine = data[(dp_rank * n_micro + i) * MBS:(dp_rank * n_micro + i + 1) * MBS]
-        out.append({"tokens": mine[:, :-1], "labels": mine[:, 1:], "loss_mask": torch.ones(MBS, SEQ)})
-    return out
+    """Learnable tokens (zero_harness.learnable_batch), two global batches in turn, so
+    that a few steps lower the loss clearly."""
+    return split_microbatches(learnable_batch(1000 + step % 2, dp * MBS * n_micro, vocab), dp_rank, n_micro)
 
 
 def _train(topo, zero_kw, steps, load_at=None, n_micro=2, recompute=False):

@@ -227,13 +227,11 @@ def test_nan_streak_leaves_latest_at_last_healthy_checkpoint(tmp_path):
 
 
 # --------------------------------------------------------------------- signals
-def _signal_when_training(sig, ranks, times=1, after="iteration        2/", gap=0.05):
+def _signal_when_training(sig, ranks, after="iteration        2/"):
     def inject(pids, outdir):
         wait_for(os.path.join(outdir, "0.out"), after)
-        for _ in range(times):
-            for r in ranks:
-                os.kill(pids[r], sig)
-            time.sleep(gap)
+        for r in ranks:
+            os.kill(pids[r], sig)
     return inject
 
 
@@ -248,12 +246,44 @@ def test_sigint_saves_at_next_iteration_and_exits_0(tmp_path):
     assert "saved checkpoint at iteration" in r["stdout"]
 
 
+def _running(pid) -> bool:
+    """Not yet exited (the launcher reaps its ranks only after on_start returns, so an
+    exited rank is a zombie until then)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _ctrl_c_until_exit(rank, gap=0.01, limit=120.0):
+    """Ctrl-C `rank` every `gap` s, from the start of an iteration on, until it exits.
+
+    Why a stream, not two signals `gap` apart: Python runs a signal's handler only when
+    the main thread next executes bytecode, and two SIGINTs that arrive before that (the
+    rank not scheduled on a loaded machine, or blocked in a collective) make one handler
+    call. With a stream, once the first handler call has requested the stop, any SIGINT
+    that arrives before the stop takes effect is a second Ctrl-C; the stream starts as
+    rank 0 logs an iteration (all ranks are past its boundary), so the first call comes
+    early in the next iteration and the stop is a whole iteration of compute away: the
+    injector, which needs almost no CPU, has that long to send one more. A run that
+    ignored the second Ctrl-C would stop at the boundary and exit 0, and fail."""
+    def inject(pids, outdir):
+        log = os.path.join(outdir, "0.out")
+        wait_for(log, "iteration        2/")  # training, signal handler installed
+        t0 = time.monotonic()
+        while "iteration        3/" not in open(log, errors="replace").read():
+            assert time.monotonic() - t0 < limit, "iteration 3 never logged"
+            time.sleep(0.002)
+        while _running(pids[rank]) and time.monotonic() - t0 < limit:
+            os.kill(pids[rank], signal.SIGINT)
+            time.sleep(gap)
+    return inject
+
+
 def test_second_ctrl_c_exits_at_once(tmp_path):
-    # iterations of ~0.1 s or more, so that the second Ctrl-C lands before the boundary
+    # iterations of ~0.1 s or more: the stop takes effect only at an iteration boundary
     argv = tiny_argv(100000, "--exit-signal-handler", "--micro-batch-size", "8")
     argv[argv.index("--hidden-size") + 1] = "128"
     argv[argv.index("--seq-length") + 1] = "128"
-    r = run(argv, world=2, on_start=_signal_when_training(signal.SIGINT, [1], times=2, gap=0.01))
+    r = run(argv, world=2, on_start=_ctrl_c_until_exit(1))
     assert r["codes"][1] == 130, r
     assert "[rank 1] error: interrupted again (second Ctrl-C)" in r["stderr"]
 

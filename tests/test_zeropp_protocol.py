@@ -40,7 +40,9 @@ from megaq.parallel.launch import run_on_ranks
 from megaq.zero import ZeroConfig, ZeroConfigError
 from megaq.zero.collectives import GradReducer, make_gatherer, make_reducer
 from megaq.zero.zeropp import (QuantizedGradReducer, RailOrderError, ZeroPPWeightGatherer,
-                               padded, rails_of, volume)
+                               padded, rails_of)
+
+from zero_harness import modelled_step_bytes, world_totals
 
 BLOCK = 64
 CHUNK = 128          # elements of each shard per qgZ chunk: several chunks per unit
@@ -112,17 +114,6 @@ def _qgz_coef(rails, cfg, feedback=False) -> float:
     return first + second
 
 
-def _world_totals(topo) -> dict[str, dict[str, int]]:
-    per_node = comm.per_node_totals(topo.world)
-    out: dict[str, dict[str, int]] = {}
-    for phases in per_node.values():
-        for phase, links in phases.items():
-            d = out.setdefault(phase, {INTRA: 0, INTER: 0})
-            for link, v in links.items():
-                d[link] += v
-    return out
-
-
 def _run_step(topo, cfg: ZeroConfig | None, units, grads):
     """One step with one micro-batch: fwd gather, bwd gather, grad reduce (per unit).
 
@@ -182,11 +173,11 @@ def _protocol_worker(topo, cases):
         comm.STATS.reset()
         if name.endswith("@aligned"):  # the engine's case: block-aligned units only
             _run_step(topo, cfg, units[:1], grads[:1])
-            result[name] = {"bytes": _world_totals(topo)}
+            result[name] = {"bytes": world_totals(comm.per_node_totals(topo.world))}
             continue
         fwd, bwd, red, mem = _run_step(topo, cfg, units, grads)
-        rec = {"bytes": _world_totals(topo), "mem": mem, "w_ratio": 0.0, "g_ratio": 0.0,
-               "bwd_equals_fwd": all(torch.equal(a, b) for a, b in zip(fwd, bwd)),
+        rec = {"bytes": world_totals(comm.per_node_totals(topo.world)), "mem": mem,
+               "w_ratio": 0.0, "g_ratio": 0.0, "bwd_equals_fwd": all(torch.equal(a, b) for a, b in zip(fwd, bwd)),
                "w_max_err": 0.0}
         for u, S in enumerate(SHARDS):
             # qwZ: every element of the gathered unit against the exact bf16 gather
@@ -211,14 +202,7 @@ def _protocol_worker(topo, cases):
 
 def _expected(case_kw, k, m, groups):
     """Analytical bytes for one step over the world (all DP groups, all units)."""
-    cfg = _cfg(**case_kw) if case_kw is not None else _cfg()
-    total: dict[str, dict[str, int]] = {}
-    for S in SHARDS:
-        for phase, links in volume.step(S, k, m, 2, 2, cfg).items():
-            d = total.setdefault(phase, {INTRA: 0, INTER: 0})
-            for link in (INTRA, INTER):
-                d[link] += groups * links[link]
-    return total
+    return modelled_step_bytes(SHARDS, k, m, _cfg(**case_kw) if case_kw is not None else _cfg(), groups)
 
 
 ALL_ON = dict(quantized_weights=True, quantized_gradients=True)

@@ -14,14 +14,15 @@ from __future__ import annotations
 import torch
 
 from megaq.parallel import comm
-from megaq.parallel.comm import INTER, INTRA
+from megaq.parallel.comm import INTER
 from megaq.parallel.launch import run_on_ranks
 from megaq.model import build_model_chunks
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.zero import ZeroConfig, build_engine
-from megaq.zero.zeropp import rails_of, volume
+from megaq.zero.zeropp import rails_of
 
-from zero_harness import BETAS, EPS, MBS, SEQ, WD, model_config
+from zero_harness import (BETAS, EPS, MBS, SEQ, WD, learnable_batch, model_config, modelled_step_bytes,
+                          split_microbatches, world_totals)
 
 LR = 1e-2
 
@@ -79,18 +80,7 @@ def _train(topo, zero_kw, steps, load_at=None, account=False, n_micro=1):
 
 
 def _microbatches(step, dp_rank, dp, vocab, n_micro):
-    """Learnable tokens (arithmetic sequences mod vocab, a few strides), so the loss
-    falls fast and a wrong weight or gradient shard shows in the curve."""
-    g = torch.Generator().manual_seed(1000 + step)
-    rows = dp * MBS * n_micro
-    start = torch.randint(0, vocab, (rows, 1), generator=g)
-    stride = torch.randint(1, 4, (rows, 1), generator=g)
-    data = (start + stride * torch.arange(SEQ + 1)) % vocab
-    out = []
-    for m in range(n_micro):
-        mine = data[(dp_rank * n_micro + m) * MBS:(dp_rank * n_micro + m + 1) * MBS]
-        out.append({"tokens": mine[:, :-1], "labels": mine[:, 1:], "loss_mask": torch.ones(MBS, SEQ)})
-    return out
+    return split_microbatches(learnable_batch(1000 + step, dp * MBS * n_micro, vocab), dp_rank, n_micro)
 
 
 def _mean_loss(topo, step_losses) -> float:
@@ -105,27 +95,6 @@ def _mean_loss(topo, step_losses) -> float:
 
 def _scenarios(topo, scenarios):
     return {name: _train(topo, *args) for name, args in scenarios.items()}
-
-
-def _totals(traffic):
-    out = {}
-    for phases in traffic.values():
-        for phase, links in phases.items():
-            d = out.setdefault(phase, {INTRA: 0, INTER: 0})
-            for k, v in links.items():
-                d[k] += v
-    return out
-
-
-def _expected(units, k, m, zkw, groups):
-    z = ZeroConfig(**zkw)
-    total = {}
-    for S in units:
-        for phase, links in volume.step(S, k, m, 2, 2, z).items():
-            d = total.setdefault(phase, {INTRA: 0, INTER: 0})
-            for link in (INTRA, INTER):
-                d[link] += groups * links[link]
-    return total
 
 
 def _check_layout(tp, hpz):
@@ -144,12 +113,12 @@ def _check_layout(tp, hpz):
     # Every DP group of these layouts has the same units (no PP).
     k, m = r0["zeropp"]["rails"]
     for name, zkw in (("zero3", z3), ("zeropp", zpp)):
-        exp = _expected(r0[name]["units"], k, m, zkw, tp)
-        got_b = _totals(r0[name]["traffic"])
+        exp = modelled_step_bytes(r0[name]["units"], k, m, ZeroConfig(**zkw), tp)
+        got_b = world_totals(r0[name]["traffic"])
         for phase in ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce"):
             assert got_b[phase] == exp[phase], (name, phase, got_b[phase], exp[phase])
-    assert _totals(r0["zeropp"]["traffic"])["weight_gather_bwd"][INTER] == 0
-    inter = lambda t: sum(v[INTER] for p, v in _totals(t).items()  # noqa: E731
+    assert world_totals(r0["zeropp"]["traffic"])["weight_gather_bwd"][INTER] == 0
+    inter = lambda t: sum(v[INTER] for p, v in world_totals(t).items()  # noqa: E731
                           if p in ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce"))
     ratio = inter(r0["zeropp"]["traffic"]) / inter(r0["zero3"]["traffic"])
     assert ratio <= 0.25, ratio

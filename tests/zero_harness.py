@@ -11,10 +11,12 @@ import torch._dynamo  # noqa: F401 - torch.optim imports it lazily (~3 s of CPU)
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
 from megaq.parallel import comm
+from megaq.parallel.comm import INTER, INTRA
 from megaq.model import build_model_chunks
 from megaq.parallel.pipeline import get_forward_backward_func, masked_mean_loss, pipeline_tensor_shape
 from megaq.parallel.tensor_parallel import shard_of
 from megaq.zero import ZeroConfig, build_engine, wants_weight_decay
+from megaq.zero.zeropp import volume
 
 SEQ, MBS = 8, 2
 # eps 1e-6, not 1e-8: for a gradient element near zero Adam's update g/(|g|+eps)
@@ -43,14 +45,50 @@ def global_batch(step: int, rows: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (rows, SEQ + 1), generator=g)
 
 
-def microbatches(step, dp_rank, dp, n_micro, vocab):
-    data = global_batch(step, dp * n_micro * MBS, vocab)
+def learnable_batch(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    """Arithmetic sequences mod vocab with a few strides: the loss falls fast, so a wrong
+    weight or gradient shard shows in the curve of a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    stride = torch.randint(1, 4, (rows, 1), generator=g)
+    return (start + stride * torch.arange(SEQ + 1)) % vocab
+
+
+def split_microbatches(data: torch.Tensor, dp_rank: int, n_micro: int) -> list[dict]:
+    """This DP rank's n_micro micro-batches of MBS rows from a global batch [rows, SEQ + 1]."""
     out = []
     for m in range(n_micro):
         rows = data[(dp_rank * n_micro + m) * MBS:(dp_rank * n_micro + m + 1) * MBS]
         out.append({"tokens": rows[:, :-1], "labels": rows[:, 1:],
                     "loss_mask": torch.ones(MBS, SEQ)})
     return out
+
+
+def microbatches(step, dp_rank, dp, n_micro, vocab):
+    return split_microbatches(global_batch(step, dp * n_micro * MBS, vocab), dp_rank, n_micro)
+
+
+def world_totals(per_node: dict) -> dict[str, dict[str, int]]:
+    """comm.per_node_totals summed over the nodes: {phase: {intra_node, inter_node}}."""
+    out: dict[str, dict[str, int]] = {}
+    for phases in per_node.values():
+        for phase, links in phases.items():
+            d = out.setdefault(phase, {INTRA: 0, INTER: 0})
+            for link, v in links.items():
+                d[link] += v
+    return out
+
+
+def modelled_step_bytes(shards, k: int, m: int, cfg: ZeroConfig, groups: int) -> dict[str, dict[str, int]]:
+    """The byte model (volume.step, bf16 weights and gradients) of one step over `groups`
+    DP groups that each hold units of the given shard sizes."""
+    total: dict[str, dict[str, int]] = {}
+    for S in shards:
+        for phase, links in volume.step(S, k, m, 2, 2, cfg).items():
+            d = total.setdefault(phase, {INTRA: 0, INTER: 0})
+            for link in (INTRA, INTER):
+                d[link] += groups * links[link]
+    return total
 
 
 def reference(model_kw: dict, dp: int, n_micro: int, steps: int = STEPS, clip: float = CLIP,

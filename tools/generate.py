@@ -21,6 +21,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaq import checkpoint as ckpt  # noqa: E402
+from megaq import integrity  # noqa: E402
+from megaq.config import CheckpointConfig  # noqa: E402
+from megaq.flags import add_flag  # noqa: E402
 
 
 class GenerateError(RuntimeError):
@@ -56,7 +59,9 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-model", default=None, help="default: the checkpoint's")
+    add_flag(p, CheckpointConfig, "no_verify_checkpoint")
     a = p.parse_args(argv)
+    integrity.verify_checkpoints(not a.no_verify_checkpoint)
     try:
         ckpt_dir = a.load
         if not os.path.basename(os.path.normpath(ckpt_dir)).startswith("iter_"):

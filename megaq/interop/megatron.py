@@ -226,26 +226,24 @@ def architecture_flags(arch: dict) -> list[str]:
     return [str(x) for x in f]
 
 
-# megatron-core name inside a block -> (megaq name inside a block, TP dim, stride); dim -1:
+# megatron-core module inside a block -> (megaq module, TP dim of its weight); dim -1:
 # replicated over TP. The stride of fc1 becomes 2 with SwiGLU ([gate_r; up_r] per rank).
-_BLOCK = {
-    "input_layernorm.weight": ("input_layernorm.weight", -1),
-    "input_layernorm.bias": ("input_layernorm.bias", -1),
-    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight", -1),
-    "self_attention.linear_qkv.layer_norm_bias": ("input_layernorm.bias", -1),
-    "self_attention.linear_qkv.weight": ("self_attention.linear_qkv.weight", 0),
-    "self_attention.linear_qkv.bias": ("self_attention.linear_qkv.bias", 0),
-    "self_attention.linear_proj.weight": ("self_attention.linear_proj.weight", 1),
-    "self_attention.linear_proj.bias": ("self_attention.linear_proj.bias", -1),
-    "pre_mlp_layernorm.weight": ("pre_mlp_layernorm.weight", -1),
-    "pre_mlp_layernorm.bias": ("pre_mlp_layernorm.bias", -1),
-    "mlp.linear_fc1.layer_norm_weight": ("pre_mlp_layernorm.weight", -1),
-    "mlp.linear_fc1.layer_norm_bias": ("pre_mlp_layernorm.bias", -1),
-    "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", 0),
-    "mlp.linear_fc1.bias": ("mlp.linear_fc1.bias", 0),
-    "mlp.linear_fc2.weight": ("mlp.linear_fc2.weight", 1),
-    "mlp.linear_fc2.bias": ("mlp.linear_fc2.bias", -1),
-}
+# A bias is split with its weight's output rows (dim 0, column-parallel) and replicated
+# otherwise (a row-parallel layer adds it after the all-reduce; norms are replicated).
+# Transformer Engine fuses a norm into the next linear: "<linear>.layer_norm_weight".
+_BLOCK_MODULES = (
+    ("input_layernorm.", "input_layernorm", -1),
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm", -1),
+    ("self_attention.linear_qkv.", "self_attention.linear_qkv", 0),
+    ("self_attention.linear_proj.", "self_attention.linear_proj", 1),
+    ("pre_mlp_layernorm.", "pre_mlp_layernorm", -1),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm", -1),
+    ("mlp.linear_fc1.", "mlp.linear_fc1", 0),
+    ("mlp.linear_fc2.", "mlp.linear_fc2", 1),
+)
+# megatron-core name inside a block -> (megaq name inside a block, TP dim)
+_BLOCK = {mcore + kind: (f"{megaq}.{kind}", dim if kind == "weight" or dim == 0 else -1)
+          for mcore, megaq, dim in _BLOCK_MODULES for kind in ("weight", "bias")}
 _TOP = {
     "embedding.word_embeddings.weight": ("embedding.word_embeddings.weight", 0),
     "embedding.position_embeddings.weight": ("embedding.position_embeddings.weight", -1),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from typing import Callable
 
 import torch
@@ -135,55 +136,38 @@ def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ autograd regions
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; all-reduce the gradient (the input feeds n shards)."""
+def _region(name: str, doc: str, forward: Callable, backward: Callable) -> type:
+    """An autograd Function of (x, group): forward(x, group), backward(g, group).
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+    Made by types.new_class so torch names its backward node after `name`."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g.clone(), ctx.group), None
+    def body(ns):
+        def fwd(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
+        def bwd(ctx, g):
+            return backward(g, ctx.group), None
 
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce forward (sum the partial outputs); identity backward."""
+        ns.update(__doc__=doc, __module__=__name__, forward=staticmethod(fwd), backward=staticmethod(bwd))
 
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+    return types.new_class(name, (torch.autograd.Function,), exec_body=body)
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """Gather the last dim forward; keep my slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split_last(g, ctx.group), None
+def _identity(x, group):
+    return x
 
 
-class _ScatterToSP(torch.autograd.Function):
-    """Keep my chunk of the sequence forward; gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_dim0(g, ctx.group), None
+_CopyToTP = _region("_CopyToTP", "Identity forward; all-reduce the gradient (the input feeds n shards).",
+                    _identity, lambda g, group: _all_reduce(g.clone(), group))
+_ReduceFromTP = _region("_ReduceFromTP", "All-reduce forward (sum the partial outputs); identity backward.",
+                        lambda x, group: _all_reduce(x.clone(), group), _identity)
+_GatherFromTP = _region("_GatherFromTP", "Gather the last dim forward; keep my slice of the gradient backward.",
+                        _gather_last, _split_last)
+_ScatterToSP = _region("_ScatterToSP", "Keep my chunk of the sequence forward; gather the gradient backward.",
+                       _split_dim0, _gather_dim0)
+_ReduceScatterToSP = _region("_ReduceScatterToSP", "Reduce-scatter partial outputs along the sequence "
+                             "forward; all-gather backward.", _reduce_scatter_dim0, _gather_dim0)
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -203,19 +187,6 @@ class _GatherFromSP(torch.autograd.Function):
         if ctx.partial:
             return _reduce_scatter_dim0(g, ctx.group), None, None
         return _split_dim0(g, ctx.group), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    """Reduce-scatter partial outputs along the sequence forward; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_dim0(g, ctx.group), None
 
 
 def copy_to_tp_region(x, group: Group):

@@ -9,9 +9,11 @@ frozen dataclass, each with one name and one default; docs/ZERO.md lists them al
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from megaq.flags import flag, switch
 from megaq.kernels.format import HADAMARD_SIZE, INT4_CODES, QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
@@ -38,10 +40,15 @@ class ZeroConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    stage: int = 3  # 0: plain DP (all-reduce), 3: ZeRO-3
-    # Quantization block (elements). Flat buffers are padded to a multiple of
-    # dp_size * block_size so every DP shard and every block is aligned.
-    block_size: int = DEFAULT_BLOCK_SIZE
+    """Fields made with flag()/switch() are pretrain_gpt.py's --zero-* flags (DeepSpeed's
+    names; their --help section is FLAG_GROUP); megaq.config.RunConfig.from_flags fills
+    the rest from the training and optimizer flags."""
+
+    FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"
+
+    stage: int = flag(  # 0: plain DP (all-reduce), 3: ZeRO-3
+        "--zero-stage", "3: ZeRO-3 sharded params/grads/optimizer; 0: replicated, all-reduce",
+        3, type=int, choices=[0, 3])
     # How many sites (units gathered together) ahead to all-gather while the
     # current one computes; 0 = no prefetch. Live gathered memory is bounded by
     # (1 + prefetch) sites plus a borrowed tied embedding.
@@ -72,39 +79,87 @@ class ZeroConfig:
     # gather-dtype weights in one kernel; None: on CUDA unless use_apex=True
     fused_step: bool | None = None
     # ---- ZeRO++ (megaq.zero.zeropp; DeepSpeed's switch names, docs/ZEROPP.md) ----
-    quantized_weights: bool = False     # qwZ: blockwise-quantized forward all-gather
+    # (in the order of their --help lines)
+    quantized_weights: bool = flag(  # qwZ: blockwise-quantized forward all-gather
+        "--zero-quantized-weights", "qwZ: quantized forward weight all-gather. int8 (the "
+        "default when given without a value): blockwise int8, dequantized to bf16 for bf16 "
+        "GEMMs; fp8 (needs --fp8-format, tensorwise): the FP8 GEMM layers' weights travel as "
+        "E4M3 with the GEMM's scale and feed the FP8 GEMMs directly (docs/ZEROPP.md)",
+        False, value=lambda ns: ns.zero_quantized_weights == "int8",
+        nargs="?", const="int8", choices=["int8", "fp8"])
     weight_bits: int = 8                # qwZ: bits per weight (8 or 4)
     # FP8 weight gathers (--zero-quantized-weights fp8, with FP8 GEMMs): the weights of the
     # FP8 GEMM layers travel as E4M3 with the GEMM's per-tensor scale and feed the GEMMs
     # as they arrive (megaq.zero.zeropp.fp8_weights); other weights travel as before.
     fp8_weights: bool = False
-    hpz_partition_size: int = 1         # hpZ (> 1): secondary in-node shard for later gathers
-    quantized_gradients: bool = False   # qgZ: two-hop quantized all-to-all reduce
-    grad_bits_intra: int = 4            # qgZ: bits of the in-node hop (8 or 4)
-    grad_bits_inter: int = 4            # qgZ: bits of the cross-node hop (8 or 4)
-    error_feedback: bool = False        # qgZ: carry each quantization's residual forward
-    grad_chunk: int = DEFAULT_GRAD_CHUNK  # qgZ: shard elements per chunk (hops of chunks overlap)
-    # qgZ: a rank's own all-to-all row stays fp32 (no link, no bytes). Opt-in: with it the
-    # in-node hop runs an unfused dequant_reduce + quantize instead of the fused kernel
-    # (H200 time: tools/bench/bench_qgz_paths.py), and its gain is the share of the own
-    # rows, 1/m and 1/k of the contributions: large at 2 nodes x 2, small at scale.
-    grad_exact_own_rows: bool = False
-    # Weight deltas (megaq.zero.zeropp.deltas, needs hpZ): hpZ's secondary slices live
-    # across steps as the reference weights; after a step only each shard's quantized
-    # difference to its reference crosses nodes, and every gather runs in-node.
-    weight_deltas: bool = False
-    weight_delta_bits: int = 4          # bits per element of a difference (4 or 8)
+    hpz_partition_size: int = flag(  # hpZ (> 1): secondary in-node shard for later gathers
+        "--zero-hpz-partition-size",
+        "hpZ: secondary weight shard over this many in-node DP ranks (1 = off)", 1, type=int)
+    quantized_gradients: bool = switch(  # qgZ: two-hop quantized all-to-all reduce
+        "--zero-quantized-gradients", "qgZ: quantized two-hop all-to-all gradient reduce-scatter")
+    grad_bits_inter: int = flag(  # qgZ: bits of the cross-node hop (8 or 4)
+        "--zero-quantized-gradients-bits", "qgZ bits per value of the cross-node hop (and of "
+        "the in-node hop unless --zero-quantized-gradients-intra-bits is given)",
+        4, type=int, choices=[4, 8])
+    grad_bits_intra: int = flag(  # qgZ: bits of the in-node hop (8 or 4)
+        "--zero-quantized-gradients-intra-bits", "qgZ bits of the in-node hop only (in-node "
+        "bytes, never cross-node; docs/ZEROPP.md 'Fidelity' has the trade-off); default: "
+        "--zero-quantized-gradients-bits", 4,
+        value=lambda ns: ns.zero_quantized_gradients_intra_bits or ns.zero_quantized_gradients_bits,
+        type=int, choices=[4, 8])
     # qgZ: the int4 code of the gradient hops (int8 hops are always linear): "linear", a
     # nibble q means q * absmax/7, rounds every value below absmax/14 of its block to 0;
     # "square", q |q| * absmax/49, keeps values down to absmax/98 (same bytes;
     # docs/ZEROPP.md "The square-law code"). qwZ's int4 weights are always linear.
     # Square is the default: the linear code's dead zone cost +1.4-1.7% loss against
     # ZeRO-3 in the harness, the square code's about 0 (docs/PERFORMANCE.md).
-    grad_code: str = "square"
+    grad_code: str = flag(
+        "--zero-quantized-gradients-code", "qgZ: the int4 code of the gradient hops (int8 hops "
+        "are linear): linear, a nibble q means q*absmax/7 (values below absmax/14 of their "
+        "block arrive as 0); square, q|q|*absmax/49 (levels 0,1,4,...,49; values down to "
+        "absmax/98 survive; the default). Same bytes; docs/ZEROPP.md 'The square-law code'",
+        "square", choices=["linear", "square"])
     # qgZ: quantize each rank's gradient after a blockwise randomized Hadamard transform
     # (64 elements, fixed signs; the inverse after the final reduce) that spreads outliers
     # over their group, so the block's absmax wastes less of the int4 range. Same bytes.
-    grad_hadamard: bool = False
+    grad_hadamard: bool = switch(
+        "--zero-hadamard-gradients", "qgZ: quantize each rank's gradient after a blockwise "
+        "randomized Hadamard transform (groups of 64, fixed signs; the inverse after the final "
+        "reduce) that spreads outliers over their group; same bytes; needs "
+        "--zero-quantized-gradients and a block size multiple of 64 (docs/ZEROPP.md "
+        "'Hadamard-smoothed gradients')")
+    # Quantization block (elements). Flat buffers are padded to a multiple of
+    # dp_size * block_size so every DP shard and every block is aligned.
+    block_size: int = flag("--zero-quantization-block-size", "elements per quantization block",
+                           DEFAULT_BLOCK_SIZE, type=int)
+    # qgZ: a rank's own all-to-all row stays fp32 (no link, no bytes). Opt-in: with it the
+    # in-node hop runs an unfused dequant_reduce + quantize instead of the fused kernel
+    # (H200 time: tools/bench/bench_qgz_paths.py), and its gain is the share of the own
+    # rows, 1/m and 1/k of the contributions: large at 2 nodes x 2, small at scale.
+    grad_exact_own_rows: bool = switch(
+        "--zero-quantized-gradients-exact-own-rows",
+        "qgZ: keep the all-to-all row a rank keeps for itself exact (fp32, no bytes; its "
+        "gain is the own rows' share, 1/m in-node and 1/k cross-node; docs/ZEROPP.md 'Fidelity')")
+    error_feedback: bool = switch(  # qgZ: carry each quantization's residual forward
+        "--zero-gradient-error-feedback", "qgZ: carry the quantization residual into the next "
+        "step (an fp32 residual as large as each unit's full gradient on every rank: 4 bytes "
+        "per parameter per rank; docs/ZEROPP.md 'Fidelity')")
+    grad_chunk: int = flag(  # qgZ: shard elements per chunk (hops of chunks overlap)
+        "--zero-quantized-gradients-chunk", "qgZ: elements of each rank's gradient shard per "
+        "chunk; the two all-to-all hops of consecutive chunks overlap (larger chunks mean fewer, "
+        "bigger collectives)", DEFAULT_GRAD_CHUNK, type=int)
+    # Weight deltas (megaq.zero.zeropp.deltas, needs hpZ): hpZ's secondary slices live
+    # across steps as the reference weights; after a step only each shard's quantized
+    # difference to its reference crosses nodes, and every gather runs in-node.
+    weight_deltas: bool = switch(
+        "--zero-weight-deltas", "weight gathers that send only each shard's quantized "
+        "difference to the previous step's weights across nodes (needs "
+        "--zero-hpz-partition-size N > 1: hpZ's in-node slices become the persistent "
+        "reference weights, error-fed; every gather then runs in-node; docs/ZEROPP.md "
+        "'Weight deltas')")
+    weight_delta_bits: int = flag(  # bits per element of a difference (4 or 8)
+        "--zero-weight-delta-bits", "bits per element of the weight differences "
+        "(--zero-weight-deltas)", 4, type=int, choices=[4, 8])
 
     def __post_init__(self):
         if self.stage not in (0, 3):
@@ -138,8 +193,8 @@ class ZeroConfig:
             raise ZeroConfigError(f"hpz_partition_size {self.hpz_partition_size} "
                                   f"(--zero-hpz-partition-size) must be >= 1 (1 = off)")
         if self.grad_chunk < 1:
-            raise ZeroConfigError(f"grad_chunk {self.grad_chunk} (--zero-quantized-gradients-chunk) "
-                                  f"must be >= 1 element (e.g. {DEFAULT_GRAD_CHUNK})")
+            raise ZeroConfigError(f"--zero-quantized-gradients-chunk {self.grad_chunk} must be >= 1 "
+                                  f"element (e.g. {DEFAULT_GRAD_CHUNK})")
         if self.error_feedback and not self.quantized_gradients:
             raise ZeroConfigError("error_feedback (--zero-gradient-error-feedback) needs "
                                   "quantized_gradients (--zero-quantized-gradients)")

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from corpus_jsonl import write_text_jsonl  # noqa: E402
 
 
 def sources(root: str) -> list[str]:
@@ -39,6 +41,11 @@ def sources(root: str) -> list[str]:
 def default_root() -> str | None:
     found = sorted(glob.glob("/usr/share/perl/5.*"))
     return found[-1] if found else None
+
+
+def pod_text(path: str) -> str | None:
+    res = subprocess.run(["pod2text", path], capture_output=True, text=True, errors="replace")
+    return res.stdout.strip() if res.returncode == 0 else None
 
 
 def main(argv=None) -> int:
@@ -55,21 +62,7 @@ def main(argv=None) -> int:
     if not files:
         print(f"error: no .pod or .pm files under {root}; pass --root", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    total = docs = 0
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as out:
-        for f in files:
-            if total >= a.max_bytes:
-                break
-            res = subprocess.run(["pod2text", f], capture_output=True, text=True, errors="replace")
-            text = res.stdout.strip()
-            if res.returncode != 0 or len(text) < 200:
-                continue
-            out.write(json.dumps({"text": text}) + "\n")
-            total += len(text.encode())
-            docs += 1
-    os.replace(tmp, a.out)
+    docs, total = write_text_jsonl(a.out, files, pod_text, a.max_bytes)
     print(f"wrote {a.out}: {docs} documents, {total / 1e6:.2f} MB from {root}")
     return 0
 

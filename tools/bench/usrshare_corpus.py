@@ -18,9 +18,11 @@ skipped, until --max-bytes of text (deterministic for a given system image).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from corpus_jsonl import write_text_jsonl  # noqa: E402
 
 
 def sources(root: str = "/usr/share") -> list[str]:
@@ -30,6 +32,11 @@ def sources(root: str = "/usr/share") -> list[str]:
     if os.path.isdir(doc):
         files += [os.path.join(doc, d, "copyright") for d in sorted(os.listdir(doc))]
     return [f for f in files if os.path.isfile(f) and not os.path.islink(f)]
+
+
+def file_text(path: str) -> str:
+    with open(path, errors="replace") as fh:
+        return fh.read().strip()
 
 
 def main(argv=None) -> int:
@@ -42,21 +49,7 @@ def main(argv=None) -> int:
     if not files:
         print(f"error: no license or copyright files under {a.root}; pass --root", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    total = docs = 0
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as out:
-        for f in files:
-            if total >= a.max_bytes:
-                break
-            with open(f, errors="replace") as fh:
-                text = fh.read().strip()
-            if len(text) < 200:
-                continue
-            out.write(json.dumps({"text": text}) + "\n")
-            total += len(text.encode())
-            docs += 1
-    os.replace(tmp, a.out)
+    docs, total = write_text_jsonl(a.out, files, file_text, a.max_bytes)
     print(f"wrote {a.out}: {docs} documents, {total / 1e6:.2f} MB")
     return 0
 
