@@ -949,9 +949,15 @@ def _launcher(cached: CachedLauncher) -> CachedLauncher:
 # the sweep in tools/bench/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
 NB_OVERRIDE = None
-# Quantize variants for that sweep: CHUNKED_OVERRIDE True reads every 64-group as 8 chunk
-# tiles (the layout of the fused Hadamard transform, _quantize_chunks) without the
-# transform; EVICT_OVERRIDE "evict_first" marks the (read-once) input for early L2 eviction.
+# The quantize kernel's defaults (H200 sweep, docs/PERFORMANCE.md): ~QUANTIZE_PER_THREAD
+# elements per thread, QUANTIZE_NB blocks per program; QUANTIZE_CHUNKED: read every 64-group
+# as 8 chunk tiles (the layout of the fused Hadamard transform, _quantize_chunks; blocks
+# that are multiples of 64); QUANTIZE_EVICT: the input's L2 eviction policy ("evict_first":
+# it is read once). The overrides (None: the default) exist for the sweep.
+QUANTIZE_PER_THREAD = 64
+QUANTIZE_NB = 2
+QUANTIZE_CHUNKED = False
+QUANTIZE_EVICT = ""
 CHUNKED_OVERRIDE = None
 EVICT_OVERRIDE = None
 # The int4 word kernels: elements per thread and blocks per program by default (the
@@ -1011,13 +1017,15 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
     if rows == 0:  # empty leading dimensions: nothing to launch
         return out
     row_blocks, chunk_blocks = k * S // block, S // block
-    opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
+    opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
+    chunked = QUANTIZE_CHUNKED if CHUNKED_OVERRIDE is None else CHUNKED_OVERRIDE
     res = residual if residual is not None else x
     _launcher(_QUANTIZE)(
         (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
         P, k * S * bits // 8,
         BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
-        CHUNKED=bool(CHUNKED_OVERRIDE) and block % HADAMARD_SIZE == 0, EVICT=EVICT_OVERRIDE or "", **opts,
+        CHUNKED=chunked and block % HADAMARD_SIZE == 0, EVICT=QUANTIZE_EVICT if EVICT_OVERRIDE is None else EVICT_OVERRIDE,
+        **opts,
     )
     return out
 
