@@ -105,30 +105,30 @@ def _quantize_tile(x, QMAX: tl.constexpr, TINY: tl.constexpr):
 
 # The square-law int4 code (reference._square_q): c = the number of thresholds T_t =
 # t^2 + t + 1/2 (t = 0..6) that the exact product y = |x| * inv reaches, i.e. the c with
-# T_(c-1) <= y < T_c (T_-1 = -inf, T_7 = +inf). As T_t = (t + 1/2)^2 + 1/4, sqrt(T_(c-1))
-# exceeds c - 1/2 by more than 1/(8c) >= 1/56 and sqrt(T_c) exceeds c + 1/2 by less than
-# 1/4, so e = min(round(sqrt(rn(y))), 7) is c or c + 1 (a tie at c + 1/2 may round either
-# way): rn(y) >= T_(c-1) still (rounding is monotonic, T is an fp32 number), and the
-# square root's error (~2^-22 relative, against margins >= 1/56 and 1/4) cannot cross
-# either bound. One exact compare settles it: c = e - 1 where y < T_(e-1). fma(|x|, inv,
-# -T) is the exact y - T rounded once, whose sign is the exact sign (the difference is a
-# multiple of 2^-48 or more near T, far from underflow). e = 0 means y < 0.5: the clamp
-# at 0 keeps c = 0. One square root (MUFU) and a dozen full-rate operations per element
-# instead of 7 compares, 7 conversions and a fix-up; the result does not depend on the
-# root's accuracy. The rounding to an integer and the result use _ROUND_MAGIC as
-# _round_bits does.
+# T_(c-1) <= y < T_c (T_-1 = -inf). The estimate e = round(sqrt(rn(y + 1))) is c or c + 1:
+# y + 1 lies in [c^2 - c + 3/2, c^2 + c + 3/2), whose square roots lie in (c - 1/2 +
+# 0.089, c + 3/2 - 0.27) for c = 0..7, and rn(y + 1) >= T_(c-1) + 1 still (rounding is
+# monotonic, T + 1 is an fp32 number); the root's error (~2^-22 relative) and a tie of the
+# rounding cannot cross those margins. So e >= 1 always, and one exact compare settles c:
+# c = e - 1 where y < T_(e-1) = e^2 - e + 1/2 (for c = 0: e = 1 and y < 1/2).
+# fma(|x|, -inv, T) is the exact T - y rounded once, whose sign is the exact sign (the
+# difference is a multiple of 2^-48 or more near T, far from underflow). The result does
+# not depend on the root's accuracy. Per element: one MUFU square root and ten full-rate
+# operations (two FADDs round to an integer with _ROUND_MAGIC, as _round_bits does; the
+# sign of x is OR-ed into c), instead of 7 compares, 7 conversions and a fix-up.
 
 
 @triton.jit
 def _square_q(x, inv):
-    """The square code's q = sign(x) c, as _round_bits gives q (int32 0x4B400000 + q:
-    the low nibble is q's two's-complement nibble), bit for bit reference._square_q (the
-    argument above)."""
+    """The square code's q = sign(x) c for fp32 x, as _round_bits gives q (int32
+    0x4B400000 + q: the low nibble is q's two's-complement nibble), bit for bit
+    reference._square_q (the argument above)."""
     a = tl.abs(x)
-    e = tl.minimum((tl.sqrt(a * inv) + _ROUND_MAGIC) - _ROUND_MAGIC, 7.0)
-    lo = tl.fma(e, e - 1.0, 0.5)  # T_(e-1), exact
-    c = tl.maximum(tl.where(tl.fma(a, inv, -lo) < 0.0, e - 1.0, e), 0.0)
-    return (tl.where(x < 0, -c, c) + _ROUND_MAGIC).to(tl.int32, bitcast=True)
+    e = (tl.sqrt(tl.fma(a, inv, 1.0)) + _ROUND_MAGIC) - _ROUND_MAGIC
+    below = e - 1.0
+    c = tl.where(tl.fma(a, -inv, tl.fma(e, below, 0.5)) > 0.0, below, e)  # y < T_(e-1): c = e - 1
+    signed = c.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)  # c >= +0
+    return (signed.to(tl.float32, bitcast=True) + _ROUND_MAGIC).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -949,9 +949,15 @@ def _launcher(cached: CachedLauncher) -> CachedLauncher:
 # the sweep in tools/bench/bench_kernels.py on an H200; the overrides exist for that sweep.
 WARPS_OVERRIDE = None
 NB_OVERRIDE = None
-# Quantize variants for that sweep: CHUNKED_OVERRIDE True reads every 64-group as 8 chunk
-# tiles (the layout of the fused Hadamard transform, _quantize_chunks) without the
-# transform; EVICT_OVERRIDE "evict_first" marks the (read-once) input for early L2 eviction.
+# The quantize kernel's defaults (H200 sweep, docs/PERFORMANCE.md): ~QUANTIZE_PER_THREAD
+# elements per thread, QUANTIZE_NB blocks per program; QUANTIZE_CHUNKED: read every 64-group
+# as 8 chunk tiles (the layout of the fused Hadamard transform, _quantize_chunks; blocks
+# that are multiples of 64); QUANTIZE_EVICT: the input's L2 eviction policy ("evict_first":
+# it is read once). The overrides (None: the default) exist for the sweep.
+QUANTIZE_PER_THREAD = 64
+QUANTIZE_NB = 2
+QUANTIZE_CHUNKED = False
+QUANTIZE_EVICT = ""
 CHUNKED_OVERRIDE = None
 EVICT_OVERRIDE = None
 # The int4 word kernels: elements per thread and blocks per program by default (the
@@ -1011,13 +1017,15 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
     if rows == 0:  # empty leading dimensions: nothing to launch
         return out
     row_blocks, chunk_blocks = k * S // block, S // block
-    opts = _launch_opts(block, 64, 2, row_blocks, chunk_blocks)
+    opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
+    chunked = QUANTIZE_CHUNKED if CHUNKED_OVERRIDE is None else CHUNKED_OVERRIDE
     res = residual if residual is not None else x
     _launcher(_QUANTIZE)(
         (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
         P, k * S * bits // 8,
         BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
-        CHUNKED=bool(CHUNKED_OVERRIDE) and block % HADAMARD_SIZE == 0, EVICT=EVICT_OVERRIDE or "", **opts,
+        CHUNKED=chunked and block % HADAMARD_SIZE == 0, EVICT=QUANTIZE_EVICT if EVICT_OVERRIDE is None else EVICT_OVERRIDE,
+        **opts,
     )
     return out
 

@@ -144,6 +144,29 @@ def test_triton_quantize_dequantize_bit_identical(tq, bits, block):
             assert db.dtype == out_dtype and torch.equal(da, db), (dtype, out_dtype)
 
 
+@pytest.mark.parametrize("block", [64, 192])  # 192: 3 groups of 64 per block, padded to 4
+def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
+    """The quantize kernel's other layout (every 64-group as 8 chunk tiles: the fused
+    Hadamard transform's, quant.QUANTIZE_CHUNKED) with evict-first loads writes the
+    reference's bytes and residual, in both int4 codes and int8."""
+    monkeypatch.setattr(tq, "CHUNKED_OVERRIDE", True)
+    monkeypatch.setattr(tq, "EVICT_OVERRIDE", "evict_first")
+    g = torch.Generator().manual_seed(block)
+    k, m, S = 2, 2, 2 * block
+    x = torch.randn(k * m * S, generator=g) * torch.exp(torch.randn(k * m * S, generator=g))
+    x[:block] = 0  # a zero block
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype).to(DEV)
+        for bits, code in ((8, "linear"), (4, "linear"), (4, "square")):
+            assert torch.equal(tq.quantize(xd.reshape(4, S), bits, block, code),
+                               ref.quantize(xd.reshape(4, S), bits, block, code)), (dtype, bits, code)
+            r1 = (torch.randn(x.numel(), generator=g) * 0.01).to(DEV)
+            r2 = r1.clone()
+            assert torch.equal(tq.reorder_quantize(xd, k, m, bits, block, r1, code),
+                               ref.reorder_quantize(xd, k, m, bits, block, r2, code)), (dtype, bits, code)
+            assert torch.equal(r1, r2)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_triton_fused_kernels_bit_identical(tq, bits):
     torch.manual_seed(bits)

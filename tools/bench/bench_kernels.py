@@ -460,8 +460,8 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
     rows = []
     for block, warps, nb, flags in shapes:
         quant.WARPS_OVERRIDE, quant.NB_OVERRIDE = warps, nb
-        quant.CHUNKED_OVERRIDE = "c" in flags or None
-        quant.EVICT_OVERRIDE = "evict_first" if "e" in flags else None
+        quant.CHUNKED_OVERRIDE = "c" in flags
+        quant.EVICT_OVERRIDE = "evict_first" if "e" in flags else ""
         try:
             recv = quant.reorder_quantize(x, k, m, 4, block)
             cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
