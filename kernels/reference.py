@@ -88,18 +88,31 @@ def _scale_rule(absmax: torch.Tensor, is_zero: torch.Tensor, bits: int, square: 
 
 def _round_q(blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """q = the exact product blocks * inv rounded half to even (exact in fp64: two
-    24-bit significands), as int8. |q| <= qmax: absmax * inv <= qmax * (1 + 2^-23)."""
-    return torch.round(blocks.double() * inv.double().unsqueeze(-1)).to(torch.int8)
+    24-bit significands), as int8. |q| <= qmax: absmax * inv <= qmax * (1 + 2^-23).
+    In place on the one fp64 copy: on CPU every fresh full-size tensor costs more than
+    the arithmetic."""
+    return blocks.double().mul_(inv.double().unsqueeze(-1)).round_().to(torch.int8)
+
+
+def _square_lut(device) -> torch.Tensor:
+    """int8 [199]: entry 99 + n (n = -99..99) is sign(n) #{t : 2 (t^2 + t + 1/2) <= |n|}."""
+    c = torch.tensor([sum(2 * thr <= n for thr in SQUARE_THRESHOLDS) for n in range(100)],
+                     dtype=torch.int8, device=device)
+    return torch.cat([-c.flip(0)[:-1], c])
 
 
 def _square_q(blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """The square code's q = sign(x) c, c = #{t : |x| * inv >= t^2 + t + 1/2} (the
-    product exact in fp64), as int8."""
-    y = blocks.abs().double() * inv.double().unsqueeze(-1)
-    c = torch.zeros(y.shape, dtype=torch.int8, device=y.device)
-    for thr in SQUARE_THRESHOLDS:
-        c += (y >= thr).to(torch.int8)
-    return torch.where(blocks < 0, -c, c)
+    product exact in fp64), as int8.
+
+    Computed as one table look-up: with v = 2 x inv (exact in fp64) and n = v truncated
+    toward zero, |x| inv >= t^2 + t + 1/2 <=> |v| >= 2t^2 + 2t + 1 (an integer) <=>
+    |n| >= 2t^2 + 2t + 1; so q = table[n] (n clamped to +-99: every |v| >= 85 counts all
+    7; NaN -> 0 as the comparisons give). Bit-identical to counting the 7 comparisons,
+    about 5x cheaper on CPU (one fp64 copy, in-place ops, one gather)."""
+    v = blocks.double().mul_((2.0 * inv.double()).unsqueeze(-1))
+    n = v.nan_to_num_(0.0).clamp_(-99.0, 99.0).to(torch.int64).add_(99)
+    return torch.take(_square_lut(blocks.device), n)
 
 
 def _pack(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
