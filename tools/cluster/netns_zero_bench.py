@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc-per-node", type=int, default=2)
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--hidden-size", type=int, default=256)
-    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--seq-length", type=int, default=16,
+                    help="tokens per sample (default 16: see docs/CLUSTER_EMULATION.md, \"The workload\"; "
+                         "--seq-length 128 is the earlier setup)")
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--iters-per-rate", type=int, default=3)
     ap.add_argument("--settle", type=int, default=1,
