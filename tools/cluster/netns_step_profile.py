@@ -4,10 +4,12 @@
 Runs the benchmark's model (tools/cluster/netns_zero_bench.py, same flags and configs)
 once per config at one link rate, with ranks 0 and 2 (one per node) under cProfile on
 the main thread's CPU clock (tools/cluster/profiled_pretrain.py). Per config it prints
-and saves: the median step (wall), the link's busy share, and per profiled rank the
-main thread's CPU per iteration (every iteration after the first) in train_step, in the torch reference quantizers
-(kernels/reference.py: what ZeRO++ runs on CPU) and the rest. With R ranks on C cores,
-R x CPU / C / step says how much of the step the ranks' own work fills.
+and saves: the median step (wall), the link's busy share, and per profiled rank, per
+iteration (every one after the first): the main thread's CPU in train_step, the part
+of it in the torch reference quantizers (kernels/reference.py: what ZeRO++ runs on
+CPU), the rest, and the whole process's CPU (gloo's transport threads included). With
+R ranks on C cores, R x process CPU / C / step says how much of the machine's time the
+ranks' own work fills; the remainder is the link and other processes' load.
 
     python tools/cluster/netns_step_profile.py --rate 250mbit --configs ZeRO-3,ZeRO++,deltas \
         --out docs/results/emulated_step_profile.json
@@ -33,7 +35,8 @@ QUANTIZER_FUNCTIONS = ("quantize", "dequantize", "reorder_quantize",
                        "dequant_reduce_quantize", "dequant_reduce")
 
 
-def breakdown(stats_path: str, step_cpu_s: list[float]) -> dict:
+def breakdown(stats_path: str, step_cpu_s: list[float],
+              step_process_cpu_s: list[float] | None = None) -> dict:
     """Main-thread CPU per iteration (ms) from one rank's profile of its training steps
     (profiled_pretrain.py: only inside train_step, warm-up excluded): the whole step, the
     reference quantizers inside it, and the rest (forward/backward compute, the
@@ -43,9 +46,12 @@ def breakdown(stats_path: str, step_cpu_s: list[float]) -> dict:
         if name in QUANTIZER_FUNCTIONS and path.replace(os.sep, "/").endswith("kernels/reference.py"):
             quant += cum
     step, per = sum(step_cpu_s), 1e3 / len(step_cpu_s)
-    return {"iterations": len(step_cpu_s), "train_step_cpu_ms": round(step * per, 1),
-            "quantizer_cpu_ms": round(quant * per, 1), "rest_cpu_ms": round((step - quant) * per, 1),
-            "quantizer_share": round(quant / step, 3) if step else None}
+    out = {"iterations": len(step_cpu_s), "train_step_cpu_ms": round(step * per, 1),
+           "quantizer_cpu_ms": round(quant * per, 1), "rest_cpu_ms": round((step - quant) * per, 1),
+           "quantizer_share": round(quant / step, 3) if step else None}
+    if step_process_cpu_s:
+        out["process_cpu_ms"] = round(sum(step_process_cpu_s) * per, 1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             per_rank = {}
             for r in (0, args.nproc_per_node):
                 with open(f"{prefix}.r{r}.json") as f:
-                    per_rank[r] = breakdown(f"{prefix}.r{r}", json.load(f)["step_cpu_s"])
-            cpu = sum(b["train_step_cpu_ms"] for b in per_rank.values()) / len(per_rank)
+                    steps = json.load(f)
+                per_rank[r] = breakdown(f"{prefix}.r{r}", steps["step_cpu_s"],
+                                        steps["step_process_cpu_s"])
+            cpu = sum(b["process_cpu_ms"] for b in per_rank.values()) / len(per_rank)
             row = {"config": config, "rate": args.rate, "step_ms": rec["step_ms"],
                    "step_ms_all": rec["step_ms_all"],
                    "link_busy_share": rec.get("link_busy_share"),
@@ -104,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{config:<8} {args.rate}: step {rec['step_ms']:.0f} ms, link busy "
                   f"{rec.get('link_busy_share', float('nan')):.0%}; main-thread CPU per rank "
                   f"{[b['train_step_cpu_ms'] for b in per_rank.values()]} ms/iteration, of which "
-                  f"quantizers {q}; {ranks} ranks x CPU / {cores} cores = "
+                  f"quantizers {q}; process CPU (gloo's threads too) "
+                  f"{[b['process_cpu_ms'] for b in per_rank.values()]} ms; "
+                  f"{ranks} ranks x process CPU / {cores} cores = "
                   f"{row['ranks_cpu_fill']:.0%} of the step; load {row['loadavg_1min_after']}",
                   flush=True)
     if args.out:
