@@ -41,14 +41,17 @@ def breakdown(stats_path: str, step_cpu_s: list[float],
     (profiled_pretrain.py: only inside train_step, warm-up excluded): the whole step, the
     reference quantizers inside it, and the rest (forward/backward compute, the
     optimizer, copies, Python)."""
-    quant = 0.0
-    for (path, _line, name), (_cc, _nc, _tt, cum, _callers) in pstats.Stats(stats_path).stats.items():
+    quant, waits = 0.0, 0
+    for (path, _line, name), (_cc, ncalls, _tt, cum, _callers) in pstats.Stats(stats_path).stats.items():
         if name in QUANTIZER_FUNCTIONS and path.replace(os.sep, "/").endswith("kernels/reference.py"):
             quant += cum
+        elif path == "~" and name.endswith("_distributed_c10d.wait>"):
+            waits += ncalls   # each a point where this rank may wait for its peers
     step, per = sum(step_cpu_s), 1e3 / len(step_cpu_s)
     out = {"iterations": len(step_cpu_s), "train_step_cpu_ms": round(step * per, 1),
            "quantizer_cpu_ms": round(quant * per, 1), "rest_cpu_ms": round((step - quant) * per, 1),
-           "quantizer_share": round(quant / step, 3) if step else None}
+           "quantizer_share": round(quant / step, 3) if step else None,
+           "collective_waits": round(waits / len(step_cpu_s), 1)}
     if step_process_cpu_s:
         out["process_cpu_ms"] = round(sum(step_process_cpu_s) * per, 1)
     return out
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{rec.get('link_busy_share', float('nan')):.0%}; main-thread CPU per rank "
                   f"{[b['train_step_cpu_ms'] for b in per_rank.values()]} ms/iteration, of which "
                   f"quantizers {q}; process CPU (gloo's threads too) "
-                  f"{[b['process_cpu_ms'] for b in per_rank.values()]} ms; "
+                  f"{[b['process_cpu_ms'] for b in per_rank.values()]} ms; collective waits "
+                  f"{[b['collective_waits'] for b in per_rank.values()]}; "
                   f"{ranks} ranks x process CPU / {cores} cores = "
                   f"{row['ranks_cpu_fill']:.0%} of the step; load {row['loadavg_1min_after']}",
                   flush=True)
