@@ -52,3 +52,19 @@ def test_steps_after_the_first_are_split_into_quantizers_and_rest(tmp_path, monk
     assert abs(b["quantizer_cpu_ms"] + b["rest_cpu_ms"] - b["train_step_cpu_ms"]) <= 0.2
     # the process clock covers the main thread and more (0.5 ms: the clocks' own rounding)
     assert b["process_cpu_ms"] >= b["train_step_cpu_ms"] - 0.5
+
+
+def test_bench_table_gives_speedups_busy_share_and_link_ms():
+    """netns_zero_bench's table: speedups against ZeRO-3 and ZeRO++ at the same rate,
+    and link ms = busy share x step (the step a link-bound machine would take)."""
+    import netns_zero_bench
+
+    def rec(config, step, busy):
+        return {"config": config, "rate": "250mbit", "step_ms": step, "link_busy_share": busy,
+                "steady_link_bytes_per_iteration": 7e6, "steady_accounted_per_iteration": 7e6,
+                "steady_link_over_accounted": 1.0}
+    rows = netns_zero_bench.table([rec("ZeRO-3", 1200.0, 0.8), rec("ZeRO++", 800.0, 0.15),
+                                   rec("deltas", 400.0, 0.15)]).splitlines()
+    assert rows[0].endswith("| link busy share | link ms |")
+    assert rows[4] == ("| 250mbit | deltas | 400 | 3.00x | 2.00x | 7.00 | 7.00 | 1.000 | 15% | 60 |")
+    assert rows[2].endswith("| 80% | 960 |")
