@@ -82,18 +82,35 @@ def _scale_rule(absmax: torch.Tensor, is_zero: torch.Tensor, bits: int, square: 
 
 def _round_q(blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """q = the exact product blocks * inv rounded half to even (exact in fp64: two
-    24-bit significands), as int8. |q| <= qmax: absmax * inv <= qmax * (1 + 2^-23)."""
-    return torch.round(blocks.double() * inv.double().unsqueeze(-1)).to(torch.int8)
+    24-bit significands), as int8. |q| <= qmax: absmax * inv <= qmax * (1 + 2^-23).
+    In place on the one fp64 copy: on CPU every fresh full-size tensor costs more than
+    the arithmetic."""
+    return blocks.double().mul_(inv.double().unsqueeze(-1)).round_().to(torch.int8)
+
+
+# Entry 99 + n (n = -99..99) is sign(n) #{t : 2 (t^2 + t + 1/2) <= |n|}: _square_q's table.
+_SQUARE_COUNTS = tuple(sum(2 * thr <= n for thr in SQUARE_THRESHOLDS) for n in range(100))
+_SQUARE_TABLE = tuple(-c for c in _SQUARE_COUNTS[:0:-1]) + _SQUARE_COUNTS
+
+
+# Byte b of a square-code payload -> its two levels q |q| (low nibble, high nibble).
+_SQUARE_BYTE_LEVELS = tuple(
+    tuple(float(q * abs(q)) for q in (((b & 0xF) ^ 8) - 8, ((b >> 4) ^ 8) - 8)) for b in range(256))
 
 
 def _square_q(blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """The square code's q = sign(x) c, c = #{t : |x| * inv >= t^2 + t + 1/2} (the
-    product exact in fp64), as int8."""
-    y = blocks.abs().double() * inv.double().unsqueeze(-1)
-    c = torch.zeros(y.shape, dtype=torch.int8, device=y.device)
-    for thr in SQUARE_THRESHOLDS:
-        c += (y >= thr).to(torch.int8)
-    return torch.where(blocks < 0, -c, c)
+    product exact in fp64), as int8.
+
+    Computed as one table look-up: with v = 2 x inv (exact in fp64) and n = v truncated
+    toward zero, |x| inv >= t^2 + t + 1/2 <=> |v| >= 2t^2 + 2t + 1 (an integer) <=>
+    |n| >= 2t^2 + 2t + 1; so q = table[99 + n] (n clamped to +-99: every |v| >= 85
+    counts all 7; NaN -> 0 as the comparisons give). Bit-identical to counting the 7
+    comparisons, about 5x cheaper on CPU (one fp64 copy, in-place ops, one gather)."""
+    v = blocks.double().mul_((2.0 * inv.double()).unsqueeze(-1))
+    n = v.nan_to_num_(0.0).clamp_(-99.0, 99.0).to(torch.int32).add_(99)
+    table = torch.tensor(_SQUARE_TABLE, dtype=torch.int8, device=blocks.device)
+    return table.index_select(0, n.reshape(-1)).reshape(n.shape)
 
 
 def _pack(q: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -123,19 +140,23 @@ def _dequantize_fp32(packed: torch.Tensor, L: int, bits: int, block: int, code: 
     nbytes = L * bits // 8
     payload = packed[..., :nbytes]
     scale = packed[..., nbytes:].contiguous().view(torch.float32)
-    if bits == 8:
-        q = payload.view(torch.int8)
-    else:
-        lo = (payload << 4).view(torch.int8) >> 4
-        hi = payload.view(torch.int8) >> 4
-        q = torch.stack([lo, hi], dim=-1).flatten(-2)
     lead = packed.shape[:-1]
-    qf = q.to(torch.float32).reshape(*lead, L // block, block)
     if _square(bits, code):
-        qf = qf * qf.abs()
+        # each byte's two levels q |q| (low nibble first) from a 256-entry table: one
+        # gather instead of unpacking, converting and squaring (the same exact values)
+        table = torch.tensor(_SQUARE_BYTE_LEVELS, dtype=torch.float32, device=packed.device)
+        qf = table.index_select(0, payload.reshape(-1).to(torch.int32)).reshape(*lead, L // block, block)
         scale = (scale.view(torch.int32) & ~SQUARE_SCALE_DROP).view(torch.float32)  # format.SQUARE_SCALE_FLOOR
         scale = torch.where(scale < SQUARE_SCALE_FLOOR, torch.zeros_like(scale), scale)
-    return (qf * scale.unsqueeze(-1)).reshape(*lead, L)
+    else:
+        if bits == 8:
+            q = payload.view(torch.int8)
+        else:
+            lo = (payload << 4).view(torch.int8) >> 4
+            hi = payload.view(torch.int8) >> 4
+            q = torch.stack([lo, hi], dim=-1).flatten(-2)
+        qf = q.to(torch.float32).reshape(*lead, L // block, block)
+    return qf.mul_(scale.unsqueeze(-1)).reshape(*lead, L)   # qf is a fresh tensor
 
 
 def _hadamard_fp32(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -426,6 +426,31 @@ def test_square_code_is_the_nearest_level_and_within_its_bound():
     assert (_blocks(deq, block)[small] != 0).all()
 
 
+def test_square_q_table_equals_the_seven_comparisons():
+    """The reference's table look-up (_square_q) against its definition: count the
+    thresholds t^2 + t + 1/2 that y = |x| * inv (exact, fp64) reaches, sign of x. Inputs
+    a few ulps around every threshold, random values, +-0, NaN and +-inf (a NaN or inf
+    element makes y NaN: q = 0 either way)."""
+    from megaq.kernels.format import SQUARE_THRESHOLDS
+
+    torch.manual_seed(3)
+    block = 64
+    x = torch.cat([_near_thresholds(block, 5).reshape(-1),
+                   torch.randn(4 * block) * torch.exp(3 * torch.randn(4 * block)),
+                   torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-30, -1e-30]
+                                + [1.0] * (block - 7))]).reshape(-1, block)
+    blocks = x.float()
+    absmax = blocks.abs().amax(-1)
+    _, inv = ref._scale_rule(absmax, absmax < TINY, 4, True)
+    inv[-1] = 3.0   # the last row's absmax is inf: give its finite elements a real inv too
+    y = blocks.abs().double() * inv.double().unsqueeze(-1)
+    c = sum((y >= thr).to(torch.int8) for thr in SQUARE_THRESHOLDS)
+    want = torch.where(blocks < 0, -c, c)
+    got = ref._square_q(blocks, inv)
+    assert got.dtype == torch.int8 and torch.equal(got, want)
+    assert set(got.unique().tolist()) == set(range(-7, 8))   # every level was exercised
+
+
 def test_square_code_bad_name():
     with pytest.raises(ValueError, match="int4 code 'cube'"):
         ref.quantize(torch.randn(128), 4, 64, "cube")

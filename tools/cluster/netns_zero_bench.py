@@ -117,14 +117,17 @@ def table(records: list[dict]) -> str:
         return {r["rate"]: r["step_ms"] for r in records if r["config"] == config and "step_ms" in r}
     base, zpp = step_of("ZeRO-3"), step_of("ZeRO++")
     nan = float("nan")
+    # "link ms": the busier direction's bytes at the link's rate (busy share x step),
+    # the step a purely link-bound machine would take
     rows = ["| link rate | config | step ms | speedup vs ZeRO-3 | vs ZeRO++ | link MB/iter | "
-            "megaq inter-node MB/iter | link / megaq | link busy share |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "megaq inter-node MB/iter | link / megaq | link busy share | link ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
-            rows.append(f"| {r['rate']} | {r['config']} | failed | | | | | | |")
+            rows.append(f"| {r['rate']} | {r['config']} | failed | | | | | | | |")
             continue
         sp, spp = base.get(r["rate"]), zpp.get(r["rate"])
+        busy = r.get("link_busy_share", nan)
         rows.append(
             f"| {r['rate']} | {r['config']} | {r['step_ms']:.0f} | "
             f"{(sp / r['step_ms']) if sp else nan:.2f}x | "
@@ -132,7 +135,7 @@ def table(records: list[dict]) -> str:
             f"{r.get('steady_link_bytes_per_iteration', nan) / 1e6:.2f} | "
             f"{r['steady_accounted_per_iteration'] / 1e6:.2f} | "
             f"{r.get('steady_link_over_accounted') or nan:.3f} | "
-            f"{r.get('link_busy_share', nan):.0%} |")
+            f"{busy:.0%} | {busy * r['step_ms']:.0f} |")
     return "\n".join(rows)
 
 
@@ -173,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc-per-node", type=int, default=2)
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--hidden-size", type=int, default=256)
-    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--seq-length", type=int, default=16,
+                    help="tokens per sample (default 16: see docs/CLUSTER_EMULATION.md, \"The workload\"; "
+                         "--seq-length 128 is the earlier setup)")
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--iters-per-rate", type=int, default=3)
     ap.add_argument("--settle", type=int, default=1,

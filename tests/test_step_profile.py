@@ -1,0 +1,70 @@
+"""The emulated cluster's step profile (tools/cluster/profiled_pretrain.py +
+netns_step_profile.breakdown): only training steps after the first are profiled, on
+the main thread's CPU clock, and their CPU is split into the reference quantizers and
+the rest. (The link itself is covered by tests/test_emulated_cluster.py.)"""
+
+import cProfile
+import os
+import sys
+import time
+
+import torch
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "cluster")
+sys.path.insert(0, TOOLS)
+import netns_step_profile  # noqa: E402
+import profiled_pretrain  # noqa: E402
+
+from megaq import training  # noqa: E402
+from megaq.kernels import reference  # noqa: E402
+
+
+def _spin(seconds):
+    t = time.thread_time()
+    while time.thread_time() - t < seconds:
+        pass
+
+
+def test_steps_after_the_first_are_split_into_quantizers_and_rest(tmp_path, monkeypatch):
+    x = torch.randn(1 << 16)
+    calls = []
+
+    def train_step(self, batches):   # a stand-in step: 20 ms of CPU, then a quantize
+        calls.append(batches)
+        _spin(0.02)
+        return reference.quantize(x, 4, 64, "square")
+
+    monkeypatch.setattr(training.Trainer, "train_step", train_step)
+    prof, steps, process_steps = cProfile.Profile(time.thread_time), [], []
+    profiled_pretrain.profile_steps(prof, steps, process_steps)
+    for i in range(4):
+        training.Trainer.train_step(None, i)
+    reference.dequantize(reference.quantize(x, 4, 64), x.numel(), 4, 64)  # outside a step
+    path = str(tmp_path / "p.r0")
+    prof.dump_stats(path)
+    assert calls == [0, 1, 2, 3] and len(steps) == len(process_steps) == 3  # not the first
+    b = netns_step_profile.breakdown(path, steps, process_steps)
+    assert b["iterations"] == 3 and b["collective_waits"] == 0   # no process group here
+    # thread_time is the main thread's CPU: each step spins 20 ms of it
+    assert b["train_step_cpu_ms"] >= 20 and b["rest_cpu_ms"] >= 19
+    # only the quantize inside the steps is charged (the calls outside were not profiled)
+    assert 0 < b["quantizer_cpu_ms"] < b["train_step_cpu_ms"]
+    assert abs(b["quantizer_cpu_ms"] + b["rest_cpu_ms"] - b["train_step_cpu_ms"]) <= 0.2
+    # the process clock covers the main thread and more (0.5 ms: the clocks' own rounding)
+    assert b["process_cpu_ms"] >= b["train_step_cpu_ms"] - 0.5
+
+
+def test_bench_table_gives_speedups_busy_share_and_link_ms():
+    """netns_zero_bench's table: speedups against ZeRO-3 and ZeRO++ at the same rate,
+    and link ms = busy share x step (the step a link-bound machine would take)."""
+    import netns_zero_bench
+
+    def rec(config, step, busy):
+        return {"config": config, "rate": "250mbit", "step_ms": step, "link_busy_share": busy,
+                "steady_link_bytes_per_iteration": 7e6, "steady_accounted_per_iteration": 7e6,
+                "steady_link_over_accounted": 1.0}
+    rows = netns_zero_bench.table([rec("ZeRO-3", 1200.0, 0.8), rec("ZeRO++", 800.0, 0.15),
+                                   rec("deltas", 400.0, 0.15)]).splitlines()
+    assert rows[0].endswith("| link busy share | link ms |")
+    assert rows[4] == ("| 250mbit | deltas | 400 | 3.00x | 2.00x | 7.00 | 7.00 | 1.000 | 15% | 60 |")
+    assert rows[2].endswith("| 80% | 960 |")
