@@ -155,7 +155,7 @@ def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
     k, m, S = 2, 2, 2 * block
     x = torch.randn(k * m * S, generator=g) * torch.exp(torch.randn(k * m * S, generator=g))
     x[:block] = 0  # a zero block
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16,) if block == 64 else (torch.float32,):  # both input widths, half the time
         xd = x.to(dtype).to(DEV)
         for bits, code in ((8, "linear"), (4, "linear"), (4, "square")):
             assert torch.equal(tq.quantize(xd.reshape(4, S), bits, block, code),
