@@ -74,18 +74,16 @@ def test_emulated_gemm_is_the_fp32_product_of_the_cast_operands():
 def test_gemm_operands_get_the_layouts_scaled_mm_reads(monkeypatch):
     """torch._scaled_mm reads A row-major and B column-major: the weight-gradient GEMM's
     dY^T and X and the input-gradient GEMM's W are row-major FP8 tensors, copied into
-    those layouts by megaq's transpose kernel (the interpreter here) or, for a dY^T
-    left to inductor, by .contiguous(), with every value kept; an operand already laid
-    out (the forward's W^T) is passed as it is."""
+    those layouts by megaq's transpose kernel (the interpreter here) with every value
+    kept; an operand already laid out (the forward's W^T) is passed as it is."""
     monkeypatch.setenv("MEGAQ_KERNELS", "triton")
     dyq, _ = quantize(_randn(3, 48, 32), fp8.E5M2, None, False)
     xq, _ = quantize(_randn(4, 48, 16), fp8.E4M3, None, False)
     b = fp8._col_major(xq)
     assert b.t().is_contiguous() and torch.equal(b.float(), xq.float())
-    for fused in (False, True):
-        a = fp8._row_major(dyq.t(), fused)
-        assert a.is_contiguous() and torch.equal(a.float(), dyq.t().float())
-    assert fp8._row_major(dyq, False) is dyq
+    a = fp8._row_major(dyq.t())
+    assert a.is_contiguous() and torch.equal(a.float(), dyq.t().float())
+    assert fp8._row_major(dyq) is dyq
     assert fp8._col_major(xq.t()).data_ptr() == xq.data_ptr()
 
 
@@ -94,8 +92,7 @@ def test_gemm_operands_get_the_layouts_scaled_mm_reads(monkeypatch):
 def test_scaled_mm_path_with_transposed_operands_matches_the_emulation(monkeypatch, parallel,
                                                                         recipe, tol):
     """The torch._scaled_mm path itself (forced here: torch's CPU build has the op too),
-    with the backward's operands copied by megaq's transpose op (both dW operands in a
-    row-parallel layer, x only in a column-parallel one), eager and compiled (fullgraph:
+    with the backward's operands copied by megaq's transpose op, eager and compiled (fullgraph:
     the op traces without a graph break): y, dX and dW equal the emulation's.
     Tolerances: tensorwise writes fp32 here, so only the accumulation order differs
     (~1e-7); rowwise multiplies in bf16 (the GPU kernels' output), half a bf16 ulp ~2e-3."""

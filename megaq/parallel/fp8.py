@@ -201,39 +201,33 @@ def log_scale(role: str, inv: torch.Tensor) -> None:
         _SCALE_LOG.append((role, inv.detach().clone()))
 
 
-def _row_major(a: torch.Tensor, fuse_transpose: bool) -> torch.Tensor:
-    """`a` as _scaled_mm's first operand (row-major). A transposed view is copied by
-    megaq.kernels.transpose, or with `fuse_transpose` by ``.contiguous()``, which
-    inductor fuses into the kernel producing the tensor (:func:`scaled_mm`)."""
+def _row_major(a: torch.Tensor) -> torch.Tensor:
+    """`a` as _scaled_mm's first operand (row-major). A transposed view (dY^T in the
+    weight-gradient GEMM) is copied by megaq.kernels.transpose: an op that inductor does
+    not fuse into the reduction kernel producing dY, where its transposed store is slow
+    (that module's docstring)."""
     if a.is_contiguous():
         return a
-    if not fuse_transpose and a.t().is_contiguous():
-        return transpose(a.t())
-    return a.contiguous()
+    return transpose(a.t()) if a.t().is_contiguous() else a.contiguous()
 
 
 def _col_major(b: torch.Tensor) -> torch.Tensor:
-    """`b` as _scaled_mm's second operand (column-major), copied by megaq's transpose."""
+    """`b` as _scaled_mm's second operand (column-major): X in the weight-gradient GEMM,
+    W in the input-gradient GEMM are row-major and copied as in :func:`_row_major`."""
     if b.t().is_contiguous():
         return b
     return transpose(b).t() if b.is_contiguous() else b.t().contiguous().t()
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
-              out_dtype: torch.dtype, fast_accum: bool, fuse_a_transpose: bool = False) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """(a @ b) * a_inv * b_inv for FP8 a [M, K], b [K, N]; a_inv scalar or [M, 1],
     b_inv scalar or [1, N]. torch._scaled_mm where FP8 tensor cores exist, else the
-    fp32 emulation of the same product.
-
-    _scaled_mm reads both operands K-major (a row-major, b column-major); an operand in
-    the other layout is copied transposed by megaq.kernels.transpose, a custom op that
-    inductor calls but does not fuse. `fuse_a_transpose`: copy `a` by ``.contiguous()``
-    instead, which inductor fuses into the kernel producing it (where that costs
-    nothing: :class:`_FP8Linear`)."""
+    fp32 emulation of the same product."""
     rowwise = a_inv.dim() > 0
     if not fp8_gemm_available(a.device) or a.shape[1] % 16 or b.shape[1] % 16:
         return ((a.float() @ b.float()) * a_inv * b_inv).to(out_dtype)
-    a, b = _row_major(a, fuse_a_transpose), _col_major(b)
+    a, b = _row_major(a), _col_major(b)
     # cuBLASLt wants 16-byte aligned operands: ZeRO's FP8 gathers lay their weights out
     # aligned (megaq.zero.partition); no check here, it would break a compiled graph
     mm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
@@ -266,15 +260,6 @@ class _FP8Linear(torch.autograd.Function):
     inverse of the per-tensor scale this function would have computed from `weight`
     (the same amax over the whole TP-split tensor, the same arithmetic). The weight's
     own cast is then skipped and `weight` itself is never read: it only receives dW.
-
-    The backward GEMMs read dY, x and W transposed (:func:`scaled_mm`). megaq's
-    transpose op copies them, except dY of a column-parallel layer (QKV, fc1): there dY
-    comes out of the RoPE / SwiGLU backward, and inductor's transposed store fused into
-    that kernel costs next to nothing (1.3B on the H200, delayed recipe: SwiGLU
-    backward 627 us with it, 645 us without), where a separate copy would add its
-    bytes. Elsewhere the fused store is slow (a row-parallel layer's dY comes out of the
-    norm backward's row reduction: 285 us with it, 107 us without), and x's transposed
-    copy would be recomputed in backward from bf16 (SwiGLU: 151 us, the copy 48 us).
     """
 
     @staticmethod
@@ -328,8 +313,7 @@ class _FP8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:  # dW = dY^T X: reduction over tokens (never split)
                 dyq, dys = quantize(dy2, gdt, 0, True, None, "grad_output_for_grad_weight")
                 xq, xs = quantize(x2, recipe.forward_dtype, 0, True, None, "input_for_grad_weight")
-                dw = scaled_mm(dyq.t(), xq, dys.t(), xs, ctx.w_dtype, fast_accum=False,
-                               fuse_a_transpose=col)
+                dw = scaled_mm(dyq.t(), xq, dys.t(), xs, ctx.w_dtype, fast_accum=False)
         else:
             xq, xs, wq, ws = ctx.saved_tensors
             if ctx.dy_scale is not None:
@@ -340,8 +324,7 @@ class _FP8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx = scaled_mm(dyq, wq, dys, ws, ctx.x_dtype, fast_accum=False)
             if ctx.needs_input_grad[1]:
-                dw = scaled_mm(dyq.t(), xq, dys, xs, ctx.w_dtype, fast_accum=False,
-                               fuse_a_transpose=col)
+                dw = scaled_mm(dyq.t(), xq, dys, xs, ctx.w_dtype, fast_accum=False)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         sink = dy_amax.reshape(1) if ctx.amax_to_sink else None

@@ -37,7 +37,6 @@ from collections import deque
 
 import torch
 
-from megaq.kernels import grad_accumulate
 from megaq.parallel import comm
 from megaq.zero.config import ZeroConfig
 from megaq.zero.partition import FlatPartition, ParamSlot
@@ -150,10 +149,11 @@ class GradState:
         """Add a parameter's flat grad into its slice (upcasting): the first write of a
         step to a stale accumulator copies instead."""
         dst = self._accum[name][offset:offset + src.numel()]
-        first = name in self._stale and offset not in self._written[name]
-        if first:
+        if name in self._stale and offset not in self._written[name]:
+            dst.copy_(src)
             self._written[name].add(offset)
-        grad_accumulate.accumulate(dst, src.contiguous(), add=not first)
+        else:
+            dst.add_(src)
 
     def _settle(self, name: str) -> None:
         """End the stale state: zero what no write reached (unused slots, padding)."""
