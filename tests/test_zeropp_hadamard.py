@@ -35,8 +35,9 @@ from megaq.parallel.launch import run_on_ranks
 from megaq.zero import ZeroConfig
 from megaq.zero.zeropp import QuantizedGradReducer, padded, rails_of
 
-from test_zeropp_protocol import _qgz_coef, _world_totals
-from test_zeropp_training import MARGIN, _scenarios, _totals
+from test_zeropp_protocol import _qgz_coef
+from test_zeropp_training import MARGIN, _scenarios
+from zero_harness import world_totals
 
 U = 2.0 ** -24
 BLOCK = 256          # 4 Hadamard groups per quantization block
@@ -166,7 +167,7 @@ def _qgz_worker(topo):
             group_err = _groups(e).norm(dim=1)
             worst = max(worst, float((group_err / (group_bound + rnd)).max()))
         out[name] = {"rel": math.sqrt(err2 / norm2), "worst": worst, "zeroed": zeroed / nonzero,
-                     "bytes": _world_totals(topo).get("grad_reduce")}
+                     "bytes": world_totals(comm.per_node_totals(topo.world)).get("grad_reduce")}
     out["rails"] = (rails.k, rails.m)
     return out
 
@@ -236,4 +237,4 @@ def test_hadamard_training_tracks_zero3_with_the_same_bytes():
     for name in ("zeropp_had", "split_had"):
         for a, b in zip(base, r[name]["losses"]):
             assert abs(a - b) <= MARGIN * abs(a), (name, base, r[name]["losses"])
-    assert _totals(r["zeropp_had"]["traffic"]) == _totals(r["zeropp"]["traffic"])
+    assert world_totals(r["zeropp_had"]["traffic"]) == world_totals(r["zeropp"]["traffic"])
