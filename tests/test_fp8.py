@@ -250,15 +250,8 @@ def test_fp8_training_resumes_exactly_from_a_checkpoint(tmp_path):
     run resumed at iteration 2 repeats the uninterrupted run's losses bit for bit
     (TP=2 x DP=1 gloo ranks, fp32 masters, recompute on)."""
     def argv(iters, extra):
-        return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-                "--train-iters", str(iters), "--lr", "5e-3", "--lr-warmup-iters", "1",
-                "--mock-data", "--vocab-size", "96", "--log-interval", "1", "--eval-iters", "0",
-                "--attention-dropout", "0", "--hidden-dropout", "0", "--swiglu",
-                "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-                "--disable-bias-linear", "--recompute-activations", "--tensor-model-parallel-size",
-                "2", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
-                "--data-cache-path", str(tmp_path / "cache"), *extra]
+        return _fp8_argv(tmp_path, ["--recompute-activations", "--tensor-model-parallel-size", "2",
+                                    *extra], fmt="hybrid", recipe="tensorwise", iters=iters)
     ck = str(tmp_path / "ck")
     full = run_on_ranks(_train, 2, tp=2, args=(argv(4, ["--save", ck, "--save-interval", "2"]),))[0]
     os.remove(os.path.join(ck, "latest_checkpointed_iteration.txt"))
