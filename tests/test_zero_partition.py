@@ -82,7 +82,7 @@ def test_zeropp_switches_select_the_seams():
                                        ({"weight_bits": 2}, "weight_bits=2.*use 8 or 4"),
                                        ({"grad_bits_inter": 3}, "grad_bits_inter=3"),
                                        ({"hpz_partition_size": 0}, "hpz_partition_size 0"),
-                                       ({"grad_chunk": 0}, "grad_chunk 0"),
+                                       ({"grad_chunk": 0}, "quantized-gradients-chunk 0"),
                                        ({"error_feedback": True}, "needs quantized_gradients")])
 def test_config_errors_name_the_setting(kw, match):
     with pytest.raises(ZeroConfigError, match=match):
