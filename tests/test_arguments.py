@@ -211,6 +211,21 @@ def test_cli_refusal_is_one_line_and_nonzero():
     assert lines == [lines[0]] and lines[0].startswith("error: --global-batch-size 3")
 
 
+def test_more_ranks_than_gpus_is_one_line_not_a_cuda_error():
+    # NCCL asked for on a node with fewer GPUs than ranks (here: none, the CPU box):
+    # one line naming the fix, not CUDA's "invalid device ordinal" traceback.
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599", "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + BASE
+                       + ["--distributed-backend", "nccl", "--mock-data"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "local rank 0 has no GPU" in lines[0], r.stderr
+    assert "--distributed-backend gloo" in lines[0]
+
+
 def test_help_keeps_working_from_the_command_line():
     r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--help"],
                        capture_output=True, text=True, timeout=120)

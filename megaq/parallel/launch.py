@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megaq.parallel.topology import Layout, Topology, build_topology
+from megaq.parallel.topology import Layout, LayoutError, Topology, build_topology
 
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron's --distributed-timeout-minutes default
@@ -245,6 +245,18 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
                 "stderr": read("err"), "seconds": seconds}
 
 
+def _gpu_of_local_rank(local_rank: int) -> int:
+    """The CUDA device of this local rank; a node started with more ranks than it has
+    GPUs is a launch mistake, said in one line (not CUDA's "invalid device ordinal")."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise LayoutError(f"local rank {local_rank} has no GPU: this node shows {count} CUDA "
+                          f"device(s); start at most {count} rank(s) per node (torchrun "
+                          f"--nproc-per-node), or pass --distributed-backend gloo to train on "
+                          f"the CPU")
+    return local_rank
+
+
 def init_from_env(backend: str | None = None,
                   timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun/slurm variables (or as one rank).
@@ -264,7 +276,7 @@ def init_from_env(backend: str | None = None,
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(_gpu_of_local_rank(int(env.get("LOCAL_RANK", 0))))
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=_set_group_timeout(timeout_minutes))
