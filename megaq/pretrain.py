@@ -35,7 +35,7 @@ def _init_distributed(parallel):
     from megaq.parallel.launch import init_from_env
     from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
     rank, world = init_from_env(parallel.distributed_backend,
-                                parallel.distributed_timeout_minutes)
+                                parallel.distributed_timeout_minutes, parallel.device)
     rpn = ranks_per_node_from_env(world, rank, parallel.gpus_per_node)
     layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
                     hpz_size=parallel.hpz_size, order=parallel.rank_order)
@@ -123,7 +123,7 @@ def build_trainer(config, topo, t_start: float | None = None):
                                    0))  # the test split is never read in training: no samples
     config = config.resolved(data.config, data.vocab_size)
     chunks = build_model_chunks(config.model, topo, config.virtual_pipeline_size)
-    device = _device()
+    device = _device(config.parallel)
     chunks = [c.to(device) for c in chunks]
     engine = build_engine(chunks, topo, config.zero)
     schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size)
@@ -223,10 +223,12 @@ def flops_per_iteration(config) -> float:
                            * config.model.seq_length, config.parallel.tp))
 
 
-def _device() -> torch.device:
-    """CUDA when the process group runs on NCCL, else CPU (gloo: CPU ranks, even on a GPU host)."""
+def _device(parallel) -> torch.device:
+    """CUDA when the process group runs on NCCL or --device cuda asks for it, else CPU
+    (gloo: CPU ranks, even on a GPU host, unless --device cuda)."""
     import torch.distributed as dist
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    if nccl or (parallel.device == "cuda" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -241,9 +243,9 @@ def _backend_name() -> str:
     return dist.get_backend() if dist.is_initialized() else "none"
 
 
-def _device_description() -> str:
+def _device_description(parallel) -> str:
     """What the ranks compute on, e.g. 'device cuda (NVIDIA H200)' or 'device cpu'."""
-    dev = _device()
+    dev = _device(parallel)
     if dev.type == "cuda":
         return f"device cuda ({torch.cuda.get_device_name(dev)})"
     return "device cpu"
@@ -255,7 +257,7 @@ def _print_banner(config, topo) -> None:
                                  (z.hpz_partition_size > 1, f"hpZ({z.hpz_partition_size})"),
                                  (z.weight_deltas, f"weight deltas(int{z.weight_delta_bits})"),
                                  (z.quantized_gradients, f"qgZ(int{z.grad_bits_intra})")) if on]
-    print(f" megaq: {_device_description()}, backend {_backend_name()}; "
+    print(f" megaq: {_device_description(config.parallel)}, backend {_backend_name()}; "
           f"world {lay.world_size} = TP {lay.tp} x PP {lay.pp} x DP {lay.dp} on "
           f"{lay.num_nodes} node(s) of {lay.ranks_per_node}; ZeRO stage {z.stage}"
           f"{' + ' + ' + '.join(zpp) if zpp else ''}; {'bf16' if t.bf16 else 'fp32'}; "

@@ -218,6 +218,33 @@ def _timed_run(phase: str, t: torch.Tensor, fn, *args, async_op: bool, **kw) -> 
     return _done(async_op)
 
 
+# ------------------------------------------------------------ gloo with CUDA tensors
+# gloo moves host memory only. With `--distributed-backend gloo --device cuda` (ranks
+# sharing GPUs, e.g. the emulated cluster's GPU mode) each collective runs on host
+# copies of its CUDA tensors, synchronously, and the results are copied back: the
+# bytes on the wire and the accounting are those of the same collective on the CPU.
+def _via_host(group: Group, t: torch.Tensor) -> bool:
+    return t.is_cuda and group.is_gloo
+
+
+def _host_empty(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+
+def _staged_out(phase: str, fn, output: torch.Tensor, input: torch.Tensor, **kw) -> None:
+    """fn(host output, host input) on host copies; then output <- host output."""
+    host = _host_empty(output)
+    _timed_run(phase, output, fn, host, input.cpu(), async_op=False, **kw)
+    output.copy_(host)
+
+
+def _staged_inplace(phase: str, fn, tensor: torch.Tensor, **kw) -> None:
+    """fn(host copy) for an in-place collective; then tensor <- host copy."""
+    host = tensor.cpu()
+    _timed_run(phase, tensor, fn, host, async_op=False, **kw)
+    tensor.copy_(host)
+
+
 # ---------------------------------------------------------------------- collectives
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
                async_op: bool = False):
@@ -226,6 +253,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
         output.copy_(input.reshape(output.shape))
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(output))
+    if _via_host(group, output):
+        _staged_out(phase, _all_gather_flat, output, input, group=group.pg)
+        return _done(async_op)
     return _timed_run(phase, output, _all_gather_flat, output, input, group=group.pg, async_op=async_op)
 
 
@@ -238,7 +268,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phas
     _charge_ring(group, phase, _nbytes(input))
     if op == dist.ReduceOp.SUM and group.is_gloo:
         with _timed(phase, input):
-            _ring_reduce_scatter(output, input, group)
+            if input.is_cuda:
+                host = _host_empty(output)
+                _ring_reduce_scatter(host, input.cpu(), group)
+                output.copy_(host)
+            else:
+                _ring_reduce_scatter(output, input, group)
+        return _done(async_op)
+    if _via_host(group, input):
+        _staged_out(phase, _reduce_scatter_flat, output, input, op=op, group=group.pg)
         return _done(async_op)
     return _timed_run(phase, input, _reduce_scatter_flat, output, input, op=op, group=group.pg,
                       async_op=async_op)
@@ -276,6 +314,9 @@ def all_reduce(tensor: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.
     if group.size == 1:
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(tensor), passes=2)
+    if _via_host(group, tensor):
+        _staged_inplace(phase, dist.all_reduce, tensor, op=op, group=group.pg)
+        return _done(async_op)
     return _timed_run(phase, tensor, dist.all_reduce, tensor, op=op, group=group.pg, async_op=async_op)
 
 
@@ -290,6 +331,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
     for j in range(n):
         if j != group.rank_index:
             STATS.add(phase, group.link_to(j), chunk)
+    if _via_host(group, input):
+        _staged_out(phase, dist.all_to_all_single, output, input, group=group.pg)
+        return _done(async_op)
     return _timed_run(phase, input, dist.all_to_all_single, output, input, group=group.pg, async_op=async_op)
 
 
@@ -305,6 +349,9 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
     pos = chain.index(group.rank_index)
     if pos < n - 1:
         STATS.add(phase, group.link_to(chain[pos + 1]), _nbytes(tensor))
+    if _via_host(group, tensor):
+        _staged_inplace(phase, dist.broadcast, tensor, src=group.ranks[src_index], group=group.pg)
+        return _done(async_op)
     return _timed_run(phase, tensor, dist.broadcast, tensor, src=group.ranks[src_index], group=group.pg,
                       async_op=async_op)
 
@@ -312,20 +359,30 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
 def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
               group: Group, phase: str) -> Handle:
     """Post sends (tensor, member index) and receives together; returns one handle."""
-    ops = []
+    ops, landing = [], []   # landing: (CUDA receive buffer, its host copy) under gloo
     for t, j in sends:
         STATS.add(phase, group.link_to(j), _nbytes(t))
+        if _via_host(group, t):
+            t = t.cpu()
         ops.append(dist.P2POp(dist.isend, t, group.ranks[j], group=group.pg))
     for t, j in recvs:
+        if _via_host(group, t):
+            landing.append((t, _host_empty(t)))
+            t = landing[-1][1]
         ops.append(dist.P2POp(dist.irecv, t, group.ranks[j], group=group.pg))
     if not ops:
         return Handle()
+
+    def land():
+        for dst, host in landing:
+            dst.copy_(host)
     if STATS.timing:
         with _timed(phase, (sends or recvs)[0][0]):
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
+            land()
         return Handle()
-    return Handle(dist.batch_isend_irecv(ops))
+    return Handle(dist.batch_isend_irecv(ops), then=land if landing else None)
 
 
 def barrier(group: Group | None = None) -> None:

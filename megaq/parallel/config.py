@@ -32,6 +32,11 @@ class ParallelConfig:
     distributed_backend: str | None = flag("--distributed-backend",
                                            "default: nccl with CUDA, else gloo",
                                            choices=["nccl", "gloo"])
+    device: str | None = flag(
+        "--device", "what the ranks compute on (default: cuda with NCCL, else cpu); with "
+        "--distributed-backend gloo, `--device cuda` keeps tensors on the GPUs and carries the "
+        "collectives through host memory, so several ranks may share one GPU (the emulated "
+        "cluster's GPU mode, docs/CLUSTER_EMULATION.md)", choices=["cuda", "cpu"])
     distributed_timeout_minutes: float = flag(
         "--distributed-timeout-minutes", "a collective waiting this long for a peer fails the "
         "job (every process group; fractions allowed)", 10, type=float)
@@ -44,6 +49,9 @@ class ParallelConfig:
     def __post_init__(self):
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise LayoutError(f"--gpus-per-node must be >= 1 (got {self.gpus_per_node})")
+        if self.distributed_backend == "nccl" and self.device == "cpu":
+            raise LayoutError("--distributed-backend nccl needs --device cuda: NCCL moves GPU "
+                              "memory only (use --distributed-backend gloo for CPU ranks)")
         if not self.distributed_timeout_minutes > 0:
             raise LayoutError(f"--distributed-timeout-minutes must be > 0 minutes "
                               f"(got {self.distributed_timeout_minutes})")

@@ -258,10 +258,13 @@ def _gpu_of_local_rank(local_rank: int) -> int:
 
 
 def init_from_env(backend: str | None = None,
-                  timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> tuple[int, int]:
+                  timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+                  device: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun/slurm variables (or as one rank).
 
-    Returns (rank, world_size). Sets the CUDA device from the local rank. A rank started
+    Returns (rank, world_size). Sets the CUDA device from the local rank: one GPU per
+    rank with NCCL; with gloo and ``device="cuda"`` the local ranks take the node's GPUs
+    round-robin (gloo stages through host memory, so ranks may share one). A rank started
     by a launcher (torchrun, srun) dies with it (:func:`die_with_parent`); every process
     group gets `timeout_minutes`.
     """
@@ -275,8 +278,14 @@ def init_from_env(backend: str | None = None,
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(env.get("LOCAL_RANK", 0))
     if backend == "nccl":
-        torch.cuda.set_device(_gpu_of_local_rank(int(env.get("LOCAL_RANK", 0))))
+        torch.cuda.set_device(_gpu_of_local_rank(local_rank))
+    elif device == "cuda":
+        if not torch.cuda.is_available():
+            raise LayoutError("--device cuda: this node shows no CUDA device; leave --device "
+                              "out to train on the CPU")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=_set_group_timeout(timeout_minutes))

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--seq-length", type=int, default=16)
     ap.add_argument("--micro-batch-size", type=int, default=1)
+    bench.add_device_flag(ap)
     ap.add_argument("--iters", type=int, default=6, help="iterations (the first is not timed)")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=None, help="JSON results path")
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     emu.install_signal_cleanup()
     emu.sweep_stale()
     base = bench.model_args(args.num_layers, args.hidden_size, args.seq_length,
-                            args.micro_batch_size, args.nproc_per_node, args.iters)
+                            args.micro_batch_size, args.nproc_per_node, args.iters,
+                            args.device)
     script = [os.path.join(HERE, "profiled_pretrain.py")] + base[1:]
     cores, ranks = os.cpu_count(), 2 * args.nproc_per_node
     results = []

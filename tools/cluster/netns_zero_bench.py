@@ -41,8 +41,12 @@ CONFIGS = {   # name -> ZeRO flags (DeepSpeed's names, as pretrain_gpt.py takes 
 
 
 def model_args(layers: int, hidden: int, seq: int, micro: int, nproc: int,
-               iters: int) -> list[str]:
-    """A small Llama-style model (RMSNorm, SwiGLU, RoPE, untied embeddings) on mock data."""
+               iters: int, device: str = "cpu") -> list[str]:
+    """A small Llama-style model (RMSNorm, SwiGLU, RoPE, untied embeddings) on mock data.
+
+    gloo carries the collectives over the emulated link either way; `device="cuda"`
+    keeps each rank's tensors on the host's GPU (ranks share it), so compute and the
+    quantizers run at GPU speed and the link is what is left of the step."""
     dp = 2 * nproc
     return ["pretrain_gpt.py", "--mock-data", "--vocab-size", "4096",
             "--num-layers", str(layers), "--hidden-size", str(hidden),
@@ -52,7 +56,14 @@ def model_args(layers: int, hidden: int, seq: int, micro: int, nproc: int,
             "--disable-bias-linear", "--untie-embeddings-and-output-weights",
             "--micro-batch-size", str(micro), "--global-batch-size", str(micro * dp),
             "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", "1",
-            "--eval-iters", "0", "--zero-stage", "3", "--seed", "1234"]
+            "--eval-iters", "0", "--zero-stage", "3", "--seed", "1234",
+            "--distributed-backend", "gloo", "--device", device]
+
+
+def add_device_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the ranks compute (default cpu); cuda: all ranks share the "
+                         "host's GPUs, gloo still carries every collective over the link")
 
 
 def one_config(config: str, rates: list[str], base: list[str], args, tmp: str) -> list[dict]:
@@ -180,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per sample (default 16: see docs/CLUSTER_EMULATION.md, \"The workload\"; "
                          "--seq-length 128 is the earlier setup)")
     ap.add_argument("--micro-batch-size", type=int, default=1)
+    add_device_flag(ap)
     ap.add_argument("--iters-per-rate", type=int, default=3)
     ap.add_argument("--settle", type=int, default=1,
                     help="iterations after each rate change left out of the timing")
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     emu.sweep_stale()
     iters = args.warmup + args.iters_per_rate * len(rates)
     base = model_args(args.num_layers, args.hidden_size, args.seq_length, args.micro_batch_size,
-                      args.nproc_per_node, iters)
+                      args.nproc_per_node, iters, args.device)
     t0, nan = time.time(), float("nan")
     runs = []
     with tempfile.TemporaryDirectory(prefix="netns_zero_bench_") as tmp:
