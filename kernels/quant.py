@@ -22,6 +22,8 @@ exactly in float64. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32 l
 on NVIDIA GPUs is approximate.
 """
 
+import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -931,45 +933,67 @@ def _dequant_reduce_kernel(
 
 # One cached launcher per kernel (kernels/launch.py): after the first call of a
 # specialization, a call costs the compiled kernel's own launcher, not the JIT's binding.
-# CACHED_LAUNCH = False sends every call through the JIT (the benchmark's comparison).
 _QUANTIZE = CachedLauncher(_quantize_kernel)
 _DEQUANT_REDUCE = CachedLauncher(_dequant_reduce_kernel)
 _INT4_HOP = CachedLauncher(_int4_hop_kernel)
 _INT4_WORDS = CachedLauncher(_int4_words_kernel)
 _HADAMARD = CachedLauncher(_hadamard_kernel)
-CACHED_LAUNCH = True
 
-
-def _launcher(cached: CachedLauncher) -> CachedLauncher:
-    cached.enabled = CACHED_LAUNCH
-    return cached
-
-
-# Launch shape: warps per program and blocks per program (NB). The defaults come from
-# the sweep in tools/bench/bench_kernels.py on an H200; the overrides exist for that sweep.
-WARPS_OVERRIDE = None
-NB_OVERRIDE = None
-# The quantize kernel's defaults (H200 sweep, docs/PERFORMANCE.md): ~QUANTIZE_PER_THREAD
-# elements per thread, QUANTIZE_NB blocks per program; QUANTIZE_CHUNKED: read every 64-group
-# as 8 chunk tiles (the layout of the fused Hadamard transform, _quantize_chunks; blocks
-# that are multiples of 64); QUANTIZE_EVICT: the input's L2 eviction policy ("evict_first":
-# it is read once). The overrides (None: the default) exist for the sweep.
+# Launch defaults, from the H200 sweeps of tools/bench/bench_kernels.py and
+# sweep_kernels.py (docs/PERFORMANCE.md): the quantize kernel gives ~64 elements to a
+# thread and 2 blocks to a program; the int4 word kernels 32 (float output) or 64 (the
+# hop, which spreads its per-block work) and one block per program.
 QUANTIZE_PER_THREAD = 64
 QUANTIZE_NB = 2
-QUANTIZE_CHUNKED = False
-QUANTIZE_EVICT = ""
-CHUNKED_OVERRIDE = None
-EVICT_OVERRIDE = None
-# The int4 word kernels: elements per thread and blocks per program by default (the
-# float-output kernel, and the hop, which wants more elements per thread to spread its
-# per-block work), and the overrides tools/bench/sweep_kernels.py sets (False = the byte
-# kernel; MAGIC False = int -> float conversion instructions instead of the exponent
-# trick in _nibble).
 WORDS_PER_THREAD = 32
 HOP_PER_THREAD = 64
 WORDS_NB = 1
-WORDS_OVERRIDE = None
-MAGIC_OVERRIDE = None
+# The quantize kernel's input is read once: below this many elements its loads are
+# marked evict-first, which wins per call (L2 flushed) at 16M elements and loses from
+# 64M (H200, in the same run as DeepSpeed's kernels: docs/PERFORMANCE.md, "Per call").
+EVICT_FIRST_BELOW = 1 << 25
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the kernels launch; never what they compute (every setting writes the same
+    bytes, tests/test_kernels.py). The defaults are the launch defaults above; the
+    benchmarks and tests try others inside :func:`tuned`.
+
+    warps / nb: warps and blocks per program (None: from the sizes, _launch_opts);
+    chunked: the quantize kernel reads every 64-group as 8 chunk tiles (the fused
+    Hadamard transform's layout; blocks that are multiples of 64);
+    evict: the quantize kernel's input loads, "evict_first" or "" (None: by size,
+    EVICT_FIRST_BELOW); words: the 32-bit-word int4 kernels (False: the byte kernel);
+    magic: their int -> float by the exponent trick (_nibble; False: conversion
+    instructions); cached_launch: kernels/launch.py's launchers (False: every call
+    through Triton's JIT, the benchmark's comparison)."""
+    warps: int | None = None
+    nb: int | None = None
+    chunked: bool = False
+    evict: str | None = None
+    words: bool = True
+    magic: bool = True
+    cached_launch: bool = True
+
+
+_TUNING = Tuning()
+
+
+@contextlib.contextmanager
+def tuned(**changes):
+    """Launch with `changes` to the current :class:`Tuning` inside the block."""
+    global _TUNING
+    saved, _TUNING = _TUNING, dataclasses.replace(_TUNING, **changes)
+    try:
+        yield _TUNING
+    finally:
+        _TUNING = saved
+
+
+def _launcher(cached: CachedLauncher) -> CachedLauncher:
+    cached.enabled = _TUNING.cached_launch
+    return cached
 
 
 def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: int) -> dict:
@@ -977,9 +1001,9 @@ def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: in
     {nb_default, 2, 1} dividing every count; warps give about `per_thread` elements per
     thread. H200 sweep at 256M elements (docs/PERFORMANCE.md): quantize is fastest with
     NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread.
-    Memoised (the overrides are part of the key): a fresh dict per call, since callers
+    Memoised (the tuning is part of the key): a fresh dict per call, since callers
     edit it."""
-    return dict(_launch_opts_cached(block, per_thread, nb_default, block_counts, NB_OVERRIDE, WARPS_OVERRIDE))
+    return dict(_launch_opts_cached(block, per_thread, nb_default, block_counts, _TUNING.nb, _TUNING.warps))
 
 
 def _next_pow2(n: int) -> int:
@@ -1018,13 +1042,15 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
         return out
     row_blocks, chunk_blocks = k * S // block, S // block
     opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
-    chunked = QUANTIZE_CHUNKED if CHUNKED_OVERRIDE is None else CHUNKED_OVERRIDE
+    evict = _TUNING.evict
+    if evict is None:
+        evict = "evict_first" if x.numel() < EVICT_FIRST_BELOW else ""
     res = residual if residual is not None else x
     _launcher(_QUANTIZE)(
         (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
         P, k * S * bits // 8,
         BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
-        CHUNKED=chunked and block % HADAMARD_SIZE == 0, EVICT=QUANTIZE_EVICT if EVICT_OVERRIDE is None else EVICT_OVERRIDE,
+        CHUNKED=_TUNING.chunked and block % HADAMARD_SIZE == 0, EVICT=evict,
         **opts,
     )
     return out
@@ -1033,11 +1059,7 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
 def _use_words(recv, out, bits_in, bits_out, block) -> bool:
     """The 32-bit-word int4 kernel applies to int4 input with int4 or float output, a
     block that is a multiple of 8 (whole words per block) and 4-byte aligned buffers."""
-    if WORDS_OVERRIDE is not None:
-        want = WORDS_OVERRIDE
-    else:
-        want = True
-    return (want and bits_in == 4 and bits_out in (0, 4) and block % 8 == 0
+    return (_TUNING.words and bits_in == 4 and bits_out in (0, 4) and block % 8 == 0
             and recv.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0)
 
 
@@ -1062,9 +1084,8 @@ def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_pe
                                  HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts)
         else:
             del opts["TINY"]
-            magic = MAGIC_OVERRIDE if MAGIC_OVERRIDE is not None else True
             _launcher(_INT4_WORDS)(grid, *args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
-                                   ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=magic,
+                                   ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=_TUNING.magic,
                                    SQUARE=square, HADAMARD=hadamard, **opts)
         return out
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)

@@ -183,7 +183,7 @@ def quant_fake(monkeypatch):
 ])
 def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block, dtypes):
     tq, fakes = quant_fake
-    monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=words is not False))
     k, m, S = 2, 2, 2 * block
     for dtype in dtypes:
         g = torch.Generator().manual_seed(block)
@@ -214,14 +214,11 @@ def test_real_cached_launches_match_the_jit():
     S = x.numel() // (k * m)
     outs = {}
     for cached in (False, True, True):  # the JIT, the first cached call, a cache hit
-        quant.CACHED_LAUNCH = cached
-        try:
+        with quant.tuned(cached_launch=cached):
             r = quant.reorder_quantize(x, k, m, 4, block)
             outs.setdefault(cached, []).append((quant.quantize(x, 8, block), r,
                                                 quant.dequant_reduce_quantize(r, k, S, 4, 4, block),
                                                 quant.dequantize(r, k * S, 4, block, torch.bfloat16)))
-        finally:
-            quant.CACHED_LAUNCH = True
     for got in outs[True]:
         assert all(torch.equal(a, b) for a, b in zip(outs[False][0], got))
     assert quant._INT4_HOP.compiles >= 1 and quant._QUANTIZE.compiles >= 1

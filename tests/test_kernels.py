@@ -144,13 +144,36 @@ def test_triton_quantize_dequantize_bit_identical(tq, bits, block):
             assert db.dtype == out_dtype and torch.equal(da, db), (dtype, out_dtype)
 
 
+def test_quantize_evict_hint_by_size(tq, monkeypatch):
+    """Below EVICT_FIRST_BELOW elements the quantize kernel's loads are marked evict-first
+    (a per-call win at 16M elements on the H200, a loss from 64M), above it they are not;
+    a cache hint only: the same bytes either way."""
+    seen, real = [], tq._QUANTIZE
+
+    class Spy:
+        enabled = True
+
+        def __call__(self, grid, *args, **kw):
+            seen.append(kw["EVICT"])
+            return real(grid, *args, **kw)
+
+    monkeypatch.setattr(tq, "_QUANTIZE", Spy())
+    monkeypatch.setattr(tq, "EVICT_FIRST_BELOW", 2048)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3)).to(DEV)
+    for t in (x[:1024], x):
+        assert torch.equal(tq.quantize(t, 8, 256).cpu(), ref.quantize(t.cpu(), 8, 256))
+    assert seen == ["evict_first", ""]
+    with tq.tuned(evict=""):  # a setting of the benchmark's sweep wins over the size rule
+        tq.quantize(x[:1024], 8, 256)
+    assert seen[-1] == ""
+
+
 @pytest.mark.parametrize("block", [64, 192])  # 192: 3 groups of 64 per block, padded to 4
 def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
     """The quantize kernel's other layout (every 64-group as 8 chunk tiles: the fused
-    Hadamard transform's, quant.QUANTIZE_CHUNKED) with evict-first loads writes the
+    Hadamard transform's, Tuning.chunked) with evict-first loads writes the
     reference's bytes and residual, in both int4 codes and int8."""
-    monkeypatch.setattr(tq, "CHUNKED_OVERRIDE", True)
-    monkeypatch.setattr(tq, "EVICT_OVERRIDE", "evict_first")
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(chunked=True, evict="evict_first"))
     g = torch.Generator().manual_seed(block)
     k, m, S = 2, 2, 2 * block
     x = torch.randn(k * m * S, generator=g) * torch.exp(torch.randn(k * m * S, generator=g))
@@ -214,7 +237,7 @@ def _hop_input(m, k, S, block, seed):
 @pytest.mark.parametrize("words", [True, False])  # the word kernel, and the byte kernel
 @pytest.mark.parametrize("block", [64, 96])  # 96: W = 12 words, padded to 16
 def test_int4_hop_bit_identical_and_within_bound(tq, monkeypatch, words, block):
-    monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=bool(words)))
     m, k, S = 4, 2, block * 4
     recv = _hop_input(m, k, S, block, seed=block + words)
     exact = ref._dequantize_fp32(recv, k * S, 4, block).double().sum(0).reshape(k, S)
@@ -487,7 +510,7 @@ def test_square_triton_quantize_dequantize_bit_identical(tq, block):
 @pytest.mark.parametrize("words", [True, False])  # the word kernels, and the byte kernel
 @pytest.mark.parametrize("block", [64, 96])  # 96: W = 12 words, padded to 16
 def test_square_triton_fused_kernels_bit_identical(tq, monkeypatch, words, block):
-    monkeypatch.setattr(tq, "WORDS_OVERRIDE", words)
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=bool(words)))
     torch.manual_seed(5)
     k, m, S = 2, 3, 2 * block
     grad = (torch.randn(k * m * S) * torch.exp(torch.randn(k * m * S))).to(torch.bfloat16).to(DEV)
@@ -557,7 +580,7 @@ def test_hadamard_triton_bit_identical(tq, monkeypatch, block, words):
     """The transform, alone and fused into reorder_quantize (with and without a residual)
     and the final dequant_reduce, is bit-identical to the reference: the same fp32 adds
     in the same butterfly order, exact sign flips and an exact 1/8."""
-    monkeypatch.setattr(tq, "WORDS_OVERRIDE", None if words else False)
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=bool(words)))
     g = torch.Generator().manual_seed(21)
     k, m, S = 2, 2, 2 * block
     x = (torch.randn(k * m * S, generator=g) * torch.rand(k * m * S, generator=g) ** 4).to(DEV)

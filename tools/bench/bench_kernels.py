@@ -58,8 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep", nargs="*", default=[], metavar="BLOCKxWARPSxNB[c][e]",
                    help="also time the Triton kernels for these launch shapes, e.g. 4096x8x2 "
                         "(block size, warps per program, blocks per program); quantize variants: "
-                        "suffix c = chunk tiles (quant.CHUNKED_OVERRIDE), e = evict-first input loads "
-                        "(quant.EVICT_OVERRIDE), e.g. 4096x4x2ce")
+                        "suffix c = chunk tiles (quant.Tuning.chunked), e = evict-first input loads "
+                        "(quant.Tuning.evict; without e: none, whatever the size), e.g. 4096x4x2ce")
     p.add_argument("--sweep-size", type=int, nargs="+", default=None, help="elements for the sweep (default 256M)")
     p.add_argument("--ops", nargs="+", default=None, metavar="OP",
                    help="time only these operations (table and sweep), e.g. quantize8 quantize4")
@@ -339,13 +339,10 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
 
 
 def jit_launch(quant, fn):
-    """fn with every kernel launched through Triton's JIT (quant.CACHED_LAUNCH off)."""
+    """fn with every kernel launched through Triton's JIT (quant.Tuning.cached_launch off)."""
     def run():
-        quant.CACHED_LAUNCH = False
-        try:
+        with quant.tuned(cached_launch=False):
             return fn()
-        finally:
-            quant.CACHED_LAUNCH = True
     return run
 
 
@@ -459,10 +456,8 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
     S = n // (k * m)
     rows = []
     for block, warps, nb, flags in shapes:
-        quant.WARPS_OVERRIDE, quant.NB_OVERRIDE = warps, nb
-        quant.CHUNKED_OVERRIDE = "c" in flags
-        quant.EVICT_OVERRIDE = "evict_first" if "e" in flags else ""
-        try:
+        with quant.tuned(warps=warps, nb=nb, chunked="c" in flags,
+                         evict="evict_first" if "e" in flags else ""):
             recv = quant.reorder_quantize(x, k, m, 4, block)
             cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
                      ("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
@@ -483,8 +478,6 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
                     row["cold_ms"] = timer.cold(fn)
                     row["cold_GBps"] = nbytes / row["cold_ms"] / 1e6
                 rows.append(row)
-        finally:
-            quant.WARPS_OVERRIDE = quant.NB_OVERRIDE = quant.CHUNKED_OVERRIDE = quant.EVICT_OVERRIDE = None
     return rows
 
 

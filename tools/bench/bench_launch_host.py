@@ -1,7 +1,7 @@
 """Host time of one quantization-kernel call: the Python from the op's entry to the launch.
 
 Per op, microseconds per call of the host side only, two ways:
-  jit     every call through Triton's JIT launch (kernels.quant.CACHED_LAUNCH = False)
+  jit     every call through Triton's JIT launch (kernels.quant.Tuning.cached_launch off)
   cached  the cached launcher (kernels/launch.py), the default
 
 On a GPU the launches are real: N calls are issued back to back and the host clock is
@@ -78,11 +78,8 @@ def main(argv=None):
             best = {"jit": float("inf"), "cached": float("inf")}
             for _ in range(args.rounds):  # interleaved, best of: a loaded machine hits both alike
                 for mode in best:
-                    quant.CACHED_LAUNCH = mode == "cached"
-                    try:
+                    with quant.tuned(cached_launch=mode == "cached"):
                         best[mode] = min(best[mode], _host_us(torch, fn, args.calls, gpu))
-                    finally:
-                        quant.CACHED_LAUNCH = True
             rows += [{"op": op, "launch": mode, "host_us": us} for mode, us in best.items()]
     print(f"host microseconds per call ({'GPU, real launches' if gpu else 'CPU, C launcher a no-op'}, "
           f"{n} elements, block {block})")

@@ -88,11 +88,8 @@ def main(argv=None):
                                 reference.dequant_reduce(fin, L, 4, block, 0.125)),
         }
         for v in variants:
-            quant.WORDS_OVERRIDE, quant.MAGIC_OVERRIDE = v["words"], v["magic"]
-            quant.WARPS_OVERRIDE, quant.NB_OVERRIDE = v["warps"], v["nb"]
-            if v["nb"] is not None:
-                saved_nb, quant.WORDS_NB = quant.WORDS_NB, v["nb"]
-            try:
+            with quant.tuned(words=v["words"] is not False, magic=v["magic"] is not False,
+                             warps=v["warps"], nb=v["nb"]):
                 for op, (nbytes, fn, want) in cases.items():
                     same = bool(torch.equal(fn(), want))
                     row = {"op": op, "variant": v["name"], "elements": n, "bytes": nbytes, "identical": same}
@@ -102,10 +99,6 @@ def main(argv=None):
                     rows.append(row)
                     print(f"# {_fmt_size(n)} {op} {v['name']}: identical={same} "
                           f"{row.get('GBps', float('nan')):.0f} GB/s", file=sys.stderr, flush=True)
-            finally:
-                quant.WORDS_OVERRIDE = quant.MAGIC_OVERRIDE = quant.WARPS_OVERRIDE = quant.NB_OVERRIDE = None
-                if v["nb"] is not None:
-                    quant.WORDS_NB = saved_nb
         x = recv = packed = fin = cases = None  # free before the next size
         if device == "cuda":
             torch.cuda.empty_cache()
