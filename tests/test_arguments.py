@@ -211,6 +211,13 @@ def test_cli_refusal_is_one_line_and_nonzero():
     assert lines == [lines[0]] and lines[0].startswith("error: --global-batch-size 3")
 
 
+def test_device_flag():
+    assert parse(["--distributed-backend", "gloo", "--device", "cuda"]).parallel.device == "cuda"
+    assert parse([]).parallel.device is None  # cuda with NCCL, else cpu
+    with pytest.raises(ArgumentsError, match="--distributed-backend nccl needs --device cuda"):
+        parse(["--distributed-backend", "nccl", "--device", "cpu"])
+
+
 def test_more_ranks_than_gpus_is_one_line_not_a_cuda_error():
     # NCCL asked for on a node with fewer GPUs than ranks (here: none, the CPU box):
     # one line naming the fix, not CUDA's "invalid device ordinal" traceback.
