@@ -33,7 +33,8 @@ class ParallelConfig:
                                            "default: nccl with CUDA, else gloo",
                                            choices=["nccl", "gloo"])
     device: str | None = flag(
-        "--device", "what the ranks compute on (default: cuda with NCCL, else cpu); with "
+        "--device", "what the ranks compute on (default: cuda with NCCL, else cpu; `--device "
+        "cpu` alone picks gloo); with "
         "--distributed-backend gloo, `--device cuda` keeps tensors on the GPUs and carries the "
         "collectives through host memory, so several ranks may share one GPU (the emulated "
         "cluster's GPU mode, docs/CLUSTER_EMULATION.md)", choices=["cuda", "cpu"])

@@ -276,8 +276,8 @@ def init_from_env(backend: str | None = None,
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(_free_port()))
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend is None:  # --device cpu on a GPU host: CPU ranks, so gloo
+        backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
     local_rank = int(env.get("LOCAL_RANK", 0))
     if backend == "nccl":
         torch.cuda.set_device(_gpu_of_local_rank(local_rank))
