@@ -20,9 +20,11 @@ from megaq.kernels import reference  # noqa: E402
 
 
 def _spin(seconds):
-    t = time.thread_time()
+    """Burn this thread's CPU for `seconds` (what the profiler must count)."""
+    t, spins = time.thread_time(), 0
     while time.thread_time() - t < seconds:
-        pass
+        spins += 1
+    return spins
 
 
 def test_steps_after_the_first_are_split_into_quantizers_and_rest(tmp_path, monkeypatch):

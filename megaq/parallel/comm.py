@@ -266,23 +266,22 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phas
         output.copy_(input.reshape(output.shape))
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(input))
-    if op == dist.ReduceOp.SUM and group.is_gloo:
-        with _timed(phase, input):
-            if input.is_cuda:
-                host = _host_empty(output)
-                _ring_reduce_scatter(host, input.cpu(), group)
-                output.copy_(host)
-            else:
-                _ring_reduce_scatter(output, input, group)
-        return _done(async_op)
-    if _via_host(group, input):
-        _staged_out(phase, _reduce_scatter_flat, output, input, op=op, group=group.pg)
+    if group.is_gloo:  # synchronous: gloo's CPU ops gain nothing from overlap
+        if op == dist.ReduceOp.SUM:
+            fn, kw = _ring_reduce_scatter, {"group": group}
+        else:
+            fn, kw = _reduce_scatter_flat, {"op": op, "group": group.pg}
+        if _via_host(group, input):
+            _staged_out(phase, fn, output, input, **kw)
+        else:
+            _timed_run(phase, input, fn, output, input, async_op=False, **kw)
         return _done(async_op)
     return _timed_run(phase, input, _reduce_scatter_flat, output, input, op=op, group=group.pg,
                       async_op=async_op)
 
 
-def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
+                         async_op: bool = False) -> None:
     """Ring reduce-scatter from p2p, for gloo.
 
     gloo runs reduce_scatter as a full all-reduce (two ring passes), so on CPU runs it
@@ -291,7 +290,8 @@ def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group
     steps over the node-contiguous ring; at step s the member at ring position p sends
     its running sum of chunk order[p-s-1] to its successor and adds its own share to
     chunk order[p-s-2] received from its predecessor, so it ends with chunk order[p]
-    summed over all members. Synchronous (gloo's CPU ops gain nothing from overlap).
+    summed over all members. Synchronous (`async_op` is taken for _timed_run's call and
+    ignored).
     """
     n = group.size
     order = group.ring_order()

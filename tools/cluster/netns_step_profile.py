@@ -61,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", default="250mbit")
     ap.add_argument("--configs", default="ZeRO-3,ZeRO++,deltas")
-    ap.add_argument("--nproc-per-node", type=int, default=2)
-    ap.add_argument("--num-layers", type=int, default=2)
-    ap.add_argument("--hidden-size", type=int, default=256)
-    ap.add_argument("--seq-length", type=int, default=16)
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    bench.add_device_flag(ap)
+    bench.add_workload_flags(ap)
     ap.add_argument("--iters", type=int, default=6, help="iterations (the first is not timed)")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=None, help="JSON results path")
@@ -84,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     emu.install_signal_cleanup()
     emu.sweep_stale()
-    base = bench.model_args(args.num_layers, args.hidden_size, args.seq_length,
-                            args.micro_batch_size, args.nproc_per_node, args.iters,
-                            args.device)
+    base = bench.workload_argv(args, args.iters)
     script = [os.path.join(HERE, "profiled_pretrain.py")] + base[1:]
     cores, ranks = os.cpu_count(), 2 * args.nproc_per_node
     results = []

@@ -60,10 +60,24 @@ def model_args(layers: int, hidden: int, seq: int, micro: int, nproc: int,
             "--distributed-backend", "gloo", "--device", device]
 
 
-def add_device_flag(ap: argparse.ArgumentParser) -> None:
+def add_workload_flags(ap: argparse.ArgumentParser) -> None:
+    """The model and ranks both emulated-cluster tools run (this benchmark and
+    netns_step_profile.py); `workload_argv` turns them into pretrain_gpt.py's argv."""
+    ap.add_argument("--nproc-per-node", type=int, default=2)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--seq-length", type=int, default=16,
+                    help="tokens per sample (default 16: see docs/CLUSTER_EMULATION.md, \"The workload\"; "
+                         "--seq-length 128 is the earlier setup)")
+    ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the ranks compute (default cpu); cuda: all ranks share the "
                          "host's GPUs, gloo still carries every collective over the link")
+
+
+def workload_argv(args, iters: int) -> list[str]:
+    return model_args(args.num_layers, args.hidden_size, args.seq_length, args.micro_batch_size,
+                      args.nproc_per_node, iters, args.device)
 
 
 def one_config(config: str, rates: list[str], base: list[str], args, tmp: str) -> list[dict]:
@@ -184,14 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="250mbit,1gbit,4gbit")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--nproc-per-node", type=int, default=2)
-    ap.add_argument("--num-layers", type=int, default=2)
-    ap.add_argument("--hidden-size", type=int, default=256)
-    ap.add_argument("--seq-length", type=int, default=16,
-                    help="tokens per sample (default 16: see docs/CLUSTER_EMULATION.md, \"The workload\"; "
-                         "--seq-length 128 is the earlier setup)")
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    add_device_flag(ap)
+    add_workload_flags(ap)
     ap.add_argument("--iters-per-rate", type=int, default=3)
     ap.add_argument("--settle", type=int, default=1,
                     help="iterations after each rate change left out of the timing")
@@ -217,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     emu.install_signal_cleanup()
     emu.sweep_stale()
     iters = args.warmup + args.iters_per_rate * len(rates)
-    base = model_args(args.num_layers, args.hidden_size, args.seq_length, args.micro_batch_size,
-                      args.nproc_per_node, iters, args.device)
+    base = workload_argv(args, iters)
     t0, nan = time.time(), float("nan")
     runs = []
     with tempfile.TemporaryDirectory(prefix="netns_zero_bench_") as tmp:
