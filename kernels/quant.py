@@ -948,9 +948,11 @@ QUANTIZE_NB = 2
 WORDS_PER_THREAD = 32
 HOP_PER_THREAD = 64
 WORDS_NB = 1
-# The quantize kernel's input is read once: below this many elements its loads are
-# marked evict-first, which wins per call (L2 flushed) at 16M elements and loses from
-# 64M (H200, in the same run as DeepSpeed's kernels: docs/PERFORMANCE.md, "Per call").
+# The quantize kernel's input is read once: for int8 output below this many elements its
+# loads are marked evict-first, which wins per call (L2 flushed) at 16M elements, ties in
+# graph replay and loses from 64M (H200, in the same run as DeepSpeed's kernels:
+# docs/PERFORMANCE.md, "Per call"). The int4 kernels keep plain loads: for them the hint
+# cost graph replay at 16M (quantize4) or the per-call figure (reorder_quantize4).
 EVICT_FIRST_BELOW = 1 << 25
 
 
@@ -963,8 +965,8 @@ class Tuning:
     warps / nb: warps and blocks per program (None: from the sizes, _launch_opts);
     chunked: the quantize kernel reads every 64-group as 8 chunk tiles (the fused
     Hadamard transform's layout; blocks that are multiples of 64);
-    evict: the quantize kernel's input loads, "evict_first" or "" (None: by size,
-    EVICT_FIRST_BELOW); words: the 32-bit-word int4 kernels (False: the byte kernel);
+    evict: the quantize kernel's input loads, "evict_first" or "" (None: evict-first
+    for int8 below EVICT_FIRST_BELOW elements); words: the 32-bit-word int4 kernels (False: the byte kernel);
     magic: their int -> float by the exponent trick (_nibble; False: conversion
     instructions); cached_launch: kernels/launch.py's launchers (False: every call
     through Triton's JIT, the benchmark's comparison)."""
@@ -1044,7 +1046,7 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
     opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
     evict = _TUNING.evict
     if evict is None:
-        evict = "evict_first" if x.numel() < EVICT_FIRST_BELOW else ""
+        evict = "evict_first" if bits == 8 and x.numel() < EVICT_FIRST_BELOW else ""
     res = residual if residual is not None else x
     _launcher(_QUANTIZE)(
         (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],

@@ -145,9 +145,9 @@ def test_triton_quantize_dequantize_bit_identical(tq, bits, block):
 
 
 def test_quantize_evict_hint_by_size(tq, monkeypatch):
-    """Below EVICT_FIRST_BELOW elements the quantize kernel's loads are marked evict-first
-    (a per-call win at 16M elements on the H200, a loss from 64M), above it they are not;
-    a cache hint only: the same bytes either way."""
+    """Below EVICT_FIRST_BELOW elements the int8 quantize kernel's loads are marked
+    evict-first (a per-call win at 16M elements on the H200, a loss from 64M), above it,
+    and for int4, they are not; a cache hint only: the same bytes either way."""
     seen, real = [], tq._QUANTIZE
 
     class Spy:
@@ -162,7 +162,8 @@ def test_quantize_evict_hint_by_size(tq, monkeypatch):
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3)).to(DEV)
     for t in (x[:1024], x):
         assert torch.equal(tq.quantize(t, 8, 256).cpu(), ref.quantize(t.cpu(), 8, 256))
-    assert seen == ["evict_first", ""]
+    assert torch.equal(tq.quantize(x[:1024], 4, 256).cpu(), ref.quantize(x[:1024].cpu(), 4, 256))
+    assert seen == ["evict_first", "", ""]
     with tq.tuned(evict=""):  # a setting of the benchmark's sweep wins over the size rule
         tq.quantize(x[:1024], 8, 256)
     assert seen[-1] == ""
