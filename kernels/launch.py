@@ -18,7 +18,10 @@ its width), so the cached kernel is the one the JIT would pick:
 - keyword arguments (constexprs and launch options such as num_warps), with their types;
 - the leading tensor arguments: dtype, and whether the address is 16-byte aligned;
 - the other (scalar) arguments: their values and types, whole (cheaper to hash than
-  to classify; a call site sees few distinct shapes, and MAX_ENTRIES bounds the rest);
+  to classify; a call site sees few distinct shapes, and MAX_ENTRIES bounds the rest),
+  except host-side tensor descriptors (Triton's TensorDescriptor, for bulk tensor
+  copies): their dtype, block shape and padding, what the JIT specializes on (the
+  launcher builds the copy descriptor from the object at every call);
 - the current device.
 A tensor among the scalars, launch hooks set by a profiler, pre-run hooks, the
 interpreter, or a Triton whose compiled kernel lacks the launcher attributes: the plain
@@ -29,6 +32,11 @@ here read only constants).
 
 import torch
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host-side descriptors: none can be passed
+    TensorDescriptor = None
+
 __all__ = ["CachedLauncher"]
 
 MAX_ENTRIES = 4096  # per kernel; the cache starts over beyond it
@@ -37,6 +45,17 @@ MAX_ENTRIES = 4096  # per kernel; the cache starts over beyond it
 def tensor_key(t: torch.Tensor):
     """What a compiled kernel depends on in a tensor argument."""
     return t.dtype, t.data_ptr() % 16 == 0
+
+
+def descriptor_key(d):
+    """What a compiled kernel depends on in a host-side tensor descriptor."""
+    return "tensordesc", d.base.dtype, tuple(d.block_shape), d.padding
+
+
+def _scalars_key(scalars, types):
+    if TensorDescriptor is None or TensorDescriptor not in types:
+        return scalars
+    return tuple([descriptor_key(a) if type(a) is TensorDescriptor else a for a in scalars])
 
 
 def _hook_set(hook) -> bool:
@@ -116,7 +135,8 @@ class CachedLauncher:
             self.kernel[grid](*args, **kwargs)
             return
         device = self._get_device()
-        key = (device, tensors, scalars, types, tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+        key = (device, tensors, _scalars_key(scalars, types), types, tuple(kwargs.items()),
+               tuple(map(type, kwargs.values())))
         entry = self._entries.get(key)
         if entry is not None and not self._hooks_active() and not getattr(self.kernel, "pre_run_hooks", None):
             entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,

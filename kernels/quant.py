@@ -154,35 +154,68 @@ def _load_tile(ptr, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
 
 @triton.jit
 def _load_tile_evict(ptr, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr, EVICT: tl.constexpr):
-    """_load_tile with an L2 eviction policy ("evict_first": data read once; "": the default)."""
+    """_load_tile with a cache hint (_load_hinted)."""
     if W == STRIDE:
-        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), eviction_policy=EVICT)
+        return _load_hinted(ptr + _tile_offsets(NB, W, STRIDE), None, EVICT)
     else:
         mask = (tl.arange(0, W) < STRIDE)[None, :] & (tl.arange(0, NB) < NB)[:, None]
-        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), mask=mask, other=0, eviction_policy=EVICT)
+        return _load_hinted(ptr + _tile_offsets(NB, W, STRIDE), mask, EVICT)
+
+
+@triton.jit
+def _load_hinted(ptrs, mask, HINT: tl.constexpr):
+    """tl.load (masked lanes read 0) with HINT: "evict_first" (an L2 eviction policy: data
+    read once), ".cg" (a cache modifier: L2 only) or "" (none)."""
+    if mask is None:
+        if HINT == ".cg":
+            return tl.load(ptrs, cache_modifier=HINT)
+        else:
+            return tl.load(ptrs, eviction_policy=HINT)
+    else:
+        if HINT == ".cg":
+            return tl.load(ptrs, mask=mask, other=0, cache_modifier=HINT)
+        else:
+            return tl.load(ptrs, mask=mask, other=0, eviction_policy=HINT)
+
+
+@triton.jit
+def _store_hinted(ptrs, val, mask, HINT: tl.constexpr):
+    """tl.store with HINT: a cache modifier (".cs": streaming, ".cg": L2 only),
+    "evict_first" (an L2 eviction policy) or "" (none)."""
+    if HINT == "evict_first":
+        tl.store(ptrs, val, mask=mask, eviction_policy=HINT)
+    else:
+        tl.store(ptrs, val, mask=mask, cache_modifier=HINT)
 
 
 @triton.jit
 def _store_tile(ptr, val, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
+    """[NB, W] tile to rows STRIDE apart (lanes >= STRIDE not written)."""
+    _store_tile_cache(ptr, val, NB, W, STRIDE, "")
+
+
+@triton.jit
+def _store_tile_cache(ptr, val, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr, CACHE: tl.constexpr):
+    """_store_tile with a cache hint (_store_hinted)."""
     if W == STRIDE:
-        tl.store(ptr + _tile_offsets(NB, W, STRIDE), val)
+        _store_hinted(ptr + _tile_offsets(NB, W, STRIDE), val, None, CACHE)
     else:
         mask = (tl.arange(0, W) < STRIDE)[None, :] & (tl.arange(0, NB) < NB)[:, None]
-        tl.store(ptr + _tile_offsets(NB, W, STRIDE), val, mask=mask)
+        _store_hinted(ptr + _tile_offsets(NB, W, STRIDE), val, mask, CACHE)
 
 
 @triton.jit
 def _store_blocks(ptr, scale_ptr, q, scale, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_P2: tl.constexpr):
+                  BLOCK_P2: tl.constexpr, CACHE: tl.constexpr):
     """Write NB consecutive blocks' payloads at ptr (q: int32 whose low byte / nibble is
-    the value, as _round_bits gives) and their fp32 scales (4 bytes each, little-endian)
-    at scale_ptr."""
+    the value, as _round_bits gives; CACHE: the payload stores' cache modifier) and their
+    fp32 scales (4 bytes each, little-endian) at scale_ptr."""
     if BITS == 8:
-        _store_tile(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2, BLOCK)
+        _store_tile_cache(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2, BLOCK, CACHE)
     else:
         lo, hi = tl.split(tl.reshape(q, [NB, BLOCK_P2 // 2, 2]))
         byte = (lo & 0xF) | (hi << 4)
-        _store_tile(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2)
+        _store_tile_cache(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2, CACHE)
     _store_scales(scale_ptr, scale, NB)
 
 
@@ -409,49 +442,49 @@ def _load_chunk(ptr, o: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr, GB_P2:
     """Chunk o of every group as fp32 [NB, GB_P2, 8]; padding groups read as 0."""
     offs = _chunk_offsets(NB, GB_P2, BLOCK, _HAD, 8) + o * 8
     if GB == GB_P2:
-        return tl.load(ptr + offs, eviction_policy=EVICT).to(tl.float32)
+        return _load_hinted(ptr + offs, None, EVICT).to(tl.float32)
     else:
-        return tl.load(ptr + offs, mask=_chunk_mask(NB, GB, GB_P2, 8), other=0,
-                       eviction_policy=EVICT).to(tl.float32)
+        return _load_hinted(ptr + offs, _chunk_mask(NB, GB, GB_P2, 8), EVICT).to(tl.float32)
 
 
 @triton.jit
 def _store_chunk(ptr, val, o: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr, GB_P2: tl.constexpr,
-                 BLOCK: tl.constexpr, LANES: tl.constexpr):
+                 BLOCK: tl.constexpr, LANES: tl.constexpr, CACHE: tl.constexpr):
     """Store [NB, GB_P2, LANES] at chunk o of every group (LANES elements per chunk)."""
     offs = _chunk_offsets(NB, GB_P2, BLOCK, 8 * LANES, LANES) + o * LANES
     if GB == GB_P2:
-        tl.store(ptr + offs, val)
+        _store_hinted(ptr + offs, val, None, CACHE)
     else:
-        tl.store(ptr + offs, val, mask=_chunk_mask(NB, GB, GB_P2, LANES))
+        _store_hinted(ptr + offs, val, _chunk_mask(NB, GB, GB_P2, LANES), CACHE)
 
 
 @triton.jit
 def _quantize_chunk(c, o: tl.constexpr, inv, scale, pay_ptr, r_ptr, NB: tl.constexpr, GB: tl.constexpr,
                     GB_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                    SQUARE: tl.constexpr):
+                    SQUARE: tl.constexpr, STORE: tl.constexpr):
     """Quantize chunk tile o, store its payload bytes and (HAS_RES) its new residual."""
     if SQUARE and BITS == 4:
         q = _square_q(c, inv)
     else:
         q = _round_bits(c, inv)
     if BITS == 8:
-        _store_chunk(pay_ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK, 8)
+        _store_chunk(pay_ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK, 8, STORE)
     else:
         lo, hi = tl.split(tl.reshape(q, [NB, GB_P2, 4, 2]))
         byte = (lo & 0xF) | (hi << 4)
-        _store_chunk(pay_ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK // 2, 4)
+        _store_chunk(pay_ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK // 2, 4, STORE)
     if HAS_RES:
         qf = (q - _MAGIC_BITS).to(tl.float32)
         if SQUARE and BITS == 4:
             qf = qf * tl.abs(qf)
-        _store_chunk(r_ptr, c - qf * scale, o, NB, GB, GB_P2, BLOCK, 8)
+        _store_chunk(r_ptr, c - qf * scale, o, NB, GB, GB_P2, BLOCK, 8, "")
 
 
 @triton.jit
 def _quantize_chunks(x_ptr, r_ptr, pay_ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr,
                      BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, QMAX: tl.constexpr, TINY: tl.constexpr,
-                     HAS_RES: tl.constexpr, SQUARE: tl.constexpr, HADAMARD: tl.constexpr, EVICT: tl.constexpr):
+                     HAS_RES: tl.constexpr, SQUARE: tl.constexpr, HADAMARD: tl.constexpr, EVICT: tl.constexpr,
+                     STORE: tl.constexpr):
     """_quantize_kernel's work for NB blocks of x (HADAMARD: of H x), plus the residual, in
     chunk tiles (BLOCK a multiple of 64)."""
     GB: tl.constexpr = BLOCK // _HAD
@@ -483,14 +516,14 @@ def _quantize_chunks(x_ptr, r_ptr, pay_ptr, scale_ptr, NB: tl.constexpr, BITS: t
     _store_scales(scale_ptr, scale, NB)
     inv = inv[:, None, None]
     s3 = scale[:, None, None]
-    _quantize_chunk(c0, 0, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
-    _quantize_chunk(c1, 1, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
-    _quantize_chunk(c2, 2, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
-    _quantize_chunk(c3, 3, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
-    _quantize_chunk(c4, 4, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
-    _quantize_chunk(c5, 5, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
-    _quantize_chunk(c6, 6, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
-    _quantize_chunk(c7, 7, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c0, 0, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c1, 1, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c2, 2, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c3, 3, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c4, 4, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c5, 5, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c6, 6, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c7, 7, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
 
 
 @triton.jit
@@ -829,17 +862,16 @@ def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(
-    x_ptr, res_ptr, out_ptr,
-    m, chunk_blocks, row_groups, row_bytes, payload_bytes,
+def _quantize_program(
+    pid, x_ptr, res_ptr, out_ptr, m, chunk_blocks, row_groups, row_bytes, payload_bytes,
     NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
     QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
-    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr,
+    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr, STORE: tl.constexpr,
 ):
-    # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
+    # Unit pid handles output blocks b .. b + NB - 1 of row `row`; output block b reads
     # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
     # blocks are consecutive). With k = 1 (cb = blocks per row) this is plain row-major.
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.cast(pid, tl.int64)  # (the interpreter gives the loop's pid as a Python int)
     row = pid // row_groups
     b = (pid % row_groups) * NB
     src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
@@ -850,21 +882,58 @@ def _quantize_kernel(
     scale_ptr = row_ptr + payload_bytes + b * 4
     if HADAMARD or CHUNKED:  # HADAMARD: quantize H x (the residual is in H's domain)
         _quantize_chunks(x_blk, r_blk, pay_ptr, scale_ptr, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES,
-                         SQUARE, HADAMARD, EVICT)
-        return
-    x = _load_tile_evict(x_blk, NB, BLOCK_P2, BLOCK, EVICT).to(tl.float32)
-    if HAS_RES:
-        x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
-    if SQUARE and BITS == 4:
-        q, scale = _quantize_tile_square(x, TINY)
+                         SQUARE, HADAMARD, EVICT, STORE)
     else:
-        q, scale = _quantize_tile(x, QMAX, TINY)
-    _store_blocks(pay_ptr, scale_ptr, q, scale, NB, BITS, BLOCK, BLOCK_P2)
-    if HAS_RES:
-        qf = (q - _MAGIC_BITS).to(tl.float32)
+        x = _load_tile_evict(x_blk, NB, BLOCK_P2, BLOCK, EVICT).to(tl.float32)
+        if HAS_RES:
+            x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
         if SQUARE and BITS == 4:
-            qf = qf * tl.abs(qf)
-        _store_tile(r_blk, x - qf * scale[:, None], NB, BLOCK_P2, BLOCK)
+            q, scale = _quantize_tile_square(x, TINY)
+        else:
+            q, scale = _quantize_tile(x, QMAX, TINY)
+        _store_blocks(pay_ptr, scale_ptr, q, scale, NB, BITS, BLOCK, BLOCK_P2, STORE)
+        if HAS_RES:
+            qf = (q - _MAGIC_BITS).to(tl.float32)
+            if SQUARE and BITS == 4:
+                qf = qf * tl.abs(qf)
+            _store_tile(r_blk, x - qf * scale[:, None], NB, BLOCK_P2, BLOCK)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, res_ptr, out_ptr,
+    m, chunk_blocks, row_groups, row_bytes, payload_bytes, n_programs,
+    NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
+    QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
+    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr, STORE: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    # PERSISTENT: a grid smaller than n_programs, each program taking every
+    # num_programs-th unit of work; otherwise one program per unit.
+    if PERSISTENT:
+        for pid in range(tl.program_id(0), n_programs, tl.num_programs(0)):
+            _quantize_program(pid, x_ptr, res_ptr, out_ptr, m, chunk_blocks, row_groups, row_bytes,
+                              payload_bytes, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES, SQUARE, HADAMARD,
+                              CHUNKED, EVICT, STORE)
+    else:
+        _quantize_program(tl.program_id(0), x_ptr, res_ptr, out_ptr, m, chunk_blocks, row_groups, row_bytes,
+                          payload_bytes, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES, SQUARE, HADAMARD,
+                          CHUNKED, EVICT, STORE)
+
+
+@triton.jit
+def _quantize8_tma_kernel(scale_ptr, x_desc, q_desc, ROWS: tl.constexpr, NB: tl.constexpr, QMAX: tl.constexpr,
+                          TINY: tl.constexpr):
+    # The int8 quantize of one row through the tensor memory accelerator (Tuning.tma):
+    # x and the payload are viewed as [*, 64] (128-byte bf16 / 64-byte int8 rows); a
+    # program moves ROWS of them, NB blocks, with one bulk copy each way.
+    pid = tl.program_id(0)
+    x = tl.reshape(x_desc.load([pid * ROWS, 0]).to(tl.float32), [NB, ROWS // NB, 64])
+    absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    scale, inv = _scale_rule(absmax, absmax < TINY, QMAX, _SCALE_DROP)
+    q = _round_bits(x, inv[:, None, None]).to(tl.int8).to(tl.uint8, bitcast=True)
+    q_desc.store([pid * ROWS, 0], tl.reshape(q, [ROWS, 64]))
+    _store_scales(scale_ptr + pid * NB * 4, scale, NB)
 
 
 @triton.jit
@@ -902,7 +971,7 @@ def _dequant_reduce_kernel(
         scale, inv = _hop_requant_scale(tl.max(amax, axis=1), pow2, QMAX_OUT, TINY, HOP_FLOOR)
         row_ptr = out_ptr + orow * out_row_bytes
         _store_blocks(row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
-                      _round_bits(acc, inv[:, None]), scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
+                      _round_bits(acc, inv[:, None]), scale, NB, BITS_OUT, BLOCK, BLOCK_P2, "")
         return
     acc = _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
                        NB, BITS_IN, BLOCK, BLOCK_P2, SQUARE)
@@ -919,7 +988,7 @@ def _dequant_reduce_kernel(
             q, scale = _quantize_tile(acc, QMAX_OUT, TINY)
         row_ptr = out_ptr + orow * out_row_bytes
         _store_blocks(row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
-                      q, scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
+                      q, scale, NB, BITS_OUT, BLOCK, BLOCK_P2, "")
     else:
         if HAS_FACTOR:
             acc = acc * factor
@@ -938,6 +1007,7 @@ _DEQUANT_REDUCE = CachedLauncher(_dequant_reduce_kernel)
 _INT4_HOP = CachedLauncher(_int4_hop_kernel)
 _INT4_WORDS = CachedLauncher(_int4_words_kernel)
 _HADAMARD = CachedLauncher(_hadamard_kernel)
+_QUANTIZE8_TMA = CachedLauncher(_quantize8_tma_kernel)
 
 # Launch defaults, from the H200 sweeps of tools/bench/bench_kernels.py and
 # sweep_kernels.py (docs/PERFORMANCE.md): the quantize kernel gives ~64 elements to a
@@ -962,18 +1032,26 @@ class Tuning:
     bytes, tests/test_kernels.py). The defaults are the launch defaults above; the
     benchmarks and tests try others inside :func:`tuned`.
 
-    warps / nb: warps and blocks per program (None: from the sizes, _launch_opts);
-    chunked: the quantize kernel reads every 64-group as 8 chunk tiles (the fused
-    Hadamard transform's layout; blocks that are multiples of 64);
-    evict: the quantize kernel's input loads, "evict_first" or "" (None: evict-first
-    for int8 below EVICT_FIRST_BELOW elements); words: the 32-bit-word int4 kernels (False: the byte kernel);
-    magic: their int -> float by the exponent trick (_nibble; False: conversion
-    instructions); cached_launch: kernels/launch.py's launchers (False: every call
-    through Triton's JIT, the benchmark's comparison)."""
+    warps / nb: warps and blocks per program (None: from the sizes, _launch_opts).
+    The quantize kernel: chunked: reads every 64-group as 8 chunk tiles (the fused
+    Hadamard transform's layout; blocks that are multiples of 64); evict: its input-load
+    hint, "evict_first", ".cg" or "" (None: evict-first for int8 below EVICT_FIRST_BELOW
+    elements); store: its payload-store hint, "", ".cs" (streaming), ".cg" or
+    "evict_first"; persistent: its grid in programs per SM (0: one program per NB
+    blocks; K: at most K * SMs programs, each looping over its share); tma: the int8
+    quantize of one row (no residual, linear code) through bulk tensor copies
+    (_quantize8_tma, Hopper).
+    The int4 word kernels: words: used at all (False: the byte kernel); magic: their
+    int -> float by the exponent trick (_nibble; False: conversion instructions).
+    cached_launch: kernels/launch.py's launchers (False: every call through Triton's
+    JIT, the benchmark's comparison)."""
     warps: int | None = None
     nb: int | None = None
     chunked: bool = False
     evict: str | None = None
+    store: str = ""
+    persistent: int = 0
+    tma: bool = False
     words: bool = True
     magic: bool = True
     cached_launch: bool = True
@@ -1022,6 +1100,15 @@ def _launch_opts_cached(block, per_thread, nb_default, block_counts, nb_override
     return tuple(dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False).items())
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid's unit; the
+    interpreter on CPU counts 1)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _interpreting() -> bool:
     return isinstance(_quantize_kernel, InterpretedFunction)
 
@@ -1044,18 +1131,38 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
         return out
     row_blocks, chunk_blocks = k * S // block, S // block
     opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
+    if (_TUNING.tma and bits == 8 and rows == 1 and k == 1 and residual is None and code == "linear"
+            and not hadamard and block % 64 == 0 and opts["NB"] * block <= 256 * 64 and x.is_contiguous()):
+        _quantize8_tma(x, out, S, block, opts)
+        return out
     evict = _TUNING.evict
     if evict is None:
         evict = "evict_first" if bits == 8 and x.numel() < EVICT_FIRST_BELOW else ""
     res = residual if residual is not None else x
+    units = rows * row_blocks // opts["NB"]
+    grid = units
+    if _TUNING.persistent:
+        grid = min(units, _TUNING.persistent * _sm_count(x.device))
     _launcher(_QUANTIZE)(
-        (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
-        P, k * S * bits // 8,
+        (grid,), x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8, units,
         BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
-        CHUNKED=_TUNING.chunked and block % HADAMARD_SIZE == 0, EVICT=evict,
-        **opts,
+        CHUNKED=_TUNING.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, STORE=_TUNING.store,
+        PERSISTENT=grid < units, **opts,
     )
     return out
+
+
+def _quantize8_tma(x, out, S, block, opts):
+    """One row's int8 quantize with bulk tensor copies (_quantize8_tma_kernel): x and the
+    payload as [S / 64, 64] tiles of NB * block / 64 rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = opts["NB"] * block // 64
+    x_desc = TensorDescriptor.from_tensor(x.reshape(-1, 64), [rows, 64])
+    q_desc = TensorDescriptor.from_tensor(out[0, :S].view(-1, 64), [rows, 64])
+    _launcher(_QUANTIZE8_TMA)(
+        (S // (opts["NB"] * block),), out[0, S:], x_desc, q_desc, ROWS=rows, NB=opts["NB"], QMAX=QMAX[8],
+        TINY=opts["TINY"], num_warps=opts["num_warps"], enable_fp_fusion=False)
 
 
 def _use_words(recv, out, bits_in, bits_out, block) -> bool:

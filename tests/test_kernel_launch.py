@@ -36,10 +36,12 @@ STREAM, FUNCTION, METADATA = object(), object(), object()
 def _truth_spec(args):
     """The JIT's specialization of runtime arguments, written out independently of
     kernels/launch.py: pointer dtype and 16-byte alignment; int: the constant 1,
-    16-divisible, width; float: fp32."""
+    16-divisible, width; float: fp32; tensor descriptor: dtype and block shape."""
     out = []
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if type(a).__name__ == "TensorDescriptor":  # host-side: dtype and block shape
+            out.append(("desc", str(a.base.dtype), tuple(a.block_shape)))
+        elif isinstance(a, torch.Tensor):
             out.append(("ptr", str(a.dtype), a.data_ptr() % 16 == 0))
         elif isinstance(a, int):
             width = "i32" if -2**31 <= a < 2**31 else ("u64" if a >= 2**63 else "i64")
@@ -171,7 +173,7 @@ def quant_fake(monkeypatch):
         if not isinstance(quant._quantize_kernel, InterpretedFunction):
             quant = importlib.reload(quant)
     fakes = {}
-    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS"):
+    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS", "_QUANTIZE8_TMA"):
         fakes[name] = _fake_launcher(getattr(quant, name).kernel)
         monkeypatch.setattr(quant, name, fakes[name])
     return quant, fakes
@@ -205,6 +207,30 @@ def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, b
     assert used and all(f.kernel.fast_runs >= f.compiles for f in used)
 
 
+def test_descriptor_arguments_keyed_by_dtype_and_block_shape(quant_fake, monkeypatch):
+    """Host-side tensor descriptors (the int8 quantize's bulk-copy path, Tuning.tma): one
+    cached kernel per dtype and block shape, shared by tensors of any length, never handed
+    to another dtype; the bytes are the reference's."""
+    tq, fakes = quant_fake
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(tma=True, nb=1))
+    fake = fakes["_QUANTIZE8_TMA"]
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(4096, generator=g) * 3
+    cases = [(1024, torch.float32, 128), (2048, torch.float32, 128), (2048, torch.bfloat16, 128),
+             (2048, torch.bfloat16, 256)]  # a length, a dtype, a block: 3 specializations
+    for _ in range(2):
+        for n, dtype, block in cases:
+            x = base[:n].to(dtype).to(DEV)
+            assert torch.equal(tq.quantize(x, 8, block).cpu(), ref.quantize(x.cpu(), 8, block)), (n, dtype, block)
+    assert fake.compiles == fake.kernel.compiles == 3
+    assert fake.kernel.fast_runs == 2 * len(cases) - 3
+    monkeypatch.setattr(launch, "descriptor_key", lambda d: "blind")
+    fake._entries = {}
+    tq.quantize(base.to(DEV), 8, 128)  # fp32 compiled under the blind key
+    with pytest.raises(AssertionError, match="another specialization"):
+        tq.quantize(base.bfloat16().to(DEV), 8, 128)
+
+
 @pytest.mark.skipif(INTERPRETED or DEV != "cuda", reason="compiled Triton launchers need a GPU")
 def test_real_cached_launches_match_the_jit():
     from megaq.kernels import quant
@@ -216,12 +242,15 @@ def test_real_cached_launches_match_the_jit():
     for cached in (False, True, True):  # the JIT, the first cached call, a cache hit
         with quant.tuned(cached_launch=cached):
             r = quant.reorder_quantize(x, k, m, 4, block)
-            outs.setdefault(cached, []).append((quant.quantize(x, 8, block), r,
+            with quant.tuned(tma=True):  # tensor-descriptor arguments
+                bulk = quant.quantize(x, 8, block)
+            outs.setdefault(cached, []).append((quant.quantize(x, 8, block), bulk, r,
                                                 quant.dequant_reduce_quantize(r, k, S, 4, 4, block),
                                                 quant.dequantize(r, k * S, 4, block, torch.bfloat16)))
     for got in outs[True]:
         assert all(torch.equal(a, b) for a, b in zip(outs[False][0], got))
-    assert quant._INT4_HOP.compiles >= 1 and quant._QUANTIZE.compiles >= 1
+    assert quant._INT4_HOP.compiles >= 1 and quant._QUANTIZE.compiles >= 1 and quant._QUANTIZE8_TMA.compiles >= 1
+    assert torch.equal(outs[False][0][0], outs[False][0][1])
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="CPU only: swaps Triton's active driver (the GPU test above is real)")

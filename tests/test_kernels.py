@@ -191,6 +191,29 @@ def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
             assert torch.equal(r1, r2)
 
 
+@pytest.mark.parametrize("tuning", [dict(store=".cs", persistent=1), dict(evict=".cg", store="evict_first"),
+                                    dict(evict=".cg", store=".cg", persistent=3, chunked=True), dict(tma=True)])
+def test_quantize_store_hint_and_persistent_grid_bit_identical(tq, monkeypatch, tuning):
+    """The quantize kernel's load and store cache hints and its persistent grid (fewer programs
+    than units of work, each looping over its share; 4 "SMs" here, on the GPU too) write
+    the reference's bytes and residual."""
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(nb=1, **tuning))
+    monkeypatch.setattr(tq, "_sm_count", lambda device: 4)
+    g = torch.Generator().manual_seed(len(tuning))
+    k, m, block = 2, 3, 64
+    S = 4 * block  # 24 units of one block: more than the grid of 4 or 12 programs
+    x = (torch.randn(k * m * S, generator=g) * 3).to(DEV)
+    for bits, code in ((8, "linear"), (4, "square")):
+        for rows in (k * m, 1):  # (one row: the bulk-copy path of Tuning.tma)
+            assert torch.equal(tq.quantize(x.reshape(rows, -1), bits, block, code).cpu(),
+                               ref.quantize(x.reshape(rows, -1).cpu(), bits, block, code)), (bits, code, rows)
+        r1 = (torch.randn(x.numel(), generator=g) * 0.01).to(DEV)
+        r2 = r1.clone().cpu()
+        assert torch.equal(tq.reorder_quantize(x, k, m, bits, block, r1, code).cpu(),
+                           ref.reorder_quantize(x.cpu(), k, m, bits, block, r2, code)), (bits, code)
+        assert torch.equal(r1.cpu(), r2)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_triton_fused_kernels_bit_identical(tq, bits):
     torch.manual_seed(bits)
