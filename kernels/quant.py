@@ -58,7 +58,7 @@ from .format import (
     check_residual,
     packed_len,
 )
-from .launch import CachedLauncher
+from .launch import CachedLauncher, TensorDescriptor
 
 __all__ = list(KERNEL_API)
 
@@ -862,16 +862,17 @@ def _cast_out(x, DTYPE: tl.constexpr, MANUAL_BF16: tl.constexpr):
 
 
 @triton.jit
-def _quantize_program(
-    pid, x_ptr, res_ptr, out_ptr, m, chunk_blocks, row_groups, row_bytes, payload_bytes,
+def _quantize_kernel(
+    x_ptr, res_ptr, out_ptr,
+    m, chunk_blocks, row_groups, row_bytes, payload_bytes,
     NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
     QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
     HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr, STORE: tl.constexpr,
 ):
-    # Unit pid handles output blocks b .. b + NB - 1 of row `row`; output block b reads
+    # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
     # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
     # blocks are consecutive). With k = 1 (cb = blocks per row) this is plain row-major.
-    pid = tl.cast(pid, tl.int64)  # (the interpreter gives the loop's pid as a Python int)
+    pid = tl.program_id(0).to(tl.int64)
     row = pid // row_groups
     b = (pid % row_groups) * NB
     src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
@@ -883,50 +884,29 @@ def _quantize_program(
     if HADAMARD or CHUNKED:  # HADAMARD: quantize H x (the residual is in H's domain)
         _quantize_chunks(x_blk, r_blk, pay_ptr, scale_ptr, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES,
                          SQUARE, HADAMARD, EVICT, STORE)
+        return
+    x = _load_tile_evict(x_blk, NB, BLOCK_P2, BLOCK, EVICT).to(tl.float32)
+    if HAS_RES:
+        x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
+    if SQUARE and BITS == 4:
+        q, scale = _quantize_tile_square(x, TINY)
     else:
-        x = _load_tile_evict(x_blk, NB, BLOCK_P2, BLOCK, EVICT).to(tl.float32)
-        if HAS_RES:
-            x = x + _load_tile(r_blk, NB, BLOCK_P2, BLOCK)
+        q, scale = _quantize_tile(x, QMAX, TINY)
+    _store_blocks(pay_ptr, scale_ptr, q, scale, NB, BITS, BLOCK, BLOCK_P2, STORE)
+    if HAS_RES:
+        qf = (q - _MAGIC_BITS).to(tl.float32)
         if SQUARE and BITS == 4:
-            q, scale = _quantize_tile_square(x, TINY)
-        else:
-            q, scale = _quantize_tile(x, QMAX, TINY)
-        _store_blocks(pay_ptr, scale_ptr, q, scale, NB, BITS, BLOCK, BLOCK_P2, STORE)
-        if HAS_RES:
-            qf = (q - _MAGIC_BITS).to(tl.float32)
-            if SQUARE and BITS == 4:
-                qf = qf * tl.abs(qf)
-            _store_tile(r_blk, x - qf * scale[:, None], NB, BLOCK_P2, BLOCK)
-
-
-@triton.jit
-def _quantize_kernel(
-    x_ptr, res_ptr, out_ptr,
-    m, chunk_blocks, row_groups, row_bytes, payload_bytes, n_programs,
-    NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
-    QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
-    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr, STORE: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
-    # PERSISTENT: a grid smaller than n_programs, each program taking every
-    # num_programs-th unit of work; otherwise one program per unit.
-    if PERSISTENT:
-        for pid in range(tl.program_id(0), n_programs, tl.num_programs(0)):
-            _quantize_program(pid, x_ptr, res_ptr, out_ptr, m, chunk_blocks, row_groups, row_bytes,
-                              payload_bytes, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES, SQUARE, HADAMARD,
-                              CHUNKED, EVICT, STORE)
-    else:
-        _quantize_program(tl.program_id(0), x_ptr, res_ptr, out_ptr, m, chunk_blocks, row_groups, row_bytes,
-                          payload_bytes, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES, SQUARE, HADAMARD,
-                          CHUNKED, EVICT, STORE)
+            qf = qf * tl.abs(qf)
+        _store_tile(r_blk, x - qf * scale[:, None], NB, BLOCK_P2, BLOCK)
 
 
 @triton.jit
 def _quantize8_tma_kernel(scale_ptr, x_desc, q_desc, ROWS: tl.constexpr, NB: tl.constexpr, QMAX: tl.constexpr,
                           TINY: tl.constexpr):
-    # The int8 quantize of one row through the tensor memory accelerator (Tuning.tma):
-    # x and the payload are viewed as [*, 64] (128-byte bf16 / 64-byte int8 rows); a
-    # program moves ROWS of them, NB blocks, with one bulk copy each way.
+    # The int8 quantize of one row through the tensor memory accelerator (Hopper's bulk
+    # tensor copies; _use_bulk_copies): x and the payload are viewed as [*, 64] rows; a
+    # program moves ROWS of them (NB blocks) with one copy in and one out, and writes the
+    # NB scales. The arithmetic is _quantize_tile's, so the bytes are the same.
     pid = tl.program_id(0)
     x = tl.reshape(x_desc.load([pid * ROWS, 0]).to(tl.float32), [NB, ROWS // NB, 64])
     absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
@@ -1024,6 +1004,13 @@ WORDS_NB = 1
 # docs/PERFORMANCE.md, "Per call"). The int4 kernels keep plain loads: for them the hint
 # cost graph replay at 16M (quantize4) or the per-call figure (reorder_quantize4).
 EVICT_FIRST_BELOW = 1 << 25
+# From this many elements the int8 quantize of one row (a qwZ shard, the benchmark's
+# case) moves its data with bulk tensor copies on Hopper: 0.4-1.0% faster than the
+# register path at 128M and 256M per call and in graph replay; below, the host's
+# per-call descriptor work shows (docs/PERFORMANCE.md, "Per call"). One program moves
+# one block with 4 warps.
+BULK_COPIES_FROM = 1 << 27
+BULK_COPIES_PER_THREAD = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1037,10 +1024,8 @@ class Tuning:
     Hadamard transform's layout; blocks that are multiples of 64); evict: its input-load
     hint, "evict_first", ".cg" or "" (None: evict-first for int8 below EVICT_FIRST_BELOW
     elements); store: its payload-store hint, "", ".cs" (streaming), ".cg" or
-    "evict_first"; persistent: its grid in programs per SM (0: one program per NB
-    blocks; K: at most K * SMs programs, each looping over its share); tma: the int8
-    quantize of one row (no residual, linear code) through bulk tensor copies
-    (_quantize8_tma, Hopper).
+    "evict_first"; tma: the int8 quantize of one row through bulk tensor copies
+    (_quantize8_tma; None: from BULK_COPIES_FROM elements on Hopper).
     The int4 word kernels: words: used at all (False: the byte kernel); magic: their
     int -> float by the exponent trick (_nibble; False: conversion instructions).
     cached_launch: kernels/launch.py's launchers (False: every call through Triton's
@@ -1050,8 +1035,7 @@ class Tuning:
     chunked: bool = False
     evict: str | None = None
     store: str = ""
-    persistent: int = 0
-    tma: bool = False
+    tma: bool | None = None
     words: bool = True
     magic: bool = True
     cached_launch: bool = True
@@ -1101,12 +1085,10 @@ def _launch_opts_cached(block, per_thread, nb_default, block_counts, nb_override
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (the persistent grid's unit; the
-    interpreter on CPU counts 1)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _has_bulk_copies(device) -> bool:
+    """Hopper (sm_90) or newer, and a Triton with host-side tensor descriptors."""
+    return (TensorDescriptor is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _interpreting() -> bool:
@@ -1130,33 +1112,39 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
     if rows == 0:  # empty leading dimensions: nothing to launch
         return out
     row_blocks, chunk_blocks = k * S // block, S // block
-    opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
-    if (_TUNING.tma and bits == 8 and rows == 1 and k == 1 and residual is None and code == "linear"
-            and not hadamard and block % 64 == 0 and opts["NB"] * block <= 256 * 64 and x.is_contiguous()):
-        _quantize8_tma(x, out, S, block, opts)
+    if _use_bulk_copies(x, rows, k, residual, bits, block, code, hadamard):
+        _quantize8_tma(x, out, S, block)
         return out
+    opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
     evict = _TUNING.evict
     if evict is None:
         evict = "evict_first" if bits == 8 and x.numel() < EVICT_FIRST_BELOW else ""
     res = residual if residual is not None else x
-    units = rows * row_blocks // opts["NB"]
-    grid = units
-    if _TUNING.persistent:
-        grid = min(units, _TUNING.persistent * _sm_count(x.device))
     _launcher(_QUANTIZE)(
-        (grid,), x, res, out, m, chunk_blocks, row_blocks // opts["NB"], P, k * S * bits // 8, units,
+        (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
+        P, k * S * bits // 8,
         BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
         CHUNKED=_TUNING.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, STORE=_TUNING.store,
-        PERSISTENT=grid < units, **opts,
+        **opts,
     )
     return out
 
 
-def _quantize8_tma(x, out, S, block, opts):
+def _use_bulk_copies(x, rows, k, residual, bits, block, code, hadamard) -> bool:
+    """The int8 quantize of one contiguous row (no residual, linear code, blocks of whole
+    64-element rows, at most 256 of them a program) takes _quantize8_tma: from
+    BULK_COPIES_FROM elements on Hopper, or as Tuning.tma says."""
+    want = _TUNING.tma
+    if want is None:
+        want = x.numel() >= BULK_COPIES_FROM and _has_bulk_copies(x.device)
+    return bool(want and bits == 8 and rows == 1 and k == 1 and residual is None and code == "linear"
+                and not hadamard and block % 64 == 0 and block <= 256 * 64 and x.is_contiguous())
+
+
+def _quantize8_tma(x, out, S, block):
     """One row's int8 quantize with bulk tensor copies (_quantize8_tma_kernel): x and the
     payload as [S / 64, 64] tiles of NB * block / 64 rows."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    opts = _launch_opts(block, BULK_COPIES_PER_THREAD, 1, S // block)
     rows = opts["NB"] * block // 64
     x_desc = TensorDescriptor.from_tensor(x.reshape(-1, 64), [rows, 64])
     q_desc = TensorDescriptor.from_tensor(out[0, :S].view(-1, 64), [rows, 64])

@@ -191,17 +191,15 @@ def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
             assert torch.equal(r1, r2)
 
 
-@pytest.mark.parametrize("tuning", [dict(store=".cs", persistent=1), dict(evict=".cg", store="evict_first"),
-                                    dict(evict=".cg", store=".cg", persistent=3, chunked=True), dict(tma=True)])
-def test_quantize_store_hint_and_persistent_grid_bit_identical(tq, monkeypatch, tuning):
-    """The quantize kernel's load and store cache hints and its persistent grid (fewer programs
-    than units of work, each looping over its share; 4 "SMs" here, on the GPU too) write
-    the reference's bytes and residual."""
+@pytest.mark.parametrize("tuning", [dict(store=".cs"), dict(evict=".cg", store="evict_first"),
+                                    dict(evict=".cg", store=".cg", chunked=True), dict(tma=True)])
+def test_quantize_variants_bit_identical(tq, monkeypatch, tuning):
+    """The quantize kernel's load and store cache hints and the int8 bulk-copy path
+    (Tuning.tma, one row) write the reference's bytes and residual."""
     monkeypatch.setattr(tq, "_TUNING", tq.Tuning(nb=1, **tuning))
-    monkeypatch.setattr(tq, "_sm_count", lambda device: 4)
     g = torch.Generator().manual_seed(len(tuning))
     k, m, block = 2, 3, 64
-    S = 4 * block  # 24 units of one block: more than the grid of 4 or 12 programs
+    S = 4 * block
     x = (torch.randn(k * m * S, generator=g) * 3).to(DEV)
     for bits, code in ((8, "linear"), (4, "square")):
         for rows in (k * m, 1):  # (one row: the bulk-copy path of Tuning.tma)
@@ -212,6 +210,26 @@ def test_quantize_store_hint_and_persistent_grid_bit_identical(tq, monkeypatch, 
         assert torch.equal(tq.reorder_quantize(x, k, m, bits, block, r1, code).cpu(),
                            ref.reorder_quantize(x.cpu(), k, m, bits, block, r2, code)), (bits, code)
         assert torch.equal(r1.cpu(), r2)
+
+
+def test_quantize_bulk_copies_by_size(tq, monkeypatch):
+    """From BULK_COPIES_FROM elements, where the device has bulk tensor copies (Hopper),
+    the int8 quantize of one contiguous row takes them; smaller inputs, int4, several
+    rows, another device or Tuning.tma=False do not. The bytes are the same either way."""
+    seen, real = [], tq._quantize8_tma
+    monkeypatch.setattr(tq, "_quantize8_tma", lambda *a: (seen.append(a[0].numel()), real(*a)))
+    monkeypatch.setattr(tq, "BULK_COPIES_FROM", 2048)
+    monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: True)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(4)).to(DEV)
+    for t, bits, rows in ((x, 8, 1), (x[:1024], 8, 1), (x, 4, 1), (x, 8, 2)):
+        t = t.reshape(rows, -1)
+        assert torch.equal(tq.quantize(t, bits, 256).cpu(), ref.quantize(t.cpu(), bits, 256))
+    assert seen == [4096]
+    with tq.tuned(tma=False):
+        tq.quantize(x, 8, 256)
+    monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: False)
+    tq.quantize(x, 8, 256)
+    assert seen == [4096]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--sweep", nargs="*", default=[], metavar="SHAPE",
                    help="also time the Triton kernels for these launch shapes, e.g. 4096x8x2 "
                         "(block size, warps per program, blocks per program). SHAPE: " + SHAPE_HELP
-                        + "; e.g. 4096x4x2es or 4096x4x2p5")
+                        + "; e.g. 4096x4x2e or 4096x4x1t")
     p.add_argument("--sweep-size", type=int, nargs="+", default=None, help="elements for the sweep (default 256M)")
     p.add_argument("--ops", nargs="+", default=None, metavar="OP",
                    help="time only these operations (table and sweep), e.g. quantize8 quantize4")
@@ -435,24 +435,22 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
-SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)([ct]?)([el]?)([sgw]?)(?:p(\d+))?")
-SHAPE_HELP = ("BLOCKxWARPSxNB[c|t][e|l][s|g|w][pK]; quantize variants: c = chunk tiles (quant.Tuning.chunked), "
-              "t = bulk tensor copies for the int8 quantize of one row (Tuning.tma); "
-              "input loads (Tuning.evict) e = evict-first, l = .cg, neither: no hint, whatever the size; "
-              "payload stores (Tuning.store) s = .cs, g = .cg, w = evict-first; pK = a persistent grid "
-              "of K programs per SM (Tuning.persistent)")
+SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)([ct]?)([el]?)([sgw]?)")
+SHAPE_HELP = ("BLOCKxWARPSxNB[c|t][e|l][s|g|w]; quantize variants (without a letter: off, whatever the "
+              "size): c = chunk tiles (quant.Tuning.chunked), t = bulk tensor copies for the int8 quantize "
+              "(Tuning.tma); input loads (Tuning.evict) e = evict-first, l = .cg; payload stores "
+              "(Tuning.store) s = .cs, g = .cg, w = evict-first")
 LOAD_HINTS = {"e": "evict_first", "l": ".cg", "": ""}
 STORE_HINTS = {"s": ".cs", "g": ".cg", "w": "evict_first", "": ""}
 
 
 def parse_shape(text):
-    """'4096x4x2cesp5' -> (4096, 4, 2, 'ces', 5): block, warps, blocks per program, variant
-    letters, programs per SM (0: no persistent grid)."""
+    """'4096x4x2es' -> (4096, 4, 2, 'es'): block, warps, blocks per program, variant letters."""
     hit = SHAPE.fullmatch(text.lower())
     if not hit:
         sys.exit(f"error: --sweep shape {text!r} is not {SHAPE_HELP.split(';')[0]}, e.g. 4096x4x2 or 4096x4x2es")
-    block, warps, nb, chunk, load, store, per_sm = hit.groups()
-    return int(block), int(warps), int(nb), chunk + load + store, int(per_sm or 0)
+    block, warps, nb, layout, load, store = hit.groups()
+    return int(block), int(warps), int(nb), layout + load + store
 
 
 def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None):
@@ -462,11 +460,10 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
     rows = []
-    for block, warps, nb, flags, per_sm in shapes:
+    for block, warps, nb, flags in shapes:
         load = next((LOAD_HINTS[f] for f in flags if f in LOAD_HINTS), "")
         store = next((STORE_HINTS[f] for f in flags if f in STORE_HINTS), "")
-        with quant.tuned(warps=warps, nb=nb, chunked="c" in flags, evict=load, store=store, persistent=per_sm,
-                         tma="t" in flags):
+        with quant.tuned(warps=warps, nb=nb, chunked="c" in flags, evict=load, store=store, tma="t" in flags):
             recv = quant.reorder_quantize(x, k, m, 4, block)
             cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
                      ("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
@@ -481,8 +478,7 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
                 if only_ops and op not in only_ops:
                     continue
                 ms = timer(fn)
-                shape = f"{block}x{warps}x{nb}{flags}" + (f"p{per_sm}" if per_sm else "")
-                row = {"op": op, "shape": shape, "elements": n, "ms": ms,
+                row = {"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
                        "GBps": nbytes / ms / 1e6}
                 if device == "cuda":
                     row["cold_ms"] = timer.cold(fn)
