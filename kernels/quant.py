@@ -154,68 +154,35 @@ def _load_tile(ptr, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
 
 @triton.jit
 def _load_tile_evict(ptr, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr, EVICT: tl.constexpr):
-    """_load_tile with a cache hint (_load_hinted)."""
+    """_load_tile with an L2 eviction policy ("evict_first": data read once; "": the default)."""
     if W == STRIDE:
-        return _load_hinted(ptr + _tile_offsets(NB, W, STRIDE), None, EVICT)
+        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), eviction_policy=EVICT)
     else:
         mask = (tl.arange(0, W) < STRIDE)[None, :] & (tl.arange(0, NB) < NB)[:, None]
-        return _load_hinted(ptr + _tile_offsets(NB, W, STRIDE), mask, EVICT)
-
-
-@triton.jit
-def _load_hinted(ptrs, mask, HINT: tl.constexpr):
-    """tl.load (masked lanes read 0) with HINT: "evict_first" (an L2 eviction policy: data
-    read once), ".cg" (a cache modifier: L2 only) or "" (none)."""
-    if mask is None:
-        if HINT == ".cg":
-            return tl.load(ptrs, cache_modifier=HINT)
-        else:
-            return tl.load(ptrs, eviction_policy=HINT)
-    else:
-        if HINT == ".cg":
-            return tl.load(ptrs, mask=mask, other=0, cache_modifier=HINT)
-        else:
-            return tl.load(ptrs, mask=mask, other=0, eviction_policy=HINT)
-
-
-@triton.jit
-def _store_hinted(ptrs, val, mask, HINT: tl.constexpr):
-    """tl.store with HINT: a cache modifier (".cs": streaming, ".cg": L2 only),
-    "evict_first" (an L2 eviction policy) or "" (none)."""
-    if HINT == "evict_first":
-        tl.store(ptrs, val, mask=mask, eviction_policy=HINT)
-    else:
-        tl.store(ptrs, val, mask=mask, cache_modifier=HINT)
+        return tl.load(ptr + _tile_offsets(NB, W, STRIDE), mask=mask, other=0, eviction_policy=EVICT)
 
 
 @triton.jit
 def _store_tile(ptr, val, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr):
-    """[NB, W] tile to rows STRIDE apart (lanes >= STRIDE not written)."""
-    _store_tile_cache(ptr, val, NB, W, STRIDE, "")
-
-
-@triton.jit
-def _store_tile_cache(ptr, val, NB: tl.constexpr, W: tl.constexpr, STRIDE: tl.constexpr, CACHE: tl.constexpr):
-    """_store_tile with a cache hint (_store_hinted)."""
     if W == STRIDE:
-        _store_hinted(ptr + _tile_offsets(NB, W, STRIDE), val, None, CACHE)
+        tl.store(ptr + _tile_offsets(NB, W, STRIDE), val)
     else:
         mask = (tl.arange(0, W) < STRIDE)[None, :] & (tl.arange(0, NB) < NB)[:, None]
-        _store_hinted(ptr + _tile_offsets(NB, W, STRIDE), val, mask, CACHE)
+        tl.store(ptr + _tile_offsets(NB, W, STRIDE), val, mask=mask)
 
 
 @triton.jit
 def _store_blocks(ptr, scale_ptr, q, scale, NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_P2: tl.constexpr, CACHE: tl.constexpr):
+                  BLOCK_P2: tl.constexpr):
     """Write NB consecutive blocks' payloads at ptr (q: int32 whose low byte / nibble is
-    the value, as _round_bits gives; CACHE: the payload stores' cache modifier) and their
-    fp32 scales (4 bytes each, little-endian) at scale_ptr."""
+    the value, as _round_bits gives) and their fp32 scales (4 bytes each, little-endian)
+    at scale_ptr."""
     if BITS == 8:
-        _store_tile_cache(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2, BLOCK, CACHE)
+        _store_tile(ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2, BLOCK)
     else:
         lo, hi = tl.split(tl.reshape(q, [NB, BLOCK_P2 // 2, 2]))
         byte = (lo & 0xF) | (hi << 4)
-        _store_tile_cache(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2, CACHE)
+        _store_tile(ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), NB, BLOCK_P2 // 2, BLOCK // 2)
     _store_scales(scale_ptr, scale, NB)
 
 
@@ -442,49 +409,49 @@ def _load_chunk(ptr, o: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr, GB_P2:
     """Chunk o of every group as fp32 [NB, GB_P2, 8]; padding groups read as 0."""
     offs = _chunk_offsets(NB, GB_P2, BLOCK, _HAD, 8) + o * 8
     if GB == GB_P2:
-        return _load_hinted(ptr + offs, None, EVICT).to(tl.float32)
+        return tl.load(ptr + offs, eviction_policy=EVICT).to(tl.float32)
     else:
-        return _load_hinted(ptr + offs, _chunk_mask(NB, GB, GB_P2, 8), EVICT).to(tl.float32)
+        return tl.load(ptr + offs, mask=_chunk_mask(NB, GB, GB_P2, 8), other=0,
+                       eviction_policy=EVICT).to(tl.float32)
 
 
 @triton.jit
 def _store_chunk(ptr, val, o: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr, GB_P2: tl.constexpr,
-                 BLOCK: tl.constexpr, LANES: tl.constexpr, CACHE: tl.constexpr):
+                 BLOCK: tl.constexpr, LANES: tl.constexpr):
     """Store [NB, GB_P2, LANES] at chunk o of every group (LANES elements per chunk)."""
     offs = _chunk_offsets(NB, GB_P2, BLOCK, 8 * LANES, LANES) + o * LANES
     if GB == GB_P2:
-        _store_hinted(ptr + offs, val, None, CACHE)
+        tl.store(ptr + offs, val)
     else:
-        _store_hinted(ptr + offs, val, _chunk_mask(NB, GB, GB_P2, LANES), CACHE)
+        tl.store(ptr + offs, val, mask=_chunk_mask(NB, GB, GB_P2, LANES))
 
 
 @triton.jit
 def _quantize_chunk(c, o: tl.constexpr, inv, scale, pay_ptr, r_ptr, NB: tl.constexpr, GB: tl.constexpr,
                     GB_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                    SQUARE: tl.constexpr, STORE: tl.constexpr):
+                    SQUARE: tl.constexpr):
     """Quantize chunk tile o, store its payload bytes and (HAS_RES) its new residual."""
     if SQUARE and BITS == 4:
         q = _square_q(c, inv)
     else:
         q = _round_bits(c, inv)
     if BITS == 8:
-        _store_chunk(pay_ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK, 8, STORE)
+        _store_chunk(pay_ptr, q.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK, 8)
     else:
         lo, hi = tl.split(tl.reshape(q, [NB, GB_P2, 4, 2]))
         byte = (lo & 0xF) | (hi << 4)
-        _store_chunk(pay_ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK // 2, 4, STORE)
+        _store_chunk(pay_ptr, byte.to(tl.int8).to(tl.uint8, bitcast=True), o, NB, GB, GB_P2, BLOCK // 2, 4)
     if HAS_RES:
         qf = (q - _MAGIC_BITS).to(tl.float32)
         if SQUARE and BITS == 4:
             qf = qf * tl.abs(qf)
-        _store_chunk(r_ptr, c - qf * scale, o, NB, GB, GB_P2, BLOCK, 8, "")
+        _store_chunk(r_ptr, c - qf * scale, o, NB, GB, GB_P2, BLOCK, 8)
 
 
 @triton.jit
 def _quantize_chunks(x_ptr, r_ptr, pay_ptr, scale_ptr, NB: tl.constexpr, BITS: tl.constexpr,
                      BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, QMAX: tl.constexpr, TINY: tl.constexpr,
-                     HAS_RES: tl.constexpr, SQUARE: tl.constexpr, HADAMARD: tl.constexpr, EVICT: tl.constexpr,
-                     STORE: tl.constexpr):
+                     HAS_RES: tl.constexpr, SQUARE: tl.constexpr, HADAMARD: tl.constexpr, EVICT: tl.constexpr):
     """_quantize_kernel's work for NB blocks of x (HADAMARD: of H x), plus the residual, in
     chunk tiles (BLOCK a multiple of 64)."""
     GB: tl.constexpr = BLOCK // _HAD
@@ -516,14 +483,14 @@ def _quantize_chunks(x_ptr, r_ptr, pay_ptr, scale_ptr, NB: tl.constexpr, BITS: t
     _store_scales(scale_ptr, scale, NB)
     inv = inv[:, None, None]
     s3 = scale[:, None, None]
-    _quantize_chunk(c0, 0, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
-    _quantize_chunk(c1, 1, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
-    _quantize_chunk(c2, 2, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
-    _quantize_chunk(c3, 3, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
-    _quantize_chunk(c4, 4, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
-    _quantize_chunk(c5, 5, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
-    _quantize_chunk(c6, 6, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
-    _quantize_chunk(c7, 7, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE, STORE)
+    _quantize_chunk(c0, 0, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c1, 1, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c2, 2, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c3, 3, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c4, 4, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c5, 5, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c6, 6, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
+    _quantize_chunk(c7, 7, inv, s3, pay_ptr, r_ptr, NB, GB, GB_P2, BITS, BLOCK, HAS_RES, SQUARE)
 
 
 @triton.jit
@@ -867,7 +834,7 @@ def _quantize_kernel(
     m, chunk_blocks, row_groups, row_bytes, payload_bytes,
     NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
     QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
-    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr, STORE: tl.constexpr,
+    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr,
 ):
     # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
     # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
@@ -883,7 +850,7 @@ def _quantize_kernel(
     scale_ptr = row_ptr + payload_bytes + b * 4
     if HADAMARD or CHUNKED:  # HADAMARD: quantize H x (the residual is in H's domain)
         _quantize_chunks(x_blk, r_blk, pay_ptr, scale_ptr, NB, BITS, BLOCK, BLOCK_P2, QMAX, TINY, HAS_RES,
-                         SQUARE, HADAMARD, EVICT, STORE)
+                         SQUARE, HADAMARD, EVICT)
         return
     x = _load_tile_evict(x_blk, NB, BLOCK_P2, BLOCK, EVICT).to(tl.float32)
     if HAS_RES:
@@ -892,7 +859,7 @@ def _quantize_kernel(
         q, scale = _quantize_tile_square(x, TINY)
     else:
         q, scale = _quantize_tile(x, QMAX, TINY)
-    _store_blocks(pay_ptr, scale_ptr, q, scale, NB, BITS, BLOCK, BLOCK_P2, STORE)
+    _store_blocks(pay_ptr, scale_ptr, q, scale, NB, BITS, BLOCK, BLOCK_P2)
     if HAS_RES:
         qf = (q - _MAGIC_BITS).to(tl.float32)
         if SQUARE and BITS == 4:
@@ -951,7 +918,7 @@ def _dequant_reduce_kernel(
         scale, inv = _hop_requant_scale(tl.max(amax, axis=1), pow2, QMAX_OUT, TINY, HOP_FLOOR)
         row_ptr = out_ptr + orow * out_row_bytes
         _store_blocks(row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
-                      _round_bits(acc, inv[:, None]), scale, NB, BITS_OUT, BLOCK, BLOCK_P2, "")
+                      _round_bits(acc, inv[:, None]), scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
         return
     acc = _load_blocks(row_ptr + in_blk * (BLOCK * BITS_IN // 8), row_ptr + in_payload_bytes + in_blk * 4,
                        NB, BITS_IN, BLOCK, BLOCK_P2, SQUARE)
@@ -968,7 +935,7 @@ def _dequant_reduce_kernel(
             q, scale = _quantize_tile(acc, QMAX_OUT, TINY)
         row_ptr = out_ptr + orow * out_row_bytes
         _store_blocks(row_ptr + ob * (BLOCK * BITS_OUT // 8), row_ptr + out_payload_bytes + ob * 4,
-                      q, scale, NB, BITS_OUT, BLOCK, BLOCK_P2, "")
+                      q, scale, NB, BITS_OUT, BLOCK, BLOCK_P2)
     else:
         if HAS_FACTOR:
             acc = acc * factor
@@ -1021,10 +988,9 @@ class Tuning:
 
     warps / nb: warps and blocks per program (None: from the sizes, _launch_opts).
     The quantize kernel: chunked: reads every 64-group as 8 chunk tiles (the fused
-    Hadamard transform's layout; blocks that are multiples of 64); evict: its input-load
-    hint, "evict_first", ".cg" or "" (None: evict-first for int8 below EVICT_FIRST_BELOW
-    elements); store: its payload-store hint, "", ".cs" (streaming), ".cg" or
-    "evict_first"; tma: the int8 quantize of one row through bulk tensor copies
+    Hadamard transform's layout; blocks that are multiples of 64); evict: its input
+    loads, "evict_first" or "" (None: evict-first for int8 below EVICT_FIRST_BELOW
+    elements); tma: the int8 quantize of one row through bulk tensor copies
     (_quantize8_tma; None: from BULK_COPIES_FROM elements on Hopper).
     The int4 word kernels: words: used at all (False: the byte kernel); magic: their
     int -> float by the exponent trick (_nibble; False: conversion instructions).
@@ -1034,7 +1000,6 @@ class Tuning:
     nb: int | None = None
     chunked: bool = False
     evict: str | None = None
-    store: str = ""
     tma: bool | None = None
     words: bool = True
     magic: bool = True
@@ -1124,21 +1089,22 @@ def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadam
         (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
         P, k * S * bits // 8,
         BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
-        CHUNKED=_TUNING.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, STORE=_TUNING.store,
+        CHUNKED=_TUNING.chunked and block % HADAMARD_SIZE == 0, EVICT=evict,
         **opts,
     )
     return out
 
 
 def _use_bulk_copies(x, rows, k, residual, bits, block, code, hadamard) -> bool:
-    """The int8 quantize of one contiguous row (no residual, linear code, blocks of whole
-    64-element rows, at most 256 of them a program) takes _quantize8_tma: from
-    BULK_COPIES_FROM elements on Hopper, or as Tuning.tma says."""
+    """The int8 quantize of one contiguous, 16-byte aligned row (no residual, linear code,
+    blocks of whole 64-element rows, at most 256 of them a program: the copies' limits)
+    takes _quantize8_tma: from BULK_COPIES_FROM elements on Hopper, or as Tuning.tma says."""
     want = _TUNING.tma
     if want is None:
         want = x.numel() >= BULK_COPIES_FROM and _has_bulk_copies(x.device)
     return bool(want and bits == 8 and rows == 1 and k == 1 and residual is None and code == "linear"
-                and not hadamard and block % 64 == 0 and block <= 256 * 64 and x.is_contiguous())
+                and not hadamard and block % 64 == 0 and (_TUNING.nb or 1) * block <= 256 * 64
+                and x.is_contiguous() and x.data_ptr() % 16 == 0)
 
 
 def _quantize8_tma(x, out, S, block):

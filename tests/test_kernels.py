@@ -191,24 +191,22 @@ def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
             assert torch.equal(r1, r2)
 
 
-@pytest.mark.parametrize("tuning", [dict(store=".cs"), dict(evict=".cg", store="evict_first"),
-                                    dict(evict=".cg", store=".cg", chunked=True), dict(tma=True)])
-def test_quantize_variants_bit_identical(tq, monkeypatch, tuning):
-    """The quantize kernel's load and store cache hints and the int8 bulk-copy path
-    (Tuning.tma, one row) write the reference's bytes and residual."""
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(nb=1, **tuning))
-    g = torch.Generator().manual_seed(len(tuning))
-    k, m, block = 2, 3, 64
-    S = 4 * block
-    x = (torch.randn(k * m * S, generator=g) * 3).to(DEV)
-    for bits, code in ((8, "linear"), (4, "square")):
-        for rows in (k * m, 1):  # (one row: the bulk-copy path of Tuning.tma)
-            assert torch.equal(tq.quantize(x.reshape(rows, -1), bits, block, code).cpu(),
-                               ref.quantize(x.reshape(rows, -1).cpu(), bits, block, code)), (bits, code, rows)
+def test_quantize_bulk_copies_bit_identical(tq, monkeypatch):
+    """The int8 quantize of one row through bulk tensor copies (Tuning.tma: TMA on the
+    GPU, the interpreter's tensor descriptors on CPU) writes the reference's bytes, at
+    one and at two blocks per program, and leaves other calls to the register path."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(8 * 256, generator=g) * 3).to(DEV)
+    x[256:512] = 0  # a zero block
+    for nb in (1, 2):
+        monkeypatch.setattr(tq, "_TUNING", tq.Tuning(tma=True, nb=nb))
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            assert torch.equal(tq.quantize(xd, 8, 256).cpu(), ref.quantize(xd.cpu(), 8, 256)), (nb, dtype)
         r1 = (torch.randn(x.numel(), generator=g) * 0.01).to(DEV)
         r2 = r1.clone().cpu()
-        assert torch.equal(tq.reorder_quantize(x, k, m, bits, block, r1, code).cpu(),
-                           ref.reorder_quantize(x.cpu(), k, m, bits, block, r2, code)), (bits, code)
+        assert torch.equal(tq.reorder_quantize(x, 2, 2, 8, 256, r1).cpu(),
+                           ref.reorder_quantize(x.cpu(), 2, 2, 8, 256, r2)), nb
         assert torch.equal(r1.cpu(), r2)
 
 

@@ -435,22 +435,19 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
-SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)([ct]?)([el]?)([sgw]?)")
-SHAPE_HELP = ("BLOCKxWARPSxNB[c|t][e|l][s|g|w]; quantize variants (without a letter: off, whatever the "
-              "size): c = chunk tiles (quant.Tuning.chunked), t = bulk tensor copies for the int8 quantize "
-              "(Tuning.tma); input loads (Tuning.evict) e = evict-first, l = .cg; payload stores "
-              "(Tuning.store) s = .cs, g = .cg, w = evict-first")
-LOAD_HINTS = {"e": "evict_first", "l": ".cg", "": ""}
-STORE_HINTS = {"s": ".cs", "g": ".cg", "w": "evict_first", "": ""}
+SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)([ct]?)(e?)")
+SHAPE_HELP = ("BLOCKxWARPSxNB[c|t][e]; quantize variants (without a letter: off, whatever the size): "
+              "c = chunk tiles (quant.Tuning.chunked), t = bulk tensor copies for the int8 quantize of one "
+              "row (Tuning.tma), e = evict-first input loads (Tuning.evict)")
 
 
 def parse_shape(text):
-    """'4096x4x2es' -> (4096, 4, 2, 'es'): block, warps, blocks per program, variant letters."""
+    """'4096x4x1t' -> (4096, 4, 1, 't'): block, warps, blocks per program, variant letters."""
     hit = SHAPE.fullmatch(text.lower())
     if not hit:
-        sys.exit(f"error: --sweep shape {text!r} is not {SHAPE_HELP.split(';')[0]}, e.g. 4096x4x2 or 4096x4x2es")
-    block, warps, nb, layout, load, store = hit.groups()
-    return int(block), int(warps), int(nb), layout + load + store
+        sys.exit(f"error: --sweep shape {text!r} is not {SHAPE_HELP.split(';')[0]}, e.g. 4096x4x2 or 4096x4x1t")
+    block, warps, nb, layout, evict = hit.groups()
+    return int(block), int(warps), int(nb), layout + evict
 
 
 def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None):
@@ -461,9 +458,8 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
     S = n // (k * m)
     rows = []
     for block, warps, nb, flags in shapes:
-        load = next((LOAD_HINTS[f] for f in flags if f in LOAD_HINTS), "")
-        store = next((STORE_HINTS[f] for f in flags if f in STORE_HINTS), "")
-        with quant.tuned(warps=warps, nb=nb, chunked="c" in flags, evict=load, store=store, tma="t" in flags):
+        with quant.tuned(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
+                         tma="t" in flags):
             recv = quant.reorder_quantize(x, k, m, 4, block)
             cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
                      ("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
