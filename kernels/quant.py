@@ -1099,23 +1099,24 @@ def _use_bulk_copies(x, rows, k, residual, bits, block, code, hadamard) -> bool:
     """The int8 quantize of one contiguous, 16-byte aligned row (no residual, linear code,
     blocks of whole 64-element rows, at most 256 of them a program: the copies' limits)
     takes _quantize8_tma: from BULK_COPIES_FROM elements on Hopper, or as Tuning.tma says."""
+    if not (bits == 8 and rows == 1 and k == 1 and residual is None and code == "linear" and not hadamard
+            and block % 64 == 0 and (_TUNING.nb or 1) * block <= 256 * 64):
+        return False  # (the common case, decided without touching the tensor)
     want = _TUNING.tma
     if want is None:
         want = x.numel() >= BULK_COPIES_FROM and _has_bulk_copies(x.device)
-    return bool(want and bits == 8 and rows == 1 and k == 1 and residual is None and code == "linear"
-                and not hadamard and block % 64 == 0 and (_TUNING.nb or 1) * block <= 256 * 64
-                and x.is_contiguous() and x.data_ptr() % 16 == 0)
+    return bool(want) and x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 def _quantize8_tma(x, out, S, block):
     """One row's int8 quantize with bulk tensor copies (_quantize8_tma_kernel): x and the
     payload as [S / 64, 64] tiles of NB * block / 64 rows."""
     opts = _launch_opts(block, BULK_COPIES_PER_THREAD, 1, S // block)
-    rows = opts["NB"] * block // 64
-    x_desc = TensorDescriptor.from_tensor(x.reshape(-1, 64), [rows, 64])
-    q_desc = TensorDescriptor.from_tensor(out[0, :S].view(-1, 64), [rows, 64])
+    tile_rows = opts["NB"] * block // 64
+    x_desc = TensorDescriptor.from_tensor(x.reshape(-1, 64), [tile_rows, 64])
+    q_desc = TensorDescriptor.from_tensor(out[0, :S].view(-1, 64), [tile_rows, 64])
     _launcher(_QUANTIZE8_TMA)(
-        (S // (opts["NB"] * block),), out[0, S:], x_desc, q_desc, ROWS=rows, NB=opts["NB"], QMAX=QMAX[8],
+        (S // (opts["NB"] * block),), out[0, S:], x_desc, q_desc, ROWS=tile_rows, NB=opts["NB"], QMAX=QMAX[8],
         TINY=opts["TINY"], num_warps=opts["num_warps"], enable_fp_fusion=False)
 
 

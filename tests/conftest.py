@@ -12,7 +12,6 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 pytest_plugins = ["data_fixtures"]
 
 
-
 try:  # after TRITON_INTERPRET is set
     import triton.language.core as _tl_core
 except ImportError:  # no Triton: nothing to guard
