@@ -136,24 +136,33 @@ def packed_len(L: int, bits: int, block: int) -> int:
 
 def check_packed(packed, L: int, bits: int, block: int) -> int:
     """Validate a packed uint8 buffer [..., P] for segments of L elements; return P."""
+    return check_packed_layout(packed.shape, packed.dtype, L, bits, block)
+
+
+def check_packed_layout(shape, dtype, L: int, bits: int, block: int) -> int:
+    """check_packed for a buffer of this shape and dtype."""
     import torch
 
     P = packed_len(L, bits, block)
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"packed buffer has dtype {packed.dtype}; expected torch.uint8")
-    if packed.dim() == 0 or packed.shape[-1] != P:
+    if dtype != torch.uint8:
+        raise ValueError(f"packed buffer has dtype {dtype}; expected torch.uint8")
+    if len(shape) == 0 or shape[-1] != P:
         raise ValueError(
-            f"packed buffer has shape {tuple(packed.shape)}; expected [..., {P}] "
+            f"packed buffer has shape {tuple(shape)}; expected [..., {P}] "
             f"(packed_len(L={L}, bits={bits}, block={block}))"
         )
     return P
 
 
 def check_float_input(x) -> None:
+    check_float_dtype(x.dtype)
+
+
+def check_float_dtype(dtype) -> None:
     import torch
 
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"input dtype {x.dtype} is not supported: use float32, float16 or bfloat16")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"input dtype {dtype} is not supported: use float32, float16 or bfloat16")
 
 
 def check_reorder(numel: int, k: int, m: int, block: int) -> int:

@@ -12,6 +12,11 @@ it returns; later calls with the same specialization call that kernel's launcher
 directly (`compiled.run(grid, stream, function, metadata, ..., *args)`, the call the JIT
 itself ends with in Triton 3.x).
 
+`launcher.launch(plan, *tensors)` does the same for a `Launch` (grid, scalars and
+keyword arguments fixed, built once by the caller per distinct call): its key is the
+plan object with the device and the tensors' dtypes and alignment, so a call spends
+nothing on the fixed part (kernels/quant.py's ops launch this way).
+
 The cache key is at least as fine as the JIT's specialization (which looks at a
 tensor's dtype and 16-byte alignment, at whether an int is 1 or a multiple of 16 and at
 its width), so the cached kernel is the one the JIT would pick:
@@ -37,7 +42,7 @@ try:
 except ImportError:  # a Triton without host-side descriptors: none can be passed
     TensorDescriptor = None
 
-__all__ = ["CachedLauncher"]
+__all__ = ["CachedLauncher", "Launch"]
 
 MAX_ENTRIES = 4096  # per kernel; the cache starts over beyond it
 
@@ -92,6 +97,19 @@ class _Entry:
         self.tail = tail  # the constexpr values, in the kernel's parameter order
 
 
+class Launch:
+    """One launch with everything but its leading tensor arguments fixed: the grid, the
+    scalar arguments after the tensors, and the keyword arguments (constexprs, launch
+    options). A caller builds it once per distinct call (kernels/quant.py memoises them
+    by shape) and launches it with `launcher.launch(plan, *tensors)`. Treat it as frozen:
+    the launcher keys its compiled kernels by the object."""
+
+    __slots__ = ("grid", "scalars", "kwargs")
+
+    def __init__(self, grid, scalars=(), kwargs=None):
+        self.grid, self.scalars, self.kwargs = tuple(grid), tuple(scalars), dict(kwargs or {})
+
+
 class CachedLauncher:
     """Launch `kernel` as kernel[grid](*args, **kwargs) does, from a per-specialization
     cache of compiled kernels. Positional args are the kernel's leading runtime
@@ -137,6 +155,24 @@ class CachedLauncher:
         device = self._get_device()
         key = (device, tensors, _scalars_key(scalars, types), types, tuple(kwargs.items()),
                tuple(map(type, kwargs.values())))
+        self._launch(device, key, grid, args, kwargs)
+
+    def launch(self, plan: "Launch", *tensors):
+        """Launch `plan` (grid, scalars and keyword arguments fixed) with these leading
+        tensor arguments: kernel[plan.grid](*tensors, *plan.scalars, **plan.kwargs). The
+        key is the plan object itself, the device and the tensors' dtypes and alignment,
+        so a call pays for neither binding nor hashing the fixed part."""
+        if not self.enabled or self._param_names is None:
+            self.kernel[plan.grid](*tensors, *plan.scalars, **plan.kwargs)
+            return
+        if self._hooks_active is None:
+            self._init_runtime()
+        device = self._get_device()
+        key = (device, plan, *[tensor_key(t) for t in tensors])
+        self._launch(device, key, plan.grid, tensors + plan.scalars, plan.kwargs)
+
+    def _launch(self, device, key, grid, args, kwargs):
+        """From the cache under `key`, or through the JIT (keeping what it compiled)."""
         entry = self._entries.get(key)
         if entry is not None and not self._hooks_active() and not getattr(self.kernel, "pre_run_hooks", None):
             entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,

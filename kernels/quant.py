@@ -25,6 +25,8 @@ on NVIDIA GPUs is approximate.
 import contextlib
 import dataclasses
 import functools
+import math
+import typing
 
 import torch
 import triton
@@ -50,15 +52,16 @@ from .format import (
     TINY,
     check_code,
     check_hadamard,
+    check_float_dtype,
     check_float_input,
     check_format,
     check_out,
-    check_packed,
+    check_packed_layout,
     check_reorder,
     check_residual,
     packed_len,
 )
-from .launch import CachedLauncher, TensorDescriptor
+from .launch import CachedLauncher, Launch, TensorDescriptor
 
 __all__ = list(KERNEL_API)
 
@@ -980,7 +983,7 @@ BULK_COPIES_FROM = 1 << 27
 BULK_COPIES_PER_THREAD = 32
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a cheap plan key
 class Tuning:
     """How the kernels launch; never what they compute (every setting writes the same
     bytes, tests/test_kernels.py). The defaults are the launch defaults above; the
@@ -1009,11 +1012,17 @@ class Tuning:
 _TUNING = Tuning()
 
 
+_TUNINGS: dict = {}  # field values -> the one Tuning object with them (see tuned)
+
+
 @contextlib.contextmanager
 def tuned(**changes):
-    """Launch with `changes` to the current :class:`Tuning` inside the block."""
+    """Launch with `changes` to the current :class:`Tuning` inside the block. Equal
+    settings give the same object, so the plans memoised under it (keyed by identity)
+    serve every block that asks for them."""
     global _TUNING
-    saved, _TUNING = _TUNING, dataclasses.replace(_TUNING, **changes)
+    new = dataclasses.replace(_TUNING, **changes)
+    saved, _TUNING = _TUNING, _TUNINGS.setdefault(dataclasses.astuple(new), new)
     try:
         yield _TUNING
     finally:
@@ -1070,173 +1079,235 @@ def _signs(device) -> torch.Tensor:
     return t
 
 
-def _quantize_rows(x, residual, rows, k, m, S, bits, block, code="linear", hadamard=False):
-    """Quantize rows x [rows, k*S] where output row j block b reads chunk (b//cb)*m + j."""
+# Plans. What an op launches depends only on its arguments' shapes, dtypes and options
+# and on the Tuning in force, so it is worked out (and checked) once per distinct call,
+# by the memoised functions below; a call then costs its output's allocation, the
+# alignment checks that choose a kernel, and the launch. That host path must stay well
+# inside the time a per-call benchmark's L2 flush leaves it (docs/PERFORMANCE.md, "Per
+# call"). A bad argument raises on every call: lru_cache keeps results, not exceptions.
+_memoised = functools.lru_cache(maxsize=1024)
+
+
+class _Plan(typing.NamedTuple):
+    out_shape: tuple
+    launch: Launch | None  # None: an empty input, nothing to launch
+    words: Launch | None = None  # the int4 word kernel's launch, where the shapes allow it (_reduce_into)
+    hop: bool = False  # the word kernel is the hop (_INT4_HOP), not the float-output one
+    bulk_block: int = 0  # the int8 bulk-copy path may apply to this block size (_use_bulk_copies)
+
+
+def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, tuning) -> _Plan:
+    """The quantize kernel for `rows` output rows of k * S elements, output row j's block
+    b reading input chunk (b // (S / block)) * m + j (k = m = 1: plain rows)."""
+    if rows == 0:
+        return _Plan(out_shape, None)
     P = packed_len(k * S, bits, block)
-    out = torch.empty((rows, P), dtype=torch.uint8, device=x.device)
-    if rows == 0:  # empty leading dimensions: nothing to launch
-        return out
     row_blocks, chunk_blocks = k * S // block, S // block
-    if _use_bulk_copies(x, rows, k, residual, bits, block, code, hadamard):
-        _quantize8_tma(x, out, S, block)
-        return out
     opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
-    evict = _TUNING.evict
+    evict = tuning.evict
     if evict is None:
-        evict = "evict_first" if bits == 8 and x.numel() < EVICT_FIRST_BELOW else ""
-    res = residual if residual is not None else x
-    _launcher(_QUANTIZE)(
-        (rows * row_blocks // opts["NB"],), x, res, out, m, chunk_blocks, row_blocks // opts["NB"],
-        P, k * S * bits // 8,
-        BITS=bits, QMAX=QMAX[bits], HAS_RES=residual is not None, SQUARE=code == "square", HADAMARD=hadamard,
-        CHUNKED=_TUNING.chunked and block % HADAMARD_SIZE == 0, EVICT=evict,
-        **opts,
-    )
-    return out
+        evict = "evict_first" if bits == 8 and rows * k * S < EVICT_FIRST_BELOW else ""
+    launch = Launch((rows * row_blocks // opts["NB"],), (m, chunk_blocks, row_blocks // opts["NB"], P,
+                                                         k * S * bits // 8),
+                    dict(BITS=bits, QMAX=QMAX[bits], HAS_RES=has_res, SQUARE=code == "square", HADAMARD=hadamard,
+                         CHUNKED=tuning.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, **opts))
+    bulk = (bits == 8 and rows == 1 and k == 1 and not has_res and code == "linear" and not hadamard
+            and block % 64 == 0 and (tuning.nb or 1) * block <= 256 * 64
+            and (tuning.tma if tuning.tma is not None else S >= BULK_COPIES_FROM))
+    return _Plan(out_shape, launch, bulk_block=block if bulk else 0)
 
 
-def _use_bulk_copies(x, rows, k, residual, bits, block, code, hadamard) -> bool:
-    """The int8 quantize of one contiguous, 16-byte aligned row (no residual, linear code,
-    blocks of whole 64-element rows, at most 256 of them a program: the copies' limits)
-    takes _quantize8_tma: from BULK_COPIES_FROM elements on Hopper, or as Tuning.tma says."""
-    if not (bits == 8 and rows == 1 and k == 1 and residual is None and code == "linear" and not hadamard
-            and block % 64 == 0 and (_TUNING.nb or 1) * block <= 256 * 64):
-        return False  # (the common case, decided without touching the tensor)
-    want = _TUNING.tma
-    if want is None:
-        want = x.numel() >= BULK_COPIES_FROM and _has_bulk_copies(x.device)
-    return bool(want) and x.is_contiguous() and x.data_ptr() % 16 == 0
+def _quantize_into(plan: _Plan, x, residual, out):
+    """Launch a _rows_plan: x and residual contiguous (residual None: no error feedback)."""
+    if plan.launch is None:
+        return
+    if plan.bulk_block and _use_bulk_copies(x):
+        _quantize8_tma(x, out.view(-1), x.numel(), plan.bulk_block)
+    else:
+        _launcher(_QUANTIZE).launch(plan.launch, x, residual if residual is not None else x, out)
+
+
+def _use_bulk_copies(x) -> bool:
+    """For a plan whose shape allows bulk copies (the int8 quantize of one row, no
+    residual, linear code, blocks of whole 64-element rows, at most 256 of them a program:
+    _rows_plan): the device has them (or Tuning.tma asks for them) and the row is 16-byte
+    aligned."""
+    return bool(_TUNING.tma or _has_bulk_copies(x.device)) and x.data_ptr() % 16 == 0
 
 
 def _quantize8_tma(x, out, S, block):
     """One row's int8 quantize with bulk tensor copies (_quantize8_tma_kernel): x and the
-    payload as [S / 64, 64] tiles of NB * block / 64 rows."""
+    payload (flat `out`'s first S bytes) as [S / 64, 64] tiles of NB * block / 64 rows."""
     opts = _launch_opts(block, BULK_COPIES_PER_THREAD, 1, S // block)
     tile_rows = opts["NB"] * block // 64
     x_desc = TensorDescriptor.from_tensor(x.reshape(-1, 64), [tile_rows, 64])
-    q_desc = TensorDescriptor.from_tensor(out[0, :S].view(-1, 64), [tile_rows, 64])
+    q_desc = TensorDescriptor.from_tensor(out[:S].view(-1, 64), [tile_rows, 64])
     _launcher(_QUANTIZE8_TMA)(
-        (S // (opts["NB"] * block),), out[0, S:], x_desc, q_desc, ROWS=tile_rows, NB=opts["NB"], QMAX=QMAX[8],
+        (S // (opts["NB"] * block),), out[S:], x_desc, q_desc, ROWS=tile_rows, NB=opts["NB"], QMAX=QMAX[8],
         TINY=opts["TINY"], num_warps=opts["num_warps"], enable_fp_fusion=False)
 
 
-def _use_words(recv, out, bits_in, bits_out, block) -> bool:
-    """The 32-bit-word int4 kernel applies to int4 input with int4 or float output, a
-    block that is a multiple of 8 (whole words per block) and 4-byte aligned buffers."""
-    return (_TUNING.words and bits_in == 4 and bits_out in (0, 4) and block % 8 == 0
-            and recv.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0)
-
-
-def _dequant_reduce_launch(recv, out, out_rows, n_sum, L_in, bits_in, in_rows_per_out, in_blocks_per_out,
-                           out_row_len, bits_out, block, factor=None, accumulate=False, code="linear",
-                           hadamard=False):
+def _reduce_plan(tuning, out_shape, out_rows, n_sum, L_in, bits_in, in_row_bytes, in_rows_per_out,
+                 in_blocks_per_out, out_row_len, bits_out, block, factor=None, accumulate=False, code="linear",
+                 hadamard=False) -> _Plan:
+    """Output row o sums n_sum input rows (o * in_rows_per_out + r, from block
+    o * in_blocks_per_out), then requantizes to bits_out or writes floats (bits_out 0)."""
     out_row_blocks = out_row_len // block
     out_row_bytes = packed_len(out_row_len, bits_out, block) if bits_out else 0
     square = code == "square"
-    if _use_words(recv, out, bits_in, bits_out, block):
+    words = None
+    if tuning.words and bits_in == 4 and bits_out in (0, 4) and block % 8 == 0:
         per_thread = HOP_PER_THREAD if bits_out else WORDS_PER_THREAD
         opts = _launch_opts(block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
         opts.update(W=block // 8, W_P2=_next_pow2(block // 8))
         grid = (out_rows * out_row_blocks // opts["NB"],)
-        args = (recv, out, recv.shape[-1] // 4, L_in // 8, in_rows_per_out, in_blocks_per_out,
-                out_row_blocks // opts["NB"])
-        if not bits_out:
-            args = args[:2] + (_signs(recv.device),) + args[2:]
+        scalars = (in_row_bytes // 4, L_in // 8, in_rows_per_out, in_blocks_per_out, out_row_blocks // opts["NB"])
         if bits_out:
             del opts["BLOCK"], opts["BLOCK_P2"]
-            _launcher(_INT4_HOP)(grid, *args, out_row_bytes // 4, out_row_len // 8, N_SUM=n_sum,
-                                 HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts)
+            words = Launch(grid, scalars + (out_row_bytes // 4, out_row_len // 8),
+                           dict(N_SUM=n_sum, HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts))
         else:
             del opts["TINY"]
-            _launcher(_INT4_WORDS)(grid, *args, float(factor or 1.0), N_SUM=n_sum, HAS_FACTOR=factor is not None,
-                                   ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(), MAGIC=_TUNING.magic,
-                                   SQUARE=square, HADAMARD=hadamard, **opts)
-        return out
+            words = Launch(grid, scalars + (float(factor or 1.0),),
+                           dict(N_SUM=n_sum, HAS_FACTOR=factor is not None, ACCUMULATE=accumulate,
+                                MANUAL_BF16=_interpreting(), MAGIC=tuning.magic, SQUARE=square, HADAMARD=hadamard,
+                                **opts))
     opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
-    _launcher(_DEQUANT_REDUCE)(
-        (out_rows * out_row_blocks // opts["NB"],), recv, out, _signs(recv.device), recv.shape[-1],
-        L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
-        out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0),
-        N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
-        HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
-        HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, HADAMARD=hadamard, **opts,
-    )
-    return out
+    launch = Launch((out_rows * out_row_blocks // opts["NB"],),
+                    (in_row_bytes, L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
+                     out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0)),
+                    dict(N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
+                         HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=_interpreting(),
+                         HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, HADAMARD=hadamard, **opts))
+    return _Plan(out_shape, launch, words, hop=bool(bits_out))
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear",
-             hadamard: bool = False) -> torch.Tensor:
-    check_float_input(x)
-    L = x.shape[-1] if x.dim() else 0
+def _reduce_into(plan: _Plan, recv, out):
+    """Launch a _reduce_plan: the int4 word kernel where it applies and both buffers are
+    4-byte aligned (whole words), else the byte kernel (any alignment)."""
+    if plan.launch is None:
+        return
+    if plan.words is not None and recv.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0:
+        if plan.hop:
+            _launcher(_INT4_HOP).launch(plan.words, recv, out)
+        else:
+            _launcher(_INT4_WORDS).launch(plan.words, recv, out, _signs(recv.device))
+    else:
+        _launcher(_DEQUANT_REDUCE).launch(plan.launch, recv, out, _signs(recv.device))
+
+
+@_memoised
+def _quantize_plan(shape, dtype, bits, block, code, hadamard, tuning) -> _Plan:
+    check_float_dtype(dtype)
+    L = shape[-1] if shape else 0
     check_format(L, bits, block)
     check_code(code)
     if hadamard:
         check_hadamard(block)
-    lead = x.shape[:-1]
-    flat = x.contiguous().reshape(-1, L)
-    out = _quantize_rows(flat, None, flat.shape[0], 1, 1, L, bits, block, code, hadamard)
-    return out.reshape(*lead, out.shape[-1])
+    rows = math.prod(shape[:-1])
+    return _rows_plan(shape[:-1] + (packed_len(L, bits, block),), rows, 1, 1, L, bits, block, code, hadamard,
+                      False, tuning)
+
+
+def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear",
+             hadamard: bool = False) -> torch.Tensor:
+    plan = _quantize_plan(x.shape, x.dtype, bits, block, code, hadamard, _TUNING)
+    x = x.contiguous()
+    out = torch.empty(plan.out_shape, dtype=torch.uint8, device=x.device)
+    _quantize_into(plan, x, None, out)
+    return out
+
+
+@_memoised
+def _dequantize_plan(shape, packed_dtype, L, bits, block, code, tuning) -> _Plan:
+    check_packed_layout(shape, packed_dtype, L, bits, block)
+    check_code(code)
+    rows = math.prod(shape[:-1])
+    out_shape = shape[:-1] + (L,)
+    if rows == 0:
+        return _Plan(out_shape, None)
+    return _reduce_plan(tuning, out_shape, rows, 1, L, bits, shape[-1], 1, 0, L, 0, block, code=code)
 
 
 def dequantize(
     packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
     code: str = "linear",
 ) -> torch.Tensor:
-    check_packed(packed, L, bits, block)
+    plan = _dequantize_plan(packed.shape, packed.dtype, L, bits, block, code, _TUNING)
+    packed = packed.contiguous()
+    out = torch.empty(plan.out_shape, dtype=dtype, device=packed.device)
+    _reduce_into(plan, packed, out)
+    return out
+
+
+@_memoised
+def _reorder_plan(numel, dtype, k, m, bits, block, code, hadamard, has_res, tuning) -> _Plan:
+    check_float_dtype(dtype)
+    S = check_reorder(numel, k, m, block)
+    check_format(S, bits, block)
     check_code(code)
-    lead = packed.shape[:-1]
-    flat = packed.contiguous().reshape(-1, packed.shape[-1])
-    out = torch.empty((flat.shape[0], L), dtype=dtype, device=packed.device)
-    if flat.shape[0] == 0:
-        return out.reshape(*lead, L)
-    _dequant_reduce_launch(flat, out, flat.shape[0], 1, L, bits, 1, 0, L, 0, block, code=code)
-    return out.reshape(*lead, L)
+    if hadamard:
+        check_hadamard(block)
+    return _rows_plan((m, packed_len(k * S, bits, block)), m, k, m, S, bits, block, code, hadamard, has_res, tuning)
 
 
 def reorder_quantize(
     grad: torch.Tensor, k: int, m: int, bits: int = 4, block: int = DEFAULT_BLOCK,
     residual: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False,
 ) -> torch.Tensor:
-    check_float_input(grad)
-    S = check_reorder(grad.numel(), k, m, block)
-    check_format(S, bits, block)
-    check_code(code)
-    if hadamard:
-        check_hadamard(block)
+    plan = _reorder_plan(grad.numel(), grad.dtype, k, m, bits, block, code, hadamard, residual is not None, _TUNING)
     if residual is not None:
         check_residual(residual, grad)
-    return _quantize_rows(grad.contiguous().reshape(-1), residual, m, k, m, S, bits, block, code, hadamard)
+    grad = grad.contiguous()
+    out = torch.empty(plan.out_shape, dtype=torch.uint8, device=grad.device)
+    _quantize_into(plan, grad, residual, out)
+    return out
+
+
+@_memoised
+def _hop_plan(shape, packed_dtype, k, S, bits_in, bits_out, block, code, tuning) -> _Plan:
+    check_format(S, bits_out, block)
+    check_packed_layout(shape, packed_dtype, k * S, bits_in, block)
+    check_code(code)
+    n_sum = math.prod(shape[:-1])
+    return _reduce_plan(tuning, (k, packed_len(S, bits_out, block)), k, n_sum, k * S, bits_in, shape[-1], 0,
+                        S // block, S, bits_out, block, code=code)
 
 
 def dequant_reduce_quantize(
     recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK,
     code: str = "linear",
 ) -> torch.Tensor:
-    check_format(S, bits_out, block)
-    check_packed(recv, k * S, bits_in, block)
+    plan = _hop_plan(recv.shape, recv.dtype, k, S, bits_in, bits_out, block, code, _TUNING)
+    recv = recv.contiguous()
+    out = torch.empty(plan.out_shape, dtype=torch.uint8, device=recv.device)
+    _reduce_into(plan, recv, out)
+    return out
+
+
+@_memoised
+def _final_reduce_plan(shape, packed_dtype, S, bits, block, scale, accumulate, code, hadamard, tuning) -> _Plan:
+    check_packed_layout(shape, packed_dtype, S, bits, block)
     check_code(code)
-    flat = recv.contiguous().reshape(-1, recv.shape[-1])
-    out = torch.empty((k, packed_len(S, bits_out, block)), dtype=torch.uint8, device=recv.device)
-    return _dequant_reduce_launch(flat, out, k, flat.shape[0], k * S, bits_in, 0, S // block, S, bits_out, block,
-                                  code=code)
+    if hadamard:
+        check_hadamard(block)
+    n_sum = math.prod(shape[:-1])
+    return _reduce_plan(tuning, (S,), 1, n_sum, S, bits, shape[-1], 0, 0, S, 0, block, float(scale), accumulate,
+                        code, hadamard)
 
 
 def dequant_reduce(
     recv: torch.Tensor, S: int, bits: int = 4, block: int = DEFAULT_BLOCK, scale: float = 1.0,
     out: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False,
 ) -> torch.Tensor:
-    check_packed(recv, S, bits, block)
-    check_code(code)
-    if hadamard:
-        check_hadamard(block)
-    flat = recv.contiguous().reshape(-1, recv.shape[-1])
     accumulate = out is not None
+    plan = _final_reduce_plan(recv.shape, recv.dtype, S, bits, block, scale, accumulate, code, hadamard, _TUNING)
     if accumulate:
         check_out(out, S)
     else:
-        out = torch.empty(S, dtype=torch.float32, device=recv.device)
-    return _dequant_reduce_launch(flat, out, 1, flat.shape[0], S, bits, 0, 0, S, 0, block, float(scale), accumulate,
-                                  code, hadamard)
+        out = torch.empty(plan.out_shape, dtype=torch.float32, device=recv.device)
+    _reduce_into(plan, recv.contiguous(), out)
+    return out
 
 
 def hadamard(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:

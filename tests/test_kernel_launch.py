@@ -207,6 +207,35 @@ def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, b
     assert used and all(f.kernel.fast_runs >= f.compiles for f in used)
 
 
+def test_plans_launch_per_call_what_the_arguments_need(quant_fake):
+    """The ops work out a launch once per shape, dtype and options (kernels/quant.py's
+    plans) and launch it with each call's tensors: a call whose tensors differ from the
+    plan's first call in alignment, contiguity or placement in a larger buffer still gets
+    the kernel compiled for its own tensors (the fake launcher checks) and the
+    reference's bytes; a bad argument raises on every call, not only the first."""
+    tq, fakes = quant_fake
+    block, n = 64, 4 * 64
+    g = torch.Generator().manual_seed(9)
+    buf = (torch.randn(n + 1, generator=g) * 3).to(DEV)
+    for _ in range(2):
+        for x in (buf[:n], buf[1:], buf[:n].view(4, block).t().contiguous().t()):  # aligned, 4 bytes off, strided
+            x = x.reshape(4, block) if x.dim() == 1 else x
+            a = tq.quantize(x, 8, block)
+            assert torch.equal(a.cpu(), ref.quantize(x.cpu(), 8, block))
+            for p in (a, torch.cat([a.new_zeros(1), a.reshape(-1)])[1:].view_as(a)):  # payload 1 byte off
+                assert torch.equal(tq.dequantize(p, block, 8, block).cpu(), ref.dequantize(p.cpu(), block, 8, block))
+            q4 = tq.quantize(x, 4, block)
+            for p in (q4, torch.cat([q4.new_zeros(2), q4.reshape(-1)])[2:].view_as(q4)):  # int4 words need 4-byte
+                assert torch.equal(tq.dequantize(p, block, 4, block).cpu(), ref.dequantize(p.cpu(), block, 4, block))
+    assert fakes["_DEQUANT_REDUCE"].compiles >= 1 and fakes["_INT4_WORDS"].compiles >= 1  # both dequantize paths
+    assert fakes["_QUANTIZE"].compiles == 4  # int8 and int4, each aligned and 4 bytes off
+    for _ in range(2):
+        with pytest.raises(ValueError, match="multiple of the block size"):
+            tq.quantize(buf[:n - 2], 8, block)
+        with pytest.raises(ValueError, match="expected torch.uint8"):
+            tq.dequantize(buf[:n], n, 8, block)
+
+
 def test_descriptor_arguments_keyed_by_dtype_and_block_shape(quant_fake, monkeypatch):
     """Host-side tensor descriptors (the int8 quantize's bulk-copy path, Tuning.tma): one
     cached kernel per dtype and block shape, shared by tensors of any length, never handed
@@ -272,15 +301,20 @@ def test_cached_launch_passes_what_the_jit_passes():
     out = torch.empty(100)
     with host_driver() as calls:
         cl = launch.CachedLauncher(kernel)
-        functions = set()
+        functions, plans = set(), {}
         for x, block in ((buf[:64], 32), (buf[:64], 64), (buf[1:65], 32), (buf[:64].half(), 32), (buf[:64], 32)):
             kernel[(2,)](x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
             jit = calls[-1]
-            for _ in range(2):  # a miss (through the JIT), then a hit (cached), once per new specialization
+            plan = plans.setdefault(block, launch.Launch((2,), (x.numel(), 2.0), dict(BLOCK=block, SHIFT=1)))
+            for hit in (False, True):  # a miss (through the JIT), then a hit (cached), once per new specialization
                 cl((2,), x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
-                got = calls[-1]
-                assert len(got) == len(jit) and all(a is b or a == b for a, b in zip(got[:6] + got[9:], jit[:6] + jit[9:]))
-            assert got[6:9] == (None, None, None)
+                plain = calls[-1]
+                cl.launch(plan, x, out)
+                for got in (plain, calls[-1]):  # a plain call's launch, and a plan's
+                    assert len(got) == len(jit) and all(a is b or a == b
+                                                        for a, b in zip(got[:6] + got[9:], jit[:6] + jit[9:]))
+                    assert not hit or got[6:9] == (None, None, None)
             assert all(not getattr(h, "calls", h) for h in jit[7:9])  # the JIT's hooks: none set
             functions.add(jit[4])
-    assert len(functions) == 4 and cl.compiles == 4  # block, alignment and dtype each compile their own
+    assert len(functions) == 4 and cl.compiles == 8  # block, alignment and dtype each compile their own
+    # (8 entries: plain calls and plans key them apart, each kernel compiled once by the JIT)

@@ -153,12 +153,13 @@ def test_quantize_evict_hint_by_size(tq, monkeypatch):
     class Spy:
         enabled = True
 
-        def __call__(self, grid, *args, **kw):
-            seen.append(kw["EVICT"])
-            return real(grid, *args, **kw)
+        def launch(self, plan, *tensors):
+            seen.append(plan.kwargs["EVICT"])
+            return real.launch(plan, *tensors)
 
     monkeypatch.setattr(tq, "_QUANTIZE", Spy())
     monkeypatch.setattr(tq, "EVICT_FIRST_BELOW", 2048)
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3)).to(DEV)
     for t in (x[:1024], x):
         assert torch.equal(tq.quantize(t, 8, 256).cpu(), ref.quantize(t.cpu(), 8, 256))
@@ -217,6 +218,7 @@ def test_quantize_bulk_copies_by_size(tq, monkeypatch):
     seen, real = [], tq._quantize8_tma
     monkeypatch.setattr(tq, "_quantize8_tma", lambda *a: (seen.append(a[0].numel()), real(*a)))
     monkeypatch.setattr(tq, "BULK_COPIES_FROM", 2048)
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
     monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: True)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(4)).to(DEV)
     for t, bits, rows in ((x, 8, 1), (x[:1024], 8, 1), (x, 4, 1), (x, 8, 2)):

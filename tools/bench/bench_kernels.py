@@ -11,7 +11,8 @@ Two timings per case (GPU):
          kernels' throughput, with no host cost (`ms`, `GBps`)
   cold   one eager call at a time with the L2 flushed before it (triton.testing.do_bench,
          median): the call as a training step makes it, Python and launch included
-         (`cold_ms`, `cold_GBps`)
+         (`cold_ms`, `cold_GBps`); --cold-rounds rounds, each over every case of a size in
+         turn (megaq's and DeepSpeed's interleaved), the median round counts
 Impl `triton` uses the cached launcher (kernels/launch.py), `triton_jit` the same kernel
 through Triton's JIT launch (cold timing only: in a graph both are the same kernel).
 
@@ -78,6 +79,9 @@ def parse_args(argv=None):
                         "toolkit and ninja: `pip install .[bench-deepspeed]`; docs/KERNELS.md)")
     p.add_argument("--cold-reps", type=int, default=100,
                    help="do_bench's measuring time in ms for the cold per-call timing (default 100)")
+    p.add_argument("--cold-rounds", type=int, default=3,
+                   help="cold timings per case, in rounds over all cases of a size; the median counts "
+                        "(default 3)")
     p.add_argument("--out", default=None, help="write results as JSON here")
     return p.parse_args(argv)
 
@@ -103,7 +107,7 @@ def main(argv=None):
     if bad:
         sys.exit(f"error: sizes {bad} are not multiples of block * {K_NODES * M_RANKS} = {step}; pick multiples")
 
-    timer = Timer(device, args.iters, args.calls_per_graph, args.cold_reps)
+    timer = Timer(device, args.iters, args.calls_per_graph, args.cold_reps, args.cold_rounds)
     compiled = {}
 
     def baseline(op, fn):
@@ -123,7 +127,8 @@ def main(argv=None):
         "iters": args.iters,
         "timing": f"ms: CUDA graph replays back to back, {args.calls_per_graph} calls per graph "
                   "(copy: eager back to back), median of batches; cold_ms: one eager call after an L2 "
-                  f"flush, triton.testing.do_bench median over {args.cold_reps} ms",
+                  f"flush, triton.testing.do_bench median over {args.cold_reps} ms, median of "
+                  f"{args.cold_rounds} rounds taken in turn over the cases of a size",
         "deepspeed": ds.version if ds else None,
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
     }
@@ -181,8 +186,9 @@ class Timer:
     kernels launched back to back from C++ (docs/PERFORMANCE.md compares 1 and 10 calls
     per graph); eager timing is the fallback when capture fails."""
 
-    def __init__(self, device, iters, calls_per_graph=10, cold_reps=100):
-        self.device, self.iters, self.CALLS_PER_GRAPH, self.cold_reps = device, iters, calls_per_graph, cold_reps
+    def __init__(self, device, iters, calls_per_graph=10, cold_reps=100, cold_rounds=3):
+        self.device, self.iters, self.CALLS_PER_GRAPH = device, iters, calls_per_graph
+        self.cold_reps, self.cold_rounds = cold_reps, cold_rounds
 
     def cold(self, fn):
         """Milliseconds of one eager call with the L2 flushed first (do_bench: a 256 MB
@@ -255,22 +261,34 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
         add(op, "triton_jit", nbytes, jit_launch(quant, fn), graph=None)
 
     def time_case(op, impl, nbytes, fn, graph, cold):
+        """The graph timing; the row, and whether it takes a cold (per-call) timing."""
         try:
             ms = timer(fn, graph) if graph is not None else None
-            cold_ms = timer.cold(fn) if cold and device == "cuda" else None
         except Exception as exc:  # a torch.compile failure must not lose the other numbers
             if impl != "compiled":
                 raise
             print(f"# {op} {impl} at {n}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-            return
-        if ms is None and cold_ms is None:  # cold-only case off the GPU
-            return
+            return None
+        cold = cold and device == "cuda"
+        if ms is None and not cold:  # cold-only case off the GPU
+            return None
         row = {"op": op, "impl": impl, "elements": n, "bytes": nbytes}
         if ms is not None:
             row.update(ms=ms, GBps=nbytes / ms / 1e6)
-        if cold_ms is not None:
-            row.update(cold_ms=cold_ms, cold_GBps=nbytes / cold_ms / 1e6)
         rows.append(row)
+        return (row, fn) if cold else None
+
+    def time_cold(timed):
+        """Per-call timings in timer.cold_rounds rounds, each round over every case in turn,
+        the median of the rounds kept: a slow spell of the host lands on all cases alike
+        (megaq's and DeepSpeed's), not on whichever case it met."""
+        rounds = {id(row): [] for row, _ in timed}
+        for _ in range(timer.cold_rounds):
+            for row, fn in timed:
+                rounds[id(row)].append(timer.cold(fn))
+        for row, _ in timed:
+            cold_ms = sorted(rounds[id(row)])[len(rounds[id(row)]) // 2]
+            row.update(cold_ms=cold_ms, cold_GBps=row["bytes"] / cold_ms / 1e6, cold_ms_rounds=rounds[id(row)])
 
     check_identical(torch, quant, reference, x, n, block, rows)
     dst = torch.empty_like(x)
@@ -333,8 +351,9 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
             add(op, "deepspeed", nbytes[op], fn)
     # the copy and the Triton kernels first, the (long-running) torch baselines after
     # them, so that no baseline's heat or clock state lands on a kernel's figure
-    for case in sorted(cases, key=lambda c: c[1] not in ("torch", "triton", "triton_jit", "deepspeed")):
-        time_case(*case)
+    timed = [time_case(*case) for case in sorted(cases, key=lambda c: c[1] not in ("torch", "triton", "triton_jit",
+                                                                                  "deepspeed"))]
+    time_cold([t for t in timed if t is not None])
     return rows
 
 
@@ -452,14 +471,16 @@ def parse_shape(text):
 
 def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None):
     """Triton GB/s per launch shape (block, warps per program, blocks per program, quantize
-    variant letters), graph replay and (GPU) cold per call."""
+    variant letters), graph replay and (GPU) cold per call, the cold timings in rounds
+    over all shapes in turn, as the table's."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
-    rows = []
+    rows, timed = [], []
     for block, warps, nb, flags in shapes:
-        with quant.tuned(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
-                         tma="t" in flags):
+        tuning = dict(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
+                      tma="t" in flags)
+        with quant.tuned(**tuning):
             recv = quant.reorder_quantize(x, k, m, 4, block)
             cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
                      ("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
@@ -474,12 +495,17 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
                 if only_ops and op not in only_ops:
                     continue
                 ms = timer(fn)
-                row = {"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
-                       "GBps": nbytes / ms / 1e6}
-                if device == "cuda":
-                    row["cold_ms"] = timer.cold(fn)
-                    row["cold_GBps"] = nbytes / row["cold_ms"] / 1e6
-                rows.append(row)
+                rows.append({"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
+                             "GBps": nbytes / ms / 1e6, "bytes": nbytes})
+                timed.append((rows[-1], fn, tuning))
+    if device == "cuda":
+        for _ in range(timer.cold_rounds):
+            for row, fn, tuning in timed:
+                with quant.tuned(**tuning):
+                    row.setdefault("cold_ms_rounds", []).append(timer.cold(fn))
+        for row, _, _ in timed:
+            row["cold_ms"] = sorted(row["cold_ms_rounds"])[len(row["cold_ms_rounds"]) // 2]
+            row["cold_GBps"] = row["bytes"] / row["cold_ms"] / 1e6
     return rows
 
 

@@ -2,7 +2,9 @@
 
 Per op, microseconds per call of the host side only, two ways:
   jit     every call through Triton's JIT launch (kernels.quant.Tuning.cached_launch off)
-  cached  the cached launcher (kernels/launch.py), the default
+  cached  the cached launcher (kernels/launch.py) with the ops' memoised plans, the default
+and with --deepspeed (GPU) a third column: DeepSpeed's quantizer op (C++, pybind) on the
+same shapes, as tools/bench/bench_kernels.py calls it.
 
 On a GPU the launches are real: N calls are issued back to back and the host clock is
 read before the GPU is waited for (the kernels are small enough that the launch queue
@@ -14,6 +16,7 @@ Prints a table; --out writes JSON.
 
     python tools/bench/bench_launch_host.py                         # CPU (or the GPU)
     python tools/bench/bench_launch_host.py --out $OUT/launch_host.json
+    python tools/bench/bench_launch_host.py --deepspeed --out $OUT/launch_host.json  # GPU
 """
 
 import contextlib
@@ -35,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=4096)
     p.add_argument("--calls", type=int, default=200, help="back-to-back calls per timing (default 200)")
     p.add_argument("--rounds", type=int, default=7, help="timings per op and launch, interleaved; the best counts")
+    p.add_argument("--deepspeed", action="store_true", help="also time DeepSpeed's quantizer op (GPU only)")
     p.add_argument("--out", default=None, help="write results as JSON here")
     return p.parse_args(argv)
 
@@ -48,6 +52,8 @@ def main(argv=None):
         sys.exit("error: TRITON_INTERPRET is set: the interpreter has no launch path to time; unset it")
     from megaq.kernels import quant, reference
 
+    if args.deepspeed and not gpu:
+        sys.exit("error: --deepspeed needs a CUDA device (DeepSpeed's kernels are CUDA only); drop it on CPU")
     device = "cuda" if gpu else "cpu"
     block, k, m = args.block, K_NODES, M_RANKS
     n = args.elements or ((16 << 20) if gpu else 64 * block)
@@ -72,21 +78,29 @@ def main(argv=None):
         "dequant_reduce_quantize4": lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block),
         "dequant_reduce4": lambda: quant.dequant_reduce(fin, n // k, 4, block, 0.125),
     }
+    ds_ops = {}
+    if args.deepspeed:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_kernels import load_deepspeed
+
+        ds_ops = load_deepspeed().cases(torch, x, block, k, m, [])
+    modes = ("jit", "cached", "deepspeed") if ds_ops else ("jit", "cached")
     rows = []
     with device_ctx:
         for op, fn in ops.items():
-            best = {"jit": float("inf"), "cached": float("inf")}
-            for _ in range(args.rounds):  # interleaved, best of: a loaded machine hits both alike
+            best = {mode: float("inf") for mode in modes if mode != "deepspeed" or op in ds_ops}
+            for _ in range(args.rounds):  # interleaved, best of: a loaded machine hits all alike
                 for mode in best:
                     with quant.tuned(cached_launch=mode == "cached"):
-                        best[mode] = min(best[mode], _host_us(torch, fn, args.calls, gpu))
+                        best[mode] = min(best[mode], _host_us(torch, ds_ops.get(op) if mode == "deepspeed" else fn,
+                                                              args.calls, gpu))
             rows += [{"op": op, "launch": mode, "host_us": us} for mode, us in best.items()]
     print(f"host microseconds per call ({'GPU, real launches' if gpu else 'CPU, C launcher a no-op'}, "
           f"{n} elements, block {block})")
-    print(f"{'op':<26}{'jit':>10}{'cached':>10}")
+    print(f"{'op':<26}" + "".join(f"{mode:>11}" for mode in modes))
     for op in ops:
         us = {r["launch"]: r["host_us"] for r in rows if r["op"] == op}
-        print(f"{op:<26}{us['jit']:>10.1f}{us['cached']:>10.1f}")
+        print(f"{op:<26}" + "".join(f"{us[mode]:>11.1f}" if mode in us else f"{'-':>11}" for mode in modes))
     if args.out:
         meta = {"device": torch.cuda.get_device_name() if gpu else "cpu (stand-in driver, C launcher a no-op)",
                 "torch": torch.__version__, "triton": __import__("triton").__version__, "elements": n,
