@@ -255,3 +255,15 @@ def test_lr_schedule_values():
     t = LRSchedule(max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
     t.load_state_dict(s.state_dict())
     assert t.get_lr() == s.get_lr()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_an_error_in_process():
+    """Ranks set up in-process (not through the launch path, which refuses it first) must
+    not train on the CPU quietly when --device cuda asked for a GPU."""
+    from megaq import pretrain
+    from megaq.parallel.topology import LayoutError
+
+    with pytest.raises(LayoutError, match="--device cuda: this node shows no CUDA device"):
+        pretrain._device(parse(["--distributed-backend", "gloo", "--device", "cuda"]).parallel)
+    assert pretrain._device(parse([]).parallel).type == "cpu"
