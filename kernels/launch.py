@@ -159,16 +159,17 @@ class CachedLauncher:
 
     def launch(self, plan: "Launch", *tensors):
         """Launch `plan` (grid, scalars and keyword arguments fixed) with these leading
-        tensor arguments: kernel[plan.grid](*tensors, *plan.scalars, **plan.kwargs). The
-        key is the plan object itself, the device and the tensors' dtypes and alignment,
-        so a call pays for neither binding nor hashing the fixed part."""
+        arguments, tensors or host-side tensor descriptors:
+        kernel[plan.grid](*tensors, *plan.scalars, **plan.kwargs). The key is the plan
+        object itself, the device and what the JIT specializes on in each leading
+        argument, so a call pays for neither binding nor hashing the fixed part."""
         if not self.enabled or self._param_names is None:
             self.kernel[plan.grid](*tensors, *plan.scalars, **plan.kwargs)
             return
         if self._hooks_active is None:
             self._init_runtime()
         device = self._get_device()
-        key = (device, plan, *[tensor_key(t) for t in tensors])
+        key = (device, plan, *[descriptor_key(t) if type(t) is TensorDescriptor else tensor_key(t) for t in tensors])
         self._launch(device, key, plan.grid, tensors + plan.scalars, plan.kwargs)
 
     def _launch(self, device, key, grid, args, kwargs):

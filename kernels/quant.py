@@ -871,19 +871,20 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _quantize8_tma_kernel(scale_ptr, x_desc, q_desc, ROWS: tl.constexpr, NB: tl.constexpr, QMAX: tl.constexpr,
-                          TINY: tl.constexpr):
+def _quantize8_tma_kernel(out_ptr, x_desc, q_desc, payload_bytes, ROWS: tl.constexpr, NB: tl.constexpr,
+                          QMAX: tl.constexpr, TINY: tl.constexpr):
     # The int8 quantize of one row through the tensor memory accelerator (Hopper's bulk
     # tensor copies; _use_bulk_copies): x and the payload are viewed as [*, 64] rows; a
     # program moves ROWS of them (NB blocks) with one copy in and one out, and writes the
-    # NB scales. The arithmetic is _quantize_tile's, so the bytes are the same.
+    # NB scales after the payload. The arithmetic is _quantize_tile's, so the bytes are
+    # the same.
     pid = tl.program_id(0)
     x = tl.reshape(x_desc.load([pid * ROWS, 0]).to(tl.float32), [NB, ROWS // NB, 64])
     absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     scale, inv = _scale_rule(absmax, absmax < TINY, QMAX, _SCALE_DROP)
     q = _round_bits(x, inv[:, None, None]).to(tl.int8).to(tl.uint8, bitcast=True)
     q_desc.store([pid * ROWS, 0], tl.reshape(q, [ROWS, 64]))
-    _store_scales(scale_ptr + pid * NB * 4, scale, NB)
+    _store_scales(out_ptr + payload_bytes + pid * NB * 4, scale, NB)
 
 
 @triton.jit
@@ -975,11 +976,12 @@ WORDS_NB = 1
 # cost graph replay at 16M (quantize4) or the per-call figure (reorder_quantize4).
 EVICT_FIRST_BELOW = 1 << 25
 # From this many elements the int8 quantize of one row (a qwZ shard, the benchmark's
-# case) moves its data with bulk tensor copies on Hopper: 0.4-1.0% faster than the
-# register path at 128M and 256M per call and in graph replay; below, the host's
-# per-call descriptor work shows (docs/PERFORMANCE.md, "Per call"). One program moves
+# case) moves its data with bulk tensor copies on Hopper: 0.8-1.3% faster than the
+# register path from 64M in graph replay and as fast or faster per call; at 32M the
+# host's per-call descriptor work (Triton encodes the copy descriptors in Python every
+# call) can outlast the L2 flush (docs/PERFORMANCE.md, "Per call"). One program moves
 # one block with 4 warps.
-BULK_COPIES_FROM = 1 << 27
+BULK_COPIES_FROM = 1 << 26
 BULK_COPIES_PER_THREAD = 32
 
 
@@ -1093,7 +1095,7 @@ class _Plan(typing.NamedTuple):
     launch: Launch | None  # None: an empty input, nothing to launch
     words: Launch | None = None  # the int4 word kernel's launch, where the shapes allow it (_reduce_into)
     hop: bool = False  # the word kernel is the hop (_INT4_HOP), not the float-output one
-    bulk_block: int = 0  # the int8 bulk-copy path may apply to this block size (_use_bulk_copies)
+    bulk: Launch | None = None  # the int8 bulk-copy kernel's, where the shape allows it (_quantize_into)
 
 
 def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, tuning) -> _Plan:
@@ -1111,18 +1113,23 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
                                                          k * S * bits // 8),
                     dict(BITS=bits, QMAX=QMAX[bits], HAS_RES=has_res, SQUARE=code == "square", HADAMARD=hadamard,
                          CHUNKED=tuning.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, **opts))
-    bulk = (bits == 8 and rows == 1 and k == 1 and not has_res and code == "linear" and not hadamard
+    bulk = None
+    if (bits == 8 and rows == 1 and k == 1 and not has_res and code == "linear" and not hadamard
             and block % 64 == 0 and (tuning.nb or 1) * block <= 256 * 64
-            and (tuning.tma if tuning.tma is not None else S >= BULK_COPIES_FROM))
-    return _Plan(out_shape, launch, bulk_block=block if bulk else 0)
+            and (tuning.tma if tuning.tma is not None else S >= BULK_COPIES_FROM)):
+        opts = _launch_opts(block, BULK_COPIES_PER_THREAD, 1, S // block)
+        bulk = Launch((S // (opts["NB"] * block),), (S,),
+                      dict(ROWS=opts["NB"] * block // 64, NB=opts["NB"], QMAX=QMAX[8], TINY=opts["TINY"],
+                           num_warps=opts["num_warps"], enable_fp_fusion=False))
+    return _Plan(out_shape, launch, bulk=bulk)
 
 
 def _quantize_into(plan: _Plan, x, residual, out):
     """Launch a _rows_plan: x and residual contiguous (residual None: no error feedback)."""
     if plan.launch is None:
         return
-    if plan.bulk_block and _use_bulk_copies(x):
-        _quantize8_tma(x, out.view(-1), x.numel(), plan.bulk_block)
+    if plan.bulk is not None and _use_bulk_copies(x):
+        _quantize8_tma(x, out, plan.bulk)
     else:
         _launcher(_QUANTIZE).launch(plan.launch, x, residual if residual is not None else x, out)
 
@@ -1135,16 +1142,13 @@ def _use_bulk_copies(x) -> bool:
     return bool(_TUNING.tma or _has_bulk_copies(x.device)) and x.data_ptr() % 16 == 0
 
 
-def _quantize8_tma(x, out, S, block):
-    """One row's int8 quantize with bulk tensor copies (_quantize8_tma_kernel): x and the
-    payload (flat `out`'s first S bytes) as [S / 64, 64] tiles of NB * block / 64 rows."""
-    opts = _launch_opts(block, BULK_COPIES_PER_THREAD, 1, S // block)
-    tile_rows = opts["NB"] * block // 64
-    x_desc = TensorDescriptor.from_tensor(x.reshape(-1, 64), [tile_rows, 64])
-    q_desc = TensorDescriptor.from_tensor(out[:S].view(-1, 64), [tile_rows, 64])
-    _launcher(_QUANTIZE8_TMA)(
-        (S // (opts["NB"] * block),), out[S:], x_desc, q_desc, ROWS=tile_rows, NB=opts["NB"], QMAX=QMAX[8],
-        TINY=opts["TINY"], num_warps=opts["num_warps"], enable_fp_fusion=False)
+def _quantize8_tma(x, out, bulk: Launch):
+    """One row's int8 quantize with bulk tensor copies (_quantize8_tma_kernel): x (S
+    elements) and the payload (out's first S bytes) as [S / 64, 64] tiles of ROWS rows.
+    The descriptors take the contiguous tensors themselves as bases (no views to make)."""
+    shape, box = [bulk.scalars[0] // 64, 64], [bulk.kwargs["ROWS"], 64]
+    _launcher(_QUANTIZE8_TMA).launch(bulk, out, TensorDescriptor(x, shape, [64, 1], box),
+                                     TensorDescriptor(out, shape, [64, 1], box))
 
 
 def _reduce_plan(tuning, out_shape, out_rows, n_sum, L_in, bits_in, in_row_bytes, in_rows_per_out,

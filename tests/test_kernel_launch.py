@@ -237,27 +237,40 @@ def test_plans_launch_per_call_what_the_arguments_need(quant_fake):
 
 
 def test_descriptor_arguments_keyed_by_dtype_and_block_shape(quant_fake, monkeypatch):
-    """Host-side tensor descriptors (the int8 quantize's bulk-copy path, Tuning.tma): one
-    cached kernel per dtype and block shape, shared by tensors of any length, never handed
-    to another dtype; the bytes are the reference's."""
+    """Host-side tensor descriptors (the int8 quantize's bulk-copy path, Tuning.tma): the
+    bytes are the reference's and repeats come from the cache; the launcher keys a
+    descriptor by its dtype and block shape, whether it comes among a plan's leading
+    arguments or among a plain call's scalars: a key blind to them hands a bf16 call the
+    fp32 kernel, and the fake launcher refuses it."""
     tq, fakes = quant_fake
     monkeypatch.setattr(tq, "_TUNING", tq.Tuning(tma=True, nb=1))
     fake = fakes["_QUANTIZE8_TMA"]
     g = torch.Generator().manual_seed(5)
     base = torch.randn(4096, generator=g) * 3
     cases = [(1024, torch.float32, 128), (2048, torch.float32, 128), (2048, torch.bfloat16, 128),
-             (2048, torch.bfloat16, 256)]  # a length, a dtype, a block: 3 specializations
+             (2048, torch.bfloat16, 256)]  # a length, a dtype, a block
     for _ in range(2):
         for n, dtype, block in cases:
             x = base[:n].to(dtype).to(DEV)
             assert torch.equal(tq.quantize(x, 8, block).cpu(), ref.quantize(x.cpu(), 8, block)), (n, dtype, block)
-    assert fake.compiles == fake.kernel.compiles == 3
-    assert fake.kernel.fast_runs == 2 * len(cases) - 3
+    assert fake.compiles == fake.kernel.compiles == len(cases)  # one plan each, through the JIT once
+    assert fake.kernel.fast_runs == len(cases)  # the second round from the cache
+
+    plan = tq._quantize_plan(base.shape, base.dtype, 8, 128, "linear", False, tq._TUNING).bulk
+    out = torch.empty(ref.packed_len(base.numel(), 8, 128), dtype=torch.uint8, device=DEV)
+
+    def descriptors(x):
+        shape, box = [x.numel() // 64, 64], [plan.kwargs["ROWS"], 64]
+        return launch.TensorDescriptor(x, shape, [64, 1], box), launch.TensorDescriptor(out, shape, [64, 1], box)
+
+    calls = {"plan": lambda x: fake.launch(plan, out, *descriptors(x)),
+             "plain": lambda x: fake(plan.grid, out, *descriptors(x), *plan.scalars, **plan.kwargs)}
     monkeypatch.setattr(launch, "descriptor_key", lambda d: "blind")
-    fake._entries = {}
-    tq.quantize(base.to(DEV), 8, 128)  # fp32 compiled under the blind key
-    with pytest.raises(AssertionError, match="another specialization"):
-        tq.quantize(base.bfloat16().to(DEV), 8, 128)
+    for call in calls.values():
+        fake._entries = {}
+        call(base.to(DEV))  # fp32 compiled under the blind key
+        with pytest.raises(AssertionError, match="another specialization"):
+            call(base.bfloat16().to(DEV))
 
 
 @pytest.mark.skipif(INTERPRETED or DEV != "cuda", reason="compiled Triton launchers need a GPU")

@@ -77,13 +77,16 @@ def main(argv=None):
         "reorder_quantize4": lambda: quant.reorder_quantize(x, k, m, 4, block),
         "dequant_reduce_quantize4": lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block),
         "dequant_reduce4": lambda: quant.dequant_reduce(fin, n // k, 4, block, 0.125),
+        "quantize8_bulk": lambda: quant.quantize(x, 8, block),  # under Tuning(tma=True): bulk tensor copies
     }
+    settings = {"quantize8_bulk": {"tma": True}}
     ds_ops = {}
     if args.deepspeed:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_kernels import load_deepspeed
 
         ds_ops = load_deepspeed().cases(torch, x, block, k, m, [])
+        ds_ops["quantize8_bulk"] = ds_ops["quantize8"]
     modes = ("jit", "cached", "deepspeed") if ds_ops else ("jit", "cached")
     rows = []
     with device_ctx:
@@ -91,7 +94,7 @@ def main(argv=None):
             best = {mode: float("inf") for mode in modes if mode != "deepspeed" or op in ds_ops}
             for _ in range(args.rounds):  # interleaved, best of: a loaded machine hits all alike
                 for mode in best:
-                    with quant.tuned(cached_launch=mode == "cached"):
+                    with quant.tuned(cached_launch=mode == "cached", **settings.get(op, {})):
                         best[mode] = min(best[mode], _host_us(torch, ds_ops.get(op) if mode == "deepspeed" else fn,
                                                               args.calls, gpu))
             rows += [{"op": op, "launch": mode, "host_us": us} for mode, us in best.items()]
