@@ -1040,24 +1040,18 @@ def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: in
     """Constexprs and launch options. NB (blocks per program) is the largest of
     {nb_default, 2, 1} dividing every count; warps give about `per_thread` elements per
     thread. H200 sweep at 256M elements (docs/PERFORMANCE.md): quantize is fastest with
-    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread.
-    Memoised (the tuning is part of the key): a fresh dict per call, since callers
-    edit it."""
-    return dict(_launch_opts_cached(block, per_thread, nb_default, block_counts, _TUNING.nb, _TUNING.warps))
+    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread. Called
+    when a plan is made (below), so once per distinct call."""
+    p2 = _next_pow2(block)
+    want = _TUNING.nb or nb_default
+    nb = next(c for c in (want, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
+    warps = _TUNING.warps or max(1, min(16, p2 * nb // (32 * per_thread)))
+    return dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
 
 
 def _next_pow2(n: int) -> int:
-    """triton.next_power_of_2 without its constexpr-function wrapper (microseconds a call)."""
+    """triton.next_power_of_2 without its constexpr-function wrapper."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
-@functools.lru_cache(maxsize=1024)
-def _launch_opts_cached(block, per_thread, nb_default, block_counts, nb_override, warps_override):
-    p2 = _next_pow2(block)
-    want = nb_override or nb_default
-    nb = next(c for c in (want, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
-    warps = warps_override or max(1, min(16, p2 * nb // (32 * per_thread)))
-    return tuple(dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False).items())
 
 
 @functools.lru_cache(maxsize=None)
