@@ -1036,16 +1036,16 @@ def _launcher(cached: CachedLauncher) -> CachedLauncher:
     return cached
 
 
-def _launch_opts(block: int, per_thread: int, nb_default: int, *block_counts: int) -> dict:
+def _launch_opts(tuning: Tuning, block: int, per_thread: int, nb_default: int, *block_counts: int) -> dict:
     """Constexprs and launch options. NB (blocks per program) is the largest of
     {nb_default, 2, 1} dividing every count; warps give about `per_thread` elements per
     thread. H200 sweep at 256M elements (docs/PERFORMANCE.md): quantize is fastest with
     NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread. Called
     when a plan is made (below), so once per distinct call."""
     p2 = _next_pow2(block)
-    want = _TUNING.nb or nb_default
+    want = tuning.nb or nb_default
     nb = next(c for c in (want, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
-    warps = _TUNING.warps or max(1, min(16, p2 * nb // (32 * per_thread)))
+    warps = tuning.warps or max(1, min(16, p2 * nb // (32 * per_thread)))
     return dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
 
 
@@ -1099,7 +1099,7 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
         return _Plan(out_shape, None)
     P = packed_len(k * S, bits, block)
     row_blocks, chunk_blocks = k * S // block, S // block
-    opts = _launch_opts(block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
+    opts = _launch_opts(tuning, block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
     evict = tuning.evict
     if evict is None:
         evict = "evict_first" if bits == 8 and rows * k * S < EVICT_FIRST_BELOW else ""
@@ -1111,7 +1111,7 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
     if (bits == 8 and rows == 1 and k == 1 and not has_res and code == "linear" and not hadamard
             and block % 64 == 0 and (tuning.nb or 1) * block <= 256 * 64
             and (tuning.tma if tuning.tma is not None else S >= BULK_COPIES_FROM)):
-        opts = _launch_opts(block, BULK_COPIES_PER_THREAD, 1, S // block)
+        opts = _launch_opts(tuning, block, BULK_COPIES_PER_THREAD, 1, S // block)
         bulk = Launch((S // (opts["NB"] * block),), (S,),
                       dict(ROWS=opts["NB"] * block // 64, NB=opts["NB"], QMAX=QMAX[8], TINY=opts["TINY"],
                            num_warps=opts["num_warps"], enable_fp_fusion=False))
@@ -1156,7 +1156,7 @@ def _reduce_plan(tuning, out_shape, out_rows, n_sum, L_in, bits_in, in_row_bytes
     words = None
     if tuning.words and bits_in == 4 and bits_out in (0, 4) and block % 8 == 0:
         per_thread = HOP_PER_THREAD if bits_out else WORDS_PER_THREAD
-        opts = _launch_opts(block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
+        opts = _launch_opts(tuning, block, per_thread, WORDS_NB, out_row_blocks, in_blocks_per_out or out_row_blocks)
         opts.update(W=block // 8, W_P2=_next_pow2(block // 8))
         grid = (out_rows * out_row_blocks // opts["NB"],)
         scalars = (in_row_bytes // 4, L_in // 8, in_rows_per_out, in_blocks_per_out, out_row_blocks // opts["NB"])
@@ -1170,7 +1170,7 @@ def _reduce_plan(tuning, out_shape, out_rows, n_sum, L_in, bits_in, in_row_bytes
                            dict(N_SUM=n_sum, HAS_FACTOR=factor is not None, ACCUMULATE=accumulate,
                                 MANUAL_BF16=_interpreting(), MAGIC=tuning.magic, SQUARE=square, HADAMARD=hadamard,
                                 **opts))
-    opts = _launch_opts(block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
+    opts = _launch_opts(tuning, block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
     launch = Launch((out_rows * out_row_blocks // opts["NB"],),
                     (in_row_bytes, L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
                      out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0)),

@@ -39,6 +39,8 @@ is DeepSpeed's time over megaq's (above 1: megaq is faster).
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import re
@@ -190,6 +192,20 @@ class Timer:
         self.device, self.iters, self.CALLS_PER_GRAPH = device, iters, calls_per_graph
         self.cold_reps, self.cold_rounds = cold_reps, cold_rounds
 
+    def cold_in_rounds(self, timed):
+        """Per-call timings of (row, fn, context) cases in `cold_rounds` rounds, each round
+        over every case in turn (fn timed inside `context()`), the median round kept in
+        row["cold_ms"]: a slow spell of the host lands on all cases alike (megaq's and
+        DeepSpeed's), not on whichever case it met."""
+        for _ in range(self.cold_rounds):
+            for row, fn, context in timed:
+                with context():
+                    row.setdefault("cold_ms_rounds", []).append(self.cold(fn))
+        for row, _, _ in timed:
+            rounds = row["cold_ms_rounds"]
+            row["cold_ms"] = sorted(rounds)[len(rounds) // 2]
+            row["cold_GBps"] = row["bytes"] / row["cold_ms"] / 1e6
+
     def cold(self, fn):
         """Milliseconds of one eager call with the L2 flushed first (do_bench: a 256 MB
         write before each call, CUDA events around the call, median). Host time that
@@ -276,19 +292,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
         if ms is not None:
             row.update(ms=ms, GBps=nbytes / ms / 1e6)
         rows.append(row)
-        return (row, fn) if cold else None
-
-    def time_cold(timed):
-        """Per-call timings in timer.cold_rounds rounds, each round over every case in turn,
-        the median of the rounds kept: a slow spell of the host lands on all cases alike
-        (megaq's and DeepSpeed's), not on whichever case it met."""
-        rounds = {id(row): [] for row, _ in timed}
-        for _ in range(timer.cold_rounds):
-            for row, fn in timed:
-                rounds[id(row)].append(timer.cold(fn))
-        for row, _ in timed:
-            cold_ms = sorted(rounds[id(row)])[len(rounds[id(row)]) // 2]
-            row.update(cold_ms=cold_ms, cold_GBps=row["bytes"] / cold_ms / 1e6, cold_ms_rounds=rounds[id(row)])
+        return (row, fn, contextlib.nullcontext) if cold else None
 
     check_identical(torch, quant, reference, x, n, block, rows)
     dst = torch.empty_like(x)
@@ -353,7 +357,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     # them, so that no baseline's heat or clock state lands on a kernel's figure
     timed = [time_case(*case) for case in sorted(cases, key=lambda c: c[1] not in ("torch", "triton", "triton_jit",
                                                                                   "deepspeed"))]
-    time_cold([t for t in timed if t is not None])
+    timer.cold_in_rounds([t for t in timed if t is not None])
     return rows
 
 
@@ -497,15 +501,9 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
                 ms = timer(fn)
                 rows.append({"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
                              "GBps": nbytes / ms / 1e6, "bytes": nbytes})
-                timed.append((rows[-1], fn, tuning))
+                timed.append((rows[-1], fn, functools.partial(quant.tuned, **tuning)))
     if device == "cuda":
-        for _ in range(timer.cold_rounds):
-            for row, fn, tuning in timed:
-                with quant.tuned(**tuning):
-                    row.setdefault("cold_ms_rounds", []).append(timer.cold(fn))
-        for row, _, _ in timed:
-            row["cold_ms"] = sorted(row["cold_ms_rounds"])[len(row["cold_ms_rounds"]) // 2]
-            row["cold_GBps"] = row["bytes"] / row["cold_ms"] / 1e6
+        timer.cold_in_rounds(timed)
     return rows
 
 
