@@ -969,18 +969,18 @@ QUANTIZE_NB = 2
 WORDS_PER_THREAD = 32
 HOP_PER_THREAD = 64
 WORDS_NB = 1
-# The quantize kernel's input is read once: for int8 output below this many elements its
-# loads are marked evict-first, which wins per call (L2 flushed) at 16M elements, ties in
-# graph replay and loses from 64M (H200, in the same run as DeepSpeed's kernels:
-# docs/PERFORMANCE.md, "Per call"). The int4 kernels keep plain loads: for them the hint
-# cost graph replay at 16M (quantize4) or the per-call figure (reorder_quantize4).
-EVICT_FIRST_BELOW = 1 << 25
+# The quantize kernel's input is read once: below these many elements (per output
+# width) its loads are marked evict-first. Per call (L2 flushed, in the same rounds as
+# DeepSpeed's kernels on the H200; docs/PERFORMANCE.md, "Per call") that wins at 16M
+# elements for int8 and at 16M and 32M for int4 (quantize4 and reorder_quantize4, 4-10%),
+# ties at 64M and loses above. The price is graph replay of the int4 quantize at 16M,
+# where back-to-back calls find their input in the L2 (down 15-19%).
+EVICT_FIRST_BELOW = {8: 1 << 25, 4: 1 << 26}
 # From this many elements the int8 quantize of one row (a qwZ shard, the benchmark's
 # case) moves its data with bulk tensor copies on Hopper: 0.8-1.3% faster than the
-# register path from 64M in graph replay and as fast or faster per call; at 32M the
-# host's per-call descriptor work (Triton encodes the copy descriptors in Python every
-# call) can outlast the L2 flush (docs/PERFORMANCE.md, "Per call"). One program moves
-# one block with 4 warps.
+# register path from 64M in graph replay and as fast or faster per call; at 32M no faster
+# per call, and its host path is longer (Triton encodes the copy descriptors in Python
+# every call; docs/PERFORMANCE.md, "Per call"). One program moves one block with 4 warps.
 BULK_COPIES_FROM = 1 << 26
 BULK_COPIES_PER_THREAD = 32
 
@@ -994,7 +994,7 @@ class Tuning:
     warps / nb: warps and blocks per program (None: from the sizes, _launch_opts).
     The quantize kernel: chunked: reads every 64-group as 8 chunk tiles (the fused
     Hadamard transform's layout; blocks that are multiples of 64); evict: its input
-    loads, "evict_first" or "" (None: evict-first for int8 below EVICT_FIRST_BELOW
+    loads, "evict_first" or "" (None: evict-first below EVICT_FIRST_BELOW[bits]
     elements); tma: the int8 quantize of one row through bulk tensor copies
     (_quantize8_tma; None: from BULK_COPIES_FROM elements on Hopper).
     The int4 word kernels: words: used at all (False: the byte kernel); magic: their
@@ -1102,7 +1102,7 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
     opts = _launch_opts(tuning, block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
     evict = tuning.evict
     if evict is None:
-        evict = "evict_first" if bits == 8 and rows * k * S < EVICT_FIRST_BELOW else ""
+        evict = "evict_first" if rows * k * S < EVICT_FIRST_BELOW[bits] else ""
     launch = Launch((rows * row_blocks // opts["NB"],), (m, chunk_blocks, row_blocks // opts["NB"], P,
                                                          k * S * bits // 8),
                     dict(BITS=bits, QMAX=QMAX[bits], HAS_RES=has_res, SQUARE=code == "square", HADAMARD=hadamard,

@@ -145,9 +145,10 @@ def test_triton_quantize_dequantize_bit_identical(tq, bits, block):
 
 
 def test_quantize_evict_hint_by_size(tq, monkeypatch):
-    """Below EVICT_FIRST_BELOW elements the int8 quantize kernel's loads are marked
-    evict-first (a per-call win at 16M elements on the H200, a loss from 64M), above it,
-    and for int4, they are not; a cache hint only: the same bytes either way."""
+    """Below EVICT_FIRST_BELOW[bits] elements the quantize kernel's loads are marked
+    evict-first (per call on the H200: a win at 16M elements for int8, at 16M and 32M for
+    int4; a loss from 64M), from there on they are not; the reorder (qgZ) quantize follows
+    the same rule by its whole input; a cache hint only: the same bytes either way."""
     seen, real = [], tq._QUANTIZE
 
     class Spy:
@@ -158,13 +159,16 @@ def test_quantize_evict_hint_by_size(tq, monkeypatch):
             return real.launch(plan, *tensors)
 
     monkeypatch.setattr(tq, "_QUANTIZE", Spy())
-    monkeypatch.setattr(tq, "EVICT_FIRST_BELOW", 2048)
+    monkeypatch.setattr(tq, "EVICT_FIRST_BELOW", {8: 2048, 4: 4096})
     monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
-    x = torch.randn(4096, generator=torch.Generator().manual_seed(3)).to(DEV)
-    for t in (x[:1024], x):
-        assert torch.equal(tq.quantize(t, 8, 256).cpu(), ref.quantize(t.cpu(), 8, 256))
-    assert torch.equal(tq.quantize(x[:1024], 4, 256).cpu(), ref.quantize(x[:1024].cpu(), 4, 256))
-    assert seen == ["evict_first", "", ""]
+    x = torch.randn(8192, generator=torch.Generator().manual_seed(3)).to(DEV)
+    for bits in (8, 4):
+        for t in (x[:1024], x[:2048], x[:4096]):
+            assert torch.equal(tq.quantize(t, bits, 256).cpu(), ref.quantize(t.cpu(), bits, 256))
+    assert seen == ["evict_first", "", "", "evict_first", "evict_first", ""]
+    for n, want in ((2048, "evict_first"), (4096, "")):  # k * m * S elements in all
+        r = tq.reorder_quantize(x[:n], 2, 2, 4, 256)
+        assert torch.equal(r.cpu(), ref.reorder_quantize(x[:n].cpu(), 2, 2, 4, 256)) and seen[-1] == want
     with tq.tuned(evict=""):  # a setting of the benchmark's sweep wins over the size rule
         tq.quantize(x[:1024], 8, 256)
     assert seen[-1] == ""

@@ -12,7 +12,9 @@ Two timings per case (GPU):
   cold   one eager call at a time with the L2 flushed before it (triton.testing.do_bench,
          median): the call as a training step makes it, Python and launch included
          (`cold_ms`, `cold_GBps`); --cold-rounds rounds, each over every case of a size in
-         turn (megaq's and DeepSpeed's interleaved), the median round counts
+         turn (megaq's and DeepSpeed's interleaved), the median round counts; the ratio to
+         DeepSpeed is paired round by round (its round i over ours), the median and the
+         lowest of those ratios reported (`vs_deepspeed_cold`, `vs_deepspeed_cold_min`)
 Impl `triton` uses the cached launcher (kernels/launch.py), `triton_jit` the same kernel
 through Triton's JIT launch (cold timing only: in a graph both are the same kernel).
 
@@ -35,7 +37,9 @@ DeepSpeed's counterparts (fp16 in/out: its kernels read and write __half; the sa
 bytes as bf16), groups of --block elements, symmetric: quantize / dequantize (8 and 4
 bits), swizzle_quant (reorder_quantize4, k nodes x m ranks), quantized_reduction (the
 hop, m ranks per node). GB/s use megaq's byte count for the operation; `vs DeepSpeed`
-is DeepSpeed's time over megaq's (above 1: megaq is faster).
+is DeepSpeed's time over megaq's (above 1: megaq is faster). With --sweep, DeepSpeed's
+kernels for the swept ops are timed in the sweep's rounds too, so every shape gets a
+paired ratio.
 """
 
 import argparse
@@ -149,33 +153,31 @@ def main(argv=None):
     if args.sweep:
         shapes = [parse_shape(c) for c in args.sweep]
         for n in args.sweep_size or [256 << 20 if device == "cuda" else sizes[0]]:
-            sweep += bench_tuning(torch, quant, packed_len, n, shapes, device, timer, args.ops)
+            sweep += bench_tuning(torch, quant, packed_len, n, shapes, device, timer, args.ops, ds)
 
     print_table(results, sizes)
     ratios = deepspeed_ratios(results)
     if ratios:
         print_ratios(ratios, sizes)
-    ds_cold = {(r["op"], r["elements"]): r["cold_ms"] for r in results
-               if r.get("impl") == "deepspeed" and "cold_ms" in r}
     for n in dict.fromkeys(r["elements"] for r in sweep):
         rows = [r for r in sweep if r["elements"] == n]
-        print(f"\ntuning sweep at {_fmt_size(n)} elements: triton GB/s, graph replay | cold per call"
-              + (" | DeepSpeed's cold time over this shape's" if ds_cold else ""))
+        print(f"\ntuning sweep at {_fmt_size(n)} elements: GB/s, graph replay | cold per call"
+              + (" | DeepSpeed's time over this shape's per call, median (lowest) of the rounds"
+                 if ds else ""))
         shapes = list(dict.fromkeys(r["shape"] for r in rows))
         by_key = {(r["op"], r["shape"]): r for r in rows}
         ops = list(dict.fromkeys(r["op"] for r in rows))
-        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:15]:>26}" for op in ops))
+        print(f"{'block x warps x NB':<20}" + "".join(f"{op[:15]:>34}" for op in ops))
         for sh in shapes:
             line = f"{sh:<20}"
             for op in ops:
-                c = by_key[(op, sh)]
-                cell = f"{c['GBps']:.0f}"
-                if "cold_ms" in c:
+                c = by_key.get((op, sh))
+                cell = "-" if c is None else f"{c['GBps']:.0f}"
+                if c is not None and "cold_ms" in c:
                     cell += f" | {c['cold_GBps']:.0f}"
-                    if (op, n) in ds_cold:
-                        c["vs_deepspeed_cold"] = ds_cold[(op, n)] / c["cold_ms"]
-                        cell += f" | {c['vs_deepspeed_cold']:.3f}x"
-                line += f"{cell:>26}"
+                    if "vs_deepspeed_cold" in c:
+                        cell += f" | {c['vs_deepspeed_cold']:.3f}x ({c['vs_deepspeed_cold_min']:.3f})"
+                line += f"{cell:>34}"
             print(line)
     if args.out:
         write_json(args.out, {"meta": meta, "results": results, "vs_deepspeed": ratios, "block_sweep": sweep})
@@ -415,21 +417,26 @@ def load_deepspeed():
 
 
 def deepspeed_ratios(results):
-    """Per op and size: DeepSpeed's time over megaq's (cached launch), cold and graph."""
+    """Per op and size: DeepSpeed's time over megaq's (cached launch), per call (the
+    median of the ratios paired round by round, and their lowest: paired_ratios), in
+    graph replay, and per call with the JIT launch."""
     by = {(r["op"], r["impl"], r["elements"]): r for r in results if "impl" in r}
     out = []
     for (op, impl, n), d in by.items():
         t = by.get((op, "triton", n))
         if impl != "deepspeed" or t is None:
             continue
+        for mine in (t, by.get((op, "triton_jit", n))):
+            if mine is not None:
+                pair_with_deepspeed(mine, d)
         row = {"op": op, "elements": n}
-        if "cold_ms" in d and "cold_ms" in t:
-            row["cold"] = d["cold_ms"] / t["cold_ms"]
+        if "vs_deepspeed_cold" in t:
+            row["cold"], row["cold_min"] = t["vs_deepspeed_cold"], t["vs_deepspeed_cold_min"]
         if "ms" in d and "ms" in t:
             row["graph"] = d["ms"] / t["ms"]
         j = by.get((op, "triton_jit", n))
-        if j is not None and "cold_ms" in d and "cold_ms" in j:
-            row["cold_jit"] = d["cold_ms"] / j["cold_ms"]
+        if j is not None and "vs_deepspeed_cold" in j:
+            row["cold_jit"] = j["vs_deepspeed_cold"]
         out.append(row)
     return out
 
@@ -473,14 +480,18 @@ def parse_shape(text):
     return int(block), int(warps), int(nb), layout + evict
 
 
-def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None):
+def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None, ds=None):
     """Triton GB/s per launch shape (block, warps per program, blocks per program, quantize
     variant letters), graph replay and (GPU) cold per call, the cold timings in rounds
-    over all shapes in turn, as the table's."""
+    over all shapes in turn, as the table's; with `ds`, DeepSpeed's kernels for the same
+    ops in the same rounds (shape "deepspeed"), so each shape's ratio to them is paired
+    round by round (paired_ratios)."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
     rows, timed = [], []
+    if ds is not None and len({sh[0] for sh in shapes}) > 1:
+        sys.exit("error: --sweep shapes with --deepspeed must share one block size (DeepSpeed's group size)")
     for block, warps, nb, flags in shapes:
         tuning = dict(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
                       tma="t" in flags)
@@ -502,9 +513,35 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
                 rows.append({"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
                              "GBps": nbytes / ms / 1e6, "bytes": nbytes})
                 timed.append((rows[-1], fn, functools.partial(quant.tuned, **tuning)))
+    if ds is not None:
+        nbytes = {r["op"]: r["bytes"] for r in rows}
+        for op, fn in ds.cases(torch, x, shapes[0][0], k, m, []).items():
+            if op in nbytes:
+                ms = timer(fn)
+                rows.append({"op": op, "shape": "deepspeed", "elements": n, "ms": ms,
+                             "GBps": nbytes[op] / ms / 1e6, "bytes": nbytes[op]})
+                timed.append((rows[-1], fn, contextlib.nullcontext))
     if device == "cuda":
         timer.cold_in_rounds(timed)
+    ds_rows = {r["op"]: r for r in rows if r["shape"] == "deepspeed"}
+    for r in rows:
+        if r["shape"] != "deepspeed":
+            pair_with_deepspeed(r, ds_rows.get(r["op"]))
     return rows
+
+
+def pair_with_deepspeed(row, ds_row):
+    """DeepSpeed's time over `row`'s per call, from the same rounds
+    (Timer.cold_in_rounds): round i of DeepSpeed's case over round i of the row's, as
+    `vs_deepspeed_cold_rounds`, their median `vs_deepspeed_cold` and their lowest
+    `vs_deepspeed_cold_min`. The two cases were timed next to each other in every round,
+    so a slow spell of the host or the GPU lands on both sides of one ratio."""
+    if ds_row is None or "cold_ms_rounds" not in row or "cold_ms_rounds" not in ds_row:
+        return
+    ratios = [a / b for a, b in zip(ds_row["cold_ms_rounds"], row["cold_ms_rounds"])]
+    row["vs_deepspeed_cold_rounds"] = ratios
+    row["vs_deepspeed_cold"] = sorted(ratios)[len(ratios) // 2]
+    row["vs_deepspeed_cold_min"] = min(ratios)
 
 
 def print_table(results, sizes):
@@ -528,8 +565,9 @@ def print_table(results, sizes):
 
 
 def print_ratios(ratios, sizes):
-    print("vs DeepSpeed: its time / megaq's (cold per call | graph replay; cold with the JIT launch)")
-    head = f"{'op':<26}" + "".join(f"{_fmt_size(n):>22}" for n in sizes)
+    print("vs DeepSpeed: its time / megaq's (per call, median | lowest of the rounds | graph replay | "
+          "per call with the JIT launch)")
+    head = f"{'op':<26}" + "".join(f"{_fmt_size(n):>34}" for n in sizes)
     print(head)
     print("-" * len(head))
     by = {(r["op"], r["elements"]): r for r in ratios}
@@ -537,8 +575,8 @@ def print_ratios(ratios, sizes):
         cells = ""
         for n in sizes:
             r = by.get((op, n), {})
-            cell = " | ".join(f"{r[k]:.2f}x" if k in r else "-" for k in ("cold", "graph", "cold_jit"))
-            cells += f"{cell:>22}"
+            cell = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("cold", "cold_min", "graph", "cold_jit"))
+            cells += f"{cell:>34}"
         print(f"{op:<26}{cells}")
 
 
