@@ -33,9 +33,9 @@ Operations (bf16 input/output, fp32 accumulation):
                                (--zero-hadamard-gradients; same bytes)
   dequant_reduce4_had          dequant_reduce4 with the inverse transform fused in
 
-DeepSpeed's counterparts (fp16 in/out: its kernels read and write __half; the same
-bytes as bf16), groups of --block elements, symmetric: quantize / dequantize (8 and 4
-bits), swizzle_quant (reorder_quantize4, k nodes x m ranks), quantized_reduction (the
+DeepSpeed's counterparts (fp16 in/out: its kernels read and write __half; they read
+the same input buffer as megaq's, its bf16 bits taken as fp16), groups of --block
+elements, symmetric: quantize / dequantize (8 and 4 bits), swizzle_quant (reorder_quantize4, k nodes x m ranks), quantized_reduction (the
 hop, m ranks per node). GB/s use megaq's byte count for the operation; `vs DeepSpeed`
 is DeepSpeed's time over megaq's (above 1: megaq is faster). With --sweep, DeepSpeed's
 kernels for the swept ops are timed in the sweep's rounds too, so every shape gets a
@@ -383,7 +383,10 @@ class DeepSpeedKernels:
         op, sym = self.op, self.op.Symmetric
         n = x.numel()
         groups = n // block
-        xh = x.to(torch.float16)  # its kernels read __half: same bytes as bf16
+        # Its kernels read __half: they read the very buffer megaq's read, its bf16 bits taken
+        # as fp16 (finite, below 4 in magnitude for a randn input; the kernels' work does not
+        # depend on the values), so where an input lies in memory cannot enter the ratio.
+        xh = x.view(torch.float16)
         cases = {}
         for bits in (8, 4):
             q, s = op.quantize(xh, groups, bits, sym)
