@@ -35,8 +35,9 @@ Operations (bf16 input/output, fp32 accumulation):
 
 DeepSpeed's counterparts (fp16 in/out: its kernels read and write __half; they read
 the same input buffer as megaq's, its bf16 bits taken as fp16), groups of --block
-elements, symmetric: quantize / dequantize (8 and 4 bits), swizzle_quant (reorder_quantize4, k nodes x m ranks), quantized_reduction (the
-hop, m ranks per node). GB/s use megaq's byte count for the operation; `vs DeepSpeed`
+elements, symmetric: quantize / dequantize (8 and 4 bits), swizzle_quant
+(reorder_quantize4, k nodes x m ranks), quantized_reduction (the hop, m ranks per
+node). GB/s use megaq's byte count for the operation; `vs DeepSpeed`
 is DeepSpeed's time over megaq's (above 1: megaq is faster). With --sweep, DeepSpeed's
 kernels for the swept ops are timed in the sweep's rounds too, so every shape gets a
 paired ratio.
@@ -421,25 +422,24 @@ def load_deepspeed():
 
 def deepspeed_ratios(results):
     """Per op and size: DeepSpeed's time over megaq's (cached launch), per call (the
-    median of the ratios paired round by round, and their lowest: paired_ratios), in
-    graph replay, and per call with the JIT launch."""
+    median of the ratios paired round by round, and their lowest: pair_with_deepspeed),
+    in graph replay, and per call with the JIT launch."""
     by = {(r["op"], r["impl"], r["elements"]): r for r in results if "impl" in r}
     out = []
     for (op, impl, n), d in by.items():
-        t = by.get((op, "triton", n))
+        t, j = by.get((op, "triton", n)), by.get((op, "triton_jit", n))
         if impl != "deepspeed" or t is None:
             continue
-        for mine in (t, by.get((op, "triton_jit", n))):
-            if mine is not None:
-                pair_with_deepspeed(mine, d)
+        pair_with_deepspeed(t, d)
         row = {"op": op, "elements": n}
         if "vs_deepspeed_cold" in t:
             row["cold"], row["cold_min"] = t["vs_deepspeed_cold"], t["vs_deepspeed_cold_min"]
         if "ms" in d and "ms" in t:
             row["graph"] = d["ms"] / t["ms"]
-        j = by.get((op, "triton_jit", n))
-        if j is not None and "vs_deepspeed_cold" in j:
-            row["cold_jit"] = j["vs_deepspeed_cold"]
+        if j is not None:
+            pair_with_deepspeed(j, d)
+            if "vs_deepspeed_cold" in j:
+                row["cold_jit"] = j["vs_deepspeed_cold"]
         out.append(row)
     return out
 
@@ -488,7 +488,7 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
     variant letters), graph replay and (GPU) cold per call, the cold timings in rounds
     over all shapes in turn, as the table's; with `ds`, DeepSpeed's kernels for the same
     ops in the same rounds (shape "deepspeed"), so each shape's ratio to them is paired
-    round by round (paired_ratios)."""
+    round by round (pair_with_deepspeed)."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
