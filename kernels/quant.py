@@ -874,7 +874,7 @@ def _quantize_kernel(
 def _quantize8_tma_kernel(out_ptr, x_desc, q_desc, payload_bytes, ROWS: tl.constexpr, NB: tl.constexpr,
                           QMAX: tl.constexpr, TINY: tl.constexpr):
     # The int8 quantize of one row through the tensor memory accelerator (Hopper's bulk
-    # tensor copies; _use_bulk_copies): x and the payload are viewed as [*, 64] rows; a
+    # tensor copies; _quantize_into): x and the payload are viewed as [*, 64] rows; a
     # program moves ROWS of them (NB blocks) with one copy in and one out, and writes the
     # NB scales after the payload. The arithmetic is _quantize_tile's, so the bytes are
     # the same.
@@ -1090,6 +1090,7 @@ class _Plan(typing.NamedTuple):
     words: Launch | None = None  # the int4 word kernel's launch, where the shapes allow it (_reduce_into)
     hop: bool = False  # the word kernel is the hop (_INT4_HOP), not the float-output one
     bulk: Launch | None = None  # the int8 bulk-copy kernel's, where the shape allows it (_quantize_into)
+    bulk_forced: bool = False  # Tuning.tma asked for bulk copies: used without the device check
 
 
 def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, tuning) -> _Plan:
@@ -1115,25 +1116,20 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
         bulk = Launch((S // (opts["NB"] * block),), (S,),
                       dict(ROWS=opts["NB"] * block // 64, NB=opts["NB"], QMAX=QMAX[8], TINY=opts["TINY"],
                            num_warps=opts["num_warps"], enable_fp_fusion=False))
-    return _Plan(out_shape, launch, bulk=bulk)
+    return _Plan(out_shape, launch, bulk=bulk, bulk_forced=bool(tuning.tma))
 
 
 def _quantize_into(plan: _Plan, x, residual, out):
-    """Launch a _rows_plan: x and residual contiguous (residual None: no error feedback)."""
+    """Launch a _rows_plan: x and residual contiguous (residual None: no error feedback).
+    Bulk copies where the plan allows them (the int8 quantize of one row, no residual,
+    linear code, blocks of whole 64-element rows, at most 256 of them a program), the
+    device has them (or Tuning.tma forced them) and the row is 16-byte aligned."""
     if plan.launch is None:
         return
-    if plan.bulk is not None and _use_bulk_copies(x):
+    if plan.bulk is not None and (plan.bulk_forced or _has_bulk_copies(x.device)) and x.data_ptr() % 16 == 0:
         _quantize8_tma(x, out, plan.bulk)
     else:
         _launcher(_QUANTIZE).launch(plan.launch, x, residual if residual is not None else x, out)
-
-
-def _use_bulk_copies(x) -> bool:
-    """For a plan whose shape allows bulk copies (the int8 quantize of one row, no
-    residual, linear code, blocks of whole 64-element rows, at most 256 of them a program:
-    _rows_plan): the device has them (or Tuning.tma asks for them) and the row is 16-byte
-    aligned."""
-    return bool(_TUNING.tma or _has_bulk_copies(x.device)) and x.data_ptr() % 16 == 0
 
 
 def _quantize8_tma(x, out, bulk: Launch):

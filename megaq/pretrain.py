@@ -226,13 +226,13 @@ def flops_per_iteration(config) -> float:
 def _device(parallel) -> torch.device:
     """CUDA when the process group runs on NCCL or --device cuda asks for it, else CPU
     (gloo: CPU ranks, even on a GPU host, unless --device cuda). --device cuda without a
-    CUDA device is an error here too, not a quiet CPU run (the launch path says the same
-    for command-line runs; this covers ranks set up in-process)."""
+    CUDA device is an error here too, not a quiet CPU run (launch.require_cuda, as the
+    launch path for command-line runs; this covers ranks set up in-process)."""
     import torch.distributed as dist
-    from megaq.parallel.topology import LayoutError
+    from megaq.parallel.launch import require_cuda
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    if parallel.device == "cuda" and not torch.cuda.is_available():
-        raise LayoutError("--device cuda: this node shows no CUDA device; leave --device out to train on the CPU")
+    if parallel.device == "cuda":
+        require_cuda()
     if nccl or parallel.device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

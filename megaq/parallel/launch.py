@@ -282,9 +282,7 @@ def init_from_env(backend: str | None = None,
     if backend == "nccl":
         torch.cuda.set_device(_gpu_of_local_rank(local_rank))
     elif device == "cuda":
-        if not torch.cuda.is_available():
-            raise LayoutError("--device cuda: this node shows no CUDA device; leave --device "
-                              "out to train on the CPU")
+        require_cuda()
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
@@ -292,5 +290,12 @@ def init_from_env(backend: str | None = None,
     return rank, world
 
 
-__all__ = ["run_on_ranks", "run_cli_on_ranks", "init_from_env", "die_with_parent", "process_group_timeout",
+def require_cuda() -> None:
+    """--device cuda: raise LayoutError when this node shows no CUDA device (command-line
+    launches here, ranks set up in-process in megaq.pretrain._device)."""
+    if not torch.cuda.is_available():
+        raise LayoutError("--device cuda: this node shows no CUDA device; leave --device out to train on the CPU")
+
+
+__all__ = ["run_on_ranks", "require_cuda", "run_cli_on_ranks", "init_from_env", "die_with_parent", "process_group_timeout",
            "Topology"]
