@@ -19,10 +19,16 @@ import torch
 BACKENDS = ("auto", "triton", "torch")
 
 
-def use_triton(t: torch.Tensor) -> bool:
+def backend() -> str:
+    """MEGAQ_KERNELS, checked: "auto", "triton" or "torch"."""
     choice = os.environ.get("MEGAQ_KERNELS", "auto").lower()
     if choice not in BACKENDS:
         raise ValueError(f"MEGAQ_KERNELS={choice!r} is not one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    choice = backend()
     if torch.compiler.is_compiling() or choice == "torch":
         return False
     return choice == "triton" or t.is_cuda

@@ -5,11 +5,10 @@ a backend: `triton` (e.g. CPU tests under TRITON_INTERPRET=1), `torch`, or `auto
 (default). Triton is imported lazily, so CPU-only runs never need a working Triton.
 """
 
-import os
-
 import torch
 
 from . import reference
+from .fused_common import backend
 from .format import DEFAULT_BLOCK, KERNEL_API
 from .format import packed_len as _packed_len
 
@@ -19,9 +18,7 @@ packed_len = _packed_len  # part of every backend's API (format.KERNEL_API)
 
 def backend_for(t: torch.Tensor):
     """The module (kernels.quant or kernels.reference) that handles tensor t."""
-    choice = os.environ.get("MEGAQ_KERNELS", "auto").lower()
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"MEGAQ_KERNELS={choice!r} is not one of auto, triton, torch")
+    choice = backend()
     if choice == "torch" or (choice == "auto" and not t.is_cuda):
         return reference
     from . import quant  # lazy: importing triton is slow and needs a GPU or the interpreter

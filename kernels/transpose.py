@@ -11,31 +11,40 @@ fused kernel ran about 2.5x slower than its bytes need (docs/PERFORMANCE.md, FP8
 producer writes dY once, row-major, and this kernel copies it in 128 x 128 tiles, whole
 lines read and written. `transpose_reference` (``x.t().contiguous()``) is the torch
 definition; both move bytes, so they agree bit for bit.
+
+It is a `torch.library.triton_op`: inductor sees the Triton kernel inside and launches it
+from its generated code like its own kernels (never fusing into it), where a plain custom
+op goes through the dispatcher and Triton's Python launcher on every call. A step makes
+three of these copies per FP8 linear and micro-batch, which at ~60-100 us of host time
+each made small models' FP8 steps host-bound (docs/PERFORMANCE.md, FP8).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fused_common import use_triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import triton_op
+
+from .fused_common import backend
 
 
 def transpose_reference(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous()
 
 
-@torch.library.custom_op("megaq::transpose_1byte", mutates_args=())
+@triton_op("megaq::transpose_1byte", mutates_args=())
 def _transpose_op(x: torch.Tensor) -> torch.Tensor:
-    if use_triton(x):
+    # CUDA: the Triton kernel, also while inductor traces this (unlike fused_common.use_triton:
+    # inductor must not see the reference, which it would fuse into dY's producer). The
+    # interpreter (MEGAQ_KERNELS=triton on the CPU) runs only on real tensors; a trace there
+    # records the reference, the same bytes.
+    choice = backend()
+    if choice != "torch" and (x.is_cuda or (choice == "triton" and not is_fake(x))):
         from . import transpose_triton as k
 
         return k.transpose(x)
     return transpose_reference(x)
-
-
-@_transpose_op.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[1], x.shape[0]))
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""Triton transpose of a 2-D tensor of 1-byte elements (FP8 operands), in 2-D tiles."""
+"""Triton transpose of a 2-D tensor of 1-byte elements (FP8 operands), in 2-D tiles
+(launched through `wrap_triton`: kernels/transpose.py's op is a triton_op)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 
 @triton.jit
@@ -24,6 +26,6 @@ BM = BN = 128  # 16 KiB tiles: every row of a tile is one 128-byte line, read an
 def transpose(x: torch.Tensor) -> torch.Tensor:
     M, N = x.shape
     y = torch.empty((N, M), dtype=x.dtype, device=x.device)
-    _transpose[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+    wrap_triton(_transpose)[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         x.view(torch.uint8), y.view(torch.uint8), M, N, BM=BM, BN=BN, num_warps=8)
     return y
