@@ -9,8 +9,6 @@ keep fp32 inside and round once while the references round intermediates to bf16
 norm error (bf16 has 8 bits of mantissa, one ulp ~ 4e-3).
 """
 
-import os
-
 import pytest
 import torch
 
@@ -156,27 +154,6 @@ def test_fp8_transpose_is_one_op_in_a_compiled_graph():
     assert torch.equal(fn(a), a.to(torch.float8_e5m2).float().t() * 2)
     with pytest.raises(ValueError, match="1-byte elements"):
         ktr.transpose(a)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs a GPU and compiled Triton (TRITON_INTERPRET=0)")
-def test_fp8_transpose_is_launched_from_inductors_code(monkeypatch):
-    """On the GPU, inductor launches the transpose kernel from its own generated code
-    (the op is a triton_op), not through the op's Python and Triton's launcher on every
-    call, the host time that made small FP8 models' steps slow; and it still copies every
-    byte."""
-    from torch._inductor.utils import run_and_get_code
-
-    monkeypatch.setenv("MEGAQ_KERNELS", "auto")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    a = torch.randn(3000, 1030, device="cuda")
-    fn = torch.compile(lambda t: ktr.transpose((t * 2).to(torch.float8_e5m2)))
-    y, code = run_and_get_code(fn, a)
-    code = "\n".join(code)
-    assert torch.equal(y.view(torch.uint8), (a * 2).to(torch.float8_e5m2).t().contiguous().view(torch.uint8))
-    # the kernel's source in inductor's code, and no call of the op (its name may still
-    # appear in inductor's comments on the source nodes)
-    assert "def _transpose" in code and "ops.megaq.transpose_1byte" not in code
 
 
 def test_bad_inputs_are_refused():

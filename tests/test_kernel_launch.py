@@ -8,8 +8,9 @@ launcher, the one the cache calls on every later call, first checks that the cal
 arguments have exactly that specialization and constexprs (so a cache that hands out a
 kernel for another dtype, alignment, block or int class fails here), then launches the
 kernel with the arguments as the JIT's launcher would receive them (all parameters in
-order, constexprs included). On a GPU (TRITON_INTERPRET=0) the last test also drives
-the real compiled launchers.
+order, constexprs included). On a GPU (TRITON_INTERPRET=0) a test also drives
+the real compiled launchers, and one checks that inductor launches the FP8 transpose
+(a triton_op) from its own code.
 """
 
 import importlib
@@ -331,3 +332,24 @@ def test_cached_launch_passes_what_the_jit_passes():
             functions.add(jit[4])
     assert len(functions) == 4 and cl.compiles == 8  # block, alignment and dtype each compile their own
     # (8 entries: plain calls and plans key them apart, each kernel compiled once by the JIT)
+
+
+@pytest.mark.skipif(INTERPRETED or DEV != "cuda", reason="needs a GPU and compiled Triton (TRITON_INTERPRET=0)")
+def test_fp8_transpose_is_launched_from_inductors_code(monkeypatch):
+    """On the GPU, inductor launches the transpose kernel from its own generated code
+    (the op is a triton_op), not through the op's Python and Triton's launcher on every
+    call, the host time that made small FP8 models' steps slow; and it still copies every
+    byte."""
+    from torch._inductor.utils import run_and_get_code
+
+    from megaq.kernels.transpose import transpose
+
+    monkeypatch.setenv("MEGAQ_KERNELS", "auto")
+    a = torch.randn(3000, 1030, device="cuda")
+    fn = torch.compile(lambda t: transpose((t * 2).to(torch.float8_e5m2)))
+    y, code = run_and_get_code(fn, a)
+    code = "\n".join(code)
+    assert torch.equal(y.view(torch.uint8), (a * 2).to(torch.float8_e5m2).t().contiguous().view(torch.uint8))
+    # the kernel's source in inductor's code, and no call of the op (its name may still
+    # appear in inductor's comments on the source nodes)
+    assert "def _transpose" in code and "ops.megaq.transpose_1byte" not in code
