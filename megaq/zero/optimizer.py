@@ -94,8 +94,8 @@ class ShardedOptimizer:
                 self._leaves.append((leaf, st, a, b))
         param_groups = [{"params": groups[d], "weight_decay": cfg.weight_decay if d else 0.0}
                         for d in (True, False) if groups[d]]
-        self.kind = "foreach"
-        # the clip factor for the next step, applied inside torch's fused AdamW
+        self.kind = "foreach"  # how the step runs (ShardedAdamW: also "fused", "apex", "onepass")
+        # the clip factor for the next step, where the step applies it (_fold_grad_scale)
         self._grad_scale: torch.Tensor | None = None
         self.inner = self._build_inner(param_groups, device) if param_groups else None
         if self.inner is not None:
@@ -157,17 +157,16 @@ class ShardedOptimizer:
         return sq.sqrt()
 
     def scale_grads(self, coef: torch.Tensor) -> None:
-        """Multiply every grad by ``coef`` (0-d tensor: no host sync) before the next step.
-        torch's fused AdamW does it inside its own pass, as AMP's unscale (grads divided
-        by ``grad_scale = 1 / coef``), which saves a read and a write of every grad;
-        the other optimizers get a separate in-place multiply."""
-        if self.kind == "fused":
-            self._grad_scale = (1.0 / coef).to(torch.float32)
-            return
-        if self.kind == "onepass":  # megaq's kernel multiplies by it
-            self._grad_scale = coef.to(torch.float32)
-            return
-        self.grads.scale(coef)
+        """Multiply every grad by ``coef`` (0-d tensor: no host sync) before the next step:
+        inside the step's own pass where the optimizer can (:meth:`_fold_grad_scale`,
+        which saves a read and a write of every grad), else a separate in-place multiply."""
+        if not self._fold_grad_scale(coef):
+            self.grads.scale(coef)
+
+    def _fold_grad_scale(self, coef: torch.Tensor) -> bool:
+        """Keep ``coef`` in ``_grad_scale`` for the next step's own pass to apply; False
+        where the step cannot (the default)."""
+        return False
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float) -> None:
@@ -182,8 +181,6 @@ class ShardedOptimizer:
         """The inner optimizer's step on the leaves, then the gather-dtype write-back."""
         for g in self.inner.param_groups:
             g["lr"] = lr
-        if self.kind == "fused":
-            self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it
         self.inner.step()
         for st in self.states:
             st.write_back()
@@ -222,8 +219,19 @@ class ShardedAdamW(ShardedOptimizer):
         return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                  fused=fused or None, foreach=None if fused else True)
 
+    def _fold_grad_scale(self, coef):
+        if self.kind == "fused":  # torch's fused AdamW divides by it, as AMP's unscale
+            self._grad_scale = (1.0 / coef).to(torch.float32)
+            return True
+        if self.kind == "onepass":  # megaq's kernel multiplies by it
+            self._grad_scale = coef.to(torch.float32)
+            return True
+        return False
+
     def _update(self, lr: float) -> None:
         if self.kind != "onepass":
+            if self.kind == "fused":
+                self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it
             return super()._update(lr)
         cfg = self.cfg
         scalars = {wd: fused_adamw.step_scalars(lr, wd, cfg.betas, cfg.eps, self.step_count)
