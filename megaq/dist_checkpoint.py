@@ -35,7 +35,7 @@ Every rank reads everything it holds, whatever layout wrote it.
 
 Saves are atomic as in the torch format: all files go into ``.iter_*.tmp``, rank 0
 writes the manifest, renames, then rewrites the tracker. With --async-save the
-shards are first copied to (pinned) CPU memory, and a background thread does the
+shards are first copied to (pinned) CPU memory (megaq.host_staging), and a background thread does the
 writing, the hashing and the commit on a separate gloo process group while training
 goes on; the next save and the end of the run wait for it (``wait_for_async_save``).
 """
@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from megaq import checkpoint as ckpt
-from megaq import checkpoint_guard, failure, integrity
+from megaq import checkpoint_guard, failure, host_staging, integrity
 from megaq.parallel import comm
 from megaq.parallel.pipeline.split import stage_layer_ranges
 from megaq.zero import state as state_io
@@ -204,15 +204,10 @@ class ChunkedTensor:
     def piece_at(self, offsets) -> torch.Tensor:
         return self._by_offset[tuple(offsets)]
 
-    def staged(self, pin: bool) -> "ChunkedTensor":
-        """A copy of every piece in (pinned) CPU memory, for a background write."""
-        pieces = []
-        for p in self.pieces:
-            t = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, pin_memory=pin)
-            t.copy_(p.tensor)
-            HOST_BYTES.add(_nbytes(t))
-            pieces.append(Piece(p.offsets, t))
-        return ChunkedTensor(self.shape, self.dtype, pieces)
+    def staged(self, buffer: host_staging.StagingBuffer) -> "ChunkedTensor":
+        """A copy of every piece in host memory (`buffer`), for a background write."""
+        return ChunkedTensor(self.shape, self.dtype, [Piece(p.offsets, buffer.copy(p.tensor))
+                                                      for p in self.pieces])
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -451,28 +446,30 @@ def save_checkpoint(root: str, iteration: int, *, config, topo, engine, lr_sched
     if not config.checkpointing.async_save:
         _write_and_commit(**job)
         return final
-    pin = torch.cuda.is_available()
-    job["state"] = {fqn: t.staged(pin) for fqn, t in state.items()}
+    staging = host_staging.buffer_for(host_staging.bytes_needed(
+        p.tensor for t in state.values() for p in t.pieces), pin=torch.cuda.is_available())
+    staged = LAST_SHARD_BYTES["save"]  # the data (the buffer adds under 64 bytes a piece)
+    HOST_BYTES.add(staged)
+    job["state"] = {fqn: t.staged(staging) for fqn, t in state.items()}
     job["residuals"] = {k: v.detach().to("cpu", copy=True) for k, v in residuals.items()}
     pending = _PendingSave(None, iteration)
     # daemon: a run that dies mid-write must not hang on it (the save is then simply
     # not committed, and the previous checkpoint stays latest)
-    pending.thread = threading.Thread(target=_background, args=(pending, job),
+    pending.thread = threading.Thread(target=_background, args=(pending, job, staged),
                                       name=f"megaq-async-save-{iteration}", daemon=True)
     _PENDING.append(pending)
     pending.thread.start()
     return final
 
 
-def _background(pending: _PendingSave, job: dict) -> None:
+def _background(pending: _PendingSave, job: dict, staged_bytes: int) -> None:
     try:
         _write_and_commit(**job)
     except BaseException as e:  # noqa: BLE001 - handed to the main thread's next wait
         pending.error = e
     finally:
-        for t in job["state"].values():  # the staged copies are dropped now
-            HOST_BYTES.sub(sum(_nbytes(p.tensor) for p in t.pieces))
-        job.clear()
+        HOST_BYTES.sub(staged_bytes)  # the staged copies are dropped now (a pinned buffer
+        job.clear()                   # stays for the next save: host_staging)
 
 
 def _state_bytes(state: dict) -> int:

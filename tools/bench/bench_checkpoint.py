@@ -241,6 +241,8 @@ def main(argv=None) -> int:
              "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"]
     rows = []
     for dp in a.dp:
+        if a.work:
+            os.makedirs(a.work, exist_ok=True)
         work = tempfile.mkdtemp(prefix="megaq_bench_ckpt_", dir=a.work)
         try:
             ranks = run_on_ranks(_bench_rank, dp, args=(model, work), timeout=3600)
