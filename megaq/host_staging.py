@@ -4,10 +4,11 @@ staged, page-locked by registering it with CUDA.
 Why not ``torch.empty(..., pin_memory=True)`` per tensor: torch's pinned-memory cache
 rounds every block up to a power of two. Over the 444 pieces of a 124M-parameter shard
 that is 2,470 MB for 1,485 MB of data, which is the 1.67x save peak measured on an H200
-host (docs/PERFORMANCE.md, "Checkpoints"), and the cache keeps those blocks for the rest
-of the run. Here the pieces are slices of one buffer, each tensor on its own exact-size
-storage (an ``UntypedStorage`` slice), so DCP's writer writes them as they are, with no
-copy of its own (it copies a tensor whose storage is larger than the tensor).
+host (docs/PERFORMANCE.md, "Checkpoint save and load"), and the cache keeps those
+blocks for the rest of the run. Here the pieces are slices of one buffer, each tensor
+on its own exact-size storage (an ``UntypedStorage`` slice), so DCP's writer writes them
+as they are, with no copy of its own (it copies a tensor whose storage is larger than
+the tensor).
 
 The pinned buffer is kept for the next save (one save is in flight at a time, and a
 run's shard keeps its size), as torch's cache would keep its blocks, so the

@@ -24,7 +24,7 @@ LAYERS = [
     ("config", ("megaq.config",)),
     # the manifest and the directory guards (job lock, stale .tmp, write errors) of a save
     ("checkpoint", ("megaq.checkpoint", "megaq.dist_checkpoint", "megaq.checkpoint_guard",
-                    "megaq.integrity")),
+                    "megaq.integrity", "megaq.host_staging")),
     # the hang watchdog counts training iterations
     ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
                   "megaq.watchdog")),
