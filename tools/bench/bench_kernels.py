@@ -49,6 +49,7 @@ import functools
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -108,6 +109,9 @@ def main(argv=None):
     use_compile = not args.no_compile and not args.no_reference and device == "cuda"
     if args.deepspeed and device != "cuda":
         sys.exit("error: --deepspeed needs a CUDA device (DeepSpeed's kernels are CUDA only); drop it on CPU")
+    shapes = [parse_shape(c) for c in args.sweep]
+    if args.deepspeed and len({sh[0] for sh in shapes}) > 1:
+        sys.exit("error: --sweep shapes with --deepspeed must share one block size (DeepSpeed's group size)")
     ds = load_deepspeed() if args.deepspeed else None
     step = block * K_NODES * M_RANKS
     bad = [n for n in sizes if n % step]
@@ -152,7 +156,6 @@ def main(argv=None):
             write_json(args.out, {"meta": meta, "results": results, "block_sweep": [], "partial": True})
     sweep = []
     if args.sweep:
-        shapes = [parse_shape(c) for c in args.sweep]
         for n in args.sweep_size or [256 << 20 if device == "cuda" else sizes[0]]:
             sweep += bench_tuning(torch, quant, packed_len, n, shapes, device, timer, args.ops, ds)
 
@@ -206,7 +209,7 @@ class Timer:
                     row.setdefault("cold_ms_rounds", []).append(self.cold(fn))
         for row, _, _ in timed:
             rounds = row["cold_ms_rounds"]
-            row["cold_ms"] = sorted(rounds)[len(rounds) // 2]
+            row["cold_ms"] = statistics.median_high(rounds)
             row["cold_GBps"] = row["bytes"] / row["cold_ms"] / 1e6
 
     def cold(self, fn):
@@ -229,7 +232,7 @@ class Timer:
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
-            return sorted(times)[len(times) // 2]
+            return statistics.median_high(times)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -260,7 +263,7 @@ class Timer:
             end.synchronize()
             times.append(start.elapsed_time(end) / (reps * calls))
         del graph
-        return sorted(times)[len(times) // 2]
+        return statistics.median_high(times)
 
 
 def bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline, reference_baselines=True,
@@ -493,8 +496,6 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
     rows, timed = [], []
-    if ds is not None and len({sh[0] for sh in shapes}) > 1:
-        sys.exit("error: --sweep shapes with --deepspeed must share one block size (DeepSpeed's group size)")
     for block, warps, nb, flags in shapes:
         tuning = dict(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
                       tma="t" in flags)
@@ -543,7 +544,7 @@ def pair_with_deepspeed(row, ds_row):
         return
     ratios = [a / b for a, b in zip(ds_row["cold_ms_rounds"], row["cold_ms_rounds"])]
     row["vs_deepspeed_cold_rounds"] = ratios
-    row["vs_deepspeed_cold"] = sorted(ratios)[len(ratios) // 2]
+    row["vs_deepspeed_cold"] = statistics.median_high(ratios)
     row["vs_deepspeed_cold_min"] = min(ratios)
 
 
