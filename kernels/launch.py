@@ -42,7 +42,18 @@ try:
 except ImportError:  # a Triton without host-side descriptors: none can be passed
     TensorDescriptor = None
 
-__all__ = ["CachedLauncher", "Launch"]
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover - very old Triton
+    InterpretedFunction = ()
+
+__all__ = ["CachedLauncher", "Launch", "interpreted"]
+
+
+def interpreted(kernel) -> bool:
+    """Whether the triton.jit function `kernel` runs in Triton's interpreter
+    (TRITON_INTERPRET=1 when it was decorated: the CPU tests)."""
+    return isinstance(kernel, InterpretedFunction)
 
 MAX_ENTRIES = 4096  # per kernel; the cache starts over beyond it
 

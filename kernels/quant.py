@@ -32,11 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-try:
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError:  # pragma: no cover - very old Triton
-    InterpretedFunction = ()
-
 from .format import (
     DEFAULT_BLOCK,
     HOP_FLOOR,
@@ -61,7 +56,7 @@ from .format import (
     check_residual,
     packed_len,
 )
-from .launch import CachedLauncher, Launch, TensorDescriptor
+from .launch import CachedLauncher, Launch, TensorDescriptor, interpreted
 
 __all__ = list(KERNEL_API)
 
@@ -1062,7 +1057,7 @@ def _has_bulk_copies(device) -> bool:
 
 
 def _interpreting() -> bool:
-    return isinstance(_quantize_kernel, InterpretedFunction)
+    return interpreted(_quantize_kernel)
 
 
 _SIGNS: dict = {}  # device -> the HADAMARD_SIGNS tensor (a constant, built once per device)

@@ -53,7 +53,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_matches_reference(dtype):
+def test_rmsnorm_matches_reference(dtype, faithful_interpreter):
     x = torch.randn(3, 5, 40).to(dtype)  # 15 rows, width 40 (not a power of two)
     w = (1 + 0.1 * torch.randn(40)).to(dtype)
     (yf, gf), (yr, gr) = run_both(lambda a, b: frn.rms_norm(a, b, 1e-5),
@@ -100,7 +100,7 @@ def test_swiglu_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_matches_reference_and_ignores_padding(dtype):
+def test_cross_entropy_matches_reference_and_ignores_padding(dtype, faithful_interpreter):
     s, b, V, V_pad = 5, 3, 100, 128
     logits = (3 * torch.randn(s, b, V_pad)).to(dtype)
     logits[..., V:] = 50.0  # padded columns would dominate the softmax if counted
@@ -118,7 +118,7 @@ def test_cross_entropy_matches_reference_and_ignores_padding(dtype):
     assert rel(lf.reshape(-1), plain) < 1e-5
 
 
-def test_cross_entropy_large_vocab_streams_chunks(monkeypatch):
+def test_cross_entropy_large_vocab_streams_chunks(monkeypatch, faithful_interpreter):
     """V larger than one block: the online max / sum must combine chunks, and padding
     that is not a whole block must still be excluded."""
     from megaq.kernels import fused_cross_entropy_triton as k
@@ -165,7 +165,7 @@ def test_bad_inputs_are_refused():
         frp.apply_rotary(torch.randn(2, 1, 1, 4), torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
 
 
-def test_model_with_triton_kernels_matches_references(monkeypatch):
+def test_model_with_triton_kernels_matches_references(monkeypatch, faithful_interpreter):
     """The whole Llama-style model (RMSNorm, RoPE, SwiGLU, fused CE) on the Triton
     kernels equals the model on the references: loss and every weight gradient."""
     from megaq.model import GPTConfig, GPTModel

@@ -168,11 +168,8 @@ def quant_fake(monkeypatch):
     """kernels.quant with every launcher driving FakeJIT (the real kernels inside)."""
     from megaq.kernels import quant
 
-    if DEV == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(quant._quantize_kernel, InterpretedFunction):
-            quant = importlib.reload(quant)
+    if DEV == "cpu" and not launch.interpreted(quant._quantize_kernel):
+        quant = importlib.reload(quant)
     fakes = {}
     for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS", "_QUANTIZE8_TMA"):
         fakes[name] = _fake_launcher(getattr(quant, name).kernel)
@@ -184,7 +181,8 @@ def quant_fake(monkeypatch):
     (None, 96, (torch.float32, torch.bfloat16)),  # int4 word kernels (W = 12 padded to 16)
     (False, 64, (torch.bfloat16,)),  # the byte kernel
 ])
-def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block, dtypes):
+def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block, dtypes,
+                                               faithful_interpreter):
     tq, fakes = quant_fake
     monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=words is not False))
     k, m, S = 2, 2, 2 * block

@@ -29,17 +29,17 @@ REL_SLACK = 2.0 ** -22
 
 
 @pytest.fixture(scope="module")
-def tq():
+def tq(request):
     """The Triton module, runnable on DEV (interpreted on CPU)."""
     pytest.importorskip("triton")
     from megaq.kernels import quant
+    from megaq.kernels.launch import interpreted
 
     if DEV == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("no GPU and TRITON_INTERPRET is not 1")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(quant._quantize_kernel, InterpretedFunction):
+        request.getfixturevalue("faithful_interpreter")
+        if not interpreted(quant._quantize_kernel):
             quant = importlib.reload(quant)  # imported earlier without the interpreter
     return quant
 
