@@ -168,12 +168,13 @@ def quant_fake(monkeypatch):
     """kernels.quant with every launcher driving FakeJIT (the real kernels inside)."""
     from megaq.kernels import quant
 
-    if DEV == "cpu" and not launch.interpreted(quant._quantize_kernel):
+    if DEV == "cpu" and not quant.kt.INTERPRETED:
+        importlib.reload(quant.kt)  # the kernels first: decorated under the interpreter
         quant = importlib.reload(quant)
     fakes = {}
-    for name in ("_QUANTIZE", "_DEQUANT_REDUCE", "_INT4_HOP", "_INT4_WORDS", "_QUANTIZE8_TMA"):
-        fakes[name] = _fake_launcher(getattr(quant, name).kernel)
-        monkeypatch.setattr(quant, name, fakes[name])
+    for name in ("QUANTIZE", "DEQUANT_REDUCE", "INT4_HOP", "INT4_WORDS", "QUANTIZE8_TMA"):
+        fakes[name] = _fake_launcher(getattr(quant.kt, name).kernel)
+        monkeypatch.setattr(quant.kt, name, fakes[name])
     return quant, fakes
 
 
@@ -226,8 +227,8 @@ def test_plans_launch_per_call_what_the_arguments_need(quant_fake):
             q4 = tq.quantize(x, 4, block)
             for p in (q4, torch.cat([q4.new_zeros(2), q4.reshape(-1)])[2:].view_as(q4)):  # int4 words need 4-byte
                 assert torch.equal(tq.dequantize(p, block, 4, block).cpu(), ref.dequantize(p.cpu(), block, 4, block))
-    assert fakes["_DEQUANT_REDUCE"].compiles >= 1 and fakes["_INT4_WORDS"].compiles >= 1  # both dequantize paths
-    assert fakes["_QUANTIZE"].compiles == 4  # int8 and int4, each aligned and 4 bytes off
+    assert fakes["DEQUANT_REDUCE"].compiles >= 1 and fakes["INT4_WORDS"].compiles >= 1  # both dequantize paths
+    assert fakes["QUANTIZE"].compiles == 4  # int8 and int4, each aligned and 4 bytes off
     for _ in range(2):
         with pytest.raises(ValueError, match="multiple of the block size"):
             tq.quantize(buf[:n - 2], 8, block)
@@ -243,7 +244,7 @@ def test_descriptor_arguments_keyed_by_dtype_and_block_shape(quant_fake, monkeyp
     fp32 kernel, and the fake launcher refuses it."""
     tq, fakes = quant_fake
     monkeypatch.setattr(tq, "_TUNING", tq.Tuning(tma=True, nb=1))
-    fake = fakes["_QUANTIZE8_TMA"]
+    fake = fakes["QUANTIZE8_TMA"]
     g = torch.Generator().manual_seed(5)
     base = torch.randn(4096, generator=g) * 3
     cases = [(1024, torch.float32, 128), (2048, torch.float32, 128), (2048, torch.bfloat16, 128),
@@ -290,7 +291,7 @@ def test_real_cached_launches_match_the_jit():
                                                 quant.dequantize(r, k * S, 4, block, torch.bfloat16)))
     for got in outs[True]:
         assert all(torch.equal(a, b) for a, b in zip(outs[False][0], got))
-    assert quant._INT4_HOP.compiles >= 1 and quant._QUANTIZE.compiles >= 1 and quant._QUANTIZE8_TMA.compiles >= 1
+    assert quant.kt.INT4_HOP.compiles >= 1 and quant.kt.QUANTIZE.compiles >= 1 and quant.kt.QUANTIZE8_TMA.compiles >= 1
     assert torch.equal(outs[False][0][0], outs[False][0][1])
 
 

@@ -33,14 +33,14 @@ def tq(request):
     """The Triton module, runnable on DEV (interpreted on CPU)."""
     pytest.importorskip("triton")
     from megaq.kernels import quant
-    from megaq.kernels.launch import interpreted
 
     if DEV == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("no GPU and TRITON_INTERPRET is not 1")
         request.getfixturevalue("faithful_interpreter")
-        if not interpreted(quant._quantize_kernel):
-            quant = importlib.reload(quant)  # imported earlier without the interpreter
+        if not quant.kt.INTERPRETED:  # imported earlier without the interpreter
+            importlib.reload(quant.kt)  # the kernels first: decorated under the interpreter
+            quant = importlib.reload(quant)
     return quant
 
 
@@ -149,7 +149,7 @@ def test_quantize_evict_hint_by_size(tq, monkeypatch):
     evict-first (per call on the H200: a win at 16M elements for int8, at 16M and 32M for
     int4; a loss from 64M), from there on they are not; the reorder (qgZ) quantize follows
     the same rule by its whole input; a cache hint only: the same bytes either way."""
-    seen, real = [], tq._QUANTIZE
+    seen, real = [], tq.kt.QUANTIZE
 
     class Spy:
         enabled = True
@@ -158,7 +158,7 @@ def test_quantize_evict_hint_by_size(tq, monkeypatch):
             seen.append(plan.kwargs["EVICT"])
             return real.launch(plan, *tensors)
 
-    monkeypatch.setattr(tq, "_QUANTIZE", Spy())
+    monkeypatch.setattr(tq.kt, "QUANTIZE", Spy())
     monkeypatch.setattr(tq, "EVICT_FIRST_BELOW", {8: 2048, 4: 4096})
     monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
     x = torch.randn(8192, generator=torch.Generator().manual_seed(3)).to(DEV)
