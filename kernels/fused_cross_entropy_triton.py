@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_common import LAUNCH
+
 
 @triton.jit
 def _ce_fwd(LOGITS, LABELS, LOSS, LSE, stride, V, BLOCK: tl.constexpr):
@@ -62,7 +64,7 @@ def ce_fwd(logits2: torch.Tensor, labels1: torch.Tensor, vocab_size: int):
     lse = torch.empty(N, dtype=torch.float32, device=logits2.device)
     block = min(FWD_BLOCK, triton.next_power_of_2(vocab_size))
     _ce_fwd[(N,)](logits2, labels1, loss, lse, logits2.stride(0), vocab_size, BLOCK=block,
-                  num_warps=8 if block >= 2048 else 4)
+                  num_warps=8 if block >= 2048 else 4, **LAUNCH)
     return loss, lse
 
 
@@ -73,5 +75,5 @@ def ce_bwd(logits2, labels1, lse, dloss1, vocab_size: int):
     _ce_bwd[(N, triton.cdiv(V_total, block))](logits2, labels1, lse, dloss1, dlogits,
                                               logits2.stride(0), dlogits.stride(0), vocab_size,
                                               V_total, BLOCK=block,
-                                              num_warps=8 if block >= 2048 else 4)
+                                              num_warps=8 if block >= 2048 else 4, **LAUNCH)
     return dlogits

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_common import LAUNCH
+
 
 @triton.jit
 def _rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, H, eps, BLOCK: tl.constexpr):
@@ -58,7 +60,7 @@ def rmsnorm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     rstd = torch.empty(N, dtype=torch.float32, device=x2.device)
     block, warps = _launch_cfg(H)
     _rmsnorm_fwd[(N,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), H, eps,
-                       BLOCK=block, num_warps=warps)
+                       BLOCK=block, num_warps=warps, **LAUNCH)
     return y, rstd
 
 
@@ -75,5 +77,5 @@ def rmsnorm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd:
     dw_part = torch.zeros((progs, H), dtype=torch.float32, device=x2.device)
     block, warps = _launch_cfg(H)
     _rmsnorm_bwd[(progs,)](dy2, x2, weight, rstd, dx, dw_part, dy2.stride(0), x2.stride(0),
-                           dx.stride(0), N, H, rows_per_prog, BLOCK=block, num_warps=warps)
+                           dx.stride(0), N, H, rows_per_prog, BLOCK=block, num_warps=warps, **LAUNCH)
     return dx, dw_part.sum(0).to(weight.dtype)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_common import LAUNCH
+
 
 @triton.jit
 def _rope(X, COS, SIN, Y, B, NH, sx_s, sx_b, sx_h, sc_s, sc_b, D2,
@@ -53,5 +55,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) 
     warps = 4 if block_h * block_d2 >= 1024 else 1
     _rope[(S * B,)](x, cos, sin, y, B, NH, x.stride(0), x.stride(1), x.stride(2),
                     cos.stride(0), sc_b, D // 2, BLOCK_H=block_h, BLOCK_D2=block_d2,
-                    BACKWARD=backward, num_warps=warps)
+                    BACKWARD=backward, num_warps=warps, **LAUNCH)
     return y

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_common import LAUNCH
+
 
 @triton.jit
 def _swiglu_fwd(Y, OUT, stride_y, stride_o, F, BLOCK: tl.constexpr):
@@ -41,7 +43,7 @@ def swiglu_fwd(y2: torch.Tensor) -> torch.Tensor:
     F = F2 // 2
     out = torch.empty((N, F), dtype=y2.dtype, device=y2.device)
     _swiglu_fwd[(N, triton.cdiv(F, BLOCK))](y2, out, y2.stride(0), out.stride(0), F,
-                                            BLOCK=BLOCK, num_warps=4)
+                                            BLOCK=BLOCK, num_warps=4, **LAUNCH)
     return out
 
 
@@ -50,5 +52,5 @@ def swiglu_bwd(do2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
     F = F2 // 2
     dy = torch.empty((N, F2), dtype=y2.dtype, device=y2.device)
     _swiglu_bwd[(N, triton.cdiv(F, BLOCK))](do2, y2, dy, do2.stride(0), y2.stride(0), dy.stride(0),
-                                            F, BLOCK=BLOCK, num_warps=4)
+                                            F, BLOCK=BLOCK, num_warps=4, **LAUNCH)
     return dy
