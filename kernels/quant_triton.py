@@ -20,10 +20,10 @@ Triton program per NB consecutive quantization blocks:
 - _hadamard_kernel: the blockwise randomized Hadamard transform alone.
 
 Each kernel has one cached launcher below (QUANTIZE, ...; kernels/launch.py). Every
-launch passes enable_fp_fusion=False (kernels/quant.py's _launch_opts), so a multiply and an add are fused only
-where the code says tl.fma: there the product is exact (20-bit scales times small
-integers), or the fma is the rounding step of the rule, which the reference computes
-exactly in float64. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32 lowering
+launch passes enable_fp_fusion=False (kernels/quant.py's _launch_opts), so a multiply
+and an add are fused only where the code says tl.fma: there the product is exact
+(20-bit scales times small integers), or the fma is the rounding step of the rule,
+which the reference computes exactly in float64. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32 lowering
 on NVIDIA GPUs is approximate.
 """
 
