@@ -23,8 +23,8 @@ Each kernel has one cached launcher below (QUANTIZE, ...; kernels/launch.py). Ev
 launch passes enable_fp_fusion=False (kernels/quant.py's _launch_opts), so a multiply
 and an add are fused only where the code says tl.fma: there the product is exact
 (20-bit scales times small integers), or the fma is the rounding step of the rule,
-which the reference computes exactly in float64. Divisions use tl.math.div_rn (IEEE), never `/`, whose fp32 lowering
-on NVIDIA GPUs is approximate.
+which the reference computes exactly in float64. Divisions use tl.math.div_rn (IEEE),
+never `/`, whose fp32 lowering on NVIDIA GPUs is approximate.
 """
 
 import triton
