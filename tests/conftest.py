@@ -59,6 +59,22 @@ def faithful_interpreter():
                     "them compiled: TRITON_INTERPRET=0 python -m pytest tests/test_kernels.py")
 
 
+@pytest.fixture(scope="module")
+def quant_kernels():
+    """megaq.kernels.quant with its kernels decorated as this run launches them: without a
+    GPU, under the interpreter (kernels.quant_triton reloaded first, then quant, if an
+    earlier import decorated them compiled)."""
+    import importlib
+
+    import torch
+    from megaq.kernels import quant
+
+    if not torch.cuda.is_available() and not quant.kt.INTERPRETED:
+        importlib.reload(quant.kt)
+        quant = importlib.reload(quant)
+    return quant
+
+
 @pytest.fixture(autouse=True)
 def _restore_triton_language_core():
     yield

@@ -13,7 +13,6 @@ the real compiled launchers, and one checks that inductor launches the FP8 trans
 (a triton_op) from its own code.
 """
 
-import importlib
 import inspect
 import os
 from types import SimpleNamespace
@@ -164,13 +163,9 @@ def test_fallbacks_launch_through_the_jit():
 
 
 @pytest.fixture()
-def quant_fake(monkeypatch):
+def quant_fake(monkeypatch, quant_kernels):
     """kernels.quant with every launcher driving FakeJIT (the real kernels inside)."""
-    from megaq.kernels import quant
-
-    if DEV == "cpu" and not quant.kt.INTERPRETED:
-        importlib.reload(quant.kt)  # the kernels first: decorated under the interpreter
-        quant = importlib.reload(quant)
+    quant = quant_kernels
     fakes = {}
     for name in ("QUANTIZE", "DEQUANT_REDUCE", "INT4_HOP", "INT4_WORDS", "QUANTIZE8_TMA"):
         fakes[name] = _fake_launcher(getattr(quant.kt, name).kernel)

@@ -6,7 +6,6 @@ Triton runs on CUDA when there is a GPU, else on CPU under the Triton interprete
 it when it decorates).
 """
 
-import importlib
 import os
 
 import pytest
@@ -32,16 +31,11 @@ REL_SLACK = 2.0 ** -22
 def tq(request):
     """The Triton module, runnable on DEV (interpreted on CPU)."""
     pytest.importorskip("triton")
-    from megaq.kernels import quant
-
     if DEV == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("no GPU and TRITON_INTERPRET is not 1")
         request.getfixturevalue("faithful_interpreter")
-        if not quant.kt.INTERPRETED:  # imported earlier without the interpreter
-            importlib.reload(quant.kt)  # the kernels first: decorated under the interpreter
-            quant = importlib.reload(quant)
-    return quant
+    return request.getfixturevalue("quant_kernels")
 
 
 def _scales(packed, L, bits, block):
