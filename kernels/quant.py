@@ -65,6 +65,14 @@ EVICT_FIRST_BELOW = {8: 1 << 25, 4: 1 << 26}
 # every call; docs/PERFORMANCE.md, "Per call"). One program moves one block with 4 warps.
 BULK_COPIES_FROM = 1 << 26
 BULK_COPIES_PER_THREAD = 32
+# Below BULK_COPIES_FROM the int8 quantize (linear code, no residual or transform)
+# launches in DeepSpeed's shape: 16 elements a thread, one block a program, with the
+# registers capped at 32 so that 2,048 threads fill an SM. Per call on the H200 at 16M
+# and 32M elements that is ~1% ahead of the 64-a-thread shape above; the same shape
+# uncapped (37 registers, 75% of the threads) is 6% behind (docs/PERFORMANCE.md,
+# "Per call"). From 64M, where bulk copies are not used, the 64-a-thread shape is ahead.
+QUANTIZE8_SMALL_PER_THREAD = 16
+QUANTIZE8_SMALL_REGS = 32
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a cheap plan key
@@ -82,7 +90,8 @@ class Tuning:
     The int4 word kernels: words: used at all (False: the byte kernel); magic: their
     int -> float by the exponent trick (_nibble; False: conversion instructions).
     cached_launch: kernels/launch.py's launchers (False: every call through Triton's
-    JIT, the benchmark's comparison)."""
+    JIT, the benchmark's comparison). regs: registers a thread may use (Triton's
+    maxnreg; 0: no cap; None: QUANTIZE8_SMALL_REGS where that shape applies)."""
     warps: int | None = None
     nb: int | None = None
     chunked: bool = False
@@ -91,6 +100,7 @@ class Tuning:
     words: bool = True
     magic: bool = True
     cached_launch: bool = True
+    regs: int | None = None
 
 
 _TUNING = Tuning()
@@ -118,17 +128,27 @@ def _launcher(cached: CachedLauncher) -> CachedLauncher:
     return cached
 
 
-def _launch_opts(tuning: Tuning, block: int, per_thread: int, nb_default: int, *block_counts: int) -> dict:
+def _launch_opts(tuning: Tuning, block: int, per_thread: int, nb_default: int, *block_counts: int,
+                 regs: int | None = None) -> dict:
     """Constexprs and launch options. NB (blocks per program) is the largest of
     {nb_default, 2, 1} dividing every count; warps give about `per_thread` elements per
-    thread. H200 sweep at 256M elements (docs/PERFORMANCE.md): quantize is fastest with
-    NB=2 and ~64 elements per thread, dequantize with NB=1 and 16-32 per thread. Called
-    when a plan is made (below), so once per distinct call."""
+    thread; `regs` caps the registers of that default shape (not of one the Tuning sets:
+    a cap sized for 16 elements a thread would spill at 64). H200 sweep at 256M elements
+    (docs/PERFORMANCE.md): quantize is fastest with NB=2 and ~64 elements per thread,
+    dequantize with NB=1 and 16-32 per thread. Called when a plan is made (below), so
+    once per distinct call."""
     p2 = _next_pow2(block)
     want = tuning.nb or nb_default
     nb = next(c for c in (want, 2, 1) if c <= want and all(n % c == 0 for n in block_counts))
     warps = tuning.warps or max(1, min(16, p2 * nb // (32 * per_thread)))
-    return dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
+    opts = dict(NB=nb, BLOCK=block, BLOCK_P2=p2, TINY=TINY, num_warps=warps, enable_fp_fusion=False)
+    if tuning.regs is not None:
+        regs = tuning.regs
+    elif tuning.warps or tuning.nb:
+        regs = None
+    if regs:
+        opts["maxnreg"] = regs
+    return opts
 
 
 def _next_pow2(n: int) -> int:
@@ -178,7 +198,12 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
         return _Plan(out_shape, None)
     P = packed_len(k * S, bits, block)
     row_blocks, chunk_blocks = k * S // block, S // block
-    opts = _launch_opts(tuning, block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
+    if (bits == 8 and code == "linear" and not (has_res or hadamard or tuning.chunked)
+            and rows * k * S < BULK_COPIES_FROM):
+        opts = _launch_opts(tuning, block, QUANTIZE8_SMALL_PER_THREAD, 1, row_blocks, chunk_blocks,
+                            regs=QUANTIZE8_SMALL_REGS)
+    else:
+        opts = _launch_opts(tuning, block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
     evict = tuning.evict
     if evict is None:
         evict = "evict_first" if rows * k * S < EVICT_FIRST_BELOW[bits] else ""
@@ -193,7 +218,7 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
         opts = _launch_opts(tuning, block, BULK_COPIES_PER_THREAD, 1, S // block)
         bulk = Launch((S // (opts["NB"] * block),), (S,),
                       dict(ROWS=opts["NB"] * block // 64, NB=opts["NB"], QMAX=QMAX[8], TINY=opts["TINY"],
-                           num_warps=opts["num_warps"], enable_fp_fusion=False))
+                           **{k: opts[k] for k in ("num_warps", "enable_fp_fusion", "maxnreg") if k in opts}))
     return _Plan(out_shape, launch, bulk=bulk, bulk_forced=bool(tuning.tma))
 
 

@@ -1,6 +1,8 @@
-"""Fused model kernels (kernels/fused_*.py): Triton (interpreter on CPU) vs the torch
-references, forward and backward, on tiny shapes with awkward sizes (non-power-of-2
-widths, strided inputs, vocab padding).
+"""Fused model kernels (kernels/fused_*.py): Triton vs the torch references, forward and
+backward, on tiny shapes with awkward sizes (non-power-of-2 widths, strided inputs,
+vocab padding). Compiled on CUDA when a GPU is visible (TRITON_INTERPRET=0 python -m
+pytest tests/test_fused_kernels.py on a GPU host), else under the Triton interpreter on
+the CPU (the test command hides GPUs).
 
 Tolerances: fp32 inputs -> both sides compute in fp32 with different reduction
 orders, so relative error ~1e-6; we allow 1e-5. bf16 inputs -> the Triton kernels
@@ -19,9 +21,13 @@ from megaq.kernels import fused_swiglu as fsw
 from megaq.kernels import transpose as ktr
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(autouse=True)
 def _triton_backend(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if DEV == "cpu":  # the kernels modules are imported inside the ops, so this reaches them
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MEGAQ_KERNELS", "triton")
 
 
@@ -36,12 +42,12 @@ def run_both(fn_fused, fn_ref, inputs, grad_out_like=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     dout = None
     for fn in (fn_fused, fn_ref):
-        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        leaves = [t.detach().to(DEV, copy=True).requires_grad_(t.is_floating_point()) for t in inputs]
         out = fn(*leaves)
         if dout is None:
-            dout = torch.randn(out.shape, generator=g).to(out.dtype)
+            dout = torch.randn(out.shape, generator=g).to(DEV, out.dtype)
         out.backward(dout)
-        results.append((out.detach(), [t.grad for t in leaves if t.is_floating_point()]))
+        results.append((out.detach().cpu(), [t.grad.cpu() for t in leaves if t.is_floating_point()]))
     return results
 
 
@@ -73,7 +79,7 @@ def test_rope_matches_reference_on_strided_input(per_batch_positions):
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = pos[..., None] * inv
     emb = torch.cat([freqs, freqs], -1).unsqueeze(2)
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = emb.cos().to(DEV), emb.sin().to(DEV)
     (yf, gf), (yr, gr) = run_both(lambda t: frp.apply_rotary(t, cos, sin),
                                   lambda t: frp.apply_rotary_reference(t, cos, sin), [x])
     assert rel(yf, yr) < 1e-5
@@ -84,7 +90,7 @@ def test_rope_bf16():
     s, b, heads, d = 4, 2, 2, 8
     x = torch.randn(s, b, heads, d).bfloat16()
     freqs = torch.arange(s).float()[:, None, None] * torch.rand(d // 2)
-    emb = torch.cat([freqs, freqs], -1).unsqueeze(2)
+    emb = torch.cat([freqs, freqs], -1).unsqueeze(2).to(DEV)
     (yf, gf), (yr, gr) = run_both(lambda t: frp.apply_rotary(t, emb.cos(), emb.sin()),
                                   lambda t: frp.apply_rotary_reference(t, emb.cos(), emb.sin()), [x])
     assert rel(yf, yr) < TOL[torch.bfloat16] and rel(gf[0], gr[0]) < TOL[torch.bfloat16]
@@ -105,8 +111,8 @@ def test_cross_entropy_matches_reference_and_ignores_padding(dtype, faithful_int
     logits = (3 * torch.randn(s, b, V_pad)).to(dtype)
     logits[..., V:] = 50.0  # padded columns would dominate the softmax if counted
     labels = torch.randint(0, V, (s, b))
-    (lf, gf), (lr, gr) = run_both(lambda t: fce.cross_entropy(t, labels, V),
-                                  lambda t: fce.cross_entropy_reference(t, labels, V), [logits])
+    (lf, gf), (lr, gr) = run_both(lambda t: fce.cross_entropy(t, labels.to(DEV), V),
+                                  lambda t: fce.cross_entropy_reference(t, labels.to(DEV), V), [logits])
     assert lf.dtype == torch.float32 and lf.shape == (s, b)
     assert rel(lf, lr) < 1e-5  # fp32 math on both sides from identical inputs
     assert rel(gf[0][..., :V], gr[0][..., :V]) < TOL[dtype]
@@ -128,8 +134,8 @@ def test_cross_entropy_large_vocab_streams_chunks(monkeypatch, faithful_interpre
     logits = torch.randn(4, 70) * 5
     logits[0, 3] = 40.0  # a max in the first chunk, then much smaller values
     labels = torch.tensor([3, 66, 0, 17])
-    (lf, gf), (lr, gr) = run_both(lambda t: fce.cross_entropy(t, labels, 67),
-                                  lambda t: fce.cross_entropy_reference(t, labels, 67), [logits])
+    (lf, gf), (lr, gr) = run_both(lambda t: fce.cross_entropy(t, labels.to(DEV), 67),
+                                  lambda t: fce.cross_entropy_reference(t, labels.to(DEV), 67), [logits])
     assert rel(lf, lr) < 1e-5 and rel(gf[0][:, :67], gr[0][:, :67]) < 1e-5
     assert torch.all(gf[0][:, 67:] == 0)
 
@@ -141,7 +147,7 @@ def test_fp8_transpose_copies_every_byte(dtype, shape):
     a byte move, so equal bit for bit to x.t().contiguous(), and contiguous."""
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(dtype)
-    y = ktr.transpose(x)
+    y = ktr.transpose(x.to(DEV)).cpu()
     assert y.dtype == dtype and y.is_contiguous() and y.shape == shape[::-1]
     assert torch.equal(y.view(torch.uint8), ktr.transpose_reference(x).view(torch.uint8))
 
@@ -150,7 +156,7 @@ def test_fp8_transpose_is_one_op_in_a_compiled_graph():
     """Traced by torch.compile without a graph break, with the right output shape."""
     fn = torch.compile(lambda a: ktr.transpose(a.to(torch.float8_e5m2)).float() * 2,
                        backend="aot_eager", fullgraph=True)
-    a = torch.randn(64, 48)
+    a = torch.randn(64, 48, device=DEV)
     assert torch.equal(fn(a), a.to(torch.float8_e5m2).float().t() * 2)
     with pytest.raises(ValueError, match="1-byte elements"):
         ktr.transpose(a)
@@ -177,10 +183,10 @@ def test_model_with_triton_kernels_matches_references(monkeypatch, faithful_inte
     out = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("MEGAQ_KERNELS", backend)
-        model = GPTModel(cfg)
-        loss = model(ids, labels=labels)
+        model = GPTModel(cfg).to(DEV)
+        loss = model(ids.to(DEV), labels=labels.to(DEV))
         loss.mean().backward()
-        out[backend] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+        out[backend] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()})
     assert rel(out["triton"][0], out["torch"][0]) < 1e-5
     for name, g in out["torch"][1].items():
         assert rel(out["triton"][1][name], g) < 1e-4, name  # fp32; grads pass through 2 layers

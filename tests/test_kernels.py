@@ -168,6 +168,43 @@ def test_quantize_evict_hint_by_size(tq, monkeypatch):
     assert seen[-1] == ""
 
 
+def test_quantize8_launch_shape_by_size(tq, monkeypatch):
+    """Below BULK_COPIES_FROM elements the int8 quantize (linear, no residual) launches
+    in DeepSpeed's shape, 16 elements a thread, one block a program, registers capped at
+    QUANTIZE8_SMALL_REGS (per call on the H200 ~1% ahead at 16M-32M); from there on, and
+    for int4, with a residual, or in a shape the Tuning sets, at 64 a thread, two blocks a
+    program, uncapped (a 32-register cap would spill there). Same bytes every way."""
+    seen, real = [], tq.kt.QUANTIZE
+
+    class Spy:
+        enabled = True
+
+        def launch(self, plan, *tensors):
+            seen.append((plan.kwargs["num_warps"], plan.kwargs["NB"], plan.kwargs.get("maxnreg")))
+            return real.launch(plan, *tensors)
+
+    monkeypatch.setattr(tq.kt, "QUANTIZE", Spy())
+    monkeypatch.setattr(tq, "BULK_COPIES_FROM", 8192)
+    monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: False)
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(16384, generator=g) * 3).to(DEV)
+    small, large = (2, 1, tq.QUANTIZE8_SMALL_REGS), (1, 2, None)  # 1024-blocks: 16 or 64 a thread
+    for t, bits, want in ((x[:4096], 8, small), (x, 8, large), (x[:4096], 4, large)):
+        assert torch.equal(tq.quantize(t, bits, 1024).cpu(), ref.quantize(t.cpu(), bits, 1024)), (t.numel(), bits)
+        assert seen[-1] == want, (t.numel(), bits)
+    r1 = (torch.randn(4096, generator=g) * 0.01).to(DEV)
+    r2 = r1.clone().cpu()
+    assert torch.equal(tq.reorder_quantize(x[:4096], 2, 2, 8, 1024, r1).cpu(),
+                       ref.reorder_quantize(x[:4096].cpu(), 2, 2, 8, 1024, r2))
+    assert torch.equal(r1.cpu(), r2) and seen[-1] == (1, 1, None)  # chunks of one block: one a program
+    for tuning, want in (({"warps": 4, "nb": 2}, (4, 2, None)), ({"regs": 0}, (2, 1, None)),
+                         ({"warps": 4, "nb": 1, "regs": 40}, (4, 1, 40))):
+        with tq.tuned(**tuning):
+            assert torch.equal(tq.quantize(x[:4096], 8, 1024).cpu(), ref.quantize(x[:4096].cpu(), 8, 1024))
+        assert seen[-1] == want, tuning
+
+
 @pytest.mark.parametrize("block", [64, 192])  # 192: 3 groups of 64 per block, padded to 4
 def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
     """The quantize kernel's other layout (every 64-group as 8 chunk tiles: the fused

@@ -471,19 +471,20 @@ def check_identical(torch, quant, reference, x, n, block, rows):
     print(f"# {n} elements: triton == reference bit for bit: {bool(ok)}", file=sys.stderr)
 
 
-SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)([ct]?)(e?)")
-SHAPE_HELP = ("BLOCKxWARPSxNB[c|t][e]; quantize variants (without a letter: off, whatever the size): "
+SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)([ct]?)(e?)(?:r(\d+))?")
+SHAPE_HELP = ("BLOCKxWARPSxNB[c|t][e][rNN]; quantize variants (without a letter: off, whatever the size): "
               "c = chunk tiles (quant.Tuning.chunked), t = bulk tensor copies for the int8 quantize of one "
-              "row (Tuning.tma), e = evict-first input loads (Tuning.evict)")
+              "row (Tuning.tma), e = evict-first input loads (Tuning.evict), rNN = at most NN registers a "
+              "thread (Tuning.regs, Triton's maxnreg; without it: no cap)")
 
 
 def parse_shape(text):
     """'4096x4x1t' -> (4096, 4, 1, 't'): block, warps, blocks per program, variant letters."""
     hit = SHAPE.fullmatch(text.lower())
     if not hit:
-        sys.exit(f"error: --sweep shape {text!r} is not {SHAPE_HELP.split(';')[0]}, e.g. 4096x4x2 or 4096x4x1t")
-    block, warps, nb, layout, evict = hit.groups()
-    return int(block), int(warps), int(nb), layout + evict
+        sys.exit(f"error: --sweep shape {text!r} is not {SHAPE_HELP.split(';')[0]}, e.g. 4096x4x2, 4096x4x1t or 4096x8x1er32")
+    block, warps, nb, layout, evict, regs = hit.groups()
+    return int(block), int(warps), int(nb), layout + evict + (f"r{regs}" if regs else "")
 
 
 def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None, ds=None):
@@ -498,7 +499,7 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
     rows, timed = [], []
     for block, warps, nb, flags in shapes:
         tuning = dict(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
-                      tma="t" in flags)
+                      tma="t" in flags, regs=int(flags.split("r")[1]) if "r" in flags else None)
         with quant.tuned(**tuning):
             recv = quant.reorder_quantize(x, k, m, 4, block)
             cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
