@@ -68,7 +68,8 @@ BULK_COPIES_PER_THREAD = 32
 # Below BULK_COPIES_FROM the int8 quantize (linear code, no residual or transform)
 # launches in DeepSpeed's shape: 16 elements a thread, one block a program, with the
 # registers capped at 32 so that 2,048 threads fill an SM. Per call on the H200 at 16M
-# and 32M elements that is ~1% ahead of the 64-a-thread shape above; the same shape
+# and 32M elements (4096-blocks; training's 2048 has the same work a thread, 4 warps a
+# program, not timed) that is ~1% ahead of the 64-a-thread shape above; the same shape
 # uncapped (37 registers, 75% of the threads) is 6% behind (docs/PERFORMANCE.md,
 # "Per call"). From 64M, where bulk copies are not used, the 64-a-thread shape is ahead.
 QUANTIZE8_SMALL_PER_THREAD = 16
@@ -218,7 +219,7 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
         opts = _launch_opts(tuning, block, BULK_COPIES_PER_THREAD, 1, S // block)
         bulk = Launch((S // (opts["NB"] * block),), (S,),
                       dict(ROWS=opts["NB"] * block // 64, NB=opts["NB"], QMAX=QMAX[8], TINY=opts["TINY"],
-                           **{k: opts[k] for k in ("num_warps", "enable_fp_fusion", "maxnreg") if k in opts}))
+                           **{name: opts[name] for name in ("num_warps", "enable_fp_fusion", "maxnreg") if name in opts}))
     return _Plan(out_shape, launch, bulk=bulk, bulk_forced=bool(tuning.tma))
 
 

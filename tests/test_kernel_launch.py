@@ -306,16 +306,17 @@ def test_cached_launch_passes_what_the_jit_passes():
 
     kernel = JITFunction(getattr(_axpb_kernel, "fn", _axpb_kernel))  # compiled mode, whatever TRITON_INTERPRET says
     buf = torch.randn(100)
+    OPTS = dict(enable_fp_fusion=False)  # a launch option besides the constexprs (Triton 3.9 warns when unset)
     out = torch.empty(100)
     with host_driver() as calls:
         cl = launch.CachedLauncher(kernel)
         functions, plans = set(), {}
         for x, block in ((buf[:64], 32), (buf[:64], 64), (buf[1:65], 32), (buf[:64].half(), 32), (buf[:64], 32)):
-            kernel[(2,)](x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+            kernel[(2,)](x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1, **OPTS)
             jit = calls[-1]
-            plan = plans.setdefault(block, launch.Launch((2,), (x.numel(), 2.0), dict(BLOCK=block, SHIFT=1)))
+            plan = plans.setdefault(block, launch.Launch((2,), (x.numel(), 2.0), dict(BLOCK=block, SHIFT=1, **OPTS)))
             for hit in (False, True):  # a miss (through the JIT), then a hit (cached), once per new specialization
-                cl((2,), x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1)
+                cl((2,), x, out, x.numel(), 2.0, BLOCK=block, SHIFT=1, **OPTS)
                 plain = calls[-1]
                 cl.launch(plan, x, out)
                 for got in (plain, calls[-1]):  # a plain call's launch, and a plan's
