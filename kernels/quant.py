@@ -198,23 +198,22 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
     if rows == 0:
         return _Plan(out_shape, None)
     P = packed_len(k * S, bits, block)
-    row_blocks, chunk_blocks = k * S // block, S // block
-    if (bits == 8 and code == "linear" and not (has_res or hadamard or tuning.chunked)
-            and rows * k * S < BULK_COPIES_FROM):
+    row_blocks, chunk_blocks, n = k * S // block, S // block, rows * k * S
+    plain8 = bits == 8 and code == "linear" and not (has_res or hadamard)  # the qwZ weight quantize
+    if plain8 and not tuning.chunked and n < BULK_COPIES_FROM:
         opts = _launch_opts(tuning, block, QUANTIZE8_SMALL_PER_THREAD, 1, row_blocks, chunk_blocks,
                             regs=QUANTIZE8_SMALL_REGS)
     else:
         opts = _launch_opts(tuning, block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
     evict = tuning.evict
     if evict is None:
-        evict = "evict_first" if rows * k * S < EVICT_FIRST_BELOW[bits] else ""
+        evict = "evict_first" if n < EVICT_FIRST_BELOW[bits] else ""
     launch = Launch((rows * row_blocks // opts["NB"],), (m, chunk_blocks, row_blocks // opts["NB"], P,
                                                          k * S * bits // 8),
                     dict(BITS=bits, QMAX=QMAX[bits], HAS_RES=has_res, SQUARE=code == "square", HADAMARD=hadamard,
                          CHUNKED=tuning.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, **opts))
     bulk = None
-    if (bits == 8 and rows == 1 and k == 1 and not has_res and code == "linear" and not hadamard
-            and block % 64 == 0 and (tuning.nb or 1) * block <= 256 * 64
+    if (plain8 and rows == 1 and k == 1 and block % 64 == 0 and (tuning.nb or 1) * block <= 256 * 64
             and (tuning.tma if tuning.tma is not None else S >= BULK_COPIES_FROM)):
         opts = _launch_opts(tuning, block, BULK_COPIES_PER_THREAD, 1, S // block)
         bulk = Launch((S // (opts["NB"] * block),), (S,),
