@@ -68,8 +68,8 @@ BULK_COPIES_PER_THREAD = 32
 # Below BULK_COPIES_FROM the int8 quantize (linear code, no residual or transform)
 # launches in DeepSpeed's shape: 16 elements a thread, one block a program, with the
 # registers capped at 32 so that 2,048 threads fill an SM. Per call on the H200 at 16M
-# and 32M elements (4096-blocks; training's 2048 has the same work a thread, 4 warps a
-# program, not timed) that is ~1% ahead of the 64-a-thread shape above; the same shape
+# and 32M elements (4096-blocks, 8 warps a program; training's 2048-blocks, 4 warps, the
+# same work a thread) that is ~1% ahead of the 64-a-thread shape above; the same shape
 # uncapped (37 registers, 75% of the threads) is 6% behind (docs/PERFORMANCE.md,
 # "Per call"). From 64M, where bulk copies are not used, the 64-a-thread shape is ahead.
 QUANTIZE8_SMALL_PER_THREAD = 16
@@ -211,7 +211,8 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
     launch = Launch((rows * row_blocks // opts["NB"],), (m, chunk_blocks, row_blocks // opts["NB"], P,
                                                          k * S * bits // 8),
                     dict(BITS=bits, QMAX=QMAX[bits], HAS_RES=has_res, SQUARE=code == "square", HADAMARD=hadamard,
-                         CHUNKED=tuning.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, **opts))
+                         CHUNKED=tuning.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, PLAIN=k == 1,
+                         ONE_ROW=k == 1 and rows == 1, **opts))
     bulk = None
     if (plain8 and rows == 1 and k == 1 and block % 64 == 0 and (tuning.nb or 1) * block <= 256 * 64
             and (tuning.tma if tuning.tma is not None else S >= BULK_COPIES_FROM)):

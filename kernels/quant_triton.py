@@ -805,15 +805,27 @@ def _quantize_kernel(
     m, chunk_blocks, row_groups, row_bytes, payload_bytes,
     NB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,
     QMAX: tl.constexpr, TINY: tl.constexpr, HAS_RES: tl.constexpr, SQUARE: tl.constexpr,
-    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr,
+    HADAMARD: tl.constexpr, CHUNKED: tl.constexpr, EVICT: tl.constexpr, PLAIN: tl.constexpr,
+    ONE_ROW: tl.constexpr,
 ):
     # Program g handles output blocks b .. b + NB - 1 of row `row`; output block b reads
     # source block ((b // cb) * m + row) * cb + b % cb (NB divides cb, so the NB source
-    # blocks are consecutive). With k = 1 (cb = blocks per row) this is plain row-major.
+    # blocks are consecutive). With k = 1 (PLAIN: cb = blocks per row) that is g * NB, the
+    # rows back to back, and with one row (ONE_ROW) b = g * NB too. Those cases keep the
+    # integer divisions off the path from a program's start to its loads (ONE_ROW: no
+    # divisions at all): they cost the int8 quantize of one row 2-4% per call at 16M-64M
+    # elements (docs/PERFORMANCE.md, "Per call").
     pid = tl.program_id(0).to(tl.int64)
-    row = pid // row_groups
-    b = (pid % row_groups) * NB
-    src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
+    if ONE_ROW:
+        row = 0
+        b = pid * NB
+    else:
+        row = pid // row_groups
+        b = (pid % row_groups) * NB
+    if PLAIN:
+        src = pid * NB
+    else:
+        src = ((b // chunk_blocks) * m + row) * chunk_blocks + b % chunk_blocks
     x_blk = x_ptr + src * BLOCK
     r_blk = res_ptr + src * BLOCK
     row_ptr = out_ptr + row * row_bytes

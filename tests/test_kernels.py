@@ -274,6 +274,13 @@ def test_triton_fused_kernels_bit_identical(tq, bits):
     grad = torch.randn(k * m * S, dtype=torch.bfloat16, device=DEV)
     a, b = ref.reorder_quantize(grad, k, m, bits, block), tq.reorder_quantize(grad, k, m, bits, block)
     assert torch.equal(a, b)
+    # one node (k = 1): the kernel's plain-rows addressing, with and without feedback
+    res_a = torch.randn(grad.numel(), device=DEV) * 0.01
+    res_b = res_a.clone()
+    assert torch.equal(ref.reorder_quantize(grad, 1, k * m, bits, block, res_a),
+                       tq.reorder_quantize(grad, 1, k * m, bits, block, res_b)) and torch.equal(res_a, res_b)
+    assert torch.equal(ref.reorder_quantize(grad, 1, k * m, bits, block),
+                       tq.reorder_quantize(grad, 1, k * m, bits, block))
     res_a = torch.randn(grad.numel(), device=DEV) * 0.01
     res_b = res_a.clone()
     a = ref.reorder_quantize(grad, k, m, bits, block, res_a)
