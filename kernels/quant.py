@@ -71,7 +71,11 @@ BULK_COPIES_PER_THREAD = 32
 # and 32M elements (4096-blocks, 8 warps a program; training's 2048-blocks, 4 warps, the
 # same work a thread) that is ~1% ahead of the 64-a-thread shape above; the same shape
 # uncapped (37 registers, 75% of the threads) is 6% behind (docs/PERFORMANCE.md,
-# "Per call"). From 64M, where bulk copies are not used, the 64-a-thread shape is ahead.
+# "Per call"). From 64M, where bulk copies are not used (before Hopper, or a row that is
+# not 16-byte aligned), the 64-a-thread shape stays: 0.3-0.6% ahead of the capped one
+# while the kernel divided before its loads; since then one sweep read it 0-1.3% behind
+# (docs/results/quantize8_divisions_h200.json, runs 3-4), too little from one run to move
+# the rule on.
 QUANTIZE8_SMALL_PER_THREAD = 16
 QUANTIZE8_SMALL_REGS = 32
 
