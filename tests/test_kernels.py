@@ -138,23 +138,31 @@ def test_triton_quantize_dequantize_bit_identical(tq, bits, block):
             assert db.dtype == out_dtype and torch.equal(da, db), (dtype, out_dtype)
 
 
-def test_quantize_evict_hint_by_size(tq, monkeypatch):
-    """Below EVICT_FIRST_BELOW[bits] elements the quantize kernel's loads are marked
-    evict-first (per call on the H200: a win at 16M elements for int8, at 16M and 32M for
-    int4; a loss from 64M), from there on they are not; the reorder (qgZ) quantize follows
-    the same rule by its whole input; a cache hint only: the same bytes either way."""
+def _spy_quantize_launches(tq, monkeypatch, what):
+    """Launch the quantize kernel as before, recording what(plan keyword arguments) of
+    every launch in the returned list; plans are made afresh (a new Tuning key), so
+    rules patched by the caller apply."""
     seen, real = [], tq.kt.QUANTIZE
 
     class Spy:
         enabled = True
 
         def launch(self, plan, *tensors):
-            seen.append(plan.kwargs["EVICT"])
+            seen.append(what(plan.kwargs))
             return real.launch(plan, *tensors)
 
     monkeypatch.setattr(tq.kt, "QUANTIZE", Spy())
+    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())
+    return seen
+
+
+def test_quantize_evict_hint_by_size(tq, monkeypatch):
+    """Below EVICT_FIRST_BELOW[bits] elements the quantize kernel's loads are marked
+    evict-first (per call on the H200: a win at 16M elements for int8, at 16M and 32M for
+    int4; a loss from 64M), from there on they are not; the reorder (qgZ) quantize follows
+    the same rule by its whole input; a cache hint only: the same bytes either way."""
+    seen = _spy_quantize_launches(tq, monkeypatch, lambda kw: kw["EVICT"])
     monkeypatch.setattr(tq, "EVICT_FIRST_BELOW", {8: 2048, 4: 4096})
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
     x = torch.randn(8192, generator=torch.Generator().manual_seed(3)).to(DEV)
     for bits in (8, 4):
         for t in (x[:1024], x[:2048], x[:4096]):
@@ -174,19 +182,9 @@ def test_quantize8_launch_shape_by_size(tq, monkeypatch):
     QUANTIZE8_SMALL_REGS (per call on the H200 ~1% ahead at 16M-32M); from there on, and
     for int4, with a residual, or in a shape the Tuning sets, at 64 a thread, two blocks a
     program, uncapped (a 32-register cap would spill there). Same bytes every way."""
-    seen, real = [], tq.kt.QUANTIZE
-
-    class Spy:
-        enabled = True
-
-        def launch(self, plan, *tensors):
-            seen.append((plan.kwargs["num_warps"], plan.kwargs["NB"], plan.kwargs.get("maxnreg")))
-            return real.launch(plan, *tensors)
-
-    monkeypatch.setattr(tq.kt, "QUANTIZE", Spy())
+    seen = _spy_quantize_launches(tq, monkeypatch, lambda kw: (kw["num_warps"], kw["NB"], kw.get("maxnreg")))
     monkeypatch.setattr(tq, "BULK_COPIES_FROM", 8192)
     monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: False)
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(16384, generator=g) * 3).to(DEV)
     small, large = (2, 1, tq.QUANTIZE8_SMALL_REGS), (1, 2, None)  # 1024-blocks: 16 or 64 a thread
