@@ -171,7 +171,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--qk-layernorm", "QK layer norm"),
         _refuse("--add-qkv-bias", "QKV bias without the other linear biases"),
         _refuse("--apply-layernorm-1p", "layer norm with zero-centred gamma (1p)"),
-        _refuse("--squared-relu", "the squared-ReLU MLP"),
+        _refuse("--squared-relu", "squared-ReLU MLPs"),
         _refuse("--rotary-percent", "partial rotary embeddings (--rotary-percent < 1)", "float",
                 allowed=("1", "1.0")),
         _refuse("--rotary-seq-len-interpolation-factor", "RoPE position interpolation", "int"),

@@ -11,6 +11,9 @@
     python tools/convert_checkpoint.py --from hf --to megaq --input HF_DIR --output CKPT \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
+    # Megatron-LM (megatron-core) checkpoint -> megaq checkpoint for a layout
+    python tools/convert_checkpoint.py --from megatron --to megaq --input MEGATRON_CKPT --output CKPT
+
 The import writes CKPT/megaq_args.txt: the architecture and layout flags to give
 pretrain_gpt.py together with `--load CKPT --no-load-rng`. docs/INTEROP.md has the
 name mapping and what is refused. Each route is one function in ROUTES below; a new
@@ -114,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="target", choices=TARGETS, required=True,
                    help="format of --output")
     p.add_argument("--input", required=True,
-                   help="megaq: checkpoint root or iter_* dir; hf: transformers model directory")
+                   help="megaq: checkpoint root or iter_* dir; hf: transformers model directory; megatron: Megatron-LM checkpoint root (latest_checkpointed_iteration.txt) or its iter_*/release dir")
     p.add_argument("--output", required=True, help="directory to write (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     g = p.add_argument_group("--to hf")
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-shard-size", default="5GB", type=_parse_size,
                    help="split the safetensors above this size (with model.safetensors.index.json)")
     g.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece model to ship (default: the checkpoint's --tokenizer-model)")
+                   help="SentencePiece model to ship; None: the checkpoint's --tokenizer-model")
     g = p.add_argument_group("--from megaq --to megaq")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="format to write (the input is in the other one; layout unchanged)")
