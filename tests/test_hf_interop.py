@@ -190,12 +190,16 @@ def _tiny_gpt2(path, tied=True):
     return model
 
 
-@pytest.mark.parametrize("tp,pp,vp,variant,run_tp,run_pp", [
-    (1, 1, 1, "gqa_untied", 1, 1), (2, 2, 1, "gqa_untied", 2, 2), (1, 2, 2, "gqa_untied", 1, 2),
-    (1, 1, 1, "bias_tied", 1, 1),
-    (2, 2, 1, "gqa_untied", 1, 1),  # loaded by a run of another layout: resharded
+RESUME = ("--no-load-rng",)  # megaq_args.txt's --load form: the checkpoint as a run's, at iteration 0
+FINETUNE = ("--finetune",)  # docs/INTEROP.md's other form: weights only, a fresh run
+
+
+@pytest.mark.parametrize("tp,pp,vp,variant,run_tp,run_pp,start", [
+    (1, 1, 1, "gqa_untied", 1, 1, RESUME), (2, 2, 1, "gqa_untied", 2, 2, RESUME),
+    (1, 2, 2, "gqa_untied", 1, 2, RESUME), (1, 1, 1, "bias_tied", 1, 1, FINETUNE),
+    (2, 2, 1, "gqa_untied", 1, 1, RESUME),  # loaded by a run of another layout: resharded
 ])
-def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant, run_tp, run_pp):
+def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant, run_tp, run_pp, start):
     # vocab 99: TP=2 pads one zero row
     hf = _tiny_llama(tmp_path / "hf", layers=4, tied=variant == "bias_tied",
                      bias=variant == "bias_tied")
@@ -208,7 +212,7 @@ def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant, r
     if (run_tp, run_pp) != (tp, pp):
         flags += ["--tensor-model-parallel-size", str(run_tp),
                   "--pipeline-model-parallel-size", str(run_pp)]
-    argv = flags + ["--load", str(out), "--no-load-rng", "--micro-batch-size", "2",
+    argv = flags + ["--load", str(out), *start, "--micro-batch-size", "2",
                     "--global-batch-size", "4", "--train-iters", "1", "--lr", "0", "--mock-data",
                     "--eval-iters", "1", "--eval-interval", "1", "--log-interval", "1",
                     "--data-cache-path", str(tmp_path / "cache")]
