@@ -76,6 +76,54 @@ def test_corrupt_files_one_line_error(tmp_path, how, ext, expect):
     assert expect in msg and (p + ext) in msg and "regenerate" in msg and "\n" not in msg
 
 
+def set_field(path, offset, fmt, value):
+    """Overwrite one little-endian field of a file in place (one corrupted number)."""
+    data = bytearray(open(path, "rb").read())
+    struct.pack_into(fmt, data, offset, value)
+    open(path, "wb").write(bytes(data))
+
+
+# DOCS' .idx: header 34 bytes, int32 lengths at 34, int64 pointers at 46, int64 doc
+# boundaries at 70
+@pytest.mark.parametrize("offset,fmt,value,expect", [
+    (34 + 4, "<i", 100_000_000, "sequence 2 starts at byte 8 of the .bin but the lengths before "
+                                "it put it at 200000006"),
+    (34 + 4, "<i", -5, "corrupt sequence length -5 (sequence 1)"),
+    (34 + 8, "<i", 100_000_000, "says 200000008 (truncated .bin"),  # the last length: the .bin is too short
+    (46 + 8, "<q", 10**12, "sequence 1 starts at byte 1000000000000"),
+    (46 + 16, "<q", 10**12, "sequence 2 starts at byte 1000000000000"),
+    (70 + 8, "<q", 10**6, "boundary 2 (2) is below the one before it (1000000)"),
+    (17, "<B", 2, "its dtype code 2 says 1-byte int8 tokens, the offsets say 2-byte ones"),
+])
+def test_one_corrupt_idx_field_is_one_line_error(tmp_path, offset, fmt, value, expect):
+    """Any single corrupted number in the .idx is found when the dataset is opened, not as
+    a ValueError mid-training or as silently wrong tokens."""
+    p = write(tmp_path / "a")
+    set_field(p + ".idx", offset, fmt, value)
+    with pytest.raises(DataError) as e:
+        IndexedDataset(p)
+    msg = str(e.value)
+    assert expect in msg and "\n" not in msg, msg
+    assert msg.startswith(p) and "regenerate" in msg and "tools/preprocess_data.py" in msg
+
+
+def test_wrong_dtype_code_on_a_single_sequence_is_found_by_the_bin_size(tmp_path):
+    p = write(tmp_path / "a", [[1, 2, 3, 4]])
+    set_field(p + ".idx", 17, "<B", 2)  # int8 on a uint16 .bin: the offsets cannot tell
+    with pytest.raises(DataError, match=r"a\.bin: 8 bytes but .*a\.idx says 4 .*dtype code says "
+                                        r"1-byte int8 tokens, the \.bin holds 2-byte ones"):
+        IndexedDataset(p)
+
+
+def test_bin_longer_than_its_idx_says(tmp_path):
+    p = write(tmp_path / "a")
+    with open(p + ".bin", "ab") as f:
+        f.write(b"\0" * 3)
+    with pytest.raises(DataError, match=r"a\.bin: 21 bytes but .* says 18 \(the index does not "
+                                        r"match this \.bin\); regenerate"):
+        IndexedDataset(p)
+
+
 def test_missing_files(tmp_path):
     with pytest.raises(DataError, match="pass the prefix without extension"):
         IndexedDataset(str(tmp_path / "nothing"))

@@ -104,19 +104,70 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(mm, np.int64, n_seq, off)
         off += n_seq * 8
         self.document_indices = np.frombuffer(mm, np.int64, n_doc, off)
-        if n_doc == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != n_seq:
+        docs = self.document_indices
+        if n_doc == 0 or docs[0] != 0 or docs[-1] != n_seq:
             raise DataError(f"{ipath}: corrupt document boundaries at offset {off} (must run from "
                             f"0 to {n_seq}); {fix}")
+        # A boundary out of order would give a document a negative length or one
+        # taken from another document's sequences (Megatron's sentence-split files too)
+        bad = np.flatnonzero(docs[1:] < docs[:-1])
+        if bad.size:
+            raise DataError(f"{ipath}: corrupt document boundaries: boundary {bad[0] + 1} "
+                            f"({docs[bad[0] + 1]}) is below the one before it ({docs[bad[0]]}); "
+                            f"{fix}")
+        self._check_lengths_and_pointers(ipath, code, fix)
+
+    def _check_lengths_and_pointers(self, ipath: str, code: int, fix: str) -> None:
+        """Megatron's writer puts sequence i at byte sum(lengths[:i]) * itemsize, so the
+        pointers must be exactly the running sum of the lengths: a corrupted length or
+        pointer (or dtype code) otherwise reads other bytes, or fails mid-training.
+        O(n) numpy, in blocks so the temporaries stay small on huge indices."""
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        bad = np.flatnonzero(lengths < 0)
+        if bad.size:
+            raise DataError(f"{ipath}: corrupt sequence length {lengths[bad[0]]} (sequence "
+                            f"{bad[0]}); {fix}")
+        start, block = 0, 1 << 22
+        for lo in range(0, len(lengths), block):
+            ends = start + np.cumsum(lengths[lo:lo + block], dtype=np.int64) * self.itemsize
+            expect = np.concatenate(([start], ends[:-1]))
+            bad = np.flatnonzero(pointers[lo:lo + block] != expect)
+            if bad.size:
+                i = lo + int(bad[0])
+                raise DataError(f"{ipath}: corrupt index: sequence {i} starts at byte "
+                                f"{pointers[i]} of the .bin but the lengths before it put it at "
+                                f"{expect[bad[0]]}{self._dtype_hint(code)}; {fix}")
+            start = int(ends[-1])
+        self._data_bytes = start  # what the .bin must hold, exactly
+
+    def _dtype_hint(self, code: int) -> str:
+        """When the pointers fit another token size, the dtype code is what is wrong."""
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        for size in (1, 2, 4, 8):
+            if size != self.itemsize and len(lengths) > 1 and np.array_equal(
+                    pointers[1:], np.cumsum(lengths[:-1], dtype=np.int64) * size):
+                return (f" (its dtype code {code} says {self.itemsize}-byte "
+                        f"{np.dtype(self.dtype).name} tokens, the offsets say {size}-byte ones)")
+        return ""
 
     def _map_bin(self, bpath: str) -> None:
         size = os.path.getsize(bpath)
-        n = len(self.sequence_lengths)
-        need = 0 if n == 0 else int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.itemsize
+        need = self._data_bytes
         if size < need:
             raise DataError(f"{bpath}: {size} bytes but {idx_path(self.prefix)} says {need} "
                             f"(truncated .bin, ends inside sequence "
                             f"{int(np.searchsorted(self.sequence_pointers, size, 'right')) - 1}); "
                             "regenerate both files with tools/preprocess_data.py")
+        # Megatron's writer leaves no bytes after the last sequence: extra ones mean the
+        # .idx belongs to other data, or its dtype code is wrong (e.g. int8 on uint16 ids)
+        if size > need:
+            hint = ""
+            if need and size % need == 0 and size // need * self.itemsize in (1, 2, 4, 8):
+                hint = (f"; its dtype code says {self.itemsize}-byte {np.dtype(self.dtype).name} "
+                        f"tokens, the .bin holds {size // need * self.itemsize}-byte ones")
+            raise DataError(f"{bpath}: {size} bytes but {idx_path(self.prefix)} says {need} "
+                            f"(the index does not match this .bin{hint}); regenerate both files "
+                            "with tools/preprocess_data.py")
         self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
 
     def __len__(self) -> int:
