@@ -165,12 +165,37 @@ def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER_FILE)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    text = open(path, "rb").read().decode("utf-8", "replace").strip()  # never trusted to be text
     try:
         return int(text)
     except ValueError:
         raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix it to name an "
                               f"existing iter_* directory (e.g. 100) or remove it") from None
+
+
+def not_a_checkpoint_root(path: str) -> str | None:
+    """For a --load / --pretrained-checkpoint PATH without a tracker file: the one-line
+    reason PATH is something other than a checkpoint root (so that a mistyped path does
+    not start a run from scratch unnoticed), or None: an empty or missing directory, or
+    anything else Megatron-LM would also start from scratch in."""
+    if os.path.isfile(path):
+        return (f"{path} is a file; name the checkpoint directory, the one holding "
+                f"{TRACKER_FILE}")
+    if not os.path.isdir(path) or read_tracker(path) is not None:
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if read_tracker(parent) is not None:
+        return (f"{path} is one iteration of the checkpoint {parent}; name the checkpoint "
+                f"directory itself (it resumes from the iteration {TRACKER_FILE} names)")
+    names = set(os.listdir(path))
+    if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
+        return (f"{path} is a Hugging Face model directory, not a megaq checkpoint; convert it with "
+                f"`python tools/convert_checkpoint.py --from hf --to megaq --input {path} --output "
+                f"MEGAQ_DIR` and start from it with --finetune --load MEGAQ_DIR")
+    if "latest" in names and any(n.startswith("global_step") for n in names):
+        return (f"{path} is a DeepSpeed checkpoint, which megaq does not read; save the model in "
+                f"Hugging Face form and convert that with tools/convert_checkpoint.py --from hf")
+    return None
 
 
 def _verified(fn, *a):

@@ -75,9 +75,13 @@ def lock_directory(root: str) -> str | None:
     root = os.path.abspath(root)
     if root in _held:
         return None
-    os.makedirs(root, exist_ok=True)
     path = os.path.join(root, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a file in the way, no permission, a read-only file system
+        raise CheckpointLockError(f"--save {root}: cannot write there ({e.strerror}: {e.filename}); "
+                                  f"pass a --save directory this job can create and write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -104,6 +105,8 @@ class TrainingConfig:
             raise ConfigError("--fp16 is not supported (megaq has no loss scaling); use --bf16 or "
                               "fp32 (neither)")
         _at_least(self, 1, "micro_batch_size", "max_consecutive_skipped_iters", "exit_interval")
+        if not 0 <= self.seed < 2**31:  # numpy takes 32-bit seeds; ranks add small offsets
+            raise ConfigError(f"--seed must be between 0 and 2^31 - 1 (got {self.seed})")
         _at_least(self, 0, "train_iters", "train_samples")
         if self.train_iters is not None and self.train_samples is not None:
             raise ConfigError("--train-iters and --train-samples are both set; pass only one "
@@ -202,6 +205,11 @@ class OptimizerConfig:
             raise ConfigError("--clip-grad must be >= 0 (0 turns clipping off)")
         if not self.sgd_momentum >= 0:
             raise ConfigError(f"--sgd-momentum must be >= 0 (got {self.sgd_momentum})")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)})")
+        if not self.adam_eps >= 0:
+            raise ConfigError(f"--adam-eps must be >= 0 (got {self.adam_eps})")
 
     def _derive_schedule(self) -> None:
         """Megatron-LM's rules: a run is iteration-based (--train-iters, --lr-decay-iters,
@@ -291,6 +299,29 @@ class CheckpointConfig:
         if self.save_hf and not self.save:
             raise ConfigError("--save-hf needs --save DIR (the HF export is written from the "
                               "final checkpoint)")
+        if self.save_hf:
+            _check_save_hf(self.save_hf, {"--save": self.save, "--load": self.load,
+                                          "--pretrained-checkpoint": self.pretrained_checkpoint})
+
+
+def _check_save_hf(save_hf: str, checkpoints: dict) -> None:
+    """The HF export replaces its directory: refuse one that would take a checkpoint with
+    it (the same as, inside or around --save / --load / --pretrained-checkpoint) or that
+    holds something other than an earlier export (an empty directory, or one with the
+    config.json an export writes, is replaced)."""
+    target = os.path.realpath(save_hf)
+    for flag_name, path in checkpoints.items():
+        if not path:
+            continue
+        other = os.path.realpath(path)
+        if os.path.commonpath([target, other]) in (target, other):
+            raise ConfigError(f"--save-hf {save_hf} overlaps {flag_name} {path}: the export replaces "
+                              f"its directory; give --save-hf a directory outside the checkpoints")
+    if os.path.isdir(target) and os.listdir(target) and not os.path.isfile(os.path.join(target, "config.json")):
+        raise ConfigError(f"--save-hf {save_hf} exists and is not a Hugging Face export (no config.json): "
+                          f"the export would replace it; choose a new directory or remove this one")
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ConfigError(f"--save-hf {save_hf} is a file, not a directory: choose a directory path")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,10 @@ def _clean(v):
     return v
 
 
+class MetricsFileError(ValueError):
+    """The metrics file cannot be opened for appending: a user's path, one line."""
+
+
 class MetricsWriter:
     """Appends JSON lines; flushed after each line so a killed run keeps what it logged."""
 
@@ -79,8 +83,12 @@ class MetricsWriter:
         self._f = None
         if self.path:
             d = os.path.dirname(os.path.abspath(self.path))
-            os.makedirs(d, exist_ok=True)
-            self._f = open(self.path, "a", encoding="utf-8")
+            try:
+                os.makedirs(d, exist_ok=True)
+                self._f = open(self.path, "a", encoding="utf-8")
+            except OSError as e:  # a directory or file in the way, no permission
+                raise MetricsFileError(f"--metrics-file {self.path}: cannot append to it ({e.strerror}: "
+                                       f"{e.filename}); pass a writable file path") from None
 
     def write(self, record: dict) -> None:
         if self._f is None:

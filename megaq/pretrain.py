@@ -191,6 +191,10 @@ def checkpoint_source(checkpointing) -> tuple[str | None, bool]:
     then resume from --load), as --finetune."""
     from megaq import checkpoint as ckpt
     c = checkpointing
+    for flag_name, path in (("--load", c.load), ("--pretrained-checkpoint", c.pretrained_checkpoint)):
+        reason = path and ckpt.not_a_checkpoint_root(path)
+        if reason:
+            raise ckpt.CheckpointError(f"{flag_name} {reason}")
     if c.pretrained_checkpoint and (not c.load or ckpt.read_tracker(c.load) is None):
         if ckpt.read_tracker(c.pretrained_checkpoint) is None:
             raise ckpt.CheckpointError(

@@ -31,7 +31,7 @@ from megaq import checkpoint as ckpt
 from megaq import failure, watchdog
 from megaq.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
                                  training_log_line, validation_log_line)
-from megaq.metrics import MetricsWriter, SetAside, comm_per_node_per_iteration
+from megaq.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallel.pipeline.p2p import StepTimer
@@ -87,7 +87,9 @@ class Trainer:
                                                   c.model.hidden_size, self.topo.layout.tp,
                                                   c.parallel.sequence_parallel)
         self.rank0 = self.topo.rank == 0
-        self.metrics = MetricsWriter(c.logging.metrics_file, enabled=self.rank0)
+        # rank 0 opens the file; a path it cannot write stops every rank with its line
+        with failure.agreed(self.topo.world, catch=(MetricsFileError,)):
+            self.metrics = MetricsWriter(c.logging.metrics_file, enabled=self.rank0)
         self.tb = TensorBoard(c.logging.tensorboard_dir, enabled=self.rank0)
         log = c.logging
         self.wandb = WandB(log.wandb_project, log.wandb_exp_name,

@@ -108,11 +108,47 @@ def runs(tmp_path_factory):
     (["--train-iters", "6", "--override-opt_param-scheduler",
       "--use-checkpoint-opt_param-scheduler"], "are both set; pass only one"),
     (["--train-iters", "6", "--finetune"], "--finetune needs --load DIR"),
+    # values torch or numpy would refuse later, with a traceback
+    (["--train-iters", "6", "--seed", "-1"], "--seed must be between 0 and 2^31 - 1 (got -1)"),
+    (["--train-iters", "6", "--adam-beta1", "1.5"], "--adam-beta1 must be in [0, 1) (got 1.5)"),
+    (["--train-iters", "6", "--adam-beta2", "1"], "--adam-beta2 must be in [0, 1) (got 1.0)"),
+    (["--train-iters", "6", "--adam-eps", "-1"], "--adam-eps must be >= 0 (got -1.0)"),
+    (["--train-iters", "6", "--hidden-dropout", "2"], "--hidden-dropout must be in [0, 1] (got 2.0)"),
+    (["--train-iters", "6", "--attention-dropout", "-1"], "--attention-dropout must be in [0, 1]"),
+    (["--train-iters", "6", "--init-method-std", "-1"], "--init-method-std must be >= 0 (got -1.0)"),
 ])
 def test_refused_combinations_are_one_line(tmp_path, extra, line):
     with pytest.raises(ArgumentsError) as e:
         parse_config(base(tmp_path, *extra), world_size=1)
     assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_save_hf_never_replaces_a_checkpoint_or_other_files(tmp_path):
+    """--save-hf replaces its directory at the end of the run: refused up front where that
+    would take a checkpoint or someone's files with it."""
+    ck, notes = tmp_path / "ck", tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("keep me")
+    for hf, line in ((ck, f"--save-hf {ck} overlaps --save {ck}"),
+                     (tmp_path, f"--save-hf {tmp_path} overlaps --save {ck}"),  # around it
+                     (ck / "hf", "overlaps --save"),  # inside it
+                     (notes, f"--save-hf {notes} exists and is not a Hugging Face export")):
+        with pytest.raises(ArgumentsError) as e:
+            parse_config(base(tmp_path, "--train-iters", "1", "--save", str(ck), "--save-hf", str(hf)),
+                         world_size=1)
+        assert line in str(e.value) and "\n" not in str(e.value), e.value
+    with pytest.raises(ArgumentsError, match="overlaps --load"):
+        parse_config(base(tmp_path, "--train-iters", "1", "--save", str(ck), "--load", str(notes),
+                          "--save-hf", str(notes / "hf")), world_size=1)
+    # an empty directory, or an earlier export (config.json), is replaced as before
+    earlier = tmp_path / "hf"
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")
+    for hf in (earlier, tmp_path / "new"):
+        c = parse_config(base(tmp_path, "--train-iters", "1", "--save", str(ck), "--save-hf", str(hf)),
+                         world_size=1)
+        assert c.checkpointing.save_hf == str(hf)
+    assert (notes / "a.txt").read_text() == "keep me"
 
 
 def test_sample_based_config_derives_the_step_count(tmp_path):
@@ -282,6 +318,48 @@ def test_finetune_resets_iteration_and_loads_weights(runs, tmp_path):
     empty = setup(base(tmp_path, "--train-iters", "2", "--finetune", "--load",
                        str(tmp_path / "none")))
     assert "--finetune: " in empty["error"] and "holds no checkpoint" in empty["error"]
+
+
+def test_load_of_something_else_than_a_checkpoint_root_is_refused(runs, tmp_path):
+    """A --load that names a file, one iteration's directory or a Hugging Face model is a
+    mistake, not a fresh start: one line saying what it is and what to pass instead. An
+    empty or missing directory still starts from scratch, as in Megatron-LM."""
+    tmp, _ = runs
+    ck = str(tmp / "iters")
+    it = ckpt.iteration_dir(ck, 6)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    for path, flag, line in (
+            (it, "--load", f"--load {it} is one iteration of the checkpoint {ck}; name the checkpoint "
+                           f"directory itself"),
+            (ckpt.model_file(it, 0, 0), "--load", "is a file; name the checkpoint directory"),
+            (str(hf), "--load", f"--load {hf} is a Hugging Face model directory, not a megaq "
+                                f"checkpoint; convert it with `python tools/convert_checkpoint.py "
+                                f"--from hf --to megaq"),
+            (it, "--pretrained-checkpoint", f"--pretrained-checkpoint {it} is one iteration")):
+        r = setup(base(tmp_path, "--train-iters", "2", flag, path))
+        assert line in r.get("error", ""), r.get("error")
+    fresh = setup(base(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "empty")))
+    assert (fresh["iteration"], fresh["step"]) == (0, 0)
+    # a tracker file that is not text is a damaged tracker, not a traceback
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    (bad / ckpt.TRACKER_FILE).write_bytes(b"\xff\xfe")
+    r = setup(base(tmp_path, "--train-iters", "2", "--load", str(bad)))
+    assert "not an iteration number" in r["error"], r["error"]
+
+
+def test_unwritable_save_and_metrics_paths_are_one_line(tmp_path):
+    """A regular file where --save or --metrics-file needs a directory: the flag, the path
+    and the OS's reason, not an OSError traceback."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    r = setup(base(tmp_path, "--train-iters", "1", "--save", str(blocker / "ck")))
+    assert f"--save {blocker / 'ck'}: cannot write there" in r["error"], r["error"]
+    r = setup(base(tmp_path, "--train-iters", "1", "--metrics-file", str(blocker / "m.jsonl")))
+    assert f"--metrics-file {blocker / 'm.jsonl'}: cannot append to it" in r["error"], r["error"]
 
 
 def test_pretrained_checkpoint_starts_then_resumes_from_load(runs, tmp_path):
