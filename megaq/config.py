@@ -423,8 +423,11 @@ class RunConfig:
     def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":
         """The run's configuration from parsed flags (an argparse namespace) and the
         launcher's world size and ranks per node."""
+        # hpZ groups only under ZeRO-3: with stage 0 ZeroConfig's "needs --zero-stage 3" is the
+        # line to give, not a layout complaint about the partition size
+        hpz = flags.zero_hpz_partition_size if flags.zero_stage == 3 else 1
         parallel = from_flags(ParallelConfig, flags, world_size=world_size,
-                              ranks_per_node=ranks_per_node, hpz_size=flags.zero_hpz_partition_size)
+                              ranks_per_node=ranks_per_node, hpz_size=hpz)
         training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
         optimizer = from_flags(OptimizerConfig, flags, train_iters=training.train_iters,
                                train_samples=training.train_samples)

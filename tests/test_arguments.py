@@ -77,6 +77,7 @@ def test_configuration_is_frozen_and_serialisable():
     (["--gpus-per-node", "3"], 8, "not a multiple of the ranks per node"),
     (["--zero-hpz-partition-size", "3", "--gpus-per-node", "4"], 8, "--zero-hpz-partition-size 3"),
     (["--zero-stage", "0", "--zero-quantized-weights"], 8, "need --zero-stage 3"),
+    (["--zero-stage", "0", "--zero-hpz-partition-size", "2"], 1, "need --zero-stage 3"),  # not a layout line
     (["--min-lr", "1"], 1, "--min-lr 1.0 is above --lr"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
     (["--lr-warmup-iters", "20"], 1, "--lr-warmup-iters 20 exceeds --lr-decay-iters 10"),
