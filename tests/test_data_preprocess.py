@@ -124,3 +124,55 @@ def test_cli_exit_code_end_to_end(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "missing.model" in p.stderr
+
+
+def one_error_line(err):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_output_directory_blocked_by_a_file(tmp_path, capsys, tiny_corpus, tiny_tokenizer):
+    """A file where the output directory should be: one line naming it, no traceback."""
+    src, _ = tiny_corpus
+    (tmp_path / "afile").write_text("")
+    rc, err = run_tool("preprocess_data", ["--input", src, "--output-prefix",
+                                           tmp_path / "afile" / "x", "--tokenizer-model",
+                                           tiny_tokenizer], capsys)
+    line = one_error_line(err)
+    assert rc == 2 and f"{tmp_path / 'afile'}: File exists; a file stands where a directory" in line
+    assert os.listdir(tmp_path) == ["afile"] and (tmp_path / "afile").read_text() == ""
+
+
+def test_output_prefix_ending_in_a_separator_is_refused(tmp_path, capsys, tiny_corpus,
+                                                        tiny_tokenizer):
+    src, _ = tiny_corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, err = run_tool("preprocess_data", ["--input", src, "--output-prefix", f"{out}/",
+                                           "--tokenizer-model", tiny_tokenizer], capsys)
+    line = one_error_line(err)
+    assert rc == 2 and "ends in a path separator" in line and f"e.g. {out}/corpus" in line
+    assert os.listdir(out) == []  # not out/_text_document.bin
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--workers", "x"], "error: argument --workers: invalid int value: 'x' (see --help)"),
+    (["--dtype", "int8"], "error: argument --dtype: invalid choice: 'int8'"),
+    (["--output-prefix"], "error: argument --output-prefix: expected one argument (see --help)"),
+])
+def test_bad_flag_is_one_error_line(tmp_path, capsys, argv, expect):
+    base = ["--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "x"]
+    rc, err = run_tool("preprocess_data", base + argv, capsys)
+    assert rc == 2 and one_error_line(err).startswith(expect) and "usage:" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_cli_keeps_the_traceback_of_an_oserror_without_a_path():
+    """Only an OSError about a path is a user mistake; any other is a bug to show whole."""
+    from megaq.data.errors import run_cli
+
+    def main(argv):
+        raise OSError("internal failure")
+    with pytest.raises(OSError, match="internal failure"):
+        run_cli(main, [])

@@ -112,3 +112,30 @@ def test_wrapper_bad_model(tmp_path):
             build_tokenizer("SentencePieceTokenizer", str(junk))
     with pytest.raises(DataError, match="not supported"):
         build_tokenizer("BertWordPieceCase", str(junk))
+
+
+@pytest.mark.parametrize("prefix,expect", [
+    ("afile/tok", "afile: File exists; a file stands where a directory is needed"),
+    ("out/", "--model-prefix '{tmp}/out/' ends in a path separator; give a file name prefix, "
+             "e.g. {tmp}/out/tok"),
+])
+def test_unusable_model_prefix_fails_before_training(tmp_path, capsys, tiny_corpus, prefix,
+                                                     expect):
+    """A blocked output directory is one line at the start, not a traceback after training."""
+    src, _ = tiny_corpus
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "out").mkdir()
+    rc, err = run_tool("train_tokenizer", ["--input", src, "--model-prefix",
+                                           f"{tmp_path}/{prefix}", "--vocab-size", 300], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expect.format(tmp=tmp_path) in lines[0]
+    assert "[train_tokenizer] training" not in err
+    assert sorted(os.listdir(tmp_path)) == ["afile", "out"] and os.listdir(tmp_path / "out") == []
+
+
+def test_bad_flag_is_one_error_line(tmp_path, capsys):
+    rc, err = run_tool("train_tokenizer", ["--input", tmp_path / "a.txt", "--model-prefix",
+                                           tmp_path / "m", "--vocab-size", "8k"], capsys)
+    assert rc == 2 and err.strip() == ("error: argument --vocab-size: invalid int value: '8k' "
+                                       "(see --help)")

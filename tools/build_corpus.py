@@ -9,24 +9,26 @@ The training job calls megaq.data.builtin.ensure_builtin_corpus(), which does th
 same on first use. Prints the --data-path prefix and --tokenizer-model to use.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaq.data import builtin  # noqa: E402
-from megaq.data.errors import run_cli  # noqa: E402
+from megaq.data.errors import ArgumentParser, DataError, run_cli  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache-dir", default=None,
                    help="default $MEGAQ_DATA_CACHE or <repo>/data_cache")
     p.add_argument("--vocab-size", type=int, default=builtin.DEFAULT_VOCAB)
     p.add_argument("--max-bytes", type=int, default=builtin.DEFAULT_MAX_BYTES)
     p.add_argument("--jsonl", default=None, help="only write the corpus as jsonl to this path")
     a = p.parse_args(argv)
+    if a.max_bytes <= 0:  # would build an empty corpus, or one of a single file
+        raise DataError(f"--max-bytes {a.max_bytes}: give a positive number of bytes of text "
+                        f"(default {builtin.DEFAULT_MAX_BYTES})")
     if a.jsonl:
         info = builtin.write_corpus_jsonl(a.jsonl, a.max_bytes)
         print(f"wrote {a.jsonl}: {info['documents']} documents, {info['bytes'] / 1e6:.2f} MB")

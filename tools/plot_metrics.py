@@ -10,10 +10,13 @@ iterations logged again after a resume are drawn once, from the resumed run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megaq.data.errors import ArgumentParser, DataError, run_cli  # noqa: E402
 
 
 def read(path: str) -> list[dict]:
@@ -25,8 +28,8 @@ def read(path: str) -> list[dict]:
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{n}: not JSON ({e.msg}); pass a file written "
-                                 f"by pretrain_gpt.py --metrics-file")
+                raise DataError(f"{path}:{n}: not JSON ({e.msg}); pass a file written "
+                                f"by pretrain_gpt.py --metrics-file") from None
     return out
 
 
@@ -52,23 +55,28 @@ def series(records, key, kind="train"):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", help="metrics .jsonl files")
     p.add_argument("--output", "-o", default="metrics.png", help="PNG to write")
     p.add_argument("--labels", nargs="*", default=None, help="legend label per file")
     args = p.parse_args(argv)
     if args.labels and len(args.labels) != len(args.files):
-        print("error: --labels needs one label per file", file=sys.stderr)
-        return 2
+        raise DataError(f"--labels has {len(args.labels)} labels for {len(args.files)} files; "
+                        "give one label per file")
     for f in args.files:
         if not os.path.isfile(f):
-            print(f"error: {f}: no such metrics file", file=sys.stderr)
-            return 2
+            raise DataError(f"{f}: no such metrics file; pass a file written by pretrain_gpt.py "
+                            "--metrics-file")
+    runs = [(lab, read(f)) for lab, f in zip(args.labels or args.files, args.files)]
+    for f, (_, recs) in zip(args.files, runs):
+        # an empty figure would look like a plot of nothing: say which file holds no curve
+        if not one_history(recs) and not one_history(recs, "validation"):
+            raise DataError(f"{f}: no train or validation records (lines with \"type\" and "
+                            "\"iteration\"); pass a file written by pretrain_gpt.py --metrics-file")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(lab, read(f)) for lab, f in zip(args.labels or args.files, args.files)]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     ax_loss, ax_val, ax_lr, ax_gn, ax_tp, ax_comm = axes.flat
     for label, recs in runs:
@@ -97,12 +105,16 @@ def main(argv=None) -> int:
     fig.tight_layout()
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".{os.path.basename(args.output)}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, args.output)
+    tmp = os.path.join(out_dir, f".{os.path.basename(args.output)}.tmp-{os.getpid()}.png")
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, args.output)
+    finally:
+        if os.path.exists(tmp):  # a failed save leaves no half-written file
+            os.remove(tmp)
     print(f"wrote {args.output}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -12,19 +12,18 @@ Writes out/corpus_text_document.bin/.idx (readable by Megatron-LM's IndexedDatas
 train with --data-path out/corpus_text_document. See docs/DATA.md.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megaq.data.errors import DataError, run_cli  # noqa: E402
+from megaq.data.errors import ArgumentParser, DataError, run_cli  # noqa: E402
 from megaq.data.preprocess import preprocess  # noqa: E402
 from megaq.data.tokenizer import SUPPORTED_TYPES, check_tokenizer_flags  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="jsonl file, one JSON object per line (.gz ok)")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize")

@@ -8,18 +8,17 @@
 Writes tok.model and tok.vocab. See docs/DATA.md.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megaq.data.errors import run_cli  # noqa: E402
+from megaq.data.errors import ArgumentParser, run_cli  # noqa: E402
 from megaq.data.tokenizer_training import train_sentencepiece  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True,
                    help="jsonl (.jsonl/.json, optionally .gz) or plain text files")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys read from jsonl inputs")

@@ -84,8 +84,9 @@ def write_corpus_jsonl(out_path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> dic
 
 
 def _build(dest: str, vocab_size: int, max_bytes: int, log) -> None:
+    from megaq.data.errors import DataError
     from megaq.data.preprocess import preprocess
-    from megaq.data.tokenizer_training import train_sentencepiece
+    from megaq.data.tokenizer_training import VocabTooSmall, train_sentencepiece
 
     tmp = f"{dest}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -95,8 +96,14 @@ def _build(dest: str, vocab_size: int, max_bytes: int, log) -> None:
         corpus = os.path.join(tmp, "corpus.jsonl")
         info = write_corpus_jsonl(corpus, max_bytes)
         log(f"[builtin] corpus: {info['documents']} stdlib files, {info['bytes'] / 1e6:.1f} MB")
-        model = train_sentencepiece([corpus], os.path.join(tmp, "tokenizer"), vocab_size,
-                                    "bpe", num_threads=1, log=log)
+        try:
+            model = train_sentencepiece([corpus], os.path.join(tmp, "tokenizer"), vocab_size,
+                                        "bpe", num_threads=1, log=log)
+        except VocabTooSmall as e:  # its message names our temp file and a flag we lack
+            need = f"at least {e.needed} ids" if e.needed else "more ids"
+            raise DataError(f"--vocab-size {vocab_size} is too small for the built-in corpus: "
+                            f"its characters and byte fallback need {need}; pass a larger "
+                            f"--vocab-size (default {DEFAULT_VOCAB})") from None
         preprocess(corpus, os.path.join(tmp, "corpus"), model, append_eod=True, workers=1,
                    log_interval=0, log=log)
         with atomic_write(os.path.join(tmp, "manifest.json"), "w") as f:

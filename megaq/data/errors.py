@@ -5,6 +5,8 @@ or byte offset) when there is one, and what to do about it. Command-line tools p
 it as `error: <message>` and exit with status 2.
 """
 
+import argparse
+
 
 class DataError(Exception):
     """Bad input the user can fix; the message is one line naming file, place and fix."""
@@ -13,14 +15,44 @@ class DataError(Exception):
         super().__init__(" ".join(str(message).split()))  # force a single line
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """The tools' parser: a bad flag is one `error: ... (see --help)` line through
+    run_cli (exit 2), as pretrain's, instead of argparse's usage block."""
+
+    def error(self, message):
+        raise DataError(f"{message} (see --help)")
+
+
+def path_error_line(e: OSError) -> str:
+    """`<path>: <reason>; <what to do>` for an OSError about a path the user gave."""
+    where = e.filename if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        fix = "a file stands where a directory is needed; pass another path or move that file"
+    elif isinstance(e, PermissionError):
+        fix = "pass a path you can write to, or fix its permissions"
+    elif isinstance(e, FileNotFoundError):
+        fix = "check the path, or create its directory"
+    else:
+        fix = "pass another path or free the device"
+    return f"{where}: {e.strerror or type(e).__name__}; {fix}"
+
+
 def run_cli(main, argv=None) -> int:
-    """Run a tool's `main(argv)`; turn a DataError into one stderr line and exit code 2."""
+    """Run a tool's `main(argv)`; turn a DataError, or an OSError about a path (an output
+    directory blocked by a file, no permission, a full disk), into one stderr line and
+    exit code 2. An OSError without a file name is no user mistake: it keeps its
+    traceback."""
     import sys
 
     try:
         main(argv)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"error: {path_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; no output was written", file=sys.stderr)

@@ -22,8 +22,19 @@ def tmp_name(path: str) -> str:
 
 def remove_quietly(*paths: str) -> None:
     for p in paths:
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+        # NotADirectoryError: a file stands where its directory should be, so it was never
+        # made; the caller's own error (not this one, about a temp name) is the one to show
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
             os.remove(p)
+
+
+def open_tmp(tmp: str, path: str, mode: str = "wb"):
+    """open(tmp, mode); an OSError names `path`, the file the user asked for, not the
+    temporary name they never gave (run_cli prints it as one `error:` line)."""
+    try:
+        return open(tmp, mode)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, path) from None
 
 
 @contextlib.contextmanager
@@ -31,7 +42,7 @@ def atomic_write(path: str, mode: str = "wb"):
     """Open a temp file for writing; on success rename it to `path`, on error delete it."""
     tmp = tmp_name(path)
     try:
-        with open(tmp, mode) as f:
+        with open_tmp(tmp, path, mode) as f:
             yield f
         os.replace(tmp, path)
     except BaseException:

@@ -17,7 +17,7 @@ import struct
 import numpy as np
 
 from megaq.data.errors import DataError
-from megaq.data.fsutil import remove_quietly, tmp_name
+from megaq.data.fsutil import open_tmp, remove_quietly, tmp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -220,7 +220,7 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         self._bin_tmp = tmp_name(bin_path(prefix))
         self._idx_tmp = tmp_name(idx_path(prefix))
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin = open_tmp(self._bin_tmp, bin_path(prefix))
         self._lengths: list[np.ndarray] = []
         self.num_tokens = 0
 

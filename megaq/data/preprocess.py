@@ -204,6 +204,9 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_model: str,
         raise DataError("--workers and --partitions must be at least 1")
     if not json_keys:
         raise DataError("--json-keys is empty; name at least one key, e.g. --json-keys text")
+    if output_prefix.endswith(("/", os.sep)):  # would write DIR/_text_document.bin
+        raise DataError(f"--output-prefix {output_prefix!r} ends in a path separator; give a "
+                        f"file name prefix, e.g. {os.path.join(output_prefix, 'corpus')}")
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_file,
                                 merge_file)  # fail early, in the parent
     np_dtype = resolve_dtype(dtype, tokenizer.vocab_size)

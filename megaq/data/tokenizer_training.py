@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import sys
 import time
 
@@ -27,6 +28,15 @@ from megaq.data.errors import DataError
 from megaq.data.fsutil import atomic_write
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
+class VocabTooSmall(DataError):
+    """The vocab cannot hold the characters SentencePiece must cover; `needed` is how
+    many ids it asked for (None when its message did not say)."""
+
+    def __init__(self, message: str, needed: int | None):
+        super().__init__(message)
+        self.needed = needed
 
 
 def _log(msg: str) -> None:
@@ -91,12 +101,17 @@ def train_sentencepiece(inputs, model_prefix: str, vocab_size: int, model_type: 
         raise DataError(f"--vocab-size {vocab_size} is too small; use at least a few hundred")
     if not inputs:
         raise DataError("no input files; pass --input FILE [FILE ...]")
+    if model_prefix.endswith(("/", os.sep)):  # would write DIR/.model, a hidden file
+        raise DataError(f"--model-prefix {model_prefix!r} ends in a path separator; give a file "
+                        f"name prefix, e.g. {os.path.join(model_prefix, 'tok')}")
     for p in inputs:
         if not os.path.isfile(p):
             raise DataError(f"{p}: input not found; check --input")
         if os.path.getsize(p) == 0:
             raise DataError(f"{p}: empty input (0 bytes); give a file with text in it")
 
+    # the output directory first: a blocked or unwritable one fails now, not after training
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix + ".model")), exist_ok=True)
     state = {"docs": 0, "chars": 0, "next": time.perf_counter() + 5.0, "t0": time.perf_counter()}
 
     def progress(nchars):
@@ -148,8 +163,12 @@ def train_sentencepiece(inputs, model_prefix: str, vocab_size: int, model_type: 
             raise input_error[0] from None
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
         if "smaller than required_chars" in msg:
-            hint = "raise --vocab-size (byte fallback alone takes 256 ids) or lower --character-coverage"
-        elif "Vocabulary size too high" in msg:
+            needed = re.search(r"(\d+) vs (\d+)", msg)
+            raise VocabTooSmall(
+                f"{', '.join(inputs)}: SentencePiece training failed: {msg}; raise --vocab-size "
+                "(byte fallback alone takes 256 ids) or lower --character-coverage",
+                int(needed.group(2)) if needed else None) from None
+        if "Vocabulary size too high" in msg:
             hint = "lower --vocab-size or give more text"
         else:
             hint = "check the options"
@@ -158,7 +177,6 @@ def train_sentencepiece(inputs, model_prefix: str, vocab_size: int, model_type: 
         raise input_error[0]
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     model_path = model_prefix + ".model"
-    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
     with atomic_write(model_path) as f:
         f.write(model.getvalue())
     with atomic_write(model_prefix + ".vocab", "w") as f:
