@@ -157,3 +157,61 @@ def test_split_too_small_is_none_or_clear_error(tmp_path, tiny_dataset):
     ix = IndexedDataset(tiny_dataset)
     with pytest.raises(DataError, match="fewer than one sample"):
         GPTDataset(ix, "train", (0, 1), 5, 10**7, 1, str(tmp_path))
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:20])  # inside the .npy header
+
+
+def _out_of_range(path):
+    a = np.load(path)
+    a[3] = 10**9
+    np.save(path, a)
+
+
+@pytest.mark.parametrize("name,spoil,expect", [
+    ("doc_idx", _truncate, "unreadable (EOF"),
+    ("sample_idx", _truncate, "unreadable (EOF"),
+    ("shuffle_idx", _truncate, "unreadable (EOF"),
+    ("shuffle_idx", _out_of_range, "sample ids holds values 0..1000000000, outside 0.."),
+    ("doc_idx", _out_of_range, "document ids holds values 0..1000000000, outside 0.."),
+    ("sample_idx", _out_of_range, "document positions holds values 0..1000000000"),
+])
+def test_corrupt_index_cache_is_rebuilt_or_one_line_error(tmp_path, capsys, tiny_dataset, name,
+                                                          spoil, expect):
+    """A spoiled cached index: the building rank rebuilds it (with a note); a rank that only
+    loads gets one DataError naming the file and the fix, not an EOF/IndexError later."""
+    good = build([tiny_dataset], tmp_path)[0]
+    reference = [good[i]["tokens"].tolist() for i in (0, 7, 299)]
+    spoil(good.paths[name])
+    with pytest.raises(DataError) as e:
+        build([tiny_dataset], tmp_path, build=False)
+    msg = str(e.value)
+    assert msg.startswith(f"{good.paths[name]}: corrupt data index cache ({expect}")
+    assert f"delete it, or the cache directory {tmp_path}, and rerun" in msg and "\n" not in msg
+    capsys.readouterr()
+    rebuilt = build([tiny_dataset], tmp_path)[0]
+    assert f"note: {good.paths[name]}: {expect}" in capsys.readouterr().err
+    assert [rebuilt[i]["tokens"].tolist() for i in (0, 7, 299)] == reference
+    loaded = build([tiny_dataset], tmp_path, build=False)[0]  # the other ranks, after it
+    assert [loaded[i]["tokens"].tolist() for i in (0, 7, 299)] == reference
+
+
+def test_corrupt_blending_index_cache_is_one_line_error(tmp_path, tiny_dataset):
+    blend = ["0.5", tiny_dataset, "0.5", tiny_dataset]
+    ds = build(blend, tmp_path)[0]
+    _truncate(ds.index_path)
+    with pytest.raises(DataError, match=r"-dataset_index\.npy: corrupt blending index cache "
+                                        r"\(unreadable \(EOF.*delete it, or the cache directory"):
+        build(blend, tmp_path, build=False)
+
+
+@pytest.mark.parametrize("blend", [False, True])
+def test_cache_path_under_a_file(tmp_path, tiny_dataset, blend):
+    (tmp_path / "afile").write_text("")
+    paths = ["0.5", tiny_dataset, "0.5", tiny_dataset] if blend else [tiny_dataset]
+    with pytest.raises(DataError, match=r"afile/cache: cannot write the data index cache "
+                                        r"\(Not a directory\); pass another --data-cache-path$"):
+        build(paths, tmp_path / "afile" / "cache")
+    assert os.listdir(tmp_path) == ["afile"]

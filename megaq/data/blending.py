@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from megaq.data.errors import DataError
-from megaq.data.fsutil import FileLock, atomic_write
+from megaq.data.fsutil import atomic_write, cache_lock
 
 
 def parse_data_path(data_path, flag: str = "--data-path") -> tuple[list[float] | None, list[str]]:
@@ -110,8 +110,7 @@ class BlendedDataset:
     def build_indices(self) -> None:
         if self.cached():
             return
-        os.makedirs(self.cache_dir, exist_ok=True)
-        with FileLock(os.path.join(self.cache_dir, f".{self.key}.lock")):
+        with cache_lock(self.cache_dir, f".{self.key}.lock"):
             if self.cached():
                 return
             ds_index, ds_sample = build_blending_indices(self.weights, self.size)
@@ -125,9 +124,26 @@ class BlendedDataset:
         if not self.cached():
             raise DataError(f"{self.desc_path}: blending index cache missing; the building rank "
                             "did not build it (pass build=True on one rank, then barrier)")
-        self.dataset_index = np.load(self.index_path, mmap_mode="r")
-        self.dataset_sample_index = np.load(self.sample_path, mmap_mode="r")
+        self.dataset_index = self._load_checked(self.index_path, len(self.weights))
+        self.dataset_sample_index = self._load_checked(self.sample_path, None)
         return self
+
+    def _load_checked(self, path: str, high) -> np.ndarray:
+        """Memory-map one cached index: `size` ids in [0, high) (a truncated or foreign
+        file would otherwise fail, or pick a wrong dataset, in the middle of training)."""
+        try:
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
+            reason = None
+            if a.ndim != 1 or a.dtype.kind not in "iu" or len(a) != self.size:
+                reason = f"{a.dtype} array of shape {a.shape}, expected {self.size} ids"
+            elif self.size and (int(a.min()) < 0 or (high is not None and int(a.max()) >= high)):
+                reason = f"values {int(a.min())}..{int(a.max())} out of range"
+        except (ValueError, OSError) as e:
+            reason = f"unreadable ({' '.join(str(e).split())})"
+        if reason:
+            raise DataError(f"{path}: corrupt blending index cache ({reason}); delete it, or the "
+                            f"cache directory {self.cache_dir}, and rerun: it is rebuilt")
+        return a
 
     def counts(self) -> np.ndarray:
         """Samples needed from each dataset."""

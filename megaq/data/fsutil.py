@@ -68,3 +68,18 @@ class FileLock:
         os.close(self._fd)
         self._fd = None
         return False
+
+
+def cache_lock(cache_dir: str, name: str, flag: str = "--data-cache-path") -> FileLock:
+    """The FileLock `cache_dir/name`, making the directory; a directory that cannot be
+    made or written (a file in its place, no permission) is one DataError naming `flag`."""
+    from megaq.data.errors import DataError
+
+    path = os.path.join(cache_dir, name)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        open(path, "a").close()
+    except OSError as e:
+        raise DataError(f"{cache_dir}: cannot write the data index cache ({e.strerror}); "
+                        f"pass another {flag}") from None
+    return FileLock(path)

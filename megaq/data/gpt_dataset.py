@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 
 import numpy as np
 
 from megaq.data.errors import DataError
-from megaq.data.fsutil import FileLock, atomic_write
+from megaq.data.fsutil import atomic_write, cache_lock
 from megaq.data.indexed import IndexedDataset
 
 INDEX_VERSION = 1
@@ -102,12 +103,13 @@ class GPTDataset:
         return os.path.exists(self.desc_path) and all(map(os.path.exists, self.paths.values()))
 
     def build_indices(self) -> bool:
-        """Build and cache the indices unless present; True if this call built them."""
-        if self.cached():
+        """Build and cache the indices unless present and sound; True if this call built
+        them. A corrupt cached set (truncated, out-of-range values) is rebuilt: the
+        builder runs before the others' barrier, so no rank is reading it meanwhile."""
+        if self._cache_usable():
             return False
-        os.makedirs(self.cache_dir, exist_ok=True)
-        with FileLock(os.path.join(self.cache_dir, f".{self.key}.lock")):
-            if self.cached():
+        with cache_lock(self.cache_dir, f".{self.key}.lock"):
+            if self._cache_usable():
                 return False
             doc_idx, sample_idx, shuffle_idx = build_sample_indices(
                 self.indexed.sequence_lengths, self._doc_range, self.num_samples,
@@ -119,14 +121,67 @@ class GPTDataset:
                 json.dump(self.description, f, indent=1, sort_keys=True)
         return True
 
+    def _cache_usable(self) -> bool:
+        """Whether a complete, sound set is cached; a corrupt one gets a note (rebuilt)."""
+        if not self.cached():
+            return False
+        try:
+            self._open_cache()
+        except _BadCache as e:
+            print(f" note: {e.path}: {e.reason}; rebuilding the data index cache",
+                  file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def _open_cache(self) -> tuple:
+        """Memory-map the three cached arrays and check them against this dataset:
+        shapes, and each index within what it indexes (min/max, one pass each; the
+        per-token offsets are not checked). -> (doc_idx, sample_idx, shuffle_idx)."""
+        arrays = []
+        for name, path in self.paths.items():
+            try:
+                a = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as e:  # truncated, or not an .npy at all
+                raise _BadCache(path, f"unreadable ({' '.join(str(e).split())})") from None
+            if a.dtype.kind not in "iu" or a.ndim != (2 if name == "sample_idx" else 1) or (
+                    name == "sample_idx" and a.shape[1] != 2):
+                raise _BadCache(path, f"{a.dtype} array of shape {a.shape} is not a {name}")
+            arrays.append(a)
+        doc_idx, sample_idx, shuffle_idx = arrays
+        lo, hi = self._doc_range
+
+        def out_of_range(name, a, low, high):  # -> the reason, or None when in [low, high)
+            if a.size == 0:
+                return f"{name} is empty"
+            amin, amax = int(a.min()), int(a.max())
+            if amin < low or amax >= high:
+                return f"{name} holds values {amin}..{amax}, outside {low}..{high - 1}"
+            return None
+
+        problems = [
+            (0, out_of_range("document ids", doc_idx, lo, hi)),
+            (1, out_of_range("document positions", sample_idx[:, 0], 0, len(doc_idx))),
+            (1, out_of_range("token offsets", sample_idx[:, 1], 0, np.iinfo(np.int64).max)),
+            (2, out_of_range("sample ids", shuffle_idx, 0, len(sample_idx) - 1)),
+            (2, None if len(shuffle_idx) == len(sample_idx) - 1 >= self.num_samples else
+             f"{len(shuffle_idx)} samples for {len(sample_idx) - 1} sample starts "
+             f"({self.num_samples} needed)")]
+        for i, reason in problems:
+            if reason:
+                raise _BadCache(list(self.paths.values())[i], reason)
+        return doc_idx, sample_idx, shuffle_idx
+
     def load(self) -> "GPTDataset":
         """Memory-map the cached indices (after the building rank's barrier)."""
         if not self.cached():
             raise DataError(f"{self.desc_path}: index cache missing; the building rank did not "
                             "build it (pass build=True on one rank per cache dir, then barrier)")
-        self.doc_idx = np.load(self.paths["doc_idx"], mmap_mode="r")
-        self.sample_idx = np.load(self.paths["sample_idx"], mmap_mode="r")
-        self.shuffle_idx = np.load(self.paths["shuffle_idx"], mmap_mode="r")
+        try:
+            self.doc_idx, self.sample_idx, self.shuffle_idx = self._open_cache()
+        except _BadCache as e:  # the builder rebuilds a corrupt set: another writer's mess
+            raise DataError(f"{e.path}: corrupt data index cache ({e.reason}); delete it, or the "
+                            f"cache directory {self.cache_dir}, and rerun: the indices are "
+                            "rebuilt") from None
         return self
 
     # -- reading -----------------------------------------------------------------------
@@ -146,6 +201,14 @@ class GPTDataset:
             parts.append(get(int(self.doc_idx[d1]), 0, o1 + 1))
             tokens = np.concatenate(parts)
         return {"tokens": tokens.astype(np.int64)}
+
+
+class _BadCache(Exception):
+    """A cached index file that is unreadable or does not fit its dataset."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 def check_not_empty(indexed, prefixes, flag: str = "--data-path") -> None:
