@@ -277,6 +277,10 @@ def _drop_tensor(hf_dir, name):
     ("shape", "has shape (48, 32), config.json implies (64, 32)"),
     ("extra", "has no megaq counterpart"),
     ("layer_split", "2 layers do not split into 2 stages x 2 virtual chunks"),
+    # damaged downloads: one line naming the file, not the reader's traceback
+    ("truncated", "model.safetensors cannot be read (SafetensorError"),
+    ("config_json", "config.json cannot be read as JSON (JSONDecodeError"),
+    ("config_field", "config.json has no field 'hidden_size'"),
 ])
 def test_import_refusals_leave_nothing(tmp_path, capsys, case, expect):
     hf_dir = tmp_path / "hf"
@@ -299,6 +303,16 @@ def test_import_refusals_leave_nothing(tmp_path, capsys, case, expect):
         sd = load_file(path)
         sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
         save_file(sd, path, metadata={"format": "pt"})
+    elif case == "truncated":
+        path = os.path.join(hf_dir, "model.safetensors")
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[:len(data) // 2])
+    elif case == "config_json":
+        (hf_dir / "config.json").write_text('{"model_type": "llama", "hidden_')
+    elif case == "config_field":
+        cfg = json.load(open(hf_dir / "config.json"))
+        del cfg["hidden_size"]
+        (hf_dir / "config.json").write_text(json.dumps(cfg))
     before = sorted(os.listdir(tmp_path))
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     if case == "layer_split":
@@ -325,6 +339,68 @@ def test_export_refusals(trained, tmp_path, capsys):
     rc, err = _convert(["--to", "hf", "--input", broken, "--output", tmp_path / "y"], capsys)
     assert rc == 2 and "is missing" in err and err.count("\n") == 1
     assert sorted(os.listdir(tmp_path)) == ["broken"]
+
+
+def _imported(tmp_path):
+    """(HF dir, megaq checkpoint root under tmp_path/RUN): a tiny Llama imported, no training."""
+    _tiny_llama(tmp_path / "hf")
+    rc, _ = _convert(["--from", "hf", "--to", "megaq", "--input", tmp_path / "hf",
+                      "--output", tmp_path / "RUN" / "ck"])
+    assert rc == 0
+    return tmp_path / "hf", tmp_path / "RUN" / "ck"
+
+
+def _tree(root):
+    """{relative path: bytes} of every file under root: what a refusal must leave as it was."""
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files}
+
+
+def test_output_overlapping_input_is_refused_and_nothing_is_lost(tmp_path, capsys):
+    """--overwrite replaces --output as a whole: an --output that is the input, holds it or
+    lies inside it is refused on every route, before anything is read or written."""
+    hf, ck = _imported(tmp_path)
+    (tmp_path / "RUN" / "notes.txt").write_text("unrelated file beside the checkpoint")
+    before = _tree(tmp_path)
+    for argv in (["--to", "hf", "--input", ck, "--output", tmp_path / "RUN"],  # an ancestor
+                 ["--to", "hf", "--input", ck, "--output", ck],  # the same
+                 ["--to", "hf", "--input", ck, "--output", ck / "iter_0000000" / "hf"],  # inside
+                 ["--from", "megaq", "--to", "megaq", "--ckpt-format", "torch_dist",
+                  "--input", ck, "--output", tmp_path / "RUN"],
+                 ["--from", "hf", "--to", "megaq", "--input", hf, "--output", tmp_path]):
+        rc, err = _convert(argv + ["--overwrite"], capsys)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: --output {argv[-1]} overlaps --input {argv[-3]}"), err
+        assert "choose an --output outside --input" in err
+        assert _tree(tmp_path) == before  # the input, the unrelated file: all there, no temp dir
+
+
+def test_unwritable_output_and_bad_flags_are_one_line(tmp_path, capsys):
+    _, ck = _imported(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    before = _tree(tmp_path)
+    cases = [(tmp_path / "afile" / "hf", f"{tmp_path / 'afile'} is a file, not a directory"),
+             (tmp_path / "afile", "is a file, not a directory; pass a directory path")]
+    if os.path.isdir("/sys"):  # sysfs refuses a new directory even to root
+        cases.append(("/sys/megaq_hf_test", "cannot write --output /sys/megaq_hf_test: "))
+    for out, expect in cases:
+        rc, err = _convert(["--to", "hf", "--input", ck, "--output", out, "--overwrite"], capsys)
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert expect in err, err
+    # a tokenizer given by name but missing: refused, not shipped-without with a note
+    rc, err = _convert(["--to", "hf", "--input", ck, "--output", tmp_path / "out",
+                        "--tokenizer-model", tmp_path / "tok.model"], capsys)
+    assert rc == 2 and err == (f"error: --tokenizer-model {tmp_path / 'tok.model'} is not a "
+                               f"readable file; pass the tokenizer model the checkpoint was "
+                               f"trained with (or leave the flag out to ship the checkpoint's "
+                               f"own)\n"), err
+    # a bad flag value: pretrain_gpt.py's one line, not argparse's usage block
+    rc, err = _convert(["--to", "hf", "--input", ck, "--output", tmp_path / "out",
+                        "--max-shard-size", "5XB"], capsys)
+    assert rc == 2 and err == ("error: argument --max-shard-size: '5XB' is not a size; give a "
+                               "positive number of bytes or one with KB, MB, GB or TB (e.g. 5GB) "
+                               "(see --help)\n"), err
+    assert _tree(tmp_path) == before
 
 
 def test_export_refuses_architecture_without_hf_counterpart():

@@ -298,3 +298,40 @@ def test_refusals_and_load_message(tmp_path, mcore_model, capsys):
     assert line.startswith(f"error: {src} is a Megatron-LM checkpoint (torch format), iteration 7")
     assert "tools/convert_checkpoint.py --from megatron --to megaq" in line
     assert "Traceback" not in r.stderr
+
+
+def test_cli_refusals_are_one_line_and_keep_the_input(tmp_path, capsys):
+    """tools/convert_checkpoint.py --from megatron: a MegatronImportError is an InteropError,
+    so the tool prints one `error:` line and exits 2 (it printed a traceback, exit 1);
+    an --output around the input is refused before anything is read or written."""
+    from data_fixtures import tool
+    convert = tool("convert_checkpoint")
+
+    def run(*argv):
+        capsys.readouterr()
+        rc = convert.main([str(a) for a in argv])
+        return rc, capsys.readouterr().err
+
+    # no checkpoint there
+    rc, err = run("--from", "megatron", "--to", "megaq", "--input", tmp_path / "none",
+                  "--output", tmp_path / "out")
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: {tmp_path / 'none'} is not a Megatron-LM checkpoint directory")
+    # a megaq checkpoint (its model_optim.pt, not Megatron's model_optim_rng.pt)
+    megaq_ck = tmp_path / "megaq_ck"
+    (megaq_ck / "iter_0000003" / "mp_rank_00_000").mkdir(parents=True)
+    (megaq_ck / "iter_0000003" / "mp_rank_00_000" / "model_optim.pt").write_bytes(b"")
+    (megaq_ck / "latest_checkpointed_iteration.txt").write_text("3")
+    rc, err = run("--from", "megatron", "--to", "megaq", "--input", megaq_ck,
+                  "--output", tmp_path / "out")
+    assert rc == 2 and err.count("\n") == 1 and "it is a megaq checkpoint" in err, err
+    # --output an ancestor of --input, with --overwrite: refused, the input is all there
+    args = argparse.Namespace(num_layers=1, hidden_size=8, num_attention_heads=2)
+    src = save_megatron(str(tmp_path / "run" / "mlm"), {(0, 0): [{}]}, args)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+    rc, err = run("--from", "megatron", "--to", "megaq", "--input", src,
+                  "--output", tmp_path / "run", "--overwrite")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --output {tmp_path / 'run'} overlaps --input {src}")
+    assert sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs) == files
+    assert not os.path.exists(tmp_path / "out")

@@ -37,10 +37,16 @@ def _parse_size(text: str) -> int:
     """'5GB', '40KB', '1048576' -> bytes (binary units, as transformers' max_shard_size)."""
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "B": 1}
     t = text.strip().upper()
-    for unit, mult in units.items():
-        if t.endswith(unit):
-            return int(float(t[:-len(unit)]) * mult)
-    return int(t)
+    unit = next((u for u in units if t.endswith(u)), "")  # KB before B
+    try:
+        size = int(float(t[:len(t) - len(unit)]) * units.get(unit, 1))
+    except (ValueError, OverflowError):  # not a number; inf
+        size = 0
+    # argparse turns this into the flag's one error line
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give a positive number of "
+                                         f"bytes or one with KB, MB, GB or TB (e.g. 5GB)")
+    return size
 
 
 def megaq_to_hf(a) -> str:
@@ -109,7 +115,9 @@ class _RouteMissing(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from megaq.arguments import _Parser
+    # a bad flag is one `error: ... (see --help)` line (ArgumentsError), as in pretrain_gpt.py
+    p = _Parser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--from", dest="source", choices=SOURCES, default="megaq",
@@ -144,10 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from megaq.arguments import ArgumentsError
     from megaq.checkpoint import CheckpointError
     from megaq.data.errors import DataError
     from megaq.interop.common import InteropError
-    a = build_parser().parse_args(argv)
+    try:
+        a = build_parser().parse_args(argv)
+    except ArgumentsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     route = ROUTES.get((a.source, a.target))
     if route is None:
         print(f"error: no conversion from {a.source} to {a.target}; available: "

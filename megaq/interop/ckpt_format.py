@@ -126,7 +126,7 @@ def convert_format(src: str, out_root: str, fmt: str, overwrite: bool = False) -
     have = "torch_dist" if dist_checkpoint.is_dist_checkpoint(ckpt_dir) else "torch"
     if have == fmt:
         raise InteropError(f"{ckpt_dir} is in the {fmt} format already; nothing to convert")
-    check_output(out_root, overwrite)
+    check_output(out_root, overwrite, src)
     try:
         out = dist_to_torch(ckpt_dir, out_root) if have == "torch_dist" else \
             torch_to_dist(ckpt_dir, out_root)

@@ -199,19 +199,42 @@ def write_json(path: str, obj) -> None:
         f.write("\n")
 
 
-def check_output(out_dir: str, overwrite: bool) -> None:
-    if os.path.exists(out_dir) and not overwrite and (
-            not os.path.isdir(out_dir) or os.listdir(out_dir)):
+def check_output(out_dir: str, overwrite: bool, source: str) -> None:
+    """Refuse an --output that cannot take the conversion of `source` (the --input)."""
+    out, src = os.path.realpath(out_dir), os.path.realpath(source)
+    # the output directory is replaced as a whole (replace_dir): one that is the input,
+    # holds it or lies inside it would delete the input (and anything else there)
+    if os.path.commonpath([out, src]) in (out, src):
+        raise InteropError(f"--output {out_dir} overlaps --input {source} (the same directory, or "
+                           f"one inside the other) and the output directory is replaced as a "
+                           f"whole; choose an --output outside --input")
+    # a file is not replaced by a directory, even with --overwrite
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise InteropError(f"--output {out_dir} is a file, not a directory; pass a directory path")
+    if os.path.exists(out_dir) and not overwrite and os.listdir(out_dir):
         raise InteropError(f"{out_dir} already exists; pass a new directory (or --overwrite "
                            f"to replace it)")
 
 
 def temp_dir_for(out_dir: str) -> str:
+    """A new empty directory beside `out_dir`, which replace_dir renames into place."""
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    # a file where a parent directory should be: say which (makedirs' errno names neither)
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InteropError(f"cannot write --output {out_dir}: {existing} is a file, not a "
+                           f"directory; choose an --output under a directory")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:  # no permission, a read-only file system, no space
+        raise InteropError(f"cannot write --output {out_dir}: {e.strerror or e} "
+                           f"({e.filename or parent}); choose an --output in a directory you can "
+                           f"write") from None
     return tmp
 
 

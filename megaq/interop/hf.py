@@ -440,7 +440,13 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     into place at the end.
 
     Returns {"dir", "family", "files", "bytes", "tokenizer": bool}."""
-    check_output(out_dir, overwrite)
+    check_output(out_dir, overwrite, ckpt_path)
+    # a tokenizer asked for by name is shipped or refused, never dropped with a note
+    if tokenizer_model is not None and not (os.path.isfile(tokenizer_model)
+                                            and os.access(tokenizer_model, os.R_OK)):
+        raise InteropError(f"--tokenizer-model {tokenizer_model} is not a readable file; pass "
+                           f"the tokenizer model the checkpoint was trained with (or leave the "
+                           f"flag out to ship the checkpoint's own)")
     reader = MegaqCheckpointReader(ckpt_path)
     config = reader.model  # one process: its padded vocabulary is the checkpoint's
     family = model_family(config)
@@ -497,8 +503,10 @@ class HFTensorSource:
         for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             path = os.path.join(hf_dir, index)
             if os.path.isfile(path):
-                with open(path) as f:
-                    self._where = json.load(f)["weight_map"]
+                self._where = _read_json(path, "a sharded checkpoint's index").get("weight_map")
+                if not isinstance(self._where, dict) or not self._where:
+                    raise InteropError(f"{path} has no weight_map; the file is damaged or "
+                                       f"incomplete: download it again")
                 break
         else:
             for single in ("model.safetensors", "pytorch_model.bin"):
@@ -516,12 +524,17 @@ class HFTensorSource:
             if not os.path.isfile(path):
                 raise InteropError(f"{path} is missing (named by the index); the download is "
                                    f"incomplete")
-            if fname.endswith(".safetensors"):
-                from safetensors import safe_open
-                self._open[fname] = safe_open(path, framework="pt")
-            else:
-                self._open[fname] = torch.load(path, map_location="cpu", weights_only=True,
-                                               mmap=True)
+            try:
+                if fname.endswith(".safetensors"):
+                    from safetensors import safe_open
+                    self._open[fname] = safe_open(path, framework="pt")
+                else:
+                    self._open[fname] = torch.load(path, map_location="cpu", weights_only=True,
+                                                   mmap=True)
+            except Exception as e:  # noqa: BLE001 - a truncated or foreign file, any reader's error
+                raise InteropError(f"{path} cannot be read ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}); the file is "
+                                   f"damaged or incomplete: download it again") from None
         return self._open[fname]
 
     def _names_in(self, fname: str) -> list[str]:
@@ -541,6 +554,20 @@ class HFTensorSource:
         self.used.add(name)
         f = self._file(self._where[name])
         return f.get_tensor(name) if hasattr(f, "get_tensor") else f[name]
+
+
+def _read_json(path: str, what: str) -> dict:
+    """A JSON object file of a transformers directory; anything else is an InteropError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8 (a cut download)
+        raise InteropError(f"{path} cannot be read as JSON ({type(e).__name__}: {e}); the file "
+                           f"is damaged or incomplete: download it again") from None
+    if not isinstance(obj, dict):
+        raise InteropError(f"{path} holds a JSON {type(obj).__name__}, not {what} (an object); "
+                           f"the file is damaged or not a transformers file: download it again")
+    return obj
 
 
 def _refuse(field, value, why):
@@ -645,13 +672,19 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
     for a TP x PP (x VP) layout, plus megaq_args.txt / megaq_args.json: the flags that
     describe it; the checkpoint stores the RunConfig those flags give (megaq_run_config).
     Returns {"dir", "family", "flags", "load_flags"}."""
-    check_output(out_dir, overwrite)
+    check_output(out_dir, overwrite, hf_dir)
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise InteropError(f"{hf_dir} has no config.json; pass a transformers model directory")
-    with open(cfg_path) as f:
-        hf_cfg = json.load(f)
-    family, flags = flags_from_hf_config(hf_cfg, seq_length, make_vocab_size_divisible_by)
+    hf_cfg = _read_json(cfg_path, "a model configuration")
+    try:
+        family, flags = flags_from_hf_config(hf_cfg, seq_length, make_vocab_size_divisible_by)
+    except KeyError as e:  # a field every config.json of the family has
+        raise InteropError(f"{cfg_path} has no field {e.args[0]!r}; the file is incomplete: "
+                           f"download it again") from None
+    except (TypeError, ValueError, AttributeError) as e:  # e.g. a number given as text
+        raise InteropError(f"{cfg_path} has a field of the wrong type ({type(e).__name__}: {e}); "
+                           f"fix the file or download it again") from None
     num_layers = int(flags[flags.index("--num-layers") + 1])
     if vp > 1 and num_layers % (pp * vp):
         raise InteropError(f"{num_layers} layers do not split into {pp} stages x {vp} virtual "

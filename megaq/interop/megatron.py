@@ -46,6 +46,7 @@ from typing import Iterator
 import torch
 
 from megaq.integrity import MANIFEST_NAME
+from megaq.interop.common import InteropError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"        # Megatron-LM's; megaq writes model_optim.pt
@@ -54,8 +55,9 @@ CONVERT_HINT = ("python tools/convert_checkpoint.py --from megatron --to megaq "
                 "--input {src} --output MEGAQ_DIR")
 
 
-class MegatronImportError(RuntimeError):
-    """A checkpoint that cannot be imported as asked; one line naming why and the fix."""
+class MegatronImportError(InteropError):
+    """A checkpoint that cannot be imported as asked; one line naming why and the fix.
+    An InteropError, so tools/convert_checkpoint.py prints it as its one `error:` line."""
 
 
 # ------------------------------------------------------------------------ discovery
@@ -380,12 +382,13 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     megaq's padding of `vocab_size` (default: the checkpoint's true vocab when its args
     name one, else every embedding row). Returns {"dir", "flags", "load_flags", "tensors"}."""
     from megaq import checkpoint as ckpt
-    from megaq.interop.common import (InteropError, megaq_layout, megaq_run_config,
+    from megaq.interop.common import (check_output, megaq_layout, megaq_run_config,
                                       replace_dir, temp_dir_for, write_megaq_args,
                                       write_megaq_checkpoint as write_iteration_zero)
 
     if os.path.exists(out_dir) and not overwrite:
         raise MegatronImportError(f"{out_dir} exists; choose a new --output or pass --overwrite")
+    check_output(out_dir, overwrite, config["source"])  # never inside, or around, the input
     params = dict(weights)  # reads every shard; the embedding fixes vocab_rows
     rows = config["vocab_rows"]
     vocab = vocab_size or config.get("vocab_size") or rows
