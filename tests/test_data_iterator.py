@@ -108,3 +108,48 @@ def test_ranks_build_once_and_together_read_the_single_process_batches(tmp_path,
     for step, want in enumerate(single):
         got = [per_rank[d][step][k] for d, k in global_micro_batch_order(2, 2)]
         assert got == want
+
+
+class Source(IndexDataset):
+    def source(self, i):
+        return f"data/prefix{i % 2}"
+
+
+def test_token_id_outside_the_vocab_is_one_data_error():
+    """Sample i holds ids i..i+SEQ: with a vocab of 20 the first micro-batch is fine, the
+    one holding id 20 is refused before any embedding sees it (no IndexError)."""
+    from megaq.data.errors import DataError
+
+    it = BatchIterator(Source(100), 4, 2, 0, 1, vocab_size=20)
+    assert len(next(it)) == 2   # samples 0..3: ids up to 11
+    next(it)                    # samples 4..7: ids up to 15
+    with pytest.raises(DataError) as e:
+        next(it)                # samples 8..11: sample 8 ends at id 16, sample 11 at id 19...
+        next(it)                # samples 12..15: sample 12 holds 20
+    assert str(e.value) == ("data/prefix0: token id 20 (sample 12) is outside the tokenizer's "
+                            "vocab of 20 ids: the data was made with another tokenizer; "
+                            "preprocess it with this run's tokenizer (tools/preprocess_data.py), "
+                            "or train with the tokenizer it was made with")
+
+
+def test_pretrain_reports_an_id_outside_the_vocab_as_one_error_line(tmp_path):
+    """Through the real entry point: `error:` + exit 2, not `index out of range in self`."""
+    from megaq import pretrain
+    from megaq.data.indexed import IndexedDatasetWriter
+    from megaq.parallel.launch import run_cli_on_ranks
+
+    prefix = str(tmp_path / "big_ids")
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    for d in range(40):
+        w.add_document(np.arange(30 * d, 30 * d + 30) % 450)  # ids 0..449: 400 is short
+    w.finish()
+    w.commit()
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--lr", "1e-3", "--train-iters", "20", "--eval-iters", "0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "400",
+            "--data-cache-path", str(tmp_path / "cache"), "--data-path", prefix]
+    r = run_cli_on_ranks(pretrain.cli, argv, 1)
+    lines = [x for x in r["stderr"].splitlines() if x.strip()]
+    assert r["codes"] == [2] and len(lines) == 1, r
+    assert lines[0].startswith(f"error: {prefix}: token id ") and "vocab of 400 ids" in lines[0]

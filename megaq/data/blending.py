@@ -156,5 +156,9 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self.size
 
+    def source(self, n: int) -> str:
+        """The dataset prefix sample n comes from (for error messages)."""
+        return self.datasets[int(self.dataset_index[n])].source(int(self.dataset_sample_index[n]))
+
     def __getitem__(self, n: int) -> dict:
         return self.datasets[int(self.dataset_index[n])][int(self.dataset_sample_index[n])]

@@ -188,6 +188,10 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.shuffle_idx)
 
+    def source(self, i: int) -> str:
+        """The dataset prefix sample i comes from (for error messages)."""
+        return self.indexed.prefix
+
     def __getitem__(self, i: int) -> dict:
         j = int(self.shuffle_idx[i])
         d0, o0 = (int(x) for x in self.sample_idx[j])

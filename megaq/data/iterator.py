@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megaq.data.errors import DataError
+
 
 def global_micro_batch_order(dp_size: int, num_micro: int) -> list[tuple[int, int]]:
     """Single-process micro-batch j -> (dp_rank, local micro index), j in order."""
@@ -36,7 +38,8 @@ class BatchIterator:
 
     def __init__(self, dataset, global_batch_size: int, micro_batch_size: int, dp_rank: int,
                  dp_size: int, consumed_samples: int = 0, needs_data: bool = True,
-                 eod: int | None = None, eod_mask_loss: bool = False):
+                 eod: int | None = None, eod_mask_loss: bool = False,
+                 vocab_size: int | None = None):
         per_micro_step = micro_batch_size * dp_size
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"bad batch layout: micro_batch_size={micro_batch_size}, "
@@ -59,6 +62,7 @@ class BatchIterator:
         self.consumed_samples = consumed_samples
         self.needs_data = needs_data
         self.eod, self.eod_mask_loss = eod, eod_mask_loss
+        self.vocab_size = vocab_size  # token ids must be below it (None: not checked)
 
     def __iter__(self):
         return self
@@ -87,9 +91,28 @@ class BatchIterator:
     def _micro_batch(self, indices: np.ndarray) -> dict:
         rows = np.stack([np.asarray(self.dataset[int(i)]["tokens"], dtype=np.int64)
                          for i in indices])
+        if self.vocab_size is not None:
+            self._check_ids(rows, indices)
         t = torch.from_numpy(rows)
         tokens, labels = t[:, :-1].contiguous(), t[:, 1:].contiguous()
         loss_mask = torch.ones(labels.shape, dtype=torch.float32)
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod] = 0.0  # as Megatron: no loss right after an eod
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+
+    def _check_ids(self, rows: np.ndarray, indices: np.ndarray) -> None:
+        """An id outside the vocabulary (data preprocessed with another tokenizer) would
+        fail deep in the embedding ("index out of range in self"), or read padding rows;
+        one min/max per micro-batch finds it first and names the dataset."""
+        low, high = int(rows.min()), int(rows.max())
+        if 0 <= low and high < self.vocab_size:
+            return
+        r = int(np.flatnonzero(((rows < 0) | (rows >= self.vocab_size)).any(axis=1))[0])
+        i = int(indices[r])
+        bad = int(rows[r][(rows[r] < 0) | (rows[r] >= self.vocab_size)][0])
+        source = getattr(self.dataset, "source", None)
+        where = source(i) if source else "the dataset"
+        raise DataError(f"{where}: token id {bad} (sample {i}) is outside the tokenizer's vocab "
+                        f"of {self.vocab_size} ids: the data was made with another tokenizer; "
+                        f"preprocess it with this run's tokenizer (tools/preprocess_data.py), "
+                        f"or train with the tokenizer it was made with")

@@ -61,5 +61,6 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
         return lambda consumed: BatchIterator(ds, global_batch_size, micro_batch_size,
                                               topo.dp_rank, topo.layout.dp,
                                               consumed_samples=consumed, needs_data=needs_data,
-                                              eod=eod, eod_mask_loss=data.eod_mask_loss)
+                                              eod=eod, eod_mask_loss=data.eod_mask_loss,
+                                              vocab_size=vocab_size)
     return Data(iterator(train_ds), iterator(valid_ds), vocab_size, data)
