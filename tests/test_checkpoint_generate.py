@@ -100,3 +100,50 @@ def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, c
         assert capsys.readouterr().err.strip().startswith("error: tokenizer model None not found")
     finally:
         integrity.verify_checkpoints(True)  # the tool turned it off for this process
+
+
+def test_generate_refuses_bad_input_in_one_line(tmp_path, capsys, tiny_tokenizer):
+    """Flags out of range, a file that is no tokenizer, a tokenizer with more ids than the
+    model has rows, and a prompt that gives no tokens: one `error:` line and exit 2 each
+    (before: silently accepted, or a DataError / IndexError traceback)."""
+    transformers = pytest.importorskip("transformers")
+    from megaq.data.tokenizer import build_tokenizer
+    vocab = build_tokenizer("SentencePieceTokenizer", tiny_tokenizer).vocab_size
+    convert, generate = tool("convert_checkpoint"), tool("generate")
+
+    def checkpoint(name, model_vocab):  # a tiny Llama imported from transformers: no training
+        cfg = transformers.LlamaConfig(vocab_size=model_vocab, hidden_size=32, intermediate_size=48,
+                                       num_hidden_layers=1, num_attention_heads=4,
+                                       max_position_embeddings=16)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / f"{name}_hf"))
+        assert convert.main(["--from", "hf", "--to", "megaq", "--input", str(tmp_path / f"{name}_hf"),
+                             "--output", str(tmp_path / name)]) == 0
+        return str(tmp_path / name)
+
+    def run(*argv):
+        capsys.readouterr()
+        rc = generate.main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, (rc, err)
+        return err
+
+    ck = checkpoint("ck", vocab)
+    assert run("--load", ck, "--temperature", "-1").startswith(
+        "error: --temperature must be a number >= 0 (0 = greedy), got -1.0 (see --help)")
+    assert run("--load", ck, "--max-new-tokens", "-5").startswith(
+        "error: --max-new-tokens must be at least 0, got -5 (see --help)")
+    assert run("--load", ck, "--top-k", "x") == \
+        "error: argument --top-k: invalid int value: 'x' (see --help)\n"
+    not_a_model = tmp_path / "some.vocab"
+    not_a_model.write_text("<s> 0\n</s> 0\n")
+    assert "not a valid SentencePiece model" in run("--load", ck, "--tokenizer-model", not_a_model)
+    assert "--prompt '' gives no tokens" in run("--load", ck, "--tokenizer-model", tiny_tokenizer,
+                                                "--prompt", "")
+    small = checkpoint("small", vocab - 1)
+    assert f"has {vocab} ids, the model {vocab - 1}" in run(
+        "--load", small, "--tokenizer-model", tiny_tokenizer)
+    # the same checkpoint and tokenizer with a prompt: text comes out
+    capsys.readouterr()
+    assert generate.main(["--load", ck, "--tokenizer-model", tiny_tokenizer, "--prompt", "def",
+                          "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    assert "[generate]" in capsys.readouterr().out

@@ -12,7 +12,7 @@ refuses rather than sample from a scrambled model).
 
 from __future__ import annotations
 
-import argparse
+import math
 import os
 import sys
 
@@ -50,17 +50,30 @@ def sample(model, ids: list[int], n: int, vocab_size: int, seq_length: int, temp
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from megaq.arguments import ArgumentsError, _Parser
+    from megaq.data.errors import DataError
+    # one `error: ... (see --help)` line for a bad flag, as pretrain_gpt.py prints
+    p = _Parser(description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True,
                    help="checkpoint root (uses latest_checkpointed_iteration.txt) or an iter_* dir")
     p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at least 0")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; at least 0")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-model", default=None, help="default: the checkpoint's")
     add_flag(p, CheckpointConfig, "no_verify_checkpoint")
-    a = p.parse_args(argv)
+    try:
+        a = p.parse_args(argv)
+        # checked before the checkpoint loads: a negative count or temperature would
+        # otherwise sample nothing, or sample from a flipped distribution, silently
+        if a.max_new_tokens < 0:
+            p.error(f"--max-new-tokens must be at least 0, got {a.max_new_tokens}")
+        if not (math.isfinite(a.temperature) and a.temperature >= 0):
+            p.error(f"--temperature must be a number >= 0 (0 = greedy), got {a.temperature}")
+    except ArgumentsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     integrity.verify_checkpoints(not a.no_verify_checkpoint)
     try:
         ckpt_dir = a.load
@@ -80,11 +93,20 @@ def main(argv=None) -> int:
         from megaq.data.tokenizer import build_tokenizer
         # the run's own tokenizer type: its eod/vocab rules differ between types
         tok = build_tokenizer(data.get("tokenizer_type") or "SentencePieceTokenizer", tok_path)
-    except (GenerateError, ckpt.CheckpointError) as e:
+        # ids past the model's embedding rows would index out of it: a different tokenizer
+        if tok.vocab_size > model.config.vocab_size:
+            raise GenerateError(f"tokenizer {tok_path} has {tok.vocab_size} ids, the model "
+                                f"{model.config.vocab_size}; pass the --tokenizer-model the "
+                                f"checkpoint was trained with")
+        ids = tok.tokenize(a.prompt)
+        # each new token is predicted from the ones before it: there must be one to start
+        if not ids:
+            raise GenerateError(f"--prompt {a.prompt!r} gives no tokens; generation needs at "
+                                f"least one token to start from: pass a non-empty --prompt")
+    except (GenerateError, ckpt.CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(a.seed)
-    ids = tok.tokenize(a.prompt)
     out = sample(model, ids, a.max_new_tokens, model.config.vocab_size, model.config.seq_length,
                  a.temperature, a.top_k, g)
     print(f"[generate] {ckpt_dir} (trained with TP={tp}; consolidated to one process)")
