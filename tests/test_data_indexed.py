@@ -89,7 +89,8 @@ def set_field(path, offset, fmt, value):
     (34 + 4, "<i", 100_000_000, "sequence 2 starts at byte 8 of the .bin but the lengths before "
                                 "it put it at 200000006"),
     (34 + 4, "<i", -5, "corrupt sequence length -5 (sequence 1)"),
-    (34 + 8, "<i", 100_000_000, "says 200000008 (truncated .bin"),  # the last length: the .bin is too short
+    # the last length: the .bin is then too short
+    (34 + 8, "<i", 100_000_000, "says 200000008 (truncated .bin"),
     (46 + 8, "<q", 10**12, "sequence 1 starts at byte 1000000000000"),
     (46 + 16, "<q", 10**12, "sequence 2 starts at byte 1000000000000"),
     (70 + 8, "<q", 10**6, "boundary 2 (2) is below the one before it (1000000)"),
