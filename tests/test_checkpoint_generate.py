@@ -115,8 +115,9 @@ def test_generate_refuses_bad_input_in_one_line(tmp_path, capsys, tiny_tokenizer
         cfg = transformers.LlamaConfig(vocab_size=model_vocab, hidden_size=32, intermediate_size=48,
                                        num_hidden_layers=1, num_attention_heads=4,
                                        max_position_embeddings=16)
-        transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / f"{name}_hf"))
-        assert convert.main(["--from", "hf", "--to", "megaq", "--input", str(tmp_path / f"{name}_hf"),
+        hf_dir = str(tmp_path / f"{name}_hf")
+        transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
+        assert convert.main(["--from", "hf", "--to", "megaq", "--input", hf_dir,
                              "--output", str(tmp_path / name)]) == 0
         return str(tmp_path / name)
 
