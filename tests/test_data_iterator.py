@@ -153,3 +153,18 @@ def test_pretrain_reports_an_id_outside_the_vocab_as_one_error_line(tmp_path):
     lines = [x for x in r["stderr"].splitlines() if x.strip()]
     assert r["codes"] == [2] and len(lines) == 1, r
     assert lines[0].startswith(f"error: {prefix}: token id ") and "vocab of 400 ids" in lines[0]
+    # data made for Megatron's NullTokenizer (--append-eod writes its eod id, 400 here, which
+    # its vocab counts): the line says which --vocab-size trains on it, and that one does
+    eod_prefix = str(tmp_path / "with_eod")
+    w = IndexedDatasetWriter(eod_prefix, np.uint16)
+    for d in range(40):
+        w.add_document(np.append(np.arange(10 * d, 10 * d + 29) % 400, 400))
+    w.finish()
+    w.commit()
+    argv[argv.index(prefix)] = eod_prefix
+    argv[argv.index("--train-iters") + 1] = "2"
+    r = run_cli_on_ranks(pretrain.cli, argv, 1)
+    assert r["codes"] == [2] and "is Megatron's NullTokenizer end-of-document id" in r["stderr"] \
+        and "pass --vocab-size 401" in r["stderr"], r
+    argv[argv.index("--vocab-size") + 1] = "401"
+    assert run_cli_on_ranks(pretrain.cli, argv, 1)["codes"] == [0]

@@ -112,6 +112,11 @@ class BatchIterator:
         bad = int(rows[r][(rows[r] < 0) | (rows[r] >= self.vocab_size)][0])
         source = getattr(self.dataset, "source", None)
         where = source(i) if source else "the dataset"
+        if bad == self.vocab_size == self.eod:  # megaq's NullTokenizer eod lies past its ids
+            raise DataError(f"{where}: token id {bad} (sample {i}) is Megatron's NullTokenizer "
+                            f"end-of-document id, which Megatron counts in its vocab and megaq's "
+                            f"--vocab-size {bad} does not: pass --vocab-size {bad + 1} (the ids "
+                            f"and the end-of-document id, as Megatron's model has)")
         raise DataError(f"{where}: token id {bad} (sample {i}) is outside the tokenizer's vocab "
                         f"of {self.vocab_size} ids: the data was made with another tokenizer; "
                         f"preprocess it with this run's tokenizer (tools/preprocess_data.py), "
