@@ -329,8 +329,10 @@ def test_export_refusals(trained, tmp_path, capsys):
     # an existing output directory is not replaced without --overwrite
     rc, err = _convert(["--to", "hf", "--input", root, "--output", hf_dir], capsys)
     assert rc == 2 and "already exists" in err and err.count("\n") == 1
-    # not a checkpoint
-    rc, err = _convert(["--to", "hf", "--input", tmp_path, "--output", tmp_path / "x"], capsys)
+    # not a checkpoint (an --output outside it: one inside is refused first)
+    (tmp_path / "empty").mkdir()
+    rc, err = _convert(["--to", "hf", "--input", tmp_path / "empty", "--output", tmp_path / "x"],
+                       capsys)
     assert rc == 2 and "latest_checkpointed_iteration.txt" in err
     # a checkpoint whose shard file is missing: nothing written
     broken = tmp_path / "broken"
@@ -338,7 +340,7 @@ def test_export_refusals(trained, tmp_path, capsys):
     os.remove(os.path.join(ckpt.iteration_dir(str(broken), 3), "__3_0.distcp"))  # rank 3's
     rc, err = _convert(["--to", "hf", "--input", broken, "--output", tmp_path / "y"], capsys)
     assert rc == 2 and "is missing" in err and err.count("\n") == 1
-    assert sorted(os.listdir(tmp_path)) == ["broken"]
+    assert sorted(os.listdir(tmp_path)) == ["broken", "empty"]
 
 
 def _imported(tmp_path):
