@@ -445,3 +445,24 @@ def test_imported_checkpoint_has_the_form_a_run_saves(trained, tmp_path):
                               "ranks_per_node": 2}
     assert ckpt.saved_config(ours)["model"]["vocab_size"] == 99
     assert ours["model_optim"]["step"] == 0 and ours["iteration"] == 0
+
+
+def test_export_of_a_run_with_a_non_sentencepiece_tokenizer_says_so(tmp_path, capsys):
+    """The export ships SentencePiece models only; a run that used another tokenizer type
+    (here HuggingFaceTokenizer's directory) still exports its weights, with a note that
+    names the type instead of calling its tokenizer missing."""
+    tok_dir = tmp_path / "hf_tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text("{}")  # never read: mock data, and not shipped
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0",
+            "--eval-iters", "0", "--mock-data", "--vocab-size", "64",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tok_dir),
+            "--save", str(tmp_path / "ck"), "--data-cache-path", str(tmp_path / "cache")]
+    run_on_ranks(_train, 1, args=(argv,))
+    capsys.readouterr()  # the run's lines
+    rc, _ = _convert(["--to", "hf", "--input", tmp_path / "ck", "--output", tmp_path / "out"])
+    printed = capsys.readouterr()
+    assert rc == 0 and (tmp_path / "out" / "model.safetensors").is_file()
+    assert "no tokenizer files: the checkpoint's run had HuggingFaceTokenizer" in printed.out + printed.err
+    assert not (tmp_path / "out" / "tokenizer.model").exists()

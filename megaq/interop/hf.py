@@ -39,6 +39,9 @@ from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo
                                   replace_dir, temp_dir_for, write_json, write_megaq_args,
                                   write_megaq_checkpoint)
 
+# the tokenizer types whose model file write_tokenizer ships (tokenizer.model)
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _HF_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -470,15 +473,23 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
         special = {}
         data = reader.config["data"]
         tok_type = data.get("tokenizer_type") or "SentencePieceTokenizer"
+        if tokenizer_model and tok_type not in SENTENCEPIECE_TYPES:
+            tok_type = "SentencePieceTokenizer"  # what --tokenizer-model ships
         tok_path = tokenizer_model or data.get("tokenizer_model")
-        has_tok = bool(tok_path) and tok_type != "NullTokenizer" and os.path.isfile(tok_path)
+        has_tok = tok_type in SENTENCEPIECE_TYPES and bool(tok_path) and os.path.isfile(tok_path)
         if has_tok:
             special = write_tokenizer(tmp, tok_type, tok_path, config.seq_length, log, vocab)
             has_tok = bool(special)
         else:
-            log(f" note: no tokenizer files: the checkpoint's run had "
-                f"{'tokenizer ' + repr(tok_path) + ' (not found)' if tok_path else 'no tokenizer (mock data)'}; "
-                f"pass --tokenizer-model to add one")
+            if tok_type in SENTENCEPIECE_TYPES:
+                had = f"tokenizer {tok_path!r} (not found)" if tok_path else "no tokenizer (mock data)"
+            elif tok_type == "NullTokenizer":
+                had = "no tokenizer (the NullTokenizer)"
+            else:  # GPT-2 BPE, HuggingFaceTokenizer: their own files, saved beside the weights
+                had = tok_type
+            log(f" note: no tokenizer files: the checkpoint's run had {had}, and the export writes "
+                f"SentencePiece tokenizers only; pass --tokenizer-model to add one (or save a "
+                f"transformers tokenizer beside the weights with save_pretrained)")
         write_json(os.path.join(tmp, "config.json"),
                     hf_config(config, family, padded, dtype, special))
         write_json(os.path.join(tmp, "generation_config.json"),
