@@ -325,6 +325,12 @@ def test_cli_refusals_are_one_line_and_keep_the_input(tmp_path, capsys):
     rc, err = run("--from", "megatron", "--to", "megaq", "--input", megaq_ck,
                   "--output", tmp_path / "out")
     assert rc == 2 and err.count("\n") == 1 and "it is a megaq checkpoint" in err, err
+    # a tracker that is not text: a line, not a UnicodeDecodeError
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe")
+    rc, err = run("--from", "megatron", "--to", "megaq", "--input", garbled, "--output", tmp_path / "out")
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     # --output an ancestor of --input, with --overwrite: refused, the input is all there
     args = argparse.Namespace(num_layers=1, hidden_size=8, num_attention_heads=2)
     src = save_megatron(str(tmp_path / "run" / "mlm"), {(0, 0): [{}]}, args)

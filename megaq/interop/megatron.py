@@ -65,8 +65,8 @@ def _iteration_dir(path: str) -> tuple[str, str] | None:
     """(iter dir, iteration text) for a checkpoint root or an iter_*/release dir."""
     tracker = os.path.join(path, TRACKER_FILE)
     if os.path.isfile(tracker):
-        with open(tracker) as f:
-            it = f.read().strip()
+        with open(tracker, "rb") as f:  # not trusted to be text
+            it = f.read().decode("utf-8", "replace").strip()
         name = "release" if it == "release" else (f"iter_{int(it):07d}" if it.isdigit() else None)
         return (os.path.join(path, name), it) if name else None
     base = os.path.basename(os.path.normpath(path))
