@@ -126,11 +126,12 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"{flag_name(GPTConfig, name)} must be >= 1 "
                                        f"(got {getattr(self, name)})")
+        # (None: a configuration read from a checkpoint that predates the field)
         for name in ("attention_dropout", "hidden_dropout"):
-            if not 0 <= getattr(self, name) <= 1:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 1:
                 raise ModelConfigError(f"{flag_name(GPTConfig, name)} must be in [0, 1] "
                                        f"(got {getattr(self, name)})")
-        if not self.init_method_std >= 0:
+        if self.init_method_std is not None and not self.init_method_std >= 0:
             raise ModelConfigError(f"--init-method-std must be >= 0 (got {self.init_method_std})")
         h, heads = self.hidden_size, self.num_attention_heads
         if self.kv_channels is None and h % heads:
