@@ -24,7 +24,7 @@ import argparse
 import os
 
 from megaq.config import FLAG_CLASSES, ConfigError, RunConfig
-from megaq.data.errors import DataError
+from megaq.data.errors import ArgumentParser, DataError
 from megaq.flags import add_flags
 from megaq.megatron_flags import add_megatron_flags, check_megatron_flags, print_megatron_notes
 from megaq.model import ModelConfigError
@@ -41,11 +41,8 @@ class ArgumentsError(ValueError):
     """A bad flag or flag combination; the message says which flag and the fix."""
 
 
-class _Parser(argparse.ArgumentParser):
-    # argparse prints usage + error and exits; we want one line and, in-process, an
-    # exception the caller (or a test) can catch.
-    def error(self, message):
-        raise ArgumentsError(f"{message} (see --help)")
+class _Parser(ArgumentParser):
+    error_class = ArgumentsError  # one line the CLI prints, an exception a test can catch
 
 
 class _HelpFormatter(argparse.HelpFormatter):

@@ -16,11 +16,15 @@ class DataError(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """The tools' parser: a bad flag is one `error: ... (see --help)` line through
-    run_cli (exit 2), as pretrain's, instead of argparse's usage block."""
+    """megaq's parser: argparse prints a usage block and exits on a bad flag; here error()
+    raises `error_class` with one line, `<message> (see --help)`, that the entry point
+    prints as its `error:` line (the data tools: DataError through run_cli, exit 2;
+    pretrain_gpt.py and the other tools set their own class)."""
+
+    error_class = DataError
 
     def error(self, message):
-        raise DataError(f"{message} (see --help)")
+        raise self.error_class(f"{message} (see --help)")
 
 
 def path_error_line(e: OSError) -> str:
