@@ -134,10 +134,6 @@ def build_trainer(config, topo, t_start: float | None = None):
         checkpoint_guard.claim_save_directory(save, topo)
     source, finetune = checkpoint_source(config.checkpointing)
     if source:
-        from megaq.interop.megatron import load_refusal
-        refusal = load_refusal(source)  # a Megatron-LM directory: say so, name the converter
-        if refusal:
-            raise ckpt.CheckpointError(refusal)
         # every rank reads its own files; all agree before anyone exits (megaq.failure).
         # --finetune: weights only; iteration, samples, moments, schedule, RNG start fresh.
         with failure.agreed(topo.world):
@@ -190,11 +186,19 @@ def checkpoint_source(checkpointing) -> tuple[str | None, bool]:
     --load holds no checkpoint yet (a fine-tuning job's first start; its requeued runs
     then resume from --load), as --finetune."""
     from megaq import checkpoint as ckpt
+    from megaq.interop.megatron import load_refusal
     c = checkpointing
+    # a path that is plainly something else (a file, one iteration, a Megatron-LM, HF or
+    # DeepSpeed directory) is a mistake to name, not an empty directory to start fresh in
     for flag_name, path in (("--load", c.load), ("--pretrained-checkpoint", c.pretrained_checkpoint)):
-        reason = path and ckpt.not_a_checkpoint_root(path)
+        if not path:
+            continue
+        reason = ckpt.not_a_checkpoint_root(path)
         if reason:
             raise ckpt.CheckpointError(f"{flag_name} {reason}")
+        reason = load_refusal(path)  # its line names the converter's command
+        if reason:
+            raise ckpt.CheckpointError(reason)
     if c.pretrained_checkpoint and (not c.load or ckpt.read_tracker(c.load) is None):
         if ckpt.read_tracker(c.pretrained_checkpoint) is None:
             raise ckpt.CheckpointError(

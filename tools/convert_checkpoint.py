@@ -115,9 +115,9 @@ class _RouteMissing(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megaq.arguments import _Parser
-    # a bad flag is one `error: ... (see --help)` line (ArgumentsError), as in pretrain_gpt.py
-    p = _Parser(
+    from megaq.data.errors import ArgumentParser
+    # a bad flag is one `error: ... (see --help)` line (a DataError, main prints it)
+    p = ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--from", dest="source", choices=SOURCES, default="megaq",
@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="target", choices=TARGETS, required=True,
                    help="format of --output")
     p.add_argument("--input", required=True,
-                   help="megaq: checkpoint root or iter_* dir; hf: transformers model directory; megatron: Megatron-LM checkpoint root (latest_checkpointed_iteration.txt) or its iter_*/release dir")
+                   help="megaq: checkpoint root or iter_* dir; hf: transformers model directory; "
+                        "megatron: Megatron-LM checkpoint root (latest_checkpointed_iteration.txt) "
+                        "or its iter_*/release dir")
     p.add_argument("--output", required=True, help="directory to write (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     g = p.add_argument_group("--to hf")
@@ -152,21 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from megaq.arguments import ArgumentsError
     from megaq.checkpoint import CheckpointError
     from megaq.data.errors import DataError
     from megaq.interop.common import InteropError
     try:
         a = build_parser().parse_args(argv)
-    except ArgumentsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    route = ROUTES.get((a.source, a.target))
-    if route is None:
-        print(f"error: no conversion from {a.source} to {a.target}; available: "
-              + ", ".join(f"--from {s} --to {t}" for s, t in ROUTES), file=sys.stderr)
-        return 2
-    try:
+        route = ROUTES.get((a.source, a.target))
+        if route is None:
+            raise DataError(f"no conversion from {a.source} to {a.target}; available: "
+                            + ", ".join(f"--from {s} --to {t}" for s, t in ROUTES))
         print(route(a), flush=True)
     except (InteropError, CheckpointError, DataError, _RouteMissing) as e:
         print(f"error: {e}", file=sys.stderr)

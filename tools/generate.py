@@ -50,10 +50,9 @@ def sample(model, ids: list[int], n: int, vocab_size: int, seq_length: int, temp
 
 
 def main(argv=None) -> int:
-    from megaq.arguments import ArgumentsError, _Parser
-    from megaq.data.errors import DataError
-    # one `error: ... (see --help)` line for a bad flag, as pretrain_gpt.py prints
-    p = _Parser(description=__doc__.splitlines()[0])
+    from megaq.data.errors import ArgumentParser, DataError
+    # one `error: ... (see --help)` line for a bad flag (a DataError), as pretrain_gpt.py prints
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True,
                    help="checkpoint root (uses latest_checkpointed_iteration.txt) or an iter_* dir")
     p.add_argument("--prompt", default="def ")
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
             p.error(f"--max-new-tokens must be at least 0, got {a.max_new_tokens}")
         if not (math.isfinite(a.temperature) and a.temperature >= 0):
             p.error(f"--temperature must be a number >= 0 (0 = greedy), got {a.temperature}")
-    except ArgumentsError as e:
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     integrity.verify_checkpoints(not a.no_verify_checkpoint)

@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from megaq.data.errors import DataError
-from megaq.data.fsutil import atomic_write, cache_lock
+from megaq.data.fsutil import BadCache, atomic_write, cache_lock, load_cached_index, values_outside
 
 
 def parse_data_path(data_path, flag: str = "--data-path") -> tuple[list[float] | None, list[str]]:
@@ -132,17 +132,15 @@ class BlendedDataset:
         """Memory-map one cached index: `size` ids in [0, high) (a truncated or foreign
         file would otherwise fail, or pick a wrong dataset, in the middle of training)."""
         try:
-            a = np.load(path, mmap_mode="r", allow_pickle=False)
-            reason = None
-            if a.ndim != 1 or a.dtype.kind not in "iu" or len(a) != self.size:
-                reason = f"{a.dtype} array of shape {a.shape}, expected {self.size} ids"
-            elif self.size and (int(a.min()) < 0 or (high is not None and int(a.max()) >= high)):
-                reason = f"values {int(a.min())}..{int(a.max())} out of range"
-        except (ValueError, OSError) as e:
-            reason = f"unreadable ({' '.join(str(e).split())})"
-        if reason:
-            raise DataError(f"{path}: corrupt blending index cache ({reason}); delete it, or the "
-                            f"cache directory {self.cache_dir}, and rerun: it is rebuilt")
+            a = load_cached_index(path, f"{self.size} ids")
+            reason = None if len(a) == self.size else f"{len(a)} ids, expected {self.size}"
+            if reason is None and self.size:
+                reason = values_outside("ids", a, 0, high if high is not None else np.iinfo(np.int64).max)
+            if reason:
+                raise BadCache(path, reason)
+        except BadCache as e:
+            raise DataError(f"{path}: corrupt blending index cache ({e.reason}); delete it, or the "
+                            f"cache directory {self.cache_dir}, and rerun: it is rebuilt") from None
         return a
 
     def counts(self) -> np.ndarray:

@@ -13,6 +13,8 @@ import fcntl
 import os
 import uuid
 
+import numpy as np
+
 
 def tmp_name(path: str) -> str:
     """A sibling temporary name, unique per process and call (same filesystem as path)."""
@@ -83,3 +85,33 @@ def cache_lock(cache_dir: str, name: str, flag: str = "--data-cache-path") -> Fi
         raise DataError(f"{cache_dir}: cannot write the data index cache ({e.strerror}); "
                         f"pass another {flag}") from None
     return FileLock(path)
+
+
+class BadCache(Exception):
+    """A cached index file that is unreadable or does not fit its dataset."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def load_cached_index(path: str, what: str, row_shape: tuple = ()) -> np.ndarray:
+    """Memory-map a cached .npy index of integers, 1-D (or rows of `row_shape`); a
+    truncated or foreign file is a BadCache, not a failure in the middle of training."""
+    try:
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:  # truncated, or not an .npy at all
+        raise BadCache(path, f"unreadable ({' '.join(str(e).split())})") from None
+    if a.dtype.kind not in "iu" or a.ndim != 1 + len(row_shape) or a.shape[1:] != row_shape:
+        raise BadCache(path, f"{a.dtype} array of shape {a.shape} is not {what}")
+    return a
+
+
+def values_outside(name: str, a: np.ndarray, low: int, high: int) -> str | None:
+    """Why `a` is not all in [low, high) (one min/max pass), or None when it is."""
+    if a.size == 0:
+        return f"{name} is empty"
+    amin, amax = int(a.min()), int(a.max())
+    if amin < low or amax >= high:
+        return f"{name} holds values {amin}..{amax}, outside {low}..{high - 1}"
+    return None

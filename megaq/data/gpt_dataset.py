@@ -28,7 +28,7 @@ import sys
 import numpy as np
 
 from megaq.data.errors import DataError
-from megaq.data.fsutil import atomic_write, cache_lock
+from megaq.data.fsutil import BadCache, atomic_write, cache_lock, load_cached_index, values_outside
 from megaq.data.indexed import IndexedDataset
 
 INDEX_VERSION = 1
@@ -127,7 +127,7 @@ class GPTDataset:
             return False
         try:
             self._open_cache()
-        except _BadCache as e:
+        except BadCache as e:
             print(f" note: {e.path}: {e.reason}; rebuilding the data index cache",
                   file=sys.stderr, flush=True)
             return False
@@ -137,38 +137,21 @@ class GPTDataset:
         """Memory-map the three cached arrays and check them against this dataset:
         shapes, and each index within what it indexes (min/max, one pass each; the
         per-token offsets are not checked). -> (doc_idx, sample_idx, shuffle_idx)."""
-        arrays = []
-        for name, path in self.paths.items():
-            try:
-                a = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (ValueError, OSError) as e:  # truncated, or not an .npy at all
-                raise _BadCache(path, f"unreadable ({' '.join(str(e).split())})") from None
-            if a.dtype.kind not in "iu" or a.ndim != (2 if name == "sample_idx" else 1) or (
-                    name == "sample_idx" and a.shape[1] != 2):
-                raise _BadCache(path, f"{a.dtype} array of shape {a.shape} is not a {name}")
-            arrays.append(a)
-        doc_idx, sample_idx, shuffle_idx = arrays
+        doc_idx, sample_idx, shuffle_idx = (
+            load_cached_index(path, f"a {name}", (2,) if name == "sample_idx" else ())
+            for name, path in self.paths.items())
         lo, hi = self._doc_range
-
-        def out_of_range(name, a, low, high):  # -> the reason, or None when in [low, high)
-            if a.size == 0:
-                return f"{name} is empty"
-            amin, amax = int(a.min()), int(a.max())
-            if amin < low or amax >= high:
-                return f"{name} holds values {amin}..{amax}, outside {low}..{high - 1}"
-            return None
-
         problems = [
-            (0, out_of_range("document ids", doc_idx, lo, hi)),
-            (1, out_of_range("document positions", sample_idx[:, 0], 0, len(doc_idx))),
-            (1, out_of_range("token offsets", sample_idx[:, 1], 0, np.iinfo(np.int64).max)),
-            (2, out_of_range("sample ids", shuffle_idx, 0, len(sample_idx) - 1)),
+            (0, values_outside("document ids", doc_idx, lo, hi)),
+            (1, values_outside("document positions", sample_idx[:, 0], 0, len(doc_idx))),
+            (1, values_outside("token offsets", sample_idx[:, 1], 0, np.iinfo(np.int64).max)),
+            (2, values_outside("sample ids", shuffle_idx, 0, len(sample_idx) - 1)),
             (2, None if len(shuffle_idx) == len(sample_idx) - 1 >= self.num_samples else
              f"{len(shuffle_idx)} samples for {len(sample_idx) - 1} sample starts "
              f"({self.num_samples} needed)")]
         for i, reason in problems:
             if reason:
-                raise _BadCache(list(self.paths.values())[i], reason)
+                raise BadCache(list(self.paths.values())[i], reason)
         return doc_idx, sample_idx, shuffle_idx
 
     def load(self) -> "GPTDataset":
@@ -178,7 +161,7 @@ class GPTDataset:
                             "build it (pass build=True on one rank per cache dir, then barrier)")
         try:
             self.doc_idx, self.sample_idx, self.shuffle_idx = self._open_cache()
-        except _BadCache as e:  # the builder rebuilds a corrupt set: another writer's mess
+        except BadCache as e:  # the builder rebuilds a corrupt set: another writer's mess
             raise DataError(f"{e.path}: corrupt data index cache ({e.reason}); delete it, or the "
                             f"cache directory {self.cache_dir}, and rerun: the indices are "
                             "rebuilt") from None
@@ -205,14 +188,6 @@ class GPTDataset:
             parts.append(get(int(self.doc_idx[d1]), 0, o1 + 1))
             tokens = np.concatenate(parts)
         return {"tokens": tokens.astype(np.int64)}
-
-
-class _BadCache(Exception):
-    """A cached index file that is unreadable or does not fit its dataset."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path}: {reason}")
-        self.path, self.reason = path, reason
 
 
 def check_not_empty(indexed, prefixes, flag: str = "--data-path") -> None:

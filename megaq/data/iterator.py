@@ -107,9 +107,9 @@ class BatchIterator:
         low, high = int(rows.min()), int(rows.max())
         if 0 <= low and high < self.vocab_size:
             return
-        r = int(np.flatnonzero(((rows < 0) | (rows >= self.vocab_size)).any(axis=1))[0])
-        i = int(indices[r])
-        bad = int(rows[r][(rows[r] < 0) | (rows[r] >= self.vocab_size)][0])
+        outside = (rows < 0) | (rows >= self.vocab_size)
+        r = int(np.flatnonzero(outside.any(axis=1))[0])
+        i, bad = int(indices[r]), int(rows[r][outside[r]][0])
         source = getattr(self.dataset, "source", None)
         where = source(i) if source else "the dataset"
         if bad == self.vocab_size == self.eod:  # megaq's NullTokenizer eod lies past its ids
