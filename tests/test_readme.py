@@ -111,16 +111,39 @@ def test_matcher_tells_a_stale_phase_name_apart():
     assert not _matches_printed(printed.replace(", pp 0", ""), printed)
 
 
-def test_docs_results_holds_exactly_what_the_docs_cite():
-    """Every docs/results/ file a doc names exists, and every file there is named by a doc."""
-    docs = [os.path.join(REPO, "README.md")] + [
-        os.path.join(REPO, "docs", n) for n in os.listdir(os.path.join(REPO, "docs")) if n.endswith(".md")]
+def _cited_results(path: str) -> set[str]:
+    """The docs/results/ files a doc names (`results/name.json`, or `results/name.{png,json}`)."""
+    text = open(path).read()
     cited = set()
-    for path in docs:
-        text = open(path).read()
-        for stem, exts in re.findall(r"results/([\w.-]+?)\.\{([\w,]+)\}", text):  # name.{png,json}
-            cited.update(f"{stem}.{e}" for e in exts.split(","))
-        cited.update(re.findall(r"results/([\w.-]+?\.(?:json|png|txt))", text))
-    present = set(os.listdir(os.path.join(REPO, "docs", "results")))
+    for stem, exts in re.findall(r"results/([\w.-]+?)\.\{([\w,]+)\}", text):  # name.{png,json}
+        cited.update(f"{stem}.{e}" for e in exts.split(","))
+    cited.update(re.findall(r"results/([\w.-]+?\.(?:json|png|txt))", text))
+    return cited
+
+
+def test_docs_results_holds_exactly_what_the_docs_cite():
+    """Every docs/results/ file a doc names exists; the folder's index lists every file there
+    once, and its status says whether docs/PERFORMANCE.md cites the file (current) or not."""
+    docs_dir = os.path.join(REPO, "docs")
+    results_dir = os.path.join(docs_dir, "results")
+    docs = [os.path.join(REPO, "README.md")] + [
+        os.path.join(docs_dir, n) for n in os.listdir(docs_dir) if n.endswith(".md")]
+    cited = set().union(*(_cited_results(path) for path in docs))
+    present = set(os.listdir(results_dir)) - {"README.md"}
     assert not cited - present, f"cited but missing from docs/results/: {sorted(cited - present)}"
-    assert not present - cited, f"in docs/results/ but cited by no doc: {sorted(present - cited)}"
+
+    # the index: one table row per file, `| `name` | what | command | machine | date | status |`
+    rows = re.findall(r"^\| `([\w.-]+)` \|.*\| ([^|]+?) \|$",
+                      open(os.path.join(results_dir, "README.md")).read(), re.M)
+    listed = [name for name, _ in rows]
+    assert len(listed) == len(set(listed)), "docs/results/README.md lists a file twice"
+    assert set(listed) == present, (
+        f"docs/results/README.md lists missing files {sorted(set(listed) - present)} "
+        f"and misses {sorted(present - set(listed))}")
+    performance = _cited_results(os.path.join(docs_dir, "PERFORMANCE.md"))
+    marked_current = {name for name, status in rows if status.startswith("current")}
+    assert marked_current == performance, (
+        f"index says current but PERFORMANCE.md does not cite: {sorted(marked_current - performance)}; "
+        f"PERFORMANCE.md cites but index does not say current: {sorted(performance - marked_current)}")
+    elsewhere = {name for name, status in rows if not status.startswith(("current", "history"))}
+    assert elsewhere <= cited, f"index names a citing doc that does not cite: {sorted(elsewhere - cited)}"
