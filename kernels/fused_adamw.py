@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .fused_common import use_triton
+from .dispatch import Op
 
 
 def _f32(x: float) -> float:
@@ -68,12 +68,17 @@ def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, out, coef, scalars) -
         out.copy_(p)
 
 
+# the optimizer's step runs outside compiled code; a trace would record the reference
+ADAMW_STEP = Op("adamw_step", adamw_step_reference, "fused_adamw_triton.adamw_step", under_compile="reference")
+
+
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, out: torch.Tensor | None, coef: torch.Tensor | None,
                scalars: tuple[float, ...]) -> None:
     """One AdamW step on flat, contiguous fp32 buffers of equal length, in place; `out`
     (any float dtype, same length) receives the new weights; `coef` (0-d fp32 tensor)
-    multiplies the gradient first. Triton on CUDA, the reference elsewhere."""
+    multiplies the gradient first. Triton on CUDA, the reference elsewhere
+    (kernels/dispatch.py)."""
     bufs = (param, grad, exp_avg, exp_avg_sq)
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape
            or t.dim() != 1 for t in bufs):
@@ -81,9 +86,4 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                          "of one length")
     if out is not None and (out.shape != param.shape or not out.is_contiguous()):
         raise ValueError("adamw_step's out must be flat, contiguous and as long as param")
-    if use_triton(param):
-        from . import fused_adamw_triton as k
-
-        k.adamw_step(param, grad, exp_avg, exp_avg_sq, out, coef, scalars)
-    else:
-        adamw_step_reference(param, grad, exp_avg, exp_avg_sq, out, coef, scalars)
+    ADAMW_STEP.pick(param)(param, grad, exp_avg, exp_avg_sq, out, coef, scalars)

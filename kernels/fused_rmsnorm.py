@@ -1,14 +1,15 @@
 """Fused RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, fp32 math, output in x's dtype.
 
-`rms_norm(x, weight, eps)` dispatches (kernels.fused_common); `rms_norm_reference`
-is the plain-torch definition with the same signature.
+`rms_norm(x, weight, eps)` dispatches (kernels/dispatch.py) to the Triton op
+(kernels/fused_rmsnorm_triton.rms_norm) or to `rms_norm_reference`, the plain-torch
+definition with the same signature.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fused_common import rows_view, use_triton
+from .dispatch import Op
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,26 +18,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * weight.float()).to(x.dtype)
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        from . import fused_rmsnorm_triton as k
-
-        x2 = rows_view(x)
-        y, rstd = k.rmsnorm_fwd(x2, weight.contiguous(), eps)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from . import fused_rmsnorm_triton as k
-
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = k.rmsnorm_bwd(rows_view(dy), x2, weight.contiguous(), rstd)
-        return dx.view(dy.shape), dw, None
+RMS_NORM = Op("rms_norm", rms_norm_reference, "fused_rmsnorm_triton.rms_norm", under_compile="reference")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_triton(x):
-        return _RMSNorm.apply(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    return RMS_NORM.pick(x)(x, weight, eps)

@@ -1,4 +1,5 @@
-"""Triton RMSNorm forward/backward (imported lazily by kernels.fused_rmsnorm).
+"""Triton RMSNorm forward/backward; `rms_norm` is the autograd op with the signature of
+kernels/fused_rmsnorm.rms_norm_reference (imported on first use by its Op).
 
 Forward: one program per row; fp32 math; stores y in x's dtype and 1/rms (fp32).
 Backward: each program walks a contiguous run of rows, writes dx and accumulates
@@ -11,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_common import LAUNCH
+from .fused_common import rows_view
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -54,17 +56,17 @@ def _launch_cfg(H: int):
     return block, min(max(block // 256, 1), 16)
 
 
-def rmsnorm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float):
+def rmsnorm_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, tuning: Tuning):
     N, H = x2.shape
     y = torch.empty((N, H), dtype=x2.dtype, device=x2.device)
     rstd = torch.empty(N, dtype=torch.float32, device=x2.device)
     block, warps = _launch_cfg(H)
     _rmsnorm_fwd[(N,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), H, eps,
-                       BLOCK=block, num_warps=warps, **LAUNCH)
+                       BLOCK=block, num_warps=warps, enable_fp_fusion=tuning.fp_fusion)
     return y, rstd
 
 
-def rmsnorm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+def rmsnorm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, tuning: Tuning):
     N, H = x2.shape
     dx = torch.empty((N, H), dtype=x2.dtype, device=x2.device)
     if x2.is_cuda:
@@ -77,5 +79,26 @@ def rmsnorm_bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd:
     dw_part = torch.zeros((progs, H), dtype=torch.float32, device=x2.device)
     block, warps = _launch_cfg(H)
     _rmsnorm_bwd[(progs,)](dy2, x2, weight, rstd, dx, dw_part, dy2.stride(0), x2.stride(0),
-                           dx.stride(0), N, H, rows_per_prog, BLOCK=block, num_warps=warps, **LAUNCH)
+                           dx.stride(0), N, H, rows_per_prog, BLOCK=block, num_warps=warps,
+                           enable_fp_fusion=tuning.fp_fusion)
     return dx, dw_part.sum(0).to(weight.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, tuning):
+        x2 = rows_view(x)
+        y, rstd = rmsnorm_fwd(x2, weight.contiguous(), eps, tuning)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.tuning = tuning
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rmsnorm_bwd(rows_view(dy), x2, weight.contiguous(), rstd, ctx.tuning)
+        return dx.view(dy.shape), dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    return _RMSNorm.apply(x, weight, eps, tuning)

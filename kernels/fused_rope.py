@@ -1,16 +1,17 @@
 """Rotary position embedding, Megatron / Llama "rotate half" layout (full head dim).
 
 `apply_rotary(x, cos, sin)`: x [s, b, heads, d], cos/sin [s, 1 or b, 1, d] (fp32
-tables). Dispatches (kernels.fused_common); `apply_rotary_reference` is the torch
-definition (tables cast to x's dtype, as Megatron's unfused path does; the Triton
-version keeps fp32 inside and rounds once).
+tables). Dispatches (kernels/dispatch.py) to kernels/fused_rope_triton.apply_rotary or to
+`apply_rotary_reference`, the torch definition with the same signature (tables cast to
+x's dtype, as Megatron's unfused path does; the Triton version keeps fp32 inside and
+rounds once).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fused_common import use_triton
+from .dispatch import Op
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -29,27 +30,9 @@ def _check_tables(x, cos, sin):
                          f"expected [s, 1 or b, 1, d] with an even head dim d")
 
 
-class _Rotary(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        from . import fused_rope_triton as k
-
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        ctx.save_for_backward(cos, sin)
-        return k.rope(x, cos, sin, backward=False)
-
-    @staticmethod
-    def backward(ctx, g):
-        from . import fused_rope_triton as k
-
-        cos, sin = ctx.saved_tensors
-        g = g if g.stride(-1) == 1 else g.contiguous()
-        return k.rope(g, cos, sin, backward=True), None, None
+ROTARY = Op("apply_rotary", apply_rotary_reference, "fused_rope_triton.apply_rotary", under_compile="reference")
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _check_tables(x, cos, sin)
-    if use_triton(x):
-        return _Rotary.apply(x, cos, sin)
-    return apply_rotary_reference(x, cos, sin)
+    return ROTARY.pick(x)(x, cos, sin)

@@ -3,7 +3,8 @@
 One program per (s, b) position handles every head: cos/sin are read once per
 position, x through its strides (a strided view of the fused QKV output needs no
 copy), the output is written contiguous. backward=True applies the transpose
-(rotation by -angle when the two halves of cos/sin agree).
+(rotation by -angle when the two halves of cos/sin agree). `apply_rotary` is the
+autograd op with the signature of kernels/fused_rope.apply_rotary_reference.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_common import LAUNCH
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def _rope(X, COS, SIN, Y, B, NH, sx_s, sx_b, sx_h, sc_s, sc_b, D2,
     tl.store(yp + D2, o2.to(Y.dtype.element_ty), mask=mask)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool, tuning: Tuning) -> torch.Tensor:
     """x [S, B, NH, D] with x.stride(-1) == 1; cos, sin [S, 1 or B, 1, D], same strides."""
     S, B, NH, D = x.shape
     y = torch.empty((S, B, NH, D), dtype=x.dtype, device=x.device)
@@ -55,5 +56,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) 
     warps = 4 if block_h * block_d2 >= 1024 else 1
     _rope[(S * B,)](x, cos, sin, y, B, NH, x.stride(0), x.stride(1), x.stride(2),
                     cos.stride(0), sc_b, D // 2, BLOCK_H=block_h, BLOCK_D2=block_d2,
-                    BACKWARD=backward, num_warps=warps, **LAUNCH)
+                    BACKWARD=backward, num_warps=warps, enable_fp_fusion=tuning.fp_fusion)
     return y
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, tuning):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        ctx.tuning = tuning
+        return rope(x, cos, sin, False, tuning)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        g = g if g.stride(-1) == 1 else g.contiguous()
+        return rope(g, cos, sin, True, ctx.tuning), None, None, None
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    return _Rotary.apply(x, cos, sin, tuning)

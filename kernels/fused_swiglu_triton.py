@@ -1,4 +1,5 @@
-"""Triton SwiGLU: y [N, 2F] = [gate | up] -> silu(gate) * up [N, F]; fp32 math."""
+"""Triton SwiGLU: y [N, 2F] = [gate | up] -> silu(gate) * up [N, F]; fp32 math. `swiglu`
+is the autograd op with the signature of kernels/fused_swiglu.swiglu_reference."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_common import LAUNCH
+from .fused_common import rows_view
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -38,19 +40,37 @@ def _swiglu_bwd(DO, Y, DY, stride_do, stride_y, stride_dy, F, BLOCK: tl.constexp
 BLOCK = 1024
 
 
-def swiglu_fwd(y2: torch.Tensor) -> torch.Tensor:
+def swiglu_fwd(y2: torch.Tensor, tuning: Tuning) -> torch.Tensor:
     N, F2 = y2.shape
     F = F2 // 2
     out = torch.empty((N, F), dtype=y2.dtype, device=y2.device)
     _swiglu_fwd[(N, triton.cdiv(F, BLOCK))](y2, out, y2.stride(0), out.stride(0), F,
-                                            BLOCK=BLOCK, num_warps=4, **LAUNCH)
+                                            BLOCK=BLOCK, num_warps=4, enable_fp_fusion=tuning.fp_fusion)
     return out
 
 
-def swiglu_bwd(do2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+def swiglu_bwd(do2: torch.Tensor, y2: torch.Tensor, tuning: Tuning) -> torch.Tensor:
     N, F2 = y2.shape
     F = F2 // 2
     dy = torch.empty((N, F2), dtype=y2.dtype, device=y2.device)
     _swiglu_bwd[(N, triton.cdiv(F, BLOCK))](do2, y2, dy, do2.stride(0), y2.stride(0), dy.stride(0),
-                                            F, BLOCK=BLOCK, num_warps=4, **LAUNCH)
+                                            F, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=tuning.fp_fusion)
     return dy
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, tuning):
+        y2 = rows_view(y)
+        ctx.save_for_backward(y2)
+        ctx.shape, ctx.tuning = y.shape, tuning
+        return swiglu_fwd(y2, tuning).view(*y.shape[:-1], y.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, do):
+        (y2,) = ctx.saved_tensors
+        return swiglu_bwd(rows_view(do), y2, ctx.tuning).view(ctx.shape), None
+
+
+def swiglu(y: torch.Tensor, *, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    return _SwiGLU.apply(y, tuning)

@@ -15,7 +15,9 @@ itself ends with in Triton 3.x).
 `launcher.launch(plan, *tensors)` does the same for a `Launch` (grid, scalars and
 keyword arguments fixed, built once by the caller per distinct call): its key is the
 plan object with the device and the tensors' dtypes and alignment, so a call spends
-nothing on the fixed part (kernels/quant.py's ops launch this way).
+nothing on the fixed part (kernels/quant.py's ops launch this way). A plan made with
+`cached=False` launches through the JIT every call (Tuning.cached_launch: the
+benchmarks' comparison).
 
 The cache key is at least as fine as the JIT's specialization (which looks at a
 tensor's dtype and 16-byte alignment, at whether an int is 1 or a multiple of 16 and at
@@ -110,15 +112,17 @@ class _Entry:
 
 class Launch:
     """One launch with everything but its leading tensor arguments fixed: the grid, the
-    scalar arguments after the tensors, and the keyword arguments (constexprs, launch
-    options). A caller builds it once per distinct call (kernels/quant.py memoises them
-    by shape) and launches it with `launcher.launch(plan, *tensors)`. Treat it as frozen:
-    the launcher keys its compiled kernels by the object."""
+    scalar arguments after the tensors, the keyword arguments (constexprs, launch
+    options), and whether it comes from the launcher's cache (`cached`; False: through
+    Triton's JIT every call). A caller builds it once per distinct call (kernels/quant.py
+    memoises them by shape) and launches it with `launcher.launch(plan, *tensors)`.
+    Treat it as frozen: the launcher keys its compiled kernels by the object."""
 
-    __slots__ = ("grid", "scalars", "kwargs")
+    __slots__ = ("grid", "scalars", "kwargs", "cached")
 
-    def __init__(self, grid, scalars=(), kwargs=None):
+    def __init__(self, grid, scalars=(), kwargs=None, cached=True):
         self.grid, self.scalars, self.kwargs = tuple(grid), tuple(scalars), dict(kwargs or {})
+        self.cached = cached
 
 
 class CachedLauncher:
@@ -127,15 +131,14 @@ class CachedLauncher:
     parameters; keyword args its constexprs (every one the kernel has after them) and
     launch options.
 
-    `enabled = False` (or a kernel that is not a compiled-mode JITFunction, e.g. under
-    TRITON_INTERPRET=1) launches through the JIT every call. get_device / get_stream
-    default to Triton's own (the current CUDA device and its current stream, so CUDA
-    graph capture sees the capture stream).
+    A kernel that is not a compiled-mode JITFunction (e.g. under TRITON_INTERPRET=1),
+    or a plan made with `cached=False`, launches through the JIT every call.
+    get_device / get_stream default to Triton's own (the current CUDA device and its
+    current stream, so CUDA graph capture sees the capture stream).
     """
 
     def __init__(self, kernel, get_device=None, get_stream=None):
         self.kernel = kernel
-        self.enabled = True
         self.compiles = 0  # entries made (tests count specializations with it)
         self._entries = {}
         self._get_device, self._get_stream = get_device, get_stream
@@ -146,7 +149,7 @@ class CachedLauncher:
         self._const_names = {p.name for p in params if p.is_constexpr} if params is not None else None
 
     def __call__(self, grid, *args, **kwargs):
-        if not self.enabled or self._param_names is None:
+        if self._param_names is None:
             self.kernel[grid](*args, **kwargs)
             return
         if self._hooks_active is None:
@@ -174,7 +177,7 @@ class CachedLauncher:
         kernel[plan.grid](*tensors, *plan.scalars, **plan.kwargs). The key is the plan
         object itself, the device and what the JIT specializes on in each leading
         argument, so a call pays for neither binding nor hashing the fixed part."""
-        if not self.enabled or self._param_names is None:
+        if not plan.cached or self._param_names is None:
             self.kernel[plan.grid](*tensors, *plan.scalars, **plan.kwargs)
             return
         if self._hooks_active is None:

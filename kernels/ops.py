@@ -1,29 +1,43 @@
-"""Dispatch: the Triton kernels for CUDA tensors, the torch reference otherwise.
+"""The ops megaq calls, and the registry of every kernel (OPS).
 
-megaq code calls megaq.kernels.ops.* only. MEGAQ_KERNELS (read on every call) forces
-a backend: `triton` (e.g. CPU tests under TRITON_INTERPRET=1), `torch`, or `auto`
-(default). Triton is imported lazily, so CPU-only runs never need a working Triton.
+Quantization for ZeRO++ (docs/KERNELS.md): quantize, dequantize, reorder_quantize,
+dequant_reduce_quantize, dequant_reduce, hadamard, packed_len, here. The fused model
+ops sit beside their references (fused_rmsnorm.rms_norm, fused_rope.apply_rotary,
+fused_swiglu.swiglu, fused_cross_entropy.cross_entropy), as do the optimizer's
+fused_adamw.adamw_step and FP8's transpose.transpose. Each goes through its Op, and
+kernels/dispatch.py alone chooses Triton or the torch reference (MEGAQ_KERNELS).
 """
 
 import torch
 
-from . import reference
-from .fused_common import backend
+from . import fused_adamw, fused_cross_entropy, fused_rmsnorm, fused_rope, fused_swiglu, reference, transpose
+from .dispatch import Op
 from .format import DEFAULT_BLOCK, KERNEL_API
 from .format import packed_len as _packed_len
 
-__all__ = ["DEFAULT_BLOCK", *KERNEL_API, "backend_for"]
+__all__ = ["DEFAULT_BLOCK", *KERNEL_API, "OPS"]
 packed_len = _packed_len  # part of every backend's API (format.KERNEL_API)
 
 
-def backend_for(t: torch.Tensor):
-    """The module (kernels.quant or kernels.reference) that handles tensor t."""
-    choice = backend()
-    if choice == "torch" or (choice == "auto" and not t.is_cuda):
-        return reference
-    from . import quant  # lazy: importing triton is slow and needs a GPU or the interpreter
+def _quant_op(name: str) -> Op:
+    """kernels/reference.py's function `name` against kernels/quant.py's. The quantization
+    ops run outside compiled code (the ZeRO engine's gathers and reductions), so a trace
+    keeps the device rule."""
+    return Op(name, getattr(reference, name), f"quant.{name}", under_compile="triton")
 
-    return quant
+
+QUANTIZE = _quant_op("quantize")
+DEQUANTIZE = _quant_op("dequantize")
+REORDER_QUANTIZE = _quant_op("reorder_quantize")
+DEQUANT_REDUCE_QUANTIZE = _quant_op("dequant_reduce_quantize")
+DEQUANT_REDUCE = _quant_op("dequant_reduce")
+HADAMARD = _quant_op("hadamard")
+
+# Every kernel of the package (tests/test_kernel_dispatch.py holds each to its reference's
+# signature and to the dispatch rule).
+OPS = (QUANTIZE, DEQUANTIZE, REORDER_QUANTIZE, DEQUANT_REDUCE_QUANTIZE, DEQUANT_REDUCE, HADAMARD,
+       fused_rmsnorm.RMS_NORM, fused_rope.ROTARY, fused_swiglu.SWIGLU, fused_cross_entropy.CROSS_ENTROPY,
+       fused_adamw.ADAMW_STEP, transpose.TRANSPOSE)
 
 
 # code: the int4 code, "linear" (q * s) or "square" (q |q| s; format.INT4_CODES); int8
@@ -36,25 +50,25 @@ def backend_for(t: torch.Tensor):
 
 
 def quantize(x, bits=8, block=DEFAULT_BLOCK, code="linear", hadamard=False):
-    return backend_for(x).quantize(x, bits, block, code, hadamard)
+    return QUANTIZE.pick(x)(x, bits, block, code, hadamard)
 
 
 def dequantize(packed, L, bits=8, block=DEFAULT_BLOCK, dtype=torch.float32, code="linear"):
-    return backend_for(packed).dequantize(packed, L, bits, block, dtype, code)
+    return DEQUANTIZE.pick(packed)(packed, L, bits, block, dtype, code)
 
 
 def reorder_quantize(grad, k, m, bits=4, block=DEFAULT_BLOCK, residual=None, code="linear", hadamard=False):
-    return backend_for(grad).reorder_quantize(grad, k, m, bits, block, residual, code, hadamard)
+    return REORDER_QUANTIZE.pick(grad)(grad, k, m, bits, block, residual, code, hadamard)
 
 
 def dequant_reduce_quantize(recv, k, S, bits_in=4, bits_out=4, block=DEFAULT_BLOCK, code="linear"):
-    return backend_for(recv).dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, code)
+    return DEQUANT_REDUCE_QUANTIZE.pick(recv)(recv, k, S, bits_in, bits_out, block, code)
 
 
 def dequant_reduce(recv, S, bits=4, block=DEFAULT_BLOCK, scale=1.0, out=None, code="linear", hadamard=False):
-    return backend_for(recv).dequant_reduce(recv, S, bits, block, scale, out, code, hadamard)
+    return DEQUANT_REDUCE.pick(recv)(recv, S, bits, block, scale, out, code, hadamard)
 
 
 def hadamard(x, inverse=False):
     """fp32 [..., L]: H x (H^T x with inverse) per 64 consecutive elements."""
-    return backend_for(x).hadamard(x, inverse)
+    return HADAMARD.pick(x)(x, inverse)

@@ -4,12 +4,10 @@ signatures and bit-identical results of kernels/reference.py.
 
 This module is the host side: it checks the arguments, works out each distinct call's
 launch once (a memoised plan), allocates the output and launches the kernels of
-kernels/quant_triton.py. Tuning and tuned() choose how the kernels launch (never what
-they compute), for the benchmarks and tests.
+kernels/quant_triton.py. Each op takes a keyword-only `tuning` (kernels/tuning.py: how
+the kernels launch, never what they compute; the benchmarks and tests pass theirs).
 """
 
-import contextlib
-import dataclasses
 import functools
 import math
 import typing
@@ -37,7 +35,8 @@ from .format import (
     packed_len,
 )
 from . import quant_triton as kt
-from .launch import CachedLauncher, Launch, TensorDescriptor
+from .launch import Launch, TensorDescriptor
+from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = list(KERNEL_API)
 
@@ -45,27 +44,16 @@ __all__ = list(KERNEL_API)
 # Launch defaults, from the H200 sweeps of tools/bench/bench_kernels.py and
 # sweep_kernels.py (docs/PERFORMANCE.md): the quantize kernel gives ~64 elements to a
 # thread and 2 blocks to a program; the int4 word kernels 32 (float output) or 64 (the
-# hop, which spreads its per-block work) and one block per program.
+# hop, which spreads its per-block work) and one block per program. (What a caller may
+# vary, the size thresholds of the evict-first loads and of the bulk copies among it, is
+# a field of kernels/tuning.py's Tuning.)
 QUANTIZE_PER_THREAD = 64
 QUANTIZE_NB = 2
 WORDS_PER_THREAD = 32
 HOP_PER_THREAD = 64
 WORDS_NB = 1
-# The quantize kernel's input is read once: below these many elements (per output
-# width) its loads are marked evict-first. Per call (L2 flushed, in the same rounds as
-# DeepSpeed's kernels on the H200; docs/PERFORMANCE.md, "Per call") that wins at 16M
-# elements for int8 and at 16M and 32M for int4 (quantize4 and reorder_quantize4, 4-10%),
-# ties at 64M and loses above. The price is graph replay of the int4 quantize at 16M,
-# where back-to-back calls find their input in the L2 (down 15-19%).
-EVICT_FIRST_BELOW = {8: 1 << 25, 4: 1 << 26}
-# From this many elements the int8 quantize of one row (a qwZ shard, the benchmark's
-# case) moves its data with bulk tensor copies on Hopper: 0.8-1.3% faster than the
-# register path from 64M in graph replay and as fast or faster per call; at 32M no faster
-# per call, and its host path is longer (Triton encodes the copy descriptors in Python
-# every call; docs/PERFORMANCE.md, "Per call"). One program moves one block with 4 warps.
-BULK_COPIES_FROM = 1 << 26
-BULK_COPIES_PER_THREAD = 32
-# Below BULK_COPIES_FROM the int8 quantize (linear code, no residual or transform)
+BULK_COPIES_PER_THREAD = 32  # the bulk-copy quantize (from Tuning.bulk_copies_from elements)
+# Below Tuning.bulk_copies_from the int8 quantize (linear code, no residual or transform)
 # launches in DeepSpeed's shape: 16 elements a thread, one block a program, with the
 # registers capped at 32 so that 2,048 threads fill an SM. Per call on the H200 at 16M
 # and 32M elements (4096-blocks, 8 warps a program; training's 2048-blocks, 4 warps, the
@@ -78,59 +66,6 @@ BULK_COPIES_PER_THREAD = 32
 # the rule on.
 QUANTIZE8_SMALL_PER_THREAD = 16
 QUANTIZE8_SMALL_REGS = 32
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a cheap plan key
-class Tuning:
-    """How the kernels launch; never what they compute (every setting writes the same
-    bytes, tests/test_kernels.py). The defaults are the launch defaults above; the
-    benchmarks and tests try others inside :func:`tuned`.
-
-    warps / nb: warps and blocks per program (None: from the sizes, _launch_opts).
-    The quantize kernel: chunked: reads every 64-group as 8 chunk tiles (the fused
-    Hadamard transform's layout; blocks that are multiples of 64); evict: its input
-    loads, "evict_first" or "" (None: evict-first below EVICT_FIRST_BELOW[bits]
-    elements); tma: the int8 quantize of one row through bulk tensor copies
-    (_quantize8_tma; None: from BULK_COPIES_FROM elements on Hopper).
-    The int4 word kernels: words: used at all (False: the byte kernel); magic: their
-    int -> float by the exponent trick (_nibble; False: conversion instructions).
-    cached_launch: kernels/launch.py's launchers (False: every call through Triton's
-    JIT, the benchmark's comparison). regs: registers a thread may use (Triton's
-    maxnreg; 0: no cap; None: QUANTIZE8_SMALL_REGS where that shape applies)."""
-    warps: int | None = None
-    nb: int | None = None
-    chunked: bool = False
-    evict: str | None = None
-    tma: bool | None = None
-    words: bool = True
-    magic: bool = True
-    cached_launch: bool = True
-    regs: int | None = None
-
-
-_TUNING = Tuning()
-
-
-_TUNINGS: dict = {}  # field values -> the one Tuning object with them (see tuned)
-
-
-@contextlib.contextmanager
-def tuned(**changes):
-    """Launch with `changes` to the current :class:`Tuning` inside the block. Equal
-    settings give the same object, so the plans memoised under it (keyed by identity)
-    serve every block that asks for them."""
-    global _TUNING
-    new = dataclasses.replace(_TUNING, **changes)
-    saved, _TUNING = _TUNING, _TUNINGS.setdefault(dataclasses.astuple(new), new)
-    try:
-        yield _TUNING
-    finally:
-        _TUNING = saved
-
-
-def _launcher(cached: CachedLauncher) -> CachedLauncher:
-    cached.enabled = _TUNING.cached_launch
-    return cached
 
 
 def _launch_opts(tuning: Tuning, block: int, per_thread: int, nb_default: int, *block_counts: int,
@@ -179,7 +114,7 @@ def _signs(device) -> torch.Tensor:
 
 
 # Plans. What an op launches depends only on its arguments' shapes, dtypes and options
-# and on the Tuning in force, so it is worked out (and checked) once per distinct call,
+# and on the Tuning it was given, so it is worked out (and checked) once per distinct call,
 # by the memoised functions below; a call then costs its output's allocation, the
 # alignment checks that choose a kernel, and the launch. That host path must stay well
 # inside the time a per-call benchmark's L2 flush leaves it (docs/PERFORMANCE.md, "Per
@@ -204,26 +139,27 @@ def _rows_plan(out_shape, rows, k, m, S, bits, block, code, hadamard, has_res, t
     P = packed_len(k * S, bits, block)
     row_blocks, chunk_blocks, n = k * S // block, S // block, rows * k * S
     plain8 = bits == 8 and code == "linear" and not (has_res or hadamard)  # the qwZ weight quantize
-    if plain8 and not tuning.chunked and n < BULK_COPIES_FROM:
+    if plain8 and not tuning.chunked and n < tuning.bulk_copies_from:
         opts = _launch_opts(tuning, block, QUANTIZE8_SMALL_PER_THREAD, 1, row_blocks, chunk_blocks,
                             regs=QUANTIZE8_SMALL_REGS)
     else:
         opts = _launch_opts(tuning, block, QUANTIZE_PER_THREAD, QUANTIZE_NB, row_blocks, chunk_blocks)
     evict = tuning.evict
     if evict is None:
-        evict = "evict_first" if n < EVICT_FIRST_BELOW[bits] else ""
+        evict = "evict_first" if n < tuning.evict_first_below[bits] else ""
     launch = Launch((rows * row_blocks // opts["NB"],), (m, chunk_blocks, row_blocks // opts["NB"], P,
                                                          k * S * bits // 8),
                     dict(BITS=bits, QMAX=QMAX[bits], HAS_RES=has_res, SQUARE=code == "square", HADAMARD=hadamard,
                          CHUNKED=tuning.chunked and block % HADAMARD_SIZE == 0, EVICT=evict, PLAIN=k == 1,
-                         ONE_ROW=k == 1 and rows == 1, **opts))
+                         ONE_ROW=k == 1 and rows == 1, **opts), cached=tuning.cached_launch)
     bulk = None
     if (plain8 and rows == 1 and k == 1 and block % 64 == 0 and (tuning.nb or 1) * block <= 256 * 64
-            and (tuning.tma if tuning.tma is not None else S >= BULK_COPIES_FROM)):
+            and (tuning.tma if tuning.tma is not None else S >= tuning.bulk_copies_from)):
         opts = _launch_opts(tuning, block, BULK_COPIES_PER_THREAD, 1, S // block)
         bulk = Launch((S // (opts["NB"] * block),), (S,),
                       dict(ROWS=opts["NB"] * block // 64, NB=opts["NB"], QMAX=QMAX[8], TINY=opts["TINY"],
-                           **{name: opts[name] for name in ("num_warps", "enable_fp_fusion", "maxnreg") if name in opts}))
+                           **{name: opts[name] for name in ("num_warps", "enable_fp_fusion", "maxnreg") if name in opts}),
+                      cached=tuning.cached_launch)
     return _Plan(out_shape, launch, bulk=bulk, bulk_forced=bool(tuning.tma))
 
 
@@ -237,7 +173,7 @@ def _quantize_into(plan: _Plan, x, residual, out):
     if plan.bulk is not None and (plan.bulk_forced or _has_bulk_copies(x.device)) and x.data_ptr() % 16 == 0:
         _quantize8_tma(x, out, plan.bulk)
     else:
-        _launcher(kt.QUANTIZE).launch(plan.launch, x, residual if residual is not None else x, out)
+        kt.QUANTIZE.launch(plan.launch, x, residual if residual is not None else x, out)
 
 
 def _quantize8_tma(x, out, bulk: Launch):
@@ -245,8 +181,8 @@ def _quantize8_tma(x, out, bulk: Launch):
     elements) and the payload (out's first S bytes) as [S / 64, 64] tiles of ROWS rows.
     The descriptors take the contiguous tensors themselves as bases (no views to make)."""
     shape, box = [bulk.scalars[0] // 64, 64], [bulk.kwargs["ROWS"], 64]
-    _launcher(kt.QUANTIZE8_TMA).launch(bulk, out, TensorDescriptor(x, shape, [64, 1], box),
-                                     TensorDescriptor(out, shape, [64, 1], box))
+    kt.QUANTIZE8_TMA.launch(bulk, out, TensorDescriptor(x, shape, [64, 1], box),
+                            TensorDescriptor(out, shape, [64, 1], box))
 
 
 def _reduce_plan(tuning, out_shape, out_rows, n_sum, L_in, bits_in, in_row_bytes, in_rows_per_out,
@@ -267,20 +203,22 @@ def _reduce_plan(tuning, out_shape, out_rows, n_sum, L_in, bits_in, in_row_bytes
         if bits_out:
             del opts["BLOCK"], opts["BLOCK_P2"]
             words = Launch(grid, scalars + (out_row_bytes // 4, out_row_len // 8),
-                           dict(N_SUM=n_sum, HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts))
+                           dict(N_SUM=n_sum, HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, **opts),
+                           cached=tuning.cached_launch)
         else:
             del opts["TINY"]
             words = Launch(grid, scalars + (float(factor or 1.0),),
                            dict(N_SUM=n_sum, HAS_FACTOR=factor is not None, ACCUMULATE=accumulate,
                                 MANUAL_BF16=kt.INTERPRETED, MAGIC=tuning.magic, SQUARE=square, HADAMARD=hadamard,
-                                **opts))
+                                **opts), cached=tuning.cached_launch)
     opts = _launch_opts(tuning, block, 32, 1, out_row_blocks, in_blocks_per_out or out_row_blocks)
     launch = Launch((out_rows * out_row_blocks // opts["NB"],),
                     (in_row_bytes, L_in * bits_in // 8, in_rows_per_out, in_blocks_per_out,
                      out_row_blocks // opts["NB"], out_row_bytes, out_row_len * bits_out // 8, float(factor or 1.0)),
                     dict(N_SUM=n_sum, BITS_IN=bits_in, BITS_OUT=bits_out, QMAX_OUT=QMAX.get(bits_out, 1),
                          HAS_FACTOR=factor is not None, ACCUMULATE=accumulate, MANUAL_BF16=kt.INTERPRETED,
-                         HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, HADAMARD=hadamard, **opts))
+                         HOP_FLUSH=HOP_FLUSH, HOP_FLOOR=HOP_FLOOR, SQUARE=square, HADAMARD=hadamard, **opts),
+                    cached=tuning.cached_launch)
     return _Plan(out_shape, launch, words, hop=bool(bits_out))
 
 
@@ -291,11 +229,11 @@ def _reduce_into(plan: _Plan, recv, out):
         return
     if plan.words is not None and recv.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0:
         if plan.hop:
-            _launcher(kt.INT4_HOP).launch(plan.words, recv, out)
+            kt.INT4_HOP.launch(plan.words, recv, out)
         else:
-            _launcher(kt.INT4_WORDS).launch(plan.words, recv, out, _signs(recv.device))
+            kt.INT4_WORDS.launch(plan.words, recv, out, _signs(recv.device))
     else:
-        _launcher(kt.DEQUANT_REDUCE).launch(plan.launch, recv, out, _signs(recv.device))
+        kt.DEQUANT_REDUCE.launch(plan.launch, recv, out, _signs(recv.device))
 
 
 @_memoised
@@ -312,8 +250,8 @@ def _quantize_plan(shape, dtype, bits, block, code, hadamard, tuning) -> _Plan:
 
 
 def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear",
-             hadamard: bool = False) -> torch.Tensor:
-    plan = _quantize_plan(x.shape, x.dtype, bits, block, code, hadamard, _TUNING)
+             hadamard: bool = False, *, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    plan = _quantize_plan(x.shape, x.dtype, bits, block, code, hadamard, tuning)
     x = x.contiguous()
     out = torch.empty(plan.out_shape, dtype=torch.uint8, device=x.device)
     _quantize_into(plan, x, None, out)
@@ -333,9 +271,9 @@ def _dequantize_plan(shape, packed_dtype, L, bits, block, code, tuning) -> _Plan
 
 def dequantize(
     packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
-    code: str = "linear",
+    code: str = "linear", *, tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
-    plan = _dequantize_plan(packed.shape, packed.dtype, L, bits, block, code, _TUNING)
+    plan = _dequantize_plan(packed.shape, packed.dtype, L, bits, block, code, tuning)
     packed = packed.contiguous()
     out = torch.empty(plan.out_shape, dtype=dtype, device=packed.device)
     _reduce_into(plan, packed, out)
@@ -355,9 +293,10 @@ def _reorder_plan(numel, dtype, k, m, bits, block, code, hadamard, has_res, tuni
 
 def reorder_quantize(
     grad: torch.Tensor, k: int, m: int, bits: int = 4, block: int = DEFAULT_BLOCK,
-    residual: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False,
+    residual: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False, *,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
-    plan = _reorder_plan(grad.numel(), grad.dtype, k, m, bits, block, code, hadamard, residual is not None, _TUNING)
+    plan = _reorder_plan(grad.numel(), grad.dtype, k, m, bits, block, code, hadamard, residual is not None, tuning)
     if residual is not None:
         check_residual(residual, grad)
     grad = grad.contiguous()
@@ -378,9 +317,9 @@ def _hop_plan(shape, packed_dtype, k, S, bits_in, bits_out, block, code, tuning)
 
 def dequant_reduce_quantize(
     recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK,
-    code: str = "linear",
+    code: str = "linear", *, tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
-    plan = _hop_plan(recv.shape, recv.dtype, k, S, bits_in, bits_out, block, code, _TUNING)
+    plan = _hop_plan(recv.shape, recv.dtype, k, S, bits_in, bits_out, block, code, tuning)
     recv = recv.contiguous()
     out = torch.empty(plan.out_shape, dtype=torch.uint8, device=recv.device)
     _reduce_into(plan, recv, out)
@@ -400,10 +339,11 @@ def _final_reduce_plan(shape, packed_dtype, S, bits, block, scale, accumulate, c
 
 def dequant_reduce(
     recv: torch.Tensor, S: int, bits: int = 4, block: int = DEFAULT_BLOCK, scale: float = 1.0,
-    out: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False,
+    out: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False, *,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     accumulate = out is not None
-    plan = _final_reduce_plan(recv.shape, recv.dtype, S, bits, block, scale, accumulate, code, hadamard, _TUNING)
+    plan = _final_reduce_plan(recv.shape, recv.dtype, S, bits, block, scale, accumulate, code, hadamard, tuning)
     if accumulate:
         check_out(out, S)
     else:
@@ -412,7 +352,7 @@ def dequant_reduce(
     return out
 
 
-def hadamard(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def hadamard(x: torch.Tensor, inverse: bool = False, *, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
     check_float_input(x)
     L = x.shape[-1] if x.dim() else 0
     check_hadamard(L)
@@ -422,6 +362,9 @@ def hadamard(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     if groups == 0:
         return out
     nb = next(c for c in (16, 8, 4, 2, 1) if groups % c == 0)
-    _launcher(kt.HADAMARD)((groups // nb,), flat, out, _signs(x.device), NB=nb, INVERSE=inverse,
-                         num_warps=max(1, nb // 4), enable_fp_fusion=False)
+    grid, options = (groups // nb,), dict(NB=nb, INVERSE=inverse, num_warps=max(1, nb // 4), enable_fp_fusion=False)
+    if tuning.cached_launch:
+        kt.HADAMARD(grid, flat, out, _signs(x.device), **options)
+    else:
+        kt.HADAMARD.kernel[grid](flat, out, _signs(x.device), **options)
     return out

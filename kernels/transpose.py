@@ -23,28 +23,25 @@ tokens/s, against 92K now (docs/PERFORMANCE.md, "Host time of the transpose op")
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
 
-from .fused_common import backend
+from .dispatch import Op
 
 
 def transpose_reference(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous()
 
 
+# CUDA: the Triton kernel, also while inductor traces the op (under_compile="triton":
+# inductor must not see the reference, which it would fuse into dY's producer). The
+# interpreter (MEGAQ_KERNELS=triton on the CPU) runs only on real tensors; a trace there
+# records the reference, the same bytes.
+TRANSPOSE = Op("transpose", transpose_reference, "transpose_triton.transpose", under_compile="triton")
+
+
 @triton_op("megaq::transpose_1byte", mutates_args=())
 def _transpose_op(x: torch.Tensor) -> torch.Tensor:
-    # CUDA: the Triton kernel, also while inductor traces this (unlike fused_common.use_triton:
-    # inductor must not see the reference, which it would fuse into dY's producer). The
-    # interpreter (MEGAQ_KERNELS=triton on the CPU) runs only on real tensors; a trace there
-    # records the reference, the same bytes.
-    choice = backend()
-    if choice != "torch" and (x.is_cuda or (choice == "triton" and not is_fake(x))):
-        from . import transpose_triton as k
-
-        return k.transpose(x)
-    return transpose_reference(x)
+    return TRANSPOSE.pick(x)(x)
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:

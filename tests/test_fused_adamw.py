@@ -1,7 +1,7 @@
 """megaq's one-pass AdamW step (megaq.kernels.fused_adamw): the Triton kernel (run by
-the interpreter here) gives the reference's bits, and the ZeRO engine's step with it
-trains as torch's AdamW, writes the model's bf16 weights in the same pass, and resumes
-exactly from a checkpoint."""
+the interpreter on the CPU, compiled on a GPU with TRITON_INTERPRET=0) gives the
+reference's bits, and the ZeRO engine's step with it trains as torch's AdamW, writes
+the model's bf16 weights in the same pass, and resumes exactly from a checkpoint."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from megaq.kernels import fused_adamw
 from megaq.parallel.topology import Layout, build_topology
 from megaq.zero import ZeroConfig, build_engine
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel-vs-reference test's device
+
 
 def _buffers(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2,
-            torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-5]
+    return [t.to(DEV) for t in (torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2,
+                                torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-5)]
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, None])
@@ -25,9 +27,9 @@ def _buffers(n, seed):
 def test_triton_step_matches_the_reference_bit_for_bit(monkeypatch, out_dtype, clip):
     monkeypatch.setenv("MEGAQ_KERNELS", "triton")
     n = 3 * 2048 + 77  # a partial last block
-    coef = torch.tensor(0.37) if clip else None
+    coef = torch.tensor(0.37, device=DEV) if clip else None
     got, want = _buffers(n, 0), _buffers(n, 0)
-    out_got = torch.full((n,), 7.0, dtype=out_dtype) if out_dtype else None
+    out_got = torch.full((n,), 7.0, dtype=out_dtype, device=DEV) if out_dtype else None
     out_want = out_got.clone() if out_dtype else None
     for step in (1, 2, 50):  # the bias corrections change with the step
         scalars = fused_adamw.step_scalars(1e-3, 0.1, (0.9, 0.95), 1e-8, step)

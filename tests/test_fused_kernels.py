@@ -19,6 +19,7 @@ from megaq.kernels import fused_rmsnorm as frn
 from megaq.kernels import fused_rope as frp
 from megaq.kernels import fused_swiglu as fsw
 from megaq.kernels import transpose as ktr
+from megaq.kernels.tuning import Tuning
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,17 +125,16 @@ def test_cross_entropy_matches_reference_and_ignores_padding(dtype, faithful_int
     assert rel(lf.reshape(-1), plain) < 1e-5
 
 
-def test_cross_entropy_large_vocab_streams_chunks(monkeypatch, faithful_interpreter):
+def test_cross_entropy_large_vocab_streams_chunks(faithful_interpreter):
     """V larger than one block: the online max / sum must combine chunks, and padding
     that is not a whole block must still be excluded."""
     from megaq.kernels import fused_cross_entropy_triton as k
 
-    monkeypatch.setattr(k, "FWD_BLOCK", 16)
-    monkeypatch.setattr(k, "BWD_BLOCK", 32)
+    chunks = Tuning(ce_fwd_block=16, ce_bwd_block=32)  # 5 chunks forward, 3 backward
     logits = torch.randn(4, 70) * 5
     logits[0, 3] = 40.0  # a max in the first chunk, then much smaller values
     labels = torch.tensor([3, 66, 0, 17])
-    (lf, gf), (lr, gr) = run_both(lambda t: fce.cross_entropy(t, labels.to(DEV), 67),
+    (lf, gf), (lr, gr) = run_both(lambda t: k.cross_entropy(t, labels.to(DEV), 67, tuning=chunks),
                                   lambda t: fce.cross_entropy_reference(t, labels.to(DEV), 67), [logits])
     assert rel(lf, lr) < 1e-5 and rel(gf[0][:, :67], gr[0][:, :67]) < 1e-5
     assert torch.all(gf[0][:, 67:] == 0)

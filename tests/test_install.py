@@ -2,38 +2,47 @@
 user CLI's `--help` (tools/*.py) work, however megaq is installed and wherever it is
 run from.
 
-A copy of the checkout (megaq/, kernels/, tools/, the top-level scripts and build
-files) stands for "the repository". Each case gets a scratch virtual environment that
-sees this interpreter's site-packages as a plain path entry (torch, numpy, ... import),
-so the .pth files there, among them an editable install of megaq, never take effect:
+A copy of the checkout (megaq/ with its megaq/kernels link to the top-level kernels/,
+kernels/, tools/, the top-level scripts and build files) stands for "the repository".
+Each case gets a scratch virtual environment that sees this interpreter's
+site-packages as a plain path entry (torch, numpy, ... import), so the .pth files
+there, among them an editable install of megaq, never take effect:
 
 - checkout: nothing installed; scripts run from the checkout, `import megaq` with the
   checkout on PYTHONPATH (as Megatron users run it);
 - wheel: `pip wheel` of the copy, installed non-editable; the checkout's megaq/ shadows
   the installed one when run from the repository root (its kernels/ must follow);
-- editable: `pip install -e` of the copy.
+- editable: `pip install -e` of the copy;
+- sdist: the source distribution of the copy, installed by pip (which builds a wheel
+  from it); the import check only (the CLIs are the wheel case's).
 
-Each is run from the repository root and from another directory. Budget ~40 s on
+Each is run from the repository root and from another directory. Budget ~45 s on
 2 cores (mostly `import torch` in the CLIs that need it).
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import site
 import subprocess
 import sys
+import tarfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# What the import check prints: where megaq and megaq.kernels were found, and that a
-# kernels submodule resolves through the package's __path__.
-PROBE = ("import megaq, megaq.kernels, megaq.kernels.format; "
-         "print(megaq.__file__); print(megaq.kernels.__file__)")
+# What the import check prints: where megaq and megaq.kernels were found (and the file
+# behind the kernels, through the checkout's link), that a kernels submodule resolves
+# through the package's __path__, and whether a top-level `kernels` is importable.
+PROBE = ("import importlib.util, json, os, megaq, megaq.kernels, megaq.kernels.format; "
+         "print(json.dumps({'megaq': megaq.__file__, 'kernels': megaq.kernels.__file__, "
+         "'kernels_real': os.path.realpath(megaq.kernels.__file__), "
+         "'top_level_kernels': importlib.util.find_spec('kernels') is not None}))")
 
 
 def _why_no_build() -> str | None:
@@ -61,8 +70,9 @@ def _run(cmd: list[str], cwd: str, env: dict | None = None, timeout: float = 300
 
 def _copy_checkout(dst: str) -> None:
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
-    for folder in ("megaq", "kernels", "tools"):
-        shutil.copytree(os.path.join(REPO, folder), os.path.join(dst, folder), ignore=skip)
+    for folder in ("megaq", "kernels", "tools"):  # links stay links (megaq/kernels), as in a clone
+        shutil.copytree(os.path.join(REPO, folder), os.path.join(dst, folder), ignore=skip, symlinks=True)
+    assert os.path.islink(os.path.join(dst, "megaq", "kernels")), "megaq/kernels must be the link to kernels/"
     top = {"pyproject.toml", "README.md"} | {n for n in os.listdir(REPO) if n.endswith(".py")}
     for name in sorted(top):
         shutil.copy2(os.path.join(REPO, name), dst)
@@ -106,7 +116,19 @@ def checkout(tmp_path_factory) -> dict:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     wheels = glob.glob(os.path.join(dist, "megaq-*.whl"))
     assert len(wheels) == 1, os.listdir(dist)
-    return {"root": str(root), "repo": repo, "elsewhere": elsewhere, "wheel": wheels[0]}
+    r = _run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({dist!r})"],
+             cwd=repo)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    sdists = glob.glob(os.path.join(dist, "megaq-*.tar.gz"))
+    assert len(sdists) == 1, os.listdir(dist)
+    # both carry the kernels as files of megaq/kernels/, and no top-level `kernels`
+    with zipfile.ZipFile(wheels[0]) as z:
+        wheel_files = z.namelist()
+    with tarfile.open(sdists[0]) as t:
+        sdist_files = [m.name.split("/", 1)[1] for m in t.getmembers() if m.isfile()]
+    for files in (wheel_files, sdist_files):
+        assert "megaq/kernels/quant_triton.py" in files and not any(f.startswith("kernels/") for f in files)
+    return {"root": str(root), "repo": repo, "elsewhere": elsewhere, "wheel": wheels[0], "sdist": sdists[0]}
 
 
 def _clis(repo: str) -> list[str]:
@@ -118,13 +140,13 @@ def _clis(repo: str) -> list[str]:
     return clis
 
 
-@pytest.mark.parametrize("install", ["checkout", "wheel", "editable"])
+@pytest.mark.parametrize("install", ["checkout", "wheel", "editable", "sdist"])
 def test_install_matrix(install, checkout):
     repo, elsewhere = checkout["repo"], checkout["elsewhere"]
     env_dir = os.path.join(checkout["root"], f"env_{install}")
     python = _scratch_env(env_dir)
-    if install == "wheel":
-        _pip_install(env_dir, checkout["wheel"])
+    if install in ("wheel", "sdist"):
+        _pip_install(env_dir, checkout[install])
     elif install == "editable":
         _pip_install(env_dir, "-e", repo)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -138,7 +160,7 @@ def test_install_matrix(install, checkout):
     jobs = []  # (what, cmd, cwd, env, expected megaq root or None)
     for cwd in (repo, elsewhere):
         where = "repository root" if cwd == repo else "another directory"
-        for cli in _clis(repo):
+        for cli in _clis(repo) if install != "sdist" else ():
             script = cli if cwd == repo else os.path.join(repo, cli)
             jobs.append((f"{cli} --help from the {where}", [python, script, "--help"], cwd, env,
                          None))
@@ -147,7 +169,7 @@ def test_install_matrix(install, checkout):
             probe_env = dict(env, PYTHONPATH=repo)
         # from the root the checkout's megaq/ shadows any installed copy; elsewhere the
         # wheel's own copy answers; an editable install points into the checkout
-        expect = installed_megaq if (install == "wheel" and cwd == elsewhere) else repo
+        expect = installed_megaq if (install in ("wheel", "sdist") and cwd == elsewhere) else repo
         jobs.append((f"import megaq.kernels from the {where}", [python, "-c", PROBE], cwd,
                      probe_env, expect))
 
@@ -164,15 +186,23 @@ def test_install_matrix(install, checkout):
                 if "usage:" not in r.stdout:
                     failures.append(f"{install}: {what}: no usage text\n{r.stdout[-500:]}")
             else:
-                megaq_file, kernels_file = r.stdout.split()
-                pkg_root = os.path.dirname(os.path.dirname(megaq_file))
-                # megaq.kernels is the kernels beside the megaq that was imported: the
-                # checkout's top-level kernels/, or the installed megaq/kernels/
+                got = json.loads(r.stdout)
+                megaq_file, kernels_file = got["megaq"], got["kernels"]
+                # megaq.kernels is the kernels beside the megaq that was imported: in a
+                # checkout megaq/kernels, the link to its top-level kernels/; installed, the
+                # wheel's megaq/kernels/ folder
                 if not megaq_file.startswith(expect + os.sep):
                     failures.append(f"{install}: {what}: megaq from {megaq_file}, expected under {expect}")
-                beside = (os.path.join(pkg_root, "kernels") if pkg_root == repo
-                          else os.path.join(os.path.dirname(megaq_file), "kernels"))
+                beside = os.path.join(os.path.dirname(megaq_file), "kernels")
                 if os.path.dirname(kernels_file) != beside:
                     failures.append(f"{install}: {what}: megaq.kernels from {kernels_file}, "
                                     f"expected {beside} (megaq from {megaq_file})")
+                real = os.path.join(repo, "kernels") if expect == repo else beside
+                if os.path.dirname(got["kernels_real"]) != real:
+                    failures.append(f"{install}: {what}: megaq.kernels' files in {got['kernels_real']}, "
+                                    f"expected {real}")
+                # an install exposes no top-level `kernels` (the name is another project's);
+                # a checkout on the path does: its root holds the folder
+                if cwd == elsewhere and install != "checkout" and got["top_level_kernels"]:
+                    failures.append(f"{install}: {what}: a top-level `kernels` is importable")
     assert not failures, "\n\n".join(failures)

@@ -27,6 +27,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from megaq.kernels import launch, reference as ref  # noqa: E402
+from megaq.kernels.tuning import Tuning  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -150,10 +151,12 @@ def test_wrong_specialization_is_caught(monkeypatch):
 
 def test_fallbacks_launch_through_the_jit():
     fl = _fake_launcher(_axpb_kernel)
-    fl.enabled = False
     x = torch.randn(64, device=DEV)
-    _axpb(fl, x, 2.0, 32)
-    _axpb(fl, x, 2.0, 32)
+    out = torch.empty(64, device=DEV)
+    jit = launch.Launch((2,), (64, 2.0), dict(BLOCK=32, SHIFT=1), cached=False)  # Tuning(cached_launch=False)
+    for _ in range(2):
+        fl.launch(jit, x, out)
+        assert torch.equal(out, x * 2 + 1)
     assert fl.kernel.compiles == 2 and fl.compiles == 0  # every call through the JIT
     fl = _fake_launcher(_axpb_kernel)
     fl._hooks_active = lambda: True  # a profiler's launch hook: the JIT builds its metadata
@@ -177,26 +180,25 @@ def quant_fake(monkeypatch, quant_kernels):
     (None, 96, (torch.float32, torch.bfloat16)),  # int4 word kernels (W = 12 padded to 16)
     (False, 64, (torch.bfloat16,)),  # the byte kernel
 ])
-def test_quant_ops_bit_identical_through_cache(quant_fake, monkeypatch, words, block, dtypes,
-                                               faithful_interpreter):
+def test_quant_ops_bit_identical_through_cache(quant_fake, words, block, dtypes, faithful_interpreter):
     tq, fakes = quant_fake
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=words is not False))
+    tuning = Tuning(words=words is not False)
     k, m, S = 2, 2, 2 * block
     for dtype in dtypes:
         g = torch.Generator().manual_seed(block)
         x = (torch.randn(k * m * S, generator=g) * 3).to(dtype).to(DEV)
         for _ in range(2):  # the second round launches from the cache
             for bits in (8, 4):
-                a = tq.quantize(x, bits, block)
+                a = tq.quantize(x, bits, block, tuning=tuning)
                 assert torch.equal(a.cpu(), ref.quantize(x.cpu(), bits, block)), (block, dtype, bits)
-                d = tq.dequantize(a, x.numel(), bits, block, dtype)
+                d = tq.dequantize(a, x.numel(), bits, block, dtype, tuning=tuning)
                 assert torch.equal(d.cpu(), ref.dequantize(a.cpu(), x.numel(), bits, block, dtype))
             for code in ("linear", "square"):  # the int4 gradient codes
-                r = tq.reorder_quantize(x, k, m, 4, block, code=code)
+                r = tq.reorder_quantize(x, k, m, 4, block, code=code, tuning=tuning)
                 assert torch.equal(r.cpu(), ref.reorder_quantize(x.cpu(), k, m, 4, block, code=code))
-                h = tq.dequant_reduce_quantize(r, k, S, 4, 4, block, code=code)
+                h = tq.dequant_reduce_quantize(r, k, S, 4, 4, block, code=code, tuning=tuning)
                 assert torch.equal(h.cpu(), ref.dequant_reduce_quantize(r.cpu(), k, S, 4, 4, block, code=code))
-                f = tq.dequant_reduce(h, S, 4, block, 0.125, code=code)
+                f = tq.dequant_reduce(h, S, 4, block, 0.125, code=code, tuning=tuning)
                 assert torch.equal(f.cpu(), ref.dequant_reduce(h.cpu(), S, 4, block, 0.125, code=code))
     used = [f for f in fakes.values() if f.compiles]
     assert used and all(f.kernel.fast_runs >= f.compiles for f in used)
@@ -238,7 +240,7 @@ def test_descriptor_arguments_keyed_by_dtype_and_block_shape(quant_fake, monkeyp
     arguments or among a plain call's scalars: a key blind to them hands a bf16 call the
     fp32 kernel, and the fake launcher refuses it."""
     tq, fakes = quant_fake
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(tma=True, nb=1))
+    bulk = Tuning(tma=True, nb=1)
     fake = fakes["QUANTIZE8_TMA"]
     g = torch.Generator().manual_seed(5)
     base = torch.randn(4096, generator=g) * 3
@@ -247,11 +249,12 @@ def test_descriptor_arguments_keyed_by_dtype_and_block_shape(quant_fake, monkeyp
     for _ in range(2):
         for n, dtype, block in cases:
             x = base[:n].to(dtype).to(DEV)
-            assert torch.equal(tq.quantize(x, 8, block).cpu(), ref.quantize(x.cpu(), 8, block)), (n, dtype, block)
+            assert torch.equal(tq.quantize(x, 8, block, tuning=bulk).cpu(), ref.quantize(x.cpu(), 8, block)), \
+                (n, dtype, block)
     assert fake.compiles == fake.kernel.compiles == len(cases)  # one plan each, through the JIT once
     assert fake.kernel.fast_runs == len(cases)  # the second round from the cache
 
-    plan = tq._quantize_plan(base.shape, base.dtype, 8, 128, "linear", False, tq._TUNING).bulk
+    plan = tq._quantize_plan(base.shape, base.dtype, 8, 128, "linear", False, bulk).bulk
     out = torch.empty(ref.packed_len(base.numel(), 8, 128), dtype=torch.uint8, device=DEV)
 
     def descriptors(x):
@@ -276,14 +279,14 @@ def test_real_cached_launches_match_the_jit():
     x = torch.randn(k * m * 4 * block, device="cuda", dtype=torch.bfloat16)
     S = x.numel() // (k * m)
     outs = {}
+    tunings = {cached: (Tuning(cached_launch=cached), Tuning(cached_launch=cached, tma=True)) for cached in (False, True)}
     for cached in (False, True, True):  # the JIT, the first cached call, a cache hit
-        with quant.tuned(cached_launch=cached):
-            r = quant.reorder_quantize(x, k, m, 4, block)
-            with quant.tuned(tma=True):  # tensor-descriptor arguments
-                bulk = quant.quantize(x, 8, block)
-            outs.setdefault(cached, []).append((quant.quantize(x, 8, block), bulk, r,
-                                                quant.dequant_reduce_quantize(r, k, S, 4, 4, block),
-                                                quant.dequantize(r, k * S, 4, block, torch.bfloat16)))
+        plain, tma = tunings[cached]  # tma: tensor-descriptor arguments
+        r = quant.reorder_quantize(x, k, m, 4, block, tuning=plain)
+        outs.setdefault(cached, []).append((quant.quantize(x, 8, block, tuning=plain),
+                                            quant.quantize(x, 8, block, tuning=tma), r,
+                                            quant.dequant_reduce_quantize(r, k, S, 4, 4, block, tuning=plain),
+                                            quant.dequantize(r, k * S, 4, block, torch.bfloat16, tuning=plain)))
     for got in outs[True]:
         assert all(torch.equal(a, b) for a, b in zip(outs[False][0], got))
     assert quant.kt.INT4_HOP.compiles >= 1 and quant.kt.QUANTIZE.compiles >= 1 and quant.kt.QUANTIZE8_TMA.compiles >= 1

@@ -6,7 +6,9 @@ Triton runs on CUDA when there is a GPU, else on CPU under the Triton interprete
 it when it decorates).
 """
 
+import functools
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megaq.kernels import ops, reference as ref  # noqa: E402
-from megaq.kernels.format import QMAX, SCALE_BITS, SCALE_DROP, TINY, packed_len  # noqa: E402
+from megaq.kernels.format import KERNEL_API, QMAX, SCALE_BITS, SCALE_DROP, TINY, packed_len  # noqa: E402
+from megaq.kernels.tuning import Tuning  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -36,6 +39,12 @@ def tq(request):
             pytest.skip("no GPU and TRITON_INTERPRET is not 1")
         request.getfixturevalue("faithful_interpreter")
     return request.getfixturevalue("quant_kernels")
+
+
+def _launched(tq, tuning):
+    """The Triton ops of `tq`, each launched with `tuning` (the API of tq and ref)."""
+    return SimpleNamespace(**{name: functools.partial(getattr(tq, name), tuning=tuning)
+                              for name in KERNEL_API if name != "packed_len"})
 
 
 def _scales(packed, L, bits, block):
@@ -140,67 +149,68 @@ def test_triton_quantize_dequantize_bit_identical(tq, bits, block):
 
 def _spy_quantize_launches(tq, monkeypatch, what):
     """Launch the quantize kernel as before, recording what(plan keyword arguments) of
-    every launch in the returned list; plans are made afresh (a new Tuning key), so
-    rules patched by the caller apply."""
+    every launch in the returned list."""
     seen, real = [], tq.kt.QUANTIZE
 
     class Spy:
-        enabled = True
-
         def launch(self, plan, *tensors):
             seen.append(what(plan.kwargs))
             return real.launch(plan, *tensors)
 
     monkeypatch.setattr(tq.kt, "QUANTIZE", Spy())
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())
     return seen
 
 
 def test_quantize_evict_hint_by_size(tq, monkeypatch):
-    """Below EVICT_FIRST_BELOW[bits] elements the quantize kernel's loads are marked
-    evict-first (per call on the H200: a win at 16M elements for int8, at 16M and 32M for
-    int4; a loss from 64M), from there on they are not; the reorder (qgZ) quantize follows
-    the same rule by its whole input; a cache hint only: the same bytes either way."""
+    """Below Tuning.evict_first_below[bits] elements (2^25 for int8, 2^26 for int4 in
+    production) the quantize kernel's loads are marked evict-first (per call on the H200:
+    a win at 16M elements for int8, at 16M and 32M for int4; a loss from 64M), from there
+    on they are not; the reorder (qgZ) quantize follows the same rule by its whole input;
+    a cache hint only: the same bytes either way."""
     seen = _spy_quantize_launches(tq, monkeypatch, lambda kw: kw["EVICT"])
-    monkeypatch.setattr(tq, "EVICT_FIRST_BELOW", {8: 2048, 4: 4096})
+    small = Tuning(evict_first_below={8: 2048, 4: 4096})  # the rule at test sizes
     x = torch.randn(8192, generator=torch.Generator().manual_seed(3)).to(DEV)
     for bits in (8, 4):
         for t in (x[:1024], x[:2048], x[:4096]):
-            assert torch.equal(tq.quantize(t, bits, 256).cpu(), ref.quantize(t.cpu(), bits, 256))
+            assert torch.equal(tq.quantize(t, bits, 256, tuning=small).cpu(), ref.quantize(t.cpu(), bits, 256))
     assert seen == ["evict_first", "", "", "evict_first", "evict_first", ""]
     for n, want in ((2048, "evict_first"), (4096, "")):  # k * m * S elements in all
-        r = tq.reorder_quantize(x[:n], 2, 2, 4, 256)
+        r = tq.reorder_quantize(x[:n], 2, 2, 4, 256, tuning=small)
         assert torch.equal(r.cpu(), ref.reorder_quantize(x[:n].cpu(), 2, 2, 4, 256)) and seen[-1] == want
-    with tq.tuned(evict=""):  # a setting of the benchmark's sweep wins over the size rule
-        tq.quantize(x[:1024], 8, 256)
+    # a setting of the benchmark's sweep wins over the size rule
+    tq.quantize(x[:1024], 8, 256, tuning=Tuning(evict="", evict_first_below={8: 2048, 4: 4096}))
     assert seen[-1] == ""
+    tq.quantize(x[:1024], 8, 256)  # the production threshold: 1024 elements are far below it
+    assert seen[-1] == "evict_first"
 
 
 def test_quantize8_launch_shape_by_size(tq, monkeypatch):
-    """Below BULK_COPIES_FROM elements the int8 quantize (linear, no residual) launches
-    in DeepSpeed's shape, 16 elements a thread, one block a program, registers capped at
-    QUANTIZE8_SMALL_REGS (per call on the H200 ~1% ahead at 16M-32M); from there on, and
-    for int4, with a residual, or in a shape the Tuning sets, at 64 a thread, two blocks a
-    program, uncapped (a 32-register cap would spill there). Same bytes every way."""
+    """Below Tuning.bulk_copies_from elements the int8 quantize (linear, no residual)
+    launches in DeepSpeed's shape, 16 elements a thread, one block a program, registers
+    capped at QUANTIZE8_SMALL_REGS (per call on the H200 ~1% ahead at 16M-32M); from there
+    on, and for int4, with a residual, or in a shape the Tuning sets, at 64 a thread, two
+    blocks a program, uncapped (a 32-register cap would spill there). Same bytes every way."""
     seen = _spy_quantize_launches(tq, monkeypatch, lambda kw: (kw["num_warps"], kw["NB"], kw.get("maxnreg")))
-    monkeypatch.setattr(tq, "BULK_COPIES_FROM", 8192)
     monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: False)
+    rule = Tuning(bulk_copies_from=8192)  # the size rule at test sizes
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(16384, generator=g) * 3).to(DEV)
     small, large = (2, 1, tq.QUANTIZE8_SMALL_REGS), (1, 2, None)  # 1024-blocks: 16 or 64 a thread
     for t, bits, want in ((x[:4096], 8, small), (x, 8, large), (x[:4096], 4, large)):
-        assert torch.equal(tq.quantize(t, bits, 1024).cpu(), ref.quantize(t.cpu(), bits, 1024)), (t.numel(), bits)
+        assert torch.equal(tq.quantize(t, bits, 1024, tuning=rule).cpu(),
+                           ref.quantize(t.cpu(), bits, 1024)), (t.numel(), bits)
         assert seen[-1] == want, (t.numel(), bits)
     r1 = (torch.randn(4096, generator=g) * 0.01).to(DEV)
     r2 = r1.clone().cpu()
-    assert torch.equal(tq.reorder_quantize(x[:4096], 2, 2, 8, 1024, r1).cpu(),
+    assert torch.equal(tq.reorder_quantize(x[:4096], 2, 2, 8, 1024, r1, tuning=rule).cpu(),
                        ref.reorder_quantize(x[:4096].cpu(), 2, 2, 8, 1024, r2))
     assert torch.equal(r1.cpu(), r2) and seen[-1] == (1, 1, None)  # chunks of one block: one a program
-    for tuning, want in (({"warps": 4, "nb": 2}, (4, 2, None)), ({"regs": 0}, (2, 1, None)),
+    for fields, want in (({"warps": 4, "nb": 2}, (4, 2, None)), ({"regs": 0}, (2, 1, None)),
                          ({"warps": 4, "nb": 1, "regs": 40}, (4, 1, 40))):
-        with tq.tuned(**tuning):
-            assert torch.equal(tq.quantize(x[:4096], 8, 1024).cpu(), ref.quantize(x[:4096].cpu(), 8, 1024))
-        assert seen[-1] == want, tuning
+        tuning = Tuning(bulk_copies_from=8192, **fields)
+        assert torch.equal(tq.quantize(x[:4096], 8, 1024, tuning=tuning).cpu(),
+                           ref.quantize(x[:4096].cpu(), 8, 1024))
+        assert seen[-1] == want, fields
 
 
 @pytest.mark.parametrize("block", [64, 192])  # 192: 3 groups of 64 per block, padded to 4
@@ -208,7 +218,7 @@ def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
     """The quantize kernel's other layout (every 64-group as 8 chunk tiles: the fused
     Hadamard transform's, Tuning.chunked) with evict-first loads writes the
     reference's bytes and residual, in both int4 codes and int8."""
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(chunked=True, evict="evict_first"))
+    chunked = Tuning(chunked=True, evict="evict_first")
     g = torch.Generator().manual_seed(block)
     k, m, S = 2, 2, 2 * block
     x = torch.randn(k * m * S, generator=g) * torch.exp(torch.randn(k * m * S, generator=g))
@@ -216,11 +226,11 @@ def test_quantize_chunk_tiles_bit_identical(tq, monkeypatch, block):
     for dtype in (torch.bfloat16,) if block == 64 else (torch.float32,):  # both input widths, half the time
         xd = x.to(dtype).to(DEV)
         for bits, code in ((8, "linear"), (4, "linear"), (4, "square")):
-            assert torch.equal(tq.quantize(xd.reshape(4, S), bits, block, code),
+            assert torch.equal(tq.quantize(xd.reshape(4, S), bits, block, code, tuning=chunked),
                                ref.quantize(xd.reshape(4, S), bits, block, code)), (dtype, bits, code)
             r1 = (torch.randn(x.numel(), generator=g) * 0.01).to(DEV)
             r2 = r1.clone()
-            assert torch.equal(tq.reorder_quantize(xd, k, m, bits, block, r1, code),
+            assert torch.equal(tq.reorder_quantize(xd, k, m, bits, block, r1, code, tuning=chunked),
                                ref.reorder_quantize(xd, k, m, bits, block, r2, code)), (dtype, bits, code)
             assert torch.equal(r1, r2)
 
@@ -233,35 +243,35 @@ def test_quantize_bulk_copies_bit_identical(tq, monkeypatch):
     x = (torch.randn(8 * 256, generator=g) * 3).to(DEV)
     x[256:512] = 0  # a zero block
     for nb in (1, 2):
-        monkeypatch.setattr(tq, "_TUNING", tq.Tuning(tma=True, nb=nb))
+        bulk = Tuning(tma=True, nb=nb)
         for dtype in (torch.float32, torch.bfloat16):
             xd = x.to(dtype)
-            assert torch.equal(tq.quantize(xd, 8, 256).cpu(), ref.quantize(xd.cpu(), 8, 256)), (nb, dtype)
+            assert torch.equal(tq.quantize(xd, 8, 256, tuning=bulk).cpu(), ref.quantize(xd.cpu(), 8, 256)), (nb, dtype)
         r1 = (torch.randn(x.numel(), generator=g) * 0.01).to(DEV)
         r2 = r1.clone().cpu()
-        assert torch.equal(tq.reorder_quantize(x, 2, 2, 8, 256, r1).cpu(),
+        assert torch.equal(tq.reorder_quantize(x, 2, 2, 8, 256, r1, tuning=bulk).cpu(),
                            ref.reorder_quantize(x.cpu(), 2, 2, 8, 256, r2)), nb
         assert torch.equal(r1.cpu(), r2)
 
 
 def test_quantize_bulk_copies_by_size(tq, monkeypatch):
-    """From BULK_COPIES_FROM elements, where the device has bulk tensor copies (Hopper),
-    the int8 quantize of one contiguous row takes them; smaller inputs, int4, several
-    rows, another device or Tuning.tma=False do not. The bytes are the same either way."""
+    """From Tuning.bulk_copies_from elements (2^26 in production), where the device has
+    bulk tensor copies (Hopper), the int8 quantize of one contiguous row takes them;
+    smaller inputs, int4, several rows, another device or Tuning.tma=False do not. The
+    bytes are the same either way."""
     seen, real = [], tq._quantize8_tma
     monkeypatch.setattr(tq, "_quantize8_tma", lambda *a: (seen.append(a[0].numel()), real(*a)))
-    monkeypatch.setattr(tq, "BULK_COPIES_FROM", 2048)
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning())  # a fresh key: plans made before read the old rule
     monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: True)
+    rule = Tuning(bulk_copies_from=2048)  # the size rule at test sizes
     x = torch.randn(4096, generator=torch.Generator().manual_seed(4)).to(DEV)
     for t, bits, rows in ((x, 8, 1), (x[:1024], 8, 1), (x, 4, 1), (x, 8, 2)):
         t = t.reshape(rows, -1)
-        assert torch.equal(tq.quantize(t, bits, 256).cpu(), ref.quantize(t.cpu(), bits, 256))
+        assert torch.equal(tq.quantize(t, bits, 256, tuning=rule).cpu(), ref.quantize(t.cpu(), bits, 256))
     assert seen == [4096]
-    with tq.tuned(tma=False):
-        tq.quantize(x, 8, 256)
+    tq.quantize(x, 8, 256)  # the production threshold: 4096 elements are below it
+    tq.quantize(x, 8, 256, tuning=Tuning(tma=False, bulk_copies_from=2048))
     monkeypatch.setattr(tq, "_has_bulk_copies", lambda device: False)
-    tq.quantize(x, 8, 256)
+    tq.quantize(x, 8, 256, tuning=rule)
     assert seen == [4096]
 
 
@@ -318,8 +328,8 @@ def _hop_input(m, k, S, block, seed):
 
 @pytest.mark.parametrize("words", [True, False])  # the word kernel, and the byte kernel
 @pytest.mark.parametrize("block", [64, 96])  # 96: W = 12 words, padded to 16
-def test_int4_hop_bit_identical_and_within_bound(tq, monkeypatch, words, block):
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=bool(words)))
+def test_int4_hop_bit_identical_and_within_bound(tq, words, block):
+    tq = _launched(tq, Tuning(words=bool(words)))
     m, k, S = 4, 2, block * 4
     recv = _hop_input(m, k, S, block, seed=block + words)
     exact = ref._dequantize_fp32(recv, k * S, 4, block).double().sum(0).reshape(k, S)
@@ -444,13 +454,14 @@ def test_dequant_reduce_adds_into_out():
 
 
 def test_ops_dispatch(tq, monkeypatch):
-    assert ops.backend_for(torch.randn(4)) is ref  # CPU tensors take the reference
+    monkeypatch.delenv("MEGAQ_KERNELS", raising=False)
+    assert ops.QUANTIZE.pick(torch.randn(4)) is ref.quantize  # CPU tensors take the reference
     x = torch.randn(128, device=DEV)
     monkeypatch.setenv("MEGAQ_KERNELS", "triton")
-    assert ops.backend_for(x).__name__.endswith("quant")
+    assert ops.QUANTIZE.pick(x) is tq.quantize
     assert torch.equal(ops.quantize(x, 8, 64), ref.quantize(x, 8, 64))
     monkeypatch.setenv("MEGAQ_KERNELS", "torch")
-    assert ops.backend_for(x) is ref
+    assert ops.QUANTIZE.pick(x) is ref.quantize
     monkeypatch.setenv("MEGAQ_KERNELS", "bogus")
     with pytest.raises(ValueError, match="MEGAQ_KERNELS"):
         ops.quantize(x, 8, 64)
@@ -591,8 +602,8 @@ def test_square_triton_quantize_dequantize_bit_identical(tq, block):
 
 @pytest.mark.parametrize("words", [True, False])  # the word kernels, and the byte kernel
 @pytest.mark.parametrize("block", [64, 96])  # 96: W = 12 words, padded to 16
-def test_square_triton_fused_kernels_bit_identical(tq, monkeypatch, words, block):
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=bool(words)))
+def test_square_triton_fused_kernels_bit_identical(tq, words, block):
+    tq = _launched(tq, Tuning(words=bool(words)))
     torch.manual_seed(5)
     k, m, S = 2, 3, 2 * block
     grad = (torch.randn(k * m * S) * torch.exp(torch.randn(k * m * S))).to(torch.bfloat16).to(DEV)
@@ -658,11 +669,11 @@ def _bits_equal(a, b):
 # a power of two, and a padded tile (192 -> 256 lanes); int4 float output in the 32-bit-word
 # kernel (the default) and in the byte kernel
 @pytest.mark.parametrize("block, words", [(64, True), (192, True), (64, False)])
-def test_hadamard_triton_bit_identical(tq, monkeypatch, block, words):
+def test_hadamard_triton_bit_identical(tq, block, words):
     """The transform, alone and fused into reorder_quantize (with and without a residual)
     and the final dequant_reduce, is bit-identical to the reference: the same fp32 adds
     in the same butterfly order, exact sign flips and an exact 1/8."""
-    monkeypatch.setattr(tq, "_TUNING", tq.Tuning(words=bool(words)))
+    tq = _launched(tq, Tuning(words=bool(words)))
     g = torch.Generator().manual_seed(21)
     k, m, S = 2, 2, 2 * block
     x = (torch.randn(k * m * S, generator=g) * torch.rand(k * m * S, generator=g) ** 4).to(DEV)

@@ -9,9 +9,12 @@ import py_compile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = sorted(p for pattern in ("*.py", "megaq/**/*.py", "kernels/*.py", "tools/**/*.py",
-                                 "scripts/*.py", "tests/*.py")
-               for p in glob.glob(os.path.join(REPO, pattern), recursive=True))
+# each file once: megaq/kernels is a link to kernels/ (listed first), which ** follows
+_REAL: dict = {}
+for _pattern in ("*.py", "kernels/*.py", "megaq/**/*.py", "tools/**/*.py", "scripts/*.py", "tests/*.py"):
+    for _path in sorted(glob.glob(os.path.join(REPO, _pattern), recursive=True)):
+        _REAL.setdefault(os.path.realpath(_path), _path)
+FILES = sorted(_REAL.values())
 
 
 def test_the_file_list_is_not_empty():

@@ -16,7 +16,9 @@ Two timings per case (GPU):
          DeepSpeed is paired round by round (its round i over ours), the median and the
          lowest of those ratios reported (`vs_deepspeed_cold`, `vs_deepspeed_cold_min`)
 Impl `triton` uses the cached launcher (kernels/launch.py), `triton_jit` the same kernel
-through Triton's JIT launch (cold timing only: in a graph both are the same kernel).
+through Triton's JIT launch (`tuning=Tuning(cached_launch=False)`; cold timing only: in a
+graph both are the same kernel). --sweep passes its launch shapes the same way, as a
+kernels.tuning.Tuning to every call.
 
     python tools/bench/bench_kernels.py --out docs/results/kernels_h200.json          # GPU
     python tools/bench/bench_kernels.py --deepspeed --no-reference --sizes 16777216 67108864 \
@@ -44,7 +46,6 @@ paired ratio.
 """
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -103,6 +104,7 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before megaq.kernels.quant is imported
     from megaq.kernels import quant, reference
     from megaq.kernels.format import DEFAULT_BLOCK, packed_len
+    from megaq.kernels.tuning import Tuning
 
     block = args.block or DEFAULT_BLOCK
     sizes = args.sizes or (DEFAULT_SIZES if device == "cuda" else [64 * block])
@@ -147,7 +149,8 @@ def main(argv=None):
     for n in ([] if args.skip_table else sizes):
         try:
             results += bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline,
-                                  reference_baselines=not args.no_reference, ds=ds, only_ops=args.ops)
+                                  Tuning(cached_launch=False), reference_baselines=not args.no_reference, ds=ds,
+                                  only_ops=args.ops)
         except torch.OutOfMemoryError:
             print(f"# {n} elements: out of memory, skipped", file=sys.stderr)
         if device == "cuda":
@@ -157,7 +160,7 @@ def main(argv=None):
     sweep = []
     if args.sweep:
         for n in args.sweep_size or [256 << 20 if device == "cuda" else sizes[0]]:
-            sweep += bench_tuning(torch, quant, packed_len, n, shapes, device, timer, args.ops, ds)
+            sweep += bench_tuning(torch, quant, packed_len, Tuning, n, shapes, device, timer, args.ops, ds)
 
     print_table(results, sizes)
     ratios = deepspeed_ratios(results)
@@ -199,15 +202,14 @@ class Timer:
         self.cold_reps, self.cold_rounds = cold_reps, cold_rounds
 
     def cold_in_rounds(self, timed):
-        """Per-call timings of (row, fn, context) cases in `cold_rounds` rounds, each round
-        over every case in turn (fn timed inside `context()`), the median round kept in
-        row["cold_ms"]: a slow spell of the host lands on all cases alike (megaq's and
-        DeepSpeed's), not on whichever case it met."""
+        """Per-call timings of (row, fn) cases in `cold_rounds` rounds, each round over
+        every case in turn, the median round kept in row["cold_ms"]: a slow spell of the
+        host lands on all cases alike (megaq's and DeepSpeed's), not on whichever case it
+        met."""
         for _ in range(self.cold_rounds):
-            for row, fn, context in timed:
-                with context():
-                    row.setdefault("cold_ms_rounds", []).append(self.cold(fn))
-        for row, _, _ in timed:
+            for row, fn in timed:
+                row.setdefault("cold_ms_rounds", []).append(self.cold(fn))
+        for row, _ in timed:
             rounds = row["cold_ms_rounds"]
             row["cold_ms"] = statistics.median_high(rounds)
             row["cold_GBps"] = row["bytes"] / row["cold_ms"] / 1e6
@@ -266,8 +268,10 @@ class Timer:
         return statistics.median_high(times)
 
 
-def bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline, reference_baselines=True,
+def bench_size(torch, quant, reference, packed_len, n, block, device, timer, baseline, jit, reference_baselines=True,
                ds=None, only_ops=None):
+    """The table's rows at n elements. `jit`: the Tuning of the triton_jit rows (every
+    launch through Triton's JIT)."""
     k, m = K_NODES, M_RANKS
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     rows, cases = [], []
@@ -278,9 +282,11 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
         if fn is not None and (reference_baselines or impl not in ("eager", "compiled")):
             cases.append((op, impl, nbytes, fn, graph, cold))
 
-    def add_triton(op, nbytes, fn):
-        add(op, "triton", nbytes, fn)
-        add(op, "triton_jit", nbytes, jit_launch(quant, fn), graph=None)
+    def add_triton(op, nbytes, kernel, *args, **kwargs):
+        """kernel(*args, **kwargs) as megaq launches it (the production Tuning), and through
+        Triton's JIT launch (per call only)."""
+        add(op, "triton", nbytes, functools.partial(kernel, *args, **kwargs))
+        add(op, "triton_jit", nbytes, functools.partial(kernel, *args, **kwargs, tuning=jit), graph=None)
 
     def time_case(op, impl, nbytes, fn, graph, cold):
         """The graph timing; the row, and whether it takes a cold (per-call) timing."""
@@ -298,7 +304,7 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
         if ms is not None:
             row.update(ms=ms, GBps=nbytes / ms / 1e6)
         rows.append(row)
-        return (row, fn, contextlib.nullcontext) if cold else None
+        return (row, fn) if cold else None
 
     check_identical(torch, quant, reference, x, n, block, rows)
     dst = torch.empty_like(x)
@@ -309,12 +315,12 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     for bits in (8, 4):
         P = packed_len(n, bits, block)
         q_bytes = 2 * n + P
-        add_triton(f"quantize{bits}", q_bytes, lambda bits=bits: quant.quantize(x, bits, block))
+        add_triton(f"quantize{bits}", q_bytes, quant.quantize, x, bits, block)
         add(f"quantize{bits}", "eager", q_bytes, lambda bits=bits: reference.quantize(x, bits, block))
         comp = baseline(f"quantize{bits}", reference.quantize)
         add(f"quantize{bits}", "compiled", q_bytes, comp and (lambda bits=bits, comp=comp: comp(x, bits, block)))
         args = (quant.quantize(x, bits, block), n, bits, block, torch.bfloat16)
-        add_triton(f"dequantize{bits}", q_bytes, lambda args=args: quant.dequantize(*args))
+        add_triton(f"dequantize{bits}", q_bytes, quant.dequantize, *args)
         add(f"dequantize{bits}", "eager", q_bytes, lambda args=args: reference.dequantize(*args))
         comp = baseline(f"dequantize{bits}", reference.dequantize)
         add(f"dequantize{bits}", "compiled", q_bytes, comp and (lambda args=args, comp=comp: comp(*args)))
@@ -322,19 +328,19 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     # fused reorder + int4 quantize of a gradient split over k*m ranks
     S = n // (k * m)
     r_bytes = 2 * n + m * packed_len(k * S, 4, block)
-    add_triton("reorder_quantize4", r_bytes, lambda: quant.reorder_quantize(x, k, m, 4, block))
+    add_triton("reorder_quantize4", r_bytes, quant.reorder_quantize, x, k, m, 4, block)
     add("reorder_quantize4", "eager", r_bytes, lambda: reference.reorder_quantize(x, k, m, 4, block))
     comp = baseline("reorder_quantize4", reference.reorder_quantize)
     add("reorder_quantize4", "compiled", r_bytes, comp and (lambda comp=comp: comp(x, k, m, 4, block)))
 
-    add_triton("reorder_quantize4_had", r_bytes, lambda: quant.reorder_quantize(x, k, m, 4, block, hadamard=True))
+    add_triton("reorder_quantize4_had", r_bytes, quant.reorder_quantize, x, k, m, 4, block, hadamard=True)
     add("reorder_quantize4_had", "eager", r_bytes,
         lambda: reference.reorder_quantize(x, k, m, 4, block, hadamard=True))
 
     # in-node hop: m received rows of k*S elements each -> k requantized chunks of S
     recv = quant.reorder_quantize(x, k, m, 4, block)
     drq_bytes = recv.numel() + k * packed_len(S, 4, block)
-    add_triton("dequant_reduce_quantize4", drq_bytes, lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block))
+    add_triton("dequant_reduce_quantize4", drq_bytes, quant.dequant_reduce_quantize, recv, k, S, 4, 4, block)
     add("dequant_reduce_quantize4", "eager", drq_bytes,
         lambda: reference.dequant_reduce_quantize(recv, k, S, 4, 4, block))
     comp = baseline("dequant_reduce_quantize4", reference.dequant_reduce_quantize)
@@ -344,12 +350,11 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
     L = n // k
     fin = quant.quantize(x.view(k, L), 4, block)
     dr_bytes = fin.numel() + 4 * L
-    add_triton("dequant_reduce4", dr_bytes, lambda: quant.dequant_reduce(fin, L, 4, block, 0.125))
+    add_triton("dequant_reduce4", dr_bytes, quant.dequant_reduce, fin, L, 4, block, 0.125)
     add("dequant_reduce4", "eager", dr_bytes, lambda: reference.dequant_reduce(fin, L, 4, block, 0.125))
     comp = baseline("dequant_reduce4", reference.dequant_reduce)
     add("dequant_reduce4", "compiled", dr_bytes, comp and (lambda comp=comp: comp(fin, L, 4, block, 0.125)))
-    add_triton("dequant_reduce4_had", dr_bytes,
-               lambda: quant.dequant_reduce(fin, L, 4, block, 0.125, hadamard=True))
+    add_triton("dequant_reduce4_had", dr_bytes, quant.dequant_reduce, fin, L, 4, block, 0.125, hadamard=True)
     add("dequant_reduce4_had", "eager", dr_bytes,
         lambda: reference.dequant_reduce(fin, L, 4, block, 0.125, hadamard=True))
 
@@ -365,14 +370,6 @@ def bench_size(torch, quant, reference, packed_len, n, block, device, timer, bas
                                                                                   "deepspeed"))]
     timer.cold_in_rounds([t for t in timed if t is not None])
     return rows
-
-
-def jit_launch(quant, fn):
-    """fn with every kernel launched through Triton's JIT (quant.Tuning.cached_launch off)."""
-    def run():
-        with quant.tuned(cached_launch=False):
-            return fn()
-    return run
 
 
 class DeepSpeedKernels:
@@ -473,7 +470,7 @@ def check_identical(torch, quant, reference, x, n, block, rows):
 
 SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)([ct]?)(e?)(?:r(\d+))?")
 SHAPE_HELP = ("BLOCKxWARPSxNB[c|t][e][rNN]; quantize variants (without a letter: off, whatever the size): "
-              "c = chunk tiles (quant.Tuning.chunked), t = bulk tensor copies for the int8 quantize of one "
+              "c = chunk tiles (kernels.tuning.Tuning.chunked), t = bulk tensor copies for the int8 quantize of one "
               "row (Tuning.tma), e = evict-first input loads (Tuning.evict), rNN = at most NN registers a "
               "thread (Tuning.regs, Triton's maxnreg; without it: no cap)")
 
@@ -487,37 +484,37 @@ def parse_shape(text):
     return int(block), int(warps), int(nb), layout + evict + (f"r{regs}" if regs else "")
 
 
-def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=None, ds=None):
+def bench_tuning(torch, quant, packed_len, Tuning, n, shapes, device, timer, only_ops=None, ds=None):
     """Triton GB/s per launch shape (block, warps per program, blocks per program, quantize
-    variant letters), graph replay and (GPU) cold per call, the cold timings in rounds
-    over all shapes in turn, as the table's; with `ds`, DeepSpeed's kernels for the same
-    ops in the same rounds (shape "deepspeed"), so each shape's ratio to them is paired
-    round by round (pair_with_deepspeed)."""
+    variant letters: one Tuning, passed to every call), graph replay and (GPU) cold per
+    call, the cold timings in rounds over all shapes in turn, as the table's; with `ds`,
+    DeepSpeed's kernels for the same ops in the same rounds (shape "deepspeed"), so each
+    shape's ratio to them is paired round by round (pair_with_deepspeed)."""
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     k, m = K_NODES, M_RANKS
     S = n // (k * m)
     rows, timed = [], []
     for block, warps, nb, flags in shapes:
-        tuning = dict(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
-                      tma="t" in flags, regs=int(flags.split("r")[1]) if "r" in flags else None)
-        with quant.tuned(**tuning):
-            recv = quant.reorder_quantize(x, k, m, 4, block)
-            cases = [("reorder_quantize4", 2 * n + recv.numel(), lambda: quant.reorder_quantize(x, k, m, 4, block)),
-                     ("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
-                      lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block))]
-            for bits in (8, 4):
-                nbytes = 2 * n + packed_len(n, bits, block)
-                packed = quant.quantize(x, bits, block)
-                cases.append((f"quantize{bits}", nbytes, lambda bits=bits: quant.quantize(x, bits, block)))
-                cases.append((f"dequantize{bits}", nbytes, lambda bits=bits, packed=packed:
-                              quant.dequantize(packed, n, bits, block, torch.bfloat16)))
-            for op, nbytes, fn in cases:
-                if only_ops and op not in only_ops:
-                    continue
-                ms = timer(fn)
-                rows.append({"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
-                             "GBps": nbytes / ms / 1e6, "bytes": nbytes})
-                timed.append((rows[-1], fn, functools.partial(quant.tuned, **tuning)))
+        tuning = Tuning(warps=warps, nb=nb, chunked="c" in flags, evict="evict_first" if "e" in flags else "",
+                        tma="t" in flags, regs=int(flags.split("r")[1]) if "r" in flags else None)
+        recv = quant.reorder_quantize(x, k, m, 4, block, tuning=tuning)
+        cases = [("reorder_quantize4", 2 * n + recv.numel(),
+                  functools.partial(quant.reorder_quantize, x, k, m, 4, block, tuning=tuning)),
+                 ("dequant_reduce_quantize4", recv.numel() + k * packed_len(S, 4, block),
+                  functools.partial(quant.dequant_reduce_quantize, recv, k, S, 4, 4, block, tuning=tuning))]
+        for bits in (8, 4):
+            nbytes = 2 * n + packed_len(n, bits, block)
+            packed = quant.quantize(x, bits, block, tuning=tuning)
+            cases.append((f"quantize{bits}", nbytes, functools.partial(quant.quantize, x, bits, block, tuning=tuning)))
+            cases.append((f"dequantize{bits}", nbytes, functools.partial(quant.dequantize, packed, n, bits, block,
+                                                                         torch.bfloat16, tuning=tuning)))
+        for op, nbytes, fn in cases:
+            if only_ops and op not in only_ops:
+                continue
+            ms = timer(fn)
+            rows.append({"op": op, "shape": f"{block}x{warps}x{nb}{flags}", "elements": n, "ms": ms,
+                         "GBps": nbytes / ms / 1e6, "bytes": nbytes})
+            timed.append((rows[-1], fn))
     if ds is not None:
         nbytes = {r["op"]: r["bytes"] for r in rows}
         for op, fn in ds.cases(torch, x, shapes[0][0], k, m, []).items():
@@ -525,7 +522,7 @@ def bench_tuning(torch, quant, packed_len, n, shapes, device, timer, only_ops=No
                 ms = timer(fn)
                 rows.append({"op": op, "shape": "deepspeed", "elements": n, "ms": ms,
                              "GBps": nbytes[op] / ms / 1e6, "bytes": nbytes[op]})
-                timed.append((rows[-1], fn, contextlib.nullcontext))
+                timed.append((rows[-1], fn))
     if device == "cuda":
         timer.cold_in_rounds(timed)
     ds_rows = {r["op"]: r for r in rows if r["shape"] == "deepspeed"}

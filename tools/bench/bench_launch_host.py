@@ -1,7 +1,7 @@
 """Host time of one quantization-kernel call: the Python from the op's entry to the launch.
 
 Per op, microseconds per call of the host side only, two ways:
-  jit     every call through Triton's JIT launch (kernels.quant.Tuning.cached_launch off)
+  jit     every call through Triton's JIT launch (tuning=Tuning(cached_launch=False))
   cached  the cached launcher (kernels/launch.py) with the ops' memoised plans, the default
 and with --deepspeed (GPU) a third column: DeepSpeed's quantizer op (C++, pybind) on the
 same shapes, as tools/bench/bench_kernels.py calls it.
@@ -19,9 +19,9 @@ Prints a table; --out writes JSON.
     python tools/bench/bench_launch_host.py --deepspeed --out $OUT/launch_host.json  # GPU
 """
 
-import contextlib
-
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -51,6 +51,7 @@ def main(argv=None):
     if os.environ.get("TRITON_INTERPRET", "0") != "0":
         sys.exit("error: TRITON_INTERPRET is set: the interpreter has no launch path to time; unset it")
     from megaq.kernels import quant, reference
+    from megaq.kernels.tuning import Tuning
 
     if args.deepspeed and not gpu:
         sys.exit("error: --deepspeed needs a CUDA device (DeepSpeed's kernels are CUDA only); drop it on CPU")
@@ -71,15 +72,17 @@ def main(argv=None):
     recv = reference.reorder_quantize(x, k, m, 4, block)  # the torch reference runs on any device
     q8 = reference.quantize(x, 8, block)
     fin = reference.quantize(x.view(k, n // k), 4, block)
-    ops = {
-        "quantize8": lambda: quant.quantize(x, 8, block),
-        "dequantize8": lambda: quant.dequantize(q8, n, 8, block, torch.bfloat16),
-        "reorder_quantize4": lambda: quant.reorder_quantize(x, k, m, 4, block),
-        "dequant_reduce_quantize4": lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block),
-        "dequant_reduce4": lambda: quant.dequant_reduce(fin, n // k, 4, block, 0.125),
-        "quantize8_bulk": lambda: quant.quantize(x, 8, block),  # under Tuning(tma=True): bulk tensor copies
+    ops = {  # op: the kernel and its arguments
+        "quantize8": (quant.quantize, x, 8, block),
+        "dequantize8": (quant.dequantize, q8, n, 8, block, torch.bfloat16),
+        "reorder_quantize4": (quant.reorder_quantize, x, k, m, 4, block),
+        "dequant_reduce_quantize4": (quant.dequant_reduce_quantize, recv, k, S, 4, 4, block),
+        "dequant_reduce4": (quant.dequant_reduce, fin, n // k, 4, block, 0.125),
+        "quantize8_bulk": (quant.quantize, x, 8, block),  # with Tuning(tma=True): bulk tensor copies
     }
     settings = {"quantize8_bulk": {"tma": True}}
+    calls = {(op, mode): functools.partial(*call, tuning=Tuning(cached_launch=mode == "cached", **settings.get(op, {})))
+             for op, call in ops.items() for mode in ("jit", "cached")}
     ds_ops = {}
     if args.deepspeed:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,13 +93,12 @@ def main(argv=None):
     modes = ("jit", "cached", "deepspeed") if ds_ops else ("jit", "cached")
     rows = []
     with device_ctx:
-        for op, fn in ops.items():
+        for op in ops:
             best = {mode: float("inf") for mode in modes if mode != "deepspeed" or op in ds_ops}
             for _ in range(args.rounds):  # interleaved, best of: a loaded machine hits all alike
                 for mode in best:
-                    with quant.tuned(cached_launch=mode == "cached", **settings.get(op, {})):
-                        best[mode] = min(best[mode], _host_us(torch, ds_ops.get(op) if mode == "deepspeed" else fn,
-                                                              args.calls, gpu))
+                    fn = ds_ops[op] if mode == "deepspeed" else calls[op, mode]
+                    best[mode] = min(best[mode], _host_us(torch, fn, args.calls, gpu))
             rows += [{"op": op, "launch": mode, "host_us": us} for mode, us in best.items()]
     print(f"host microseconds per call ({'GPU, real launches' if gpu else 'CPU, C launcher a no-op'}, "
           f"{n} elements, block {block})")

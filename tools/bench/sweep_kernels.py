@@ -13,8 +13,9 @@ A variant is KIND-WARPSxNB: KIND `bytes` (the byte kernel, _dequant_reduce_kerne
 `words` (the 32-bit-word kernels: _int4_hop_kernel for the hop, _int4_words_kernel with
 exponent-trick nibble -> float for float outputs) or `wordsnm` (the float-output word
 kernel with int -> float conversion instructions); WARPS warps per program, NB blocks
-per program. `default` times whatever the kernels pick with no override. List a
-variant twice to see the run-to-run spread.
+per program. `default` times the production launch (kernels.tuning.DEFAULT_TUNING).
+Each variant is a kernels.tuning.Tuning passed to every call. List a variant twice to
+see the run-to-run spread.
 
 Operations (k=2 nodes x m=4 ranks, as tools/bench/bench_kernels.py; effective GB/s = bytes read
 + written): dequant_reduce_quantize4 (int4 [m, N/m] -> int4 [k, N/(k m)]), dequantize4
@@ -22,6 +23,7 @@ Operations (k=2 nodes x m=4 ranks, as tools/bench/bench_kernels.py; effective GB
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -32,14 +34,18 @@ DEFAULT_SIZES = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
 DEFAULT_VARIANTS = ["default"]
 
 
-def parse_variant(v):
+def parse_variant(v, Tuning, default):
+    """(name, the Tuning it stands for; `default`: the production one)."""
     if v == "default":
-        return dict(name=v, words=None, magic=None, warps=None, nb=None)
-    kind, shape = v.split("-")
-    warps, nb = (int(t) for t in shape.lower().split("x"))
+        return v, default
+    kind, _, shape = v.partition("-")
+    try:
+        warps, nb = (int(t) for t in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"error: variant {v!r} is not default or KIND-WARPSxNB, e.g. words-4x1") from None
     if kind not in ("bytes", "words", "wordsnm"):
         raise SystemExit(f"error: variant {v!r}: kind must be bytes, words or wordsnm")
-    return dict(name=v, words=kind != "bytes", magic=kind == "words", warps=warps, nb=nb)
+    return v, Tuning(words=kind != "bytes", magic=kind == "words", warps=warps, nb=nb)
 
 
 def main(argv=None):
@@ -57,9 +63,10 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before megaq.kernels.quant is imported
     from megaq.kernels import quant, reference
     from megaq.kernels.format import DEFAULT_BLOCK, packed_len
+    from megaq.kernels.tuning import DEFAULT_TUNING, Tuning
 
     block = args.block or DEFAULT_BLOCK
-    variants = [parse_variant(v) for v in args.variants]
+    variants = [parse_variant(v, Tuning, DEFAULT_TUNING) for v in args.variants]
     k, m = K_NODES, M_RANKS
     timer = Timer(device, args.iters)
     rows = []
@@ -78,27 +85,26 @@ def main(argv=None):
         recv = quant.reorder_quantize(x, k, m, 4, block)
         packed = quant.quantize(x, 4, block)
         fin = quant.quantize(x.view(k, L), 4, block)
-        cases = {  # op: (bytes, call, reference result)
+        cases = {  # op: (bytes, the call's kernel and arguments, reference result)
             "dequant_reduce_quantize4": (recv.numel() + k * packed_len(S, 4, block),
-                                         lambda: quant.dequant_reduce_quantize(recv, k, S, 4, 4, block),
+                                         (quant.dequant_reduce_quantize, recv, k, S, 4, 4, block),
                                          reference.dequant_reduce_quantize(recv, k, S, 4, 4, block)),
-            "dequantize4": (packed.numel() + 2 * n, lambda: quant.dequantize(packed, n, 4, block, torch.bfloat16),
+            "dequantize4": (packed.numel() + 2 * n, (quant.dequantize, packed, n, 4, block, torch.bfloat16),
                             reference.dequantize(packed, n, 4, block, torch.bfloat16)),
-            "dequant_reduce4": (fin.numel() + 4 * L, lambda: quant.dequant_reduce(fin, L, 4, block, 0.125),
+            "dequant_reduce4": (fin.numel() + 4 * L, (quant.dequant_reduce, fin, L, 4, block, 0.125),
                                 reference.dequant_reduce(fin, L, 4, block, 0.125)),
         }
-        for v in variants:
-            with quant.tuned(words=v["words"] is not False, magic=v["magic"] is not False,
-                             warps=v["warps"], nb=v["nb"]):
-                for op, (nbytes, fn, want) in cases.items():
-                    same = bool(torch.equal(fn(), want))
-                    row = {"op": op, "variant": v["name"], "elements": n, "bytes": nbytes, "identical": same}
-                    if same:  # a variant that is not bit-identical is never timed
-                        row["ms"] = timer(fn)
-                        row["GBps"] = nbytes / row["ms"] / 1e6
-                    rows.append(row)
-                    print(f"# {_fmt_size(n)} {op} {v['name']}: identical={same} "
-                          f"{row.get('GBps', float('nan')):.0f} GB/s", file=sys.stderr, flush=True)
+        for name, tuning in variants:
+            for op, (nbytes, call, want) in cases.items():
+                fn = functools.partial(*call, tuning=tuning)
+                same = bool(torch.equal(fn(), want))
+                row = {"op": op, "variant": name, "elements": n, "bytes": nbytes, "identical": same}
+                if same:  # a variant that is not bit-identical is never timed
+                    row["ms"] = timer(fn)
+                    row["GBps"] = nbytes / row["ms"] / 1e6
+                rows.append(row)
+                print(f"# {_fmt_size(n)} {op} {name}: identical={same} "
+                      f"{row.get('GBps', float('nan')):.0f} GB/s", file=sys.stderr, flush=True)
         x = recv = packed = fin = cases = None  # free before the next size
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -133,8 +133,8 @@ def child_env(device: str, gpus: int) -> dict:
     else:  # torchrun would set 1; the model is initialised on the CPU before moving
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, gpus))))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    # the checkout first on the path, installed copy or not: its megaq/ serves
-    # megaq.kernels from the top-level kernels/ (megaq/__init__.py)
+    # the checkout first on the path, installed copy or not: its megaq/ (whose kernels
+    # link is the top-level kernels/) answers for megaq and megaq.kernels
     env["PYTHONPATH"] = os.pathsep.join(x for x in (REPO, env.get("PYTHONPATH", "")) if x)
     return env
 

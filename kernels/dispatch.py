@@ -1,0 +1,86 @@
+"""The one place that chooses between a kernel's Triton implementation and its torch
+reference.
+
+Every op megaq calls is an :class:`Op` (the list: ``kernels.ops.OPS``): a torch
+reference and a Triton implementation with the same signature (the Triton side may add
+one keyword-only ``tuning``: how it launches, never what it computes). A call goes to
+``op.pick(t)(...)``, `t` its leading tensor:
+
+- ``MEGAQ_KERNELS`` (read on every call): ``torch`` always takes the reference;
+  ``triton`` takes Triton for any real tensor (the CPU tests, under
+  ``TRITON_INTERPRET=1``); ``auto`` (the default) takes Triton for CUDA tensors.
+- While torch.compile traces a call, an op with ``under_compile="reference"`` (the fused
+  model ops) records its reference, which inductor fuses into its own kernels (an opaque
+  autograd.Function would only break the graph); one with ``"triton"`` (a
+  ``torch.library.triton_op``, or ops that run outside compiled code) keeps its rule.
+- Fake tensors (a trace's) never go to the interpreter: it runs on real data only.
+
+The Triton side is named as ``"module.function"`` under megaq.kernels and imported on
+its first use, so CPU-only runs never load Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+BACKENDS = ("auto", "triton", "torch")
+UNDER_COMPILE = ("reference", "triton")
+
+
+def backend() -> str:
+    """MEGAQ_KERNELS, checked: "auto", "triton" or "torch"."""
+    choice = os.environ.get("MEGAQ_KERNELS", "auto").lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"MEGAQ_KERNELS={choice!r} is not one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def use_triton(t: torch.Tensor, under_compile: str) -> bool:
+    """Whether a call whose leading tensor is `t` runs the Triton implementation (the
+    rule of the module docstring; `under_compile`: Op.under_compile)."""
+    choice = backend()
+    if choice == "torch":
+        return False
+    if under_compile == "reference" and torch.compiler.is_compiling():
+        return False
+    if choice == "triton":
+        return t.is_cuda or not is_fake(t)
+    return t.is_cuda
+
+
+_MODULES: dict = {}  # "module" -> the imported megaq.kernels.module (imported once, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One kernel: `reference` (a torch function) and `triton` ("module.function" under
+    megaq.kernels, with the reference's signature), and what a torch.compile trace
+    records (`under_compile`, see the module docstring)."""
+
+    name: str
+    reference: Callable
+    triton: str
+    under_compile: str
+
+    def __post_init__(self):
+        if self.under_compile not in UNDER_COMPILE:
+            raise ValueError(f"Op {self.name}: under_compile={self.under_compile!r} is not one of "
+                             f"{', '.join(UNDER_COMPILE)}")
+
+    def triton_function(self) -> Callable:
+        """The Triton implementation (its module imported on first use)."""
+        module, _, name = self.triton.rpartition(".")
+        mod = _MODULES.get(module)
+        if mod is None:
+            mod = _MODULES[module] = importlib.import_module(f"{__package__}.{module}")
+        return getattr(mod, name)  # looked up per call: a reloaded or patched module is seen
+
+    def pick(self, t: torch.Tensor) -> Callable:
+        """The implementation for a call whose leading tensor is `t`."""
+        return self.triton_function() if use_triton(t, self.under_compile) else self.reference
