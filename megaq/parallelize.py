@@ -35,9 +35,9 @@ def parallelize(config: GPTConfig, topo, zero: ZeroConfig | None = None, *,
        name) on its full shape, so the split never changes a weight.
     2. TP / SP: the chunks are built from TP layers with ``topo.tp`` and
        ``config.sequence_parallel``: tensor parallelism is what the model's building
-       blocks are, not a wrapper put on later. Each layer keeps its shard of the full
-       initial weight, so every TP size starts from the weights of one process, and
-       no rank ever holds a whole model.
+       blocks are, not a wrapper put on later. Each layer draws its full initial weight
+       and keeps its shard, so every TP size starts from the weights of one process
+       while a rank holds only its shards (and one full weight at a time).
     3. FP8 GEMMs (``config.fp8``): the linear layers of the transformer blocks compute
        in FP8 (:func:`apply_fp8`); the embedding, the output layer and the norms stay
        in the params dtype. Before compile, so the compiled blocks trace the FP8
@@ -80,7 +80,7 @@ def parallelize(config: GPTConfig, topo, zero: ZeroConfig | None = None, *,
 
 def apply_fp8(module: nn.Module, recipe: FP8Recipe) -> nn.Module:
     """Step 3: every column- and row-parallel layer under `module` with a weight of its
-    own computes its GEMMs in FP8: an megaq.parallel.fp8.FP8GEMM in its ``gemm`` slot,
+    own computes its GEMMs in FP8: a megaq.parallel.fp8.FP8GEMM in its ``gemm`` slot,
     with the delayed recipe's amax state (megaq.parallel.fp8_delayed) on the weight's
     device. parallelize passes the transformer blocks only."""
     layers = [m for m in module.modules()
