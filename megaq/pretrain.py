@@ -2,11 +2,11 @@
 
     torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 12 --hidden-size 768 ...
 
-parse flags -> RunConfig -> init torch.distributed -> topology -> data -> model chunks ->
-ZeRO engine -> checkpoint load -> Trainer.train(). ``main(argv, topo=None)`` is callable
-in-process (tests and tools pass the topology ``megaq.parallel.launch.run_on_ranks``
-built); ``build_trainer(config, topo)`` stops before training, for callers that drive
-the loop themselves.
+parse flags -> RunConfig -> init torch.distributed -> topology -> data -> model chunks
+and their ZeRO engine (megaq.parallelize) -> checkpoint load -> Trainer.train().
+``main(argv, topo=None)`` is callable in-process (tests and tools pass the topology
+``megaq.parallel.launch.run_on_ranks`` built); ``build_trainer(config, topo)`` stops
+before training, for callers that drive the loop themselves.
 """
 
 from __future__ import annotations
@@ -103,10 +103,9 @@ def build_trainer(config, topo, t_start: float | None = None):
     from megaq import checkpoint_guard, failure
     from megaq.data.setup import build_data
     from megaq.lr_schedule import LRSchedule
-    from megaq.model import build_model_chunks
     from megaq.parallel import fp8_delayed
+    from megaq.parallelize import parallelize
     from megaq.training import TrainingParts, Trainer, TrainState
-    from megaq.zero import build_engine
 
     t_start = time.perf_counter() if t_start is None else t_start
     rank0 = topo.rank == 0
@@ -122,10 +121,8 @@ def build_trainer(config, topo, t_start: float | None = None):
                                    n_evals * log.eval_iters * t.global_batch_size,
                                    0))  # the test split is never read in training: no samples
     config = config.resolved(data.config, data.vocab_size)
-    chunks = build_model_chunks(config.model, topo, config.virtual_pipeline_size)
-    device = _device(config.parallel)
-    chunks = [c.to(device) for c in chunks]
-    engine = build_engine(chunks, topo, config.zero)
+    chunks, engine = parallelize(config.model, topo, config.zero,
+                                 vp_size=config.virtual_pipeline_size, device=_device(config.parallel))
     schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size)
     state = TrainState()
 

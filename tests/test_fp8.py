@@ -18,6 +18,7 @@ Tolerances:
   E4M3 carries 3 mantissa bits (relative step 6-12%), E5M2 2.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -25,11 +26,13 @@ import torch
 import torch._dynamo  # noqa: F401  (imported once before the ranks fork)
 
 from megaq import pretrain
-from megaq.model import GPTConfig, GPTModel
+from megaq.model import GPTConfig
 from megaq.parallel import fp8, fp8_delayed
-from megaq.parallel.fp8 import FP8Recipe, capture_scales, quantize
+from megaq.parallel.fp8 import FP8Recipe, quantize
 from megaq.parallel.launch import run_on_ranks
 from megaq.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, single_rank_group
+from megaq.parallel.topology import Layout, build_topology
+from megaq.parallelize import apply_fp8, compile_blocks, parallelize
 
 RECIPES = [("hybrid", "tensorwise"), ("e4m3", "tensorwise"), ("hybrid", "rowwise")]
 
@@ -40,6 +43,33 @@ def _rel(a, b):
 
 def _randn(seed, *shape):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def capture_scales():
+    """Collect (role, inverse scale) of every cast the FP8 GEMMs make inside (eager only),
+    by wrapping megaq.parallel.fp8's two cast functions (the GEMMs look them up by name
+    at each call)."""
+    log = []
+    plain, delayed = fp8.quantize, fp8.quantize_delayed
+
+    def recorded(cast):
+        def run(*args):
+            out = cast(*args)
+            log.append((args[-1], out[1].detach().clone()))  # role (last), inverse scale
+            return out
+        return run
+
+    fp8.quantize, fp8.quantize_delayed = recorded(plain), recorded(delayed)
+    try:
+        yield log
+    finally:
+        fp8.quantize, fp8.quantize_delayed = plain, delayed
+
+
+def _one_process_model(cfg: GPTConfig):
+    """The model of `cfg` on one process with its FP8 GEMMs (megaq.parallelize)."""
+    return parallelize(cfg, build_topology(Layout(world_size=1), 0))[0][0]
 
 
 # ------------------------------------------------------------------- casting
@@ -149,8 +179,8 @@ def _layers(topo, recipe_args):
     """A column- and a row-parallel FP8 layer, forward and backward, at this TP size."""
     g, n, r = topo.tp, topo.tp.size, topo.tp_rank
     recipe = FP8Recipe(*recipe_args)
-    col = ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False, fp8=recipe)
-    row = RowParallelLinear(N, K, g, init_weight=lambda s: _randn(11, *s), bias=False, fp8=recipe)
+    col = apply_fp8(ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False), recipe)
+    row = apply_fp8(RowParallelLinear(N, K, g, init_weight=lambda s: _randn(11, *s), bias=False), recipe)
     x, dy = _randn(12, T, B, K), _randn(13, T, B, N).chunk(n, -1)[r]
     xr, dyr = _randn(14, T, B, N), _randn(15, T, B, K)
     x[2, 1, 7] = 30.0  # outliers: the tensorwise scales are set by one element
@@ -198,11 +228,10 @@ def test_fp8_layers_give_the_same_outputs_grads_and_scales_at_every_tp_size(reci
 
 # ------------------------------------------------------------- whole model
 def _model(topo, recipe_args, sp):
-    g = topo.tp
     kw = dict(fp8_format=recipe_args[0], fp8_recipe=recipe_args[1]) if recipe_args else {}
     cfg = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4,
                           vocab_size=200, seq_length=16, sequence_parallel=sp, **kw)
-    model = GPTModel(cfg, g)
+    (model,), _ = parallelize(cfg, topo)
     ids = torch.randint(0, 200, (2, 17), generator=torch.Generator().manual_seed(3))
     loss = model(ids[:, :-1], labels=ids[:, 1:])
     loss.mean().backward()
@@ -283,15 +312,13 @@ def test_fp8_compiled_blocks_match_eager(recipe):
     the eager loss and gradients (aot_eager backend: no code generation, so the casts
     run the same kernels; the inductor path runs on the GPU in tools/bench/bench_train.py).
     Same casts of the same values: 1e-5, as the other fp32 comparisons."""
-    from megaq.model.gpt import compile_blocks
-
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
               fp8_format=recipe[0], fp8_recipe=recipe[1])
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(4))
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
-        model = GPTModel(GPTConfig.llama(**kw))
+        model = _one_process_model(GPTConfig.llama(**kw))
         if compiled:
             compile_blocks(model, backend="aot_eager")
         loss = model(ids[:, :-1], labels=ids[:, 1:])
@@ -310,8 +337,8 @@ def _delayed_layers(topo, steps):
     and grads, and at the end every history and scale."""
     g, n, r = topo.tp, topo.tp.size, topo.tp_rank
     recipe = FP8Recipe("hybrid", "delayed", amax_history_len=3)
-    col = ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False, fp8=recipe)
-    row = RowParallelLinear(N, K, g, init_weight=lambda s: _randn(11, *s), bias=False, fp8=recipe)
+    col = apply_fp8(ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False), recipe)
+    row = apply_fp8(RowParallelLinear(N, K, g, init_weight=lambda s: _randn(11, *s), bias=False), recipe)
     per_step = []
     for s in range(steps):
         # the amaxes move from step to step, so the history's scales differ from current ones
@@ -327,7 +354,7 @@ def _delayed_layers(topo, steps):
                          "row": (yr.detach(), xr.grad, row.weight.grad.clone())})
         col.weight.grad = row.weight.grad = None
         fp8_delayed.step([col, row], g)
-    return per_step, [(m.fp8_amax.history.clone(), m.fp8_amax.scale.clone()) for m in (col, row)]
+    return per_step, [(m.gemm.amax.history.clone(), m.gemm.amax.scale.clone()) for m in (col, row)]
 
 
 def test_delayed_scaling_histories_and_scales_are_identical_at_every_tp_size():
@@ -364,7 +391,7 @@ def test_delayed_scaling_starts_as_tensorwise_then_casts_with_the_history():
 
     def layer(scaling, algo="max"):
         rec = FP8Recipe("hybrid", scaling, amax_history_len=2, amax_compute_algo=algo)
-        return ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False, fp8=rec)
+        return apply_fp8(ColumnParallelLinear(K, N, g, init_weight=lambda s: _randn(10, *s), bias=False), rec)
 
     def run(m, x, dy):
         x = x.clone().requires_grad_()
@@ -392,13 +419,13 @@ def test_delayed_scaling_starts_as_tensorwise_then_casts_with_the_history():
                                    1 / fp8.scale_from_amax(amax[1], fp8.E5M2, False))
             else:
                 run(m, xs[0], dys[0])
-            assert torch.equal(m.fp8_amax.now, amaxes[-1])
+            assert torch.equal(m.gemm.amax.now, amaxes[-1])
             fp8_delayed.step(m, g)
-            assert torch.equal(m.fp8_amax.history[0], amaxes[-1]) and not m.fp8_amax.now.any()
-    before = dl.fp8_amax.history.clone()
+            assert torch.equal(m.gemm.amax.history[0], amaxes[-1]) and not m.gemm.amax.now.any()
+    before = dl.gemm.amax.history.clone()
     run(dl, xs[0] * 1e3, dys[0])
     fp8_delayed.step(dl, g, skipped=True)
-    assert torch.equal(dl.fp8_amax.history, before) and not dl.fp8_amax.now.any()
+    assert torch.equal(dl.gemm.amax.history, before) and not dl.gemm.amax.now.any()
 
 
 def test_delayed_cast_compiled_gives_the_same_fp8_bytes_and_amax_as_eager():
@@ -419,8 +446,6 @@ def test_delayed_scaling_compiled_blocks_match_eager_without_graph_breaks():
     """Two steps (the tensorwise-scaled first step, then the history's scales) through
     compile_blocks with fullgraph=True (a graph break raises), equal to eager: losses,
     gradients, histories (aot_eager; same casts of the same values: 1e-5)."""
-    from megaq.model.gpt import compile_blocks
-
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
               fp8_format="hybrid", fp8_recipe="delayed")
     gen = torch.Generator().manual_seed(5)
@@ -429,7 +454,7 @@ def test_delayed_scaling_compiled_blocks_match_eager_without_graph_breaks():
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = GPTModel(GPTConfig.llama(**kw))
+        model = _one_process_model(GPTConfig.llama(**kw))
         if compiled:
             compile_blocks(model, backend="aot_eager", fullgraph=True)
         out = []
@@ -471,14 +496,14 @@ def test_fp8_delayed_training_resumes_exactly_from_a_checkpoint(tmp_path):
 def _dp_histories(topo):
     """Two DP ranks see different data; after fp8_delayed.step both hold the max."""
     recipe = FP8Recipe("hybrid", "delayed", amax_history_len=2)
-    col = ColumnParallelLinear(K, N, topo.tp, init_weight=lambda s: _randn(10, *s), bias=False,
-                               fp8=recipe)
+    col = apply_fp8(ColumnParallelLinear(K, N, topo.tp, init_weight=lambda s: _randn(10, *s),
+                                         bias=False), recipe)
     x = (_randn(80 + topo.dp_rank, T, B, K) * (1 + 4 * topo.dp_rank)).requires_grad_()
     dy = _randn(90 + topo.dp_rank, T, B, N) * (5 - 4 * topo.dp_rank)
     col(x).backward(dy)
-    local = col.fp8_amax.now.clone()
+    local = col.gemm.amax.now.clone()
     fp8_delayed.step(col, topo.tp, topo.dp)
-    return local, col.fp8_amax.history.clone(), col.fp8_amax.scale.clone()
+    return local, col.gemm.amax.history.clone(), col.gemm.amax.scale.clone()
 
 
 def test_delayed_scaling_reduces_amaxes_over_dp():

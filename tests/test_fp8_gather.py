@@ -21,13 +21,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaq.model import build_model_chunks
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.launch import run_on_ranks
-from megaq.parallel.tensor_parallel import fp8_gemm_layers
+from megaq.parallel.fp8 import fp8_gemm_layers
 from megaq.parallel.pipeline import get_forward_backward_func, masked_mean_loss, pipeline_tensor_shape
-from megaq.zero import ZeroConfig, ZeroConfigError, build_engine
+from megaq.parallelize import parallelize
+from megaq.zero import ZeroConfig, ZeroConfigError
 from megaq.zero.zeropp import rails_of, volume
 from megaq.zero.zeropp.fp8_weights import rest_layout
 
@@ -53,8 +53,7 @@ def _bytes(topo):
                                     ("int8", {}, dict(Z3, quantized_weights=True))):
         cfg = model_config(**MODEL, **model_kw)
         torch.manual_seed(0)
-        (model,) = build_model_chunks(cfg, topo)
-        engine = build_engine([model], topo, ZeroConfig(hpz_partition_size=2, **zero_kw))
+        (model,), engine = parallelize(cfg, topo, ZeroConfig(hpz_partition_size=2, **zero_kw))
         data = torch.randint(0, cfg.vocab_size, (MBS, SEQ + 1),
                              generator=torch.Generator().manual_seed(topo.dp_rank))
         engine.zero_grad()
@@ -141,8 +140,7 @@ def _microbatches(step, dp_rank, dp, vocab, n_micro):
 def _train(topo, zero_kw, steps, load_at=None, n_micro=2, recompute=False):
     cfg = model_config(**dict(MODEL, hidden_size=32), **FP8, recompute_activations=recompute)
     torch.manual_seed(0)
-    chunks = build_model_chunks(cfg, topo)
-    engine = build_engine(chunks, topo, ZeroConfig(**zero_kw))
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(**zero_kw))
     fb = get_forward_backward_func(topo.layout.pp, 1)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, norms, snap = [], [], None
@@ -172,7 +170,7 @@ def _train(topo, zero_kw, steps, load_at=None, n_micro=2, recompute=False):
     # with FP8 gathers the GEMMs read the gathered E4M3 weights: the layers' bf16 weights
     # were never allocated (reading one would fail), and the engine holds FP8 shards
     layers = [m for c in chunks for m in fp8_gemm_layers(c)]
-    fp8_read = (all(m.weight.untyped_storage().nbytes() == 0 and m.weight_fp8 is not None
+    fp8_read = (all(m.weight.untyped_storage().nbytes() == 0 and m.gemm.weight_fp8 is not None
                     for m in layers) and engine.memory_report().get("fp8_shards", 0) > 0)
     return {"losses": losses, "norms": norms, "gemms_read_fp8_gathers": fp8_read}
 
@@ -210,7 +208,6 @@ def test_fp8_gathers_train_bit_identically_under_tp2_pp2_dp2_hpz_qgz():
 
 # ------------------------------------------------------------------- refusals
 def test_fp8_gathers_are_refused_where_they_cannot_work():
-    from megaq.model import GPTModel
     from megaq.parallel.topology import Layout, build_topology
 
     with pytest.raises(ZeroConfigError, match="choose one"):
@@ -223,6 +220,5 @@ def test_fp8_gathers_are_refused_where_they_cannot_work():
             ({}, dict(fp8_weights=True), "the model has none"),
             (dict(fp8_format="e4m3", fp8_recipe="rowwise"), dict(fp8_weights=True), "tensorwise"),
             (FP8, dict(quantized_weights=True), "use --zero-quantized-weights fp8")):
-        model = GPTModel(model_config(**model_kw))
         with pytest.raises(ZeroConfigError, match=needle):
-            build_engine([model], topo, ZeroConfig(block_size=64, **zero_kw))
+            parallelize(model_config(**model_kw), topo, ZeroConfig(block_size=64, **zero_kw))

@@ -1,5 +1,5 @@
-"""Dependencies flow one way: kernels, parallel, model, zero, data, config, checkpoint,
-training, CLI. Every import in every module under megaq/ and kernels/ (including the
+"""Dependencies flow one way: kernels, parallel, model, zero, parallelize, data, config,
+checkpoint, training, CLI. Every import in every module under megaq/ and kernels/ (including the
 ones inside functions) may only point at its own layer or one below it.
 
 The walk reads the source (ast), so nothing is imported and an import hidden in a
@@ -20,6 +20,8 @@ LAYERS = [
     ("parallel", ("megaq.parallel", "megaq.failure")),
     ("model", ("megaq.model",)),
     ("zero", ("megaq.zero",)),
+    # applies the parallel layer's pieces and the zero engine to the model, in one order
+    ("parallelize", ("megaq.parallelize",)),
     ("data", ("megaq.data",)),
     ("config", ("megaq.config",)),
     # the manifest and the directory guards (job lock, stale .tmp, write errors) of a save

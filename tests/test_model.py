@@ -21,13 +21,13 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from megaq.model import GPTConfig, GPTModel, ModelConfigError
-from megaq.model.gpt import compile_blocks
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
 from megaq.parallel.launch import run_on_ranks
 from megaq.parallel.tensor_parallel import (gather_from_tp_region, model_parallel_manual_seed,
                                             shard_of, single_rank_group)
-from megaq.parallel.topology import LayoutError
+from megaq.parallel.topology import Layout, LayoutError, build_topology
+from megaq.parallelize import compile_blocks, parallelize
 
 TOL = 1e-5
 VOCAB, BATCH, SEQ = 100, 2, 16
@@ -201,7 +201,7 @@ def _recompute_grads(topo):
     for sp in (False, True):
         for mode, kw in RECOMPUTE_MODES.items():
             cfg = _config("gpt2", sp, attention_dropout=0.2, hidden_dropout=0.2, **kw)
-            model = GPTModel(cfg, topo.tp)
+            (model,), _ = parallelize(cfg, topo)  # recompute is applied there
             model_parallel_manual_seed(123, topo.tp_rank)
             torch.manual_seed(5)
             ids, labels, weights = _batch()
@@ -356,7 +356,7 @@ def _saved_activation_bytes(cfg: GPTConfig) -> int:
     """Bytes of the tensors autograd keeps for backward after one forward (what
     recomputation trades for compute): tensors saved inside a checkpointed region are
     dropped by torch.utils.checkpoint and not counted, parameters are not counted."""
-    model = GPTModel(cfg)
+    (model,), _ = parallelize(cfg, build_topology(Layout(world_size=1), 0))
     params = {p.data_ptr() for p in model.parameters()}
     seen = {}
 

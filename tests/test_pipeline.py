@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from megaq.parallel.launch import run_on_ranks
-from megaq.model import build_model_chunks
 from megaq.parallel.pipeline import (PipelineConfigError, PipelineP2P,
                                      check_num_microbatches, chunk_layer_range,
                                      forward_backward_no_pipelining, get_forward_backward_func,
@@ -34,7 +33,8 @@ from megaq.parallel.pipeline import (PipelineConfigError, PipelineP2P,
 from megaq.parallel.tensor_parallel import shard_of, single_rank_group
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
-from megaq.zero import ZeroConfig, build_engine, wants_weight_decay
+from megaq.parallelize import parallelize
+from megaq.zero import ZeroConfig, wants_weight_decay
 
 RTOL = 1e-5
 STEPS, MBS, SEQ = 3, 2, 8
@@ -113,9 +113,9 @@ def _engine_grads(engine) -> dict:
 def _train_on_rank(topo, cfg, vp, batches):
     """The production gradient path: the stage-0 engine at DP=1 sums sequence-parallel
     grads over TP and the tied embedding copies over the first and last stage."""
-    chunks = build_model_chunks(cfg, topo, vp)
-    engine = build_engine(chunks, topo, ZeroConfig(stage=0, lr=ADAM["lr"], betas=ADAM["betas"],
-                                                   eps=ADAM["eps"], weight_decay=ADAM["weight_decay"]))
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(stage=0, lr=ADAM["lr"], betas=ADAM["betas"],
+                                                       eps=ADAM["eps"], weight_decay=ADAM["weight_decay"]),
+                                 vp_size=vp)
     schedule = get_forward_backward_func(topo.layout.pp, vp)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, grads = [], {}
@@ -187,7 +187,7 @@ def _count_live_activations(topo, cfg, vp, batches):
     Counted from outside the schedule: a forward hook on each chunk adds one and puts a
     hook on the chunk's output that removes it when the output's gradient arrives.
     """
-    chunks = build_model_chunks(cfg, topo, vp)
+    chunks, _ = parallelize(cfg, topo, vp_size=vp)  # no engine: plain autograd grads
     live, peak = [0], [0]
 
     def on_forward(module, args, kwargs, output):
@@ -243,7 +243,7 @@ def test_layer_split_and_virtual_assignment():
     assert chunk_layer_range(8, 2, 2, stage=1, chunk=1) == (6, 8)
     assert virtual_pipeline_size(8, 2, 2) == 2 and virtual_pipeline_size(8, 2, None) == 1
     topo = SimpleNamespace(layout=SimpleNamespace(pp=2), pp_rank=1, tp=single_rank_group())
-    chunks = build_model_chunks(make_config("gpt2", 8), topo, 2)
+    chunks, _ = parallelize(make_config("gpt2", 8), topo, vp_size=2)
     assert [(c.layer_start, c.layer_end) for c in chunks] == [(2, 4), (6, 8)]
     assert [c.embedding is None for c in chunks] == [True, True]
     assert [c.output_layer is not None for c in chunks] == [False, True]
@@ -259,7 +259,7 @@ def test_layer_split_and_virtual_assignment():
     (lambda: check_num_microbatches(6, 4, 2), "needs the number of micro-batches (6) to be a multiple of"),
     (lambda: num_microbatches_per_step(10, 2, 4), "--global-batch-size 10 is not a multiple"),
     (lambda: pipeline_tensor_shape(10, 2, 32, 4, True), "--seq-length 10 is not divisible"),
-    (lambda: build_model_chunks(make_config("gpt2", 6), SimpleNamespace(
+    (lambda: parallelize(make_config("gpt2", 6), SimpleNamespace(
         layout=SimpleNamespace(pp=4), pp_rank=0, tp=single_rank_group())), "--num-layers 6 is not divisible"),
     (lambda: PipelineP2P(single_rank_group(), (4, 2, 8), torch.float32, "cpu", True).communicate(
         send_next=torch.zeros(8, 2, 8)), "expects (4, 2, 8)"),

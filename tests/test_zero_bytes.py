@@ -27,9 +27,9 @@ import torch.distributed as dist
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.launch import run_on_ranks
-from megaq.model import build_model_chunks
 from megaq.parallel.pipeline import masked_mean_loss
-from megaq.zero import ZeroConfig, build_engine
+from megaq.parallelize import parallelize
+from megaq.zero import ZeroConfig
 
 from zero_harness import MBS, SEQ, model_config
 
@@ -113,8 +113,7 @@ class _Sent:
 def _one_step(topo, zero_kw: dict):
     cfg = model_config(**MODEL)
     torch.manual_seed(0)
-    (model,) = build_model_chunks(cfg, topo)
-    engine = build_engine([model], topo, ZeroConfig(**zero_kw))
+    (model,), engine = parallelize(cfg, topo, ZeroConfig(**zero_kw))
     g = torch.Generator().manual_seed(topo.dp_rank)
     data = torch.randint(0, cfg.vocab_size, (MBS, SEQ + 1), generator=g)
     engine.zero_grad()

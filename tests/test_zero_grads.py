@@ -22,9 +22,9 @@ import zero_harness as H  # noqa: E402
 
 from megaq.parallel.comm import Handle  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
-from megaq.model import build_model_chunks  # noqa: E402
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape  # noqa: E402
-from megaq.zero import ZeroConfig, build_engine  # noqa: E402
+from megaq.parallelize import parallelize  # noqa: E402
+from megaq.zero import ZeroConfig  # noqa: E402
 
 STEPS, N_MICRO = 2, 2
 
@@ -50,14 +50,13 @@ class _Logged:
 def _train(topo, bucket: int | None):
     cfg = H.model_config()
     if bucket is None:  # the largest unit's bucket: two of them in flight are too many
-        probe = build_engine(build_model_chunks(cfg, topo, 1), topo, ZeroConfig(block_size=8))
+        _, probe = parallelize(cfg, topo, ZeroConfig(block_size=8))
         bucket = max(p.padded_numel * 4 for p in probe.partitions)  # fp32 grads
         probe.remove_hooks()
     torch.manual_seed(0)
-    chunks = build_model_chunks(cfg, topo, 1)
-    engine = build_engine(chunks, topo, ZeroConfig(block_size=8, reduce_bucket_size=bucket, lr=H.LR,
-                                                   betas=H.BETAS, eps=H.EPS, weight_decay=H.WD,
-                                                   param_persistence_threshold=30))
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(block_size=8, reduce_bucket_size=bucket, lr=H.LR,
+                                                       betas=H.BETAS, eps=H.EPS, weight_decay=H.WD,
+                                                       param_persistence_threshold=30))
     log, inflight = [], {}
     engine.grads.reducer = _Logged(engine.grads.reducer, log, inflight)
     engine.grads.replicated = _Logged(engine.grads.replicated, log, inflight)  # small params

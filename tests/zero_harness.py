@@ -12,10 +12,10 @@ from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
-from megaq.model import build_model_chunks
 from megaq.parallel.pipeline import get_forward_backward_func, masked_mean_loss, pipeline_tensor_shape
 from megaq.parallel.tensor_parallel import shard_of
-from megaq.zero import ZeroConfig, build_engine, wants_weight_decay
+from megaq.parallelize import parallelize
+from megaq.zero import ZeroConfig, wants_weight_decay
 from megaq.zero.zeropp import volume
 
 SEQ, MBS = 8, 2
@@ -135,9 +135,8 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
     """Runs on every rank; returns what the test compares against the reference."""
     cfg = model_config(**model_kw)
     torch.manual_seed(0)
-    chunks = build_model_chunks(cfg, topo, vp)
     zcfg = ZeroConfig(**{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD, **zero_kw})
-    engine = build_engine(chunks, topo, zcfg)
+    chunks, engine = parallelize(cfg, topo, zcfg, vp_size=vp)
     invalidations = []
     if engine.gatherer is not None:  # count the seam's invalidation calls
         inner = engine.gatherer.invalidate

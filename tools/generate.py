@@ -7,7 +7,9 @@ Any TP x PP x DP layout loads (megaq.checkpoint.load_consolidated_model): the
 checkpoint holds full (DP-consolidated) weights per TP x PP rank; pipeline stages are
 stitched back by global layer index and TP shards concatenated along each parameter's
 partition dimension (checked by re-slicing: if any shard does not round-trip, the tool
-refuses rather than sample from a scrambled model).
+refuses rather than sample from a scrambled model). A model trained with FP8 GEMMs
+samples with them (megaq.parallelize.apply_fp8), so its logits are the ones training
+computed; its blocks are not compiled (each new context length would compile again).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megaq import checkpoint as ckpt  # noqa: E402
 from megaq import integrity  # noqa: E402
 from megaq.config import CheckpointConfig  # noqa: E402
 from megaq.flags import add_flag  # noqa: E402
+from megaq.parallelize import apply_fp8  # noqa: E402
 
 
 class GenerateError(RuntimeError):
@@ -84,6 +87,8 @@ def main(argv=None) -> int:
             ckpt_dir = ckpt.iteration_dir(ckpt_dir, it)
         tp, _ = ckpt.checkpoint_layout(ckpt_dir)
         model, saved = ckpt.load_consolidated_model(ckpt_dir)
+        if model.config.fp8 is not None:
+            apply_fp8(model.layers, model.config.fp8)
         data = saved["data"]
         tok_path = a.tokenizer_model or data.get("tokenizer_model")
         if not tok_path or not os.path.isfile(tok_path):

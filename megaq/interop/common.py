@@ -50,11 +50,10 @@ def megaq_layout(config, tp: int, pp: int, vp: int = 1) -> list[ParamInfo]:
     the names and TP split attributes are the ones the model itself declares."""
     from megaq.model import GPTModel
     from megaq.parallel.pipeline.split import stage_layer_ranges
-    twin = dataclasses.replace(
-        config, fp8_format=None, hidden_size=2, num_attention_heads=tp, num_query_groups=tp, kv_channels=2,
+    twin = dataclasses.replace(  # a plain model (megaq.parallelize is not applied to it)
+        config, hidden_size=2, num_attention_heads=tp, num_query_groups=tp, kv_channels=2,
         ffn_hidden_size=2 * tp, vocab_size=tp, make_vocab_size_divisible_by=1, seq_length=tp,
-        max_position_embeddings=tp, sequence_parallel=False, **config.NO_RECOMPUTE,
-        compile_blocks=False, params_dtype=torch.float32)
+        max_position_embeddings=tp, sequence_parallel=False, params_dtype=torch.float32)
     out = []
     for stage in range(pp):
         ranges = stage_layer_ranges(config.num_layers, pp, vp, stage)

@@ -11,7 +11,6 @@ from torch import nn
 from megaq.model.config import GPTConfig
 from megaq.model.init import ParamInit
 from megaq.model.layers import apply_rotary
-from megaq.model.recompute import checkpointed
 from megaq.parallel.comm import Group
 from megaq.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                             get_rng_tracker)
@@ -49,13 +48,14 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = config.num_attention_heads // tp
         self.attention_dropout = config.attention_dropout
         self.repeat_kv = config.attention_repeat_kv
-        # --recompute-granularity selective: the attention core's activations (the
-        # softmax and its dropout mask under the math kernel) are recomputed in backward
-        self.recompute_core = config.recompute_granularity == "selective"
+        # the s x s part; megaq.parallelize wraps it for --recompute-granularity selective
+        # (its activations, the softmax and dropout mask under the math kernel, are then
+        # recomputed in backward: megaq.model.recompute)
+        self.core_attention = core_attention
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_query_groups * self.head_dim
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, fp8=config.fp8)
+                      params_dtype=config.params_dtype)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, q_size + 2 * kv_size, tp_group,
             init_weight=init.normal("self_attention.linear_qkv.weight"), **common)
@@ -73,9 +73,6 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         dropout = self.attention_dropout if self.training else 0.0
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpointed(core_attention, q, k, v, dropout, self.repeat_kv)
-        else:
-            out = core_attention(q, k, v, dropout, self.repeat_kv)
+        out = self.core_attention(q, k, v, dropout, self.repeat_kv)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.linear_proj(out)

@@ -6,6 +6,9 @@ between the TP layers is the rank's chunk [s/tp, b, h]. The model knows nothing 
 data or pipeline parallelism: a pipeline stage is a GPTModel holding blocks
 layer_start..layer_end, with pre_process (embedding) on the first stage and
 post_process (final norm, output layer, loss) on the last.
+
+The constructor builds the model and nothing else: FP8 GEMMs, activation recompute,
+torch.compile and the ZeRO engine are applied from outside, by megaq.parallelize.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from megaq.model.attention import SelfAttention
 from megaq.model.config import GPTConfig
 from megaq.model.init import ParamInit
 from megaq.model.layers import RotaryEmbedding, build_norm
-from megaq.model.recompute import checkpointed, layer_groups
 from megaq.model.mlp import MLP
 from megaq.parallel.comm import Group
 from megaq.parallel.tensor_parallel import (ColumnParallelLinear, TPDropout, VocabParallelEmbedding,
@@ -133,22 +135,9 @@ class GPTModel(nn.Module):
         if tied and pre_process != post_process:  # the two halves of a tied pair live apart
             copy = self.embedding.word_embeddings.weight if pre_process else self.output_layer.weight
             copy.shared_embedding = True
-        if config.compile_blocks:
-            compile_blocks(self)
-
-    def _run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
-        """The blocks in order; with --recompute-granularity full, the groups that
-        megaq.model.recompute.layer_groups names run checkpointed (training only)."""
-        c = self.config
-        granularity = c.recompute_granularity if torch.is_grad_enabled() else None
-        for start, end, recompute in layer_groups(len(self.layers), granularity,
-                                                  c.recompute_method, c.recompute_num_layers):
-            group = self.layers[start:end]
-            if recompute:
-                x = checkpointed(_run_group, group, x, rotary)
-            else:
-                x = _run_group(group, x, rotary)
-        return x
+        # how the blocks run: in order; megaq.parallelize swaps in checkpointed groups for
+        # --recompute-granularity full (megaq.model.recompute.RecomputedLayers)
+        self.run_layers = run_layers
 
     def global_param_name(self, name: str) -> str:
         """'layers.0.mlp...' on a stage starting at layer 4 -> 'layers.4.mlp...' (a name
@@ -169,7 +158,7 @@ class GPTModel(nn.Module):
         if self.rotary is not None:
             seq = x.shape[0] * (self.tp_group.size if self.config.sequence_parallel else 1)
             rotary = self.rotary(seq, position_ids)
-        x = self._run_layers(x, rotary)
+        x = self.run_layers(self.layers, x, rotary)
         if not self.post_process:
             return x
         x = self.final_norm(x)
@@ -186,21 +175,8 @@ class GPTModel(nn.Module):
         return loss.t()
 
 
-def _run_group(layers, x: torch.Tensor, rotary) -> torch.Tensor:
+def run_layers(layers, x: torch.Tensor, rotary) -> torch.Tensor:
+    """The blocks `layers` in order, each on the previous one's output."""
     for layer in layers:
         x = layer(x, rotary)
     return x
-
-
-def compile_blocks(model: GPTModel, **compile_kwargs) -> GPTModel:
-    """torch.compile each transformer block's forward in place (GPTConfig.compile_blocks
-    calls it; entry points may call it directly). Only `forward` is compiled, not the
-    module call, so forward hooks (the ZeRO engine's gathers and releases) stay eager
-    and every block reuses one compiled graph. Inside the compiled region the fused
-    ops trace their torch references, which inductor fuses itself."""
-    compile_kwargs.setdefault("dynamic", False)
-    for layer in model.layers:
-        if not getattr(layer, "_megaq_compiled", False):
-            layer.forward = torch.compile(layer.forward, **compile_kwargs)
-            layer._megaq_compiled = True
-    return model

@@ -22,7 +22,7 @@ class MLP(nn.Module):
         self.swiglu = config.swiglu
         ffn = config.ffn_hidden_size
         common = dict(bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, fp8=config.fp8)
+                      params_dtype=config.params_dtype)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if self.swiglu else ffn, tp_group,
             init_weight=init.normal("mlp.linear_fc1.weight"), stride=2 if self.swiglu else 1, **common)

@@ -1,8 +1,10 @@
 """FP8 GEMMs for the tensor-parallel linear layers, with a CPU emulation.
 
-The one entry point is :func:`linear`, which ColumnParallelLinear and RowParallelLinear
-call in place of ``F.linear``. With a recipe it computes ``y = x W^T`` and, in
+The entry point is :func:`linear`: with a recipe it computes ``y = x W^T`` and, in
 backward, ``dX = dY W`` and ``dW = dY^T X`` as FP8 GEMMs; without one it is F.linear.
+A layer gets it from outside: :class:`FP8GEMM` (a recipe, the layer's TP group and
+split, the state the GEMM keeps) is the module megaq.parallelize puts in a
+ColumnParallelLinear's or RowParallelLinear's ``gemm`` slot, in place of F.linear.
 
 Recipe (dynamic "current" scaling, as torchao's float8 training, or delayed):
 
@@ -19,9 +21,8 @@ Recipe (dynamic "current" scaling, as torchao's float8 training, or delayed):
 * The GEMM runs ``torch._scaled_mm`` on CUDA GPUs with FP8 tensor cores (compute
   capability >= 8.9): it multiplies the FP8 operands, accumulates in fp32 and
   multiplies by the inverse scales. Forward uses fast accumulation, the two
-  backward GEMMs do not (torchao's defaults). Elsewhere (CPU, older GPUs, or inside
-  :func:`emulation`) the same FP8 operands with the same scales are upcast to fp32
-  and multiplied there: FP8 x FP8 products are exact in fp32, so the two paths
+  backward GEMMs do not (torchao's defaults). Elsewhere (CPU, older GPUs) the same
+  FP8 operands with the same scales are upcast to fp32 and multiplied there: FP8 x FP8 products are exact in fp32, so the two paths
   differ only in accumulation order and in the final rounding to the output dtype.
 
 TP consistency. A scale whose amax spans a TP-sharded dimension is reduced with a
@@ -42,12 +43,12 @@ as the benchmark's reference).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from megaq.kernels.transpose import transpose
 from megaq.parallel import comm
@@ -102,37 +103,9 @@ class FP8Recipe:
         return E5M2 if self.format == "hybrid" else E4M3
 
 
-# ----------------------------------------------------------------- emulation switch
-_FORCE_EMULATION = False
-_SCALE_LOG: list | None = None
-
-
-@contextlib.contextmanager
-def emulation():
-    """Run FP8 GEMMs through the fp32 emulation even where FP8 tensor cores exist
-    (the GPU check compares the two paths on the same operands)."""
-    global _FORCE_EMULATION
-    saved, _FORCE_EMULATION = _FORCE_EMULATION, True
-    try:
-        yield
-    finally:
-        _FORCE_EMULATION = saved
-
-
-@contextlib.contextmanager
-def capture_scales():
-    """Collect (role, inverse scale) of every cast made inside (eager only; for tests)."""
-    global _SCALE_LOG
-    saved, _SCALE_LOG = _SCALE_LOG, []
-    try:
-        yield _SCALE_LOG
-    finally:
-        _SCALE_LOG = saved
-
-
 def fp8_gemm_available(device: torch.device) -> bool:
     """FP8 tensor cores: CUDA, compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
-    if _FORCE_EMULATION or device.type != "cuda" or torch.version.hip is not None:
+    if device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -164,17 +137,15 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
     shape). `group`: the amax is MAX-reduced over it first (x is one TP shard of a
     tensor whose scaling group the shard boundary cuts). `pow2`: round the scale
     down to a power of two. Saturating cast, as torchao: values past the format's
-    max (impossible with current scaling, but cheap to guard) clamp to it.
+    max (impossible with current scaling, but cheap to guard) clamp to it. `role`
+    names the operand at the call site (tests/test_fp8.py records casts by it).
     """
     amax = (x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)).float()
     if group is not None and group.size > 1:
         amax = amax.contiguous()
         comm.all_reduce(amax, group, PHASE, op=dist.ReduceOp.MAX)
     scale = scale_from_amax(amax, dtype, pow2)
-    q = cast(x, scale, dtype)
-    inv = scale.reciprocal()
-    log_scale(role, inv)
-    return q, inv
+    return cast(x, scale, dtype), scale.reciprocal()
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -189,16 +160,7 @@ def quantize_delayed(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
     """Cast x with a scale known before x (delayed scaling): one pointwise cast and, on
     the same input, the amax that feeds the history (not this cast). Returns (x_fp8,
     inverse scale, local amax)."""
-    q = cast(x, scale, dtype)
-    inv = scale.reciprocal()
-    log_scale(role, inv)
-    return q, inv, tensor_amax(x)
-
-
-def log_scale(role: str, inv: torch.Tensor) -> None:
-    """Record a cast's inverse scale inside :func:`capture_scales` (tests)."""
-    if _SCALE_LOG is not None:
-        _SCALE_LOG.append((role, inv.detach().clone()))
+    return cast(x, scale, dtype), scale.reciprocal(), tensor_amax(x)
 
 
 def _row_major(a: torch.Tensor) -> torch.Tensor:
@@ -281,7 +243,6 @@ class _FP8Linear(torch.autograd.Function):
             amax_now[0].copy_(torch.maximum(amax_now[0], x_amax))
         if weight_fp8 is not None:  # gathered in FP8 by the ZeRO engine: cast already
             wq, ws = weight_fp8, weight_inv
-            log_scale("weight", ws)
         else:
             wq, ws = quantize(weight, fwd, 1 if rw else None, rw, _maybe(group, not (rw and col)),
                               "weight")
@@ -356,5 +317,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if bias is None else y + bias
 
 
-__all__ = ["FP8Recipe", "linear", "quantize", "quantize_delayed", "tensor_amax", "AMAX_ALGOS", "scale_from_amax", "cast", "scaled_mm", "emulation", "capture_scales",
-           "fp8_gemm_available", "FORMATS", "RECIPES"]
+class FP8GEMM(nn.Module):
+    """The GEMM of one TP linear layer in FP8: ``gemm(x, weight, bias)`` is
+    :func:`linear` with this recipe, the layer's TP group and its split ("column" or
+    "row"). megaq.parallelize puts one in the ``gemm`` slot of each linear layer of the
+    transformer blocks (megaq.parallel.tensor_parallel). It holds the GEMM's state:
+
+    * ``weight_fp8`` / ``weight_fp8_inv``: the layer's weight as ZeRO-3's FP8 weight
+      gather delivers it (E4M3 and its inverse per-tensor scale; megaq.zero.zeropp
+      sets them with :func:`use_fp8_weight`); None: the GEMM casts the weight itself.
+      Buffers (not persistent, so never in a state dict) so that a compiled block
+      treats them as graph inputs, as it treats the parameters;
+    * ``amax``: the delayed recipe's megaq.parallel.fp8_delayed.AmaxState, else None.
+    """
+
+    def __init__(self, recipe: FP8Recipe, group: Group, parallel: str, amax: nn.Module | None = None):
+        super().__init__()
+        if parallel not in ("column", "row"):
+            raise ValueError(f"parallel must be 'column' or 'row', not {parallel!r}")
+        self.recipe, self.group, self.parallel = recipe, group, parallel
+        self.register_buffer("weight_fp8", None, persistent=False)
+        self.register_buffer("weight_fp8_inv", None, persistent=False)
+        self.amax = amax
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, weight, bias, self.recipe, self.group, self.parallel,
+                      self.weight_fp8, self.weight_fp8_inv, self.amax)
+
+    def extra_repr(self) -> str:
+        return f"{self.parallel}, {self.recipe}"
+
+
+def fp8_gemm_layers(module: nn.Module) -> list[nn.Module]:
+    """The linear layers under `module` whose GEMMs run in FP8 (an :class:`FP8GEMM` in
+    their ``gemm`` slot), in module order."""
+    return [m for m in module.modules() if isinstance(getattr(m, "gemm", None), FP8GEMM)]
+
+
+def use_fp8_weight(layer: nn.Module, weight_fp8: torch.Tensor, weight_inv: torch.Tensor) -> None:
+    """From now on `layer`'s FP8 GEMM reads these instead of casting its weight."""
+    if tuple(weight_fp8.shape) != tuple(layer.weight.shape) or weight_inv.dim() != 0:
+        raise ValueError(f"FP8 weight of shape {tuple(weight_fp8.shape)} / scale of shape "
+                         f"{tuple(weight_inv.shape)} for a weight of shape {tuple(layer.weight.shape)}")
+    layer.gemm.weight_fp8, layer.gemm.weight_fp8_inv = weight_fp8, weight_inv
+
+
+__all__ = ["FP8Recipe", "FP8GEMM", "linear", "quantize", "quantize_delayed", "tensor_amax",
+           "AMAX_ALGOS", "scale_from_amax", "cast", "scaled_mm", "fp8_gemm_available",
+           "fp8_gemm_layers", "use_fp8_weight", "FORMATS", "RECIPES"]

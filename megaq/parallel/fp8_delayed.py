@@ -10,9 +10,9 @@ RoPE's backward), and the amax of the same values is computed in that pass for t
 history. The weight keeps its current per-tensor scale (its amax is a small read, and
 ZeRO's FP8 weight gathers cast it that way).
 
-The state of one FP8 linear layer is an :class:`AmaxState` (fp32 buffers, not in the
-model's state_dict; checkpoints carry the histories in their "extra" record:
-:func:`checkpoint_extra`, :func:`restore`):
+The state of one FP8 linear layer is an :class:`AmaxState`, held by the layer's
+megaq.parallel.fp8.FP8GEMM (fp32 buffers, not in the model's state_dict; checkpoints
+carry the histories in their "extra" record: :func:`checkpoint_extra`, :func:`restore`):
 
 * ``now`` [x, dY]: this step's running amax (max over micro-batches and recomputed
   forwards, local to the rank). x's is written by the forward; dY's comes out of the
@@ -73,16 +73,6 @@ class AmaxState(nn.Module):
             setattr(self, name, getattr(self, name).float())
         self._arm_sink()
         return self
-
-
-def attach(layer: nn.Module, recipe: FP8Recipe | None) -> None:
-    """Give a TP linear layer the state its recipe needs: an AmaxState `fp8_amax` for
-    the delayed recipe, None otherwise."""
-    state = None
-    if recipe is not None and recipe.delayed:
-        param = next(layer.parameters(), None)
-        state = AmaxState(recipe).to(param.device if param is not None else "cpu")
-    layer.fp8_amax = state
 
 
 def states(modules) -> list[AmaxState]:
@@ -167,4 +157,4 @@ def restore(model_chunks, topo, saved: list | None) -> str | None:
     return None
 
 
-__all__ = ["AmaxState", "attach", "states", "step", "checkpoint_extra", "restore", "ROLES"]
+__all__ = ["AmaxState", "states", "step", "checkpoint_extra", "restore", "ROLES"]

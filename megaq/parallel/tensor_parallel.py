@@ -15,6 +15,10 @@ The communication regions are autograd functions whose backward is the transpose
 collective (all-reduce <-> identity, all-gather <-> reduce-scatter, split <-> gather).
 Every collective goes through ``comm`` with phase tag ``"tp"``.
 
+The GEMM of a linear layer is ``F.linear``, or the module in its ``gemm`` slot when one
+is set there from outside (megaq.parallelize puts FP8 GEMMs there: megaq.parallel.fp8);
+the layers themselves know one way to multiply.
+
 Parameter attributes read by the DP / PP engines (see docs/ARCHITECTURE.md, "Model"):
 ``tensor_model_parallel`` (the tensor is a TP shard, with ``partition_dim`` and
 ``partition_stride``), ``sequence_parallel`` (replicated over TP but its gradient is
@@ -36,9 +40,6 @@ from torch import nn
 
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
-from megaq.parallel import fp8_delayed
-from megaq.parallel.fp8 import FP8Recipe
-from megaq.parallel.fp8 import linear as fp8_or_bf16_linear
 
 PHASE = "tp"
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -334,32 +335,6 @@ class TPDropout(nn.Module):
 
 
 # --------------------------------------------------------------------------- layers
-def _no_fp8_weight(layer: nn.Module) -> None:
-    """`weight_fp8` / `weight_fp8_inv`: the layer's weight as ZeRO-3's FP8 weight gather
-    delivers it (E4M3 and its inverse per-tensor scale; megaq.zero.zeropp.fp8_weights
-    sets them with :func:`use_fp8_weight`). None: the GEMM casts `weight` itself.
-    Buffers (not persistent, so never in a state dict) so that a compiled block treats
-    them as graph inputs, as it treats the parameters."""
-    layer.register_buffer("weight_fp8", None, persistent=False)
-    layer.register_buffer("weight_fp8_inv", None, persistent=False)
-
-
-def use_fp8_weight(layer: nn.Module, weight_fp8: torch.Tensor, weight_inv: torch.Tensor) -> None:
-    """From now on `layer`'s FP8 GEMM reads these instead of casting its weight."""
-    if tuple(weight_fp8.shape) != tuple(layer.weight.shape) or weight_inv.dim() != 0:
-        raise ValueError(f"FP8 weight of shape {tuple(weight_fp8.shape)} / scale of shape "
-                         f"{tuple(weight_inv.shape)} for a weight of shape {tuple(layer.weight.shape)}")
-    layer.weight_fp8, layer.weight_fp8_inv = weight_fp8, weight_inv
-
-
-def fp8_gemm_layers(module: nn.Module) -> list[nn.Module]:
-    """The column- and row-parallel layers under `module` whose GEMMs run in FP8 on a
-    weight of their own (the tied output layer borrows the embedding's: not one)."""
-    return [m for m in module.modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-            and m.fp8 is not None and m.weight is not None]
-
-
 InitFn = Callable[[tuple[int, ...]], torch.Tensor]  # full shape -> full fp32 tensor
 
 
@@ -369,17 +344,17 @@ class ColumnParallelLinear(nn.Module):
     `init_weight(full_shape)` returns the full (un-split) weight, which is sliced here,
     so every TP size starts from the same weights. `stride` > 1 keeps fused blocks
     (e.g. SwiGLU's [gate; up]) whole per rank. With `skip_weight=True` the weight is
-    passed to forward (the tied output layer uses the word embedding's). With an
-    `fp8` recipe the GEMMs run in FP8 (megaq.parallel.fp8).
+    passed to forward (the tied output layer uses the word embedding's). `gemm`: None
+    (F.linear), or a module computing gemm(x, weight, bias) set from outside (module
+    docstring).
     """
 
     def __init__(self, input_size: int, output_size: int, tp_group: Group, *,
                  init_weight: InitFn | None, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, stride: int = 1, skip_weight: bool = False,
-                 params_dtype: torch.dtype = torch.float32, fp8: FP8Recipe | None = None):
+                 params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
-        self.fp8 = fp8
         self.output_size_per_partition = divide(output_size, tp_group.size, "output size")
         if skip_weight:
             self.weight = None
@@ -392,18 +367,15 @@ class ColumnParallelLinear(nn.Module):
             set_tp_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
-        _no_fp8_weight(self)
-        fp8_delayed.attach(self, fp8)
+        self.gemm = None
 
     def forward(self, x, weight: torch.Tensor | None = None):
-        weight_fp8 = self.weight_fp8 if weight is None else None  # a passed weight is not ours
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, output_grad_is_partial=True)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = fp8_or_bf16_linear(x, weight, self.bias, self.fp8, self.tp_group, "column",
-                               weight_fp8, self.weight_fp8_inv, self.fp8_amax)
+        y = F.linear(x, weight, self.bias) if self.gemm is None else self.gemm(x, weight, self.bias)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -412,16 +384,15 @@ class RowParallelLinear(nn.Module):
 
     The partial products are summed with an all-reduce, or reduce-scattered along
     the sequence under sequence parallelism. The bias is added once, after the sum;
-    it is replicated, so under sequence parallelism its gradient is partial. With an
-    `fp8` recipe the GEMMs run in FP8 (megaq.parallel.fp8).
+    it is replicated, so under sequence parallelism its gradient is partial. `gemm`: as
+    in ColumnParallelLinear.
     """
 
     def __init__(self, input_size: int, output_size: int, tp_group: Group, *,
                  init_weight: InitFn, bias: bool = True, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, fp8: FP8Recipe | None = None):
+                 params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.fp8 = fp8
         self.input_size_per_partition = divide(input_size, tp_group.size, "input size")
         full = init_weight((output_size, input_size))
         self.weight = nn.Parameter(shard_of(full, 1, tp_group.rank, tp_group.size).to(params_dtype))
@@ -431,12 +402,11 @@ class RowParallelLinear(nn.Module):
             set_tp_attributes(self.bias, False, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
-        _no_fp8_weight(self)
-        fp8_delayed.attach(self, fp8)
+        self.gemm = None
 
     def forward(self, x):
-        y = fp8_or_bf16_linear(x, self.weight, None, self.fp8, self.tp_group, "row",
-                               self.weight_fp8, self.weight_fp8_inv, self.fp8_amax)
+        # no bias here: it is added once, after the partial products are summed
+        y = F.linear(x, self.weight, None) if self.gemm is None else self.gemm(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
@@ -539,6 +509,5 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "get_rng_tracker",
-    "model_parallel_manual_seed", "ensure_rng_seeded", "single_rank_group", "fp8_gemm_layers",
-    "use_fp8_weight",
+    "model_parallel_manual_seed", "ensure_rng_seeded", "single_rank_group",
 ]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megaq.parallel.tensor_parallel import fp8_gemm_layers, use_fp8_weight
+from megaq.parallel.fp8 import fp8_gemm_layers, use_fp8_weight
 from megaq.zero.config import ZeroConfig, check_fp8_weight_gathers
 from megaq.zero.partition import FlatPartition
 
@@ -96,7 +96,7 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
 
     fp8_layers = {id(m.weight): m for c in model_chunks for m in fp8_gemm_layers(c)}
     # the model's FP8 recipe (a rowwise layer if any) against the weight gather settings
-    recipes = sorted({m.fp8 for m in fp8_layers.values()}, key=lambda r: not r.rowwise)
+    recipes = sorted({m.gemm.recipe for m in fp8_layers.values()}, key=lambda r: not r.rowwise)
     check_fp8_weight_gathers(recipes[0] if recipes else None, cfg)
     if not (cfg.stage == 3 and cfg.fp8_weights):
         fp8_layers = {}  # id(weight) -> its FP8 GEMM layer, for FP8 weight gathers

@@ -94,16 +94,15 @@ def _bench_rank(topo, argv, work):
     from megaq import dist_checkpoint
     from megaq.arguments import parse_config
     from megaq.lr_schedule import LRSchedule
-    from megaq.model import build_model_chunks
     from megaq.parallel import comm
-    from megaq.zero import build_engine
+    from megaq.parallelize import parallelize
 
     _exact_malloc()
     torch.manual_seed(0)
     config = parse_config(argv, world_size=topo.layout.world_size)
     config = config.resolved(config.data, config.data.vocab_size)
-    chunks = build_model_chunks(config.model, topo, config.virtual_pipeline_size)
-    engine = build_engine(chunks, topo, config.zero)
+    chunks, engine = parallelize(config.model, topo, config.zero,
+                                 vp_size=config.virtual_pipeline_size)
     schedule = LRSchedule.from_config(config.optimizer)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     out = {"rank": topo.rank, "params": params, "formats": {}}

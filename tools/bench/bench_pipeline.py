@@ -55,8 +55,7 @@ from torch import nn
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 from megaq.parallel import comm  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
-from megaq.model import build_model_chunks  # noqa: E402
-from megaq.parallel.pipeline import StepTimer, get_forward_backward_func  # noqa: E402
+from megaq.parallel.pipeline import StepTimer, build_stage_chunks, get_forward_backward_func  # noqa: E402
 
 SEQ, MBS, HIDDEN = 8, 1, 16
 
@@ -75,7 +74,7 @@ class _FixedCost(torch.autograd.Function):
 
 
 class FixedCostStage(nn.Module):
-    """GPTModel's constructor/forward contract with layers of known duration."""
+    """GPTModel's forward contract (and its stage arguments) with layers of known duration."""
 
     def __init__(self, config, tp_group, pre_process=True, post_process=True, layer_start=0,
                  layer_end=None):
@@ -97,7 +96,9 @@ class FixedCostStage(nn.Module):
 
 
 def _measure(topo, cfg, vp, m, steps):
-    chunks = build_model_chunks(cfg, topo, vp, model_cls=FixedCostStage)
+    def make_chunk(layer_start, layer_end, pre_process, post_process):
+        return FixedCostStage(cfg, topo.tp, pre_process, post_process, layer_start, layer_end)
+    chunks = build_stage_chunks(make_chunk, cfg.num_layers, topo, vp)
     schedule = get_forward_backward_func(topo.layout.pp, vp)
     batch = dict(tokens=torch.ones(MBS, SEQ, dtype=torch.long),
                  labels=torch.zeros(MBS, SEQ, dtype=torch.long), loss_mask=torch.ones(MBS, SEQ))

@@ -7,7 +7,7 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
                   megaq.zero.build_engine(stage 0) at DP=1: fp32 master weights and
                   grads, megaq's one-pass AdamW (kernels/fused_adamw: the update and the
                   bf16 weight write in one kernel)
-  megaq-s0-comp   the same with megaq.model.gpt.compile_blocks (torch.compile per block)
+  megaq-s0-comp   the same with megaq.parallelize.compile_blocks (torch.compile per block)
   megaq-s3-comp   the compiled model under the ZeRO-3 engine (stage 3) at DP=1
   ref-eager       a nanoGPT-style Llama written here: fp32 weights, bf16 autocast,
                   SDPA, torch fused AdamW
@@ -192,39 +192,23 @@ def cpu_megaq_model(size):
     return _CPU_MODELS[size]
 
 
-def use_fp8(model, fp8_format, fp8_recipe):
-    """Switch a built model's blocks to FP8 GEMMs, as GPTConfig(fp8_format=...) would have
-    built them (the CPU model is built once per size: its init is the slow part)."""
-    import dataclasses
-
-    from megaq.parallel import fp8_delayed
-
-    model.config = dataclasses.replace(model.config, fp8_format=fp8_format, fp8_recipe=fp8_recipe)
-    for layer in model.layers:
-        for m in list(layer.modules()):
-            if hasattr(m, "fp8"):
-                m.fp8 = model.config.fp8
-                fp8_delayed.attach(m, m.fp8)  # the delayed recipe's amax history
-    return model
-
-
 def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
+    """The megaq variants: a copy of the size's CPU model on `dev`, with parallelism applied
+    as pretrain_gpt.py applies it (megaq.parallelize: FP8 GEMMs, compiled blocks, engine)."""
     import copy
 
-    from megaq.model.gpt import compile_blocks
     from megaq.parallel import fp8_delayed
     from megaq.parallel.topology import Layout, build_topology
-    from megaq.zero import ZeroConfig, build_engine
+    from megaq.parallelize import parallelize
+    from megaq.zero import ZeroConfig
 
     model = copy.deepcopy(cpu_megaq_model(size)).to(dev)
-    if fp8:
-        use_fp8(model, *fp8)
-    if compiled:
-        compile_blocks(model)
+    fp8_kw = dict(fp8_format=fp8[0], fp8_recipe=fp8[1]) if fp8 else {}
+    config = megaq_config(size, compile_blocks=compiled, **fp8_kw)
     topo = build_topology(Layout(world_size=1), 0)
-    engine = build_engine([model], topo, ZeroConfig(stage=stage, gather_dtype=torch.bfloat16,
-                                                    lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                                    fp8_weights=fp8_gathers))
+    (model,), engine = parallelize(config, topo, ZeroConfig(
+        stage=stage, gather_dtype=torch.bfloat16, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+        fp8_weights=fp8_gathers), chunks=[model])
 
     def fwd_bwd(ids, labels):
         engine.zero_grad()
@@ -605,6 +589,20 @@ def zeropp_kernel_table(dev, step_ms):
             "step_ms": step_ms, "rows": rows, **rows_floor}
 
 
+@contextlib.contextmanager
+def fp8_emulated():
+    """megaq's FP8 GEMMs through the fp32 emulation even where FP8 tensor cores exist
+    (megaq.parallel.fp8.scaled_mm asks fp8_gemm_available at each call; eager only)."""
+    from megaq.parallel import fp8
+
+    saved = fp8.fp8_gemm_available
+    fp8.fp8_gemm_available = lambda device: False
+    try:
+        yield
+    finally:
+        fp8.fp8_gemm_available = saved
+
+
 def fp8_check(dev, tokens=2048):
     """FP8 GEMMs (torch._scaled_mm) against the fp32 emulation that the CPU tests use, on the
     1.3B model's linear shapes, forward and both backward GEMMs of megaq.parallel.fp8.linear:
@@ -635,7 +633,7 @@ def fp8_check(dev, tokens=2048):
             def run(device, emulate, fp8_on=True):
                 xx = x.detach().clone().to(device).requires_grad_()
                 ww = w.detach().clone().to(device).requires_grad_()
-                ctx = fp8.emulation() if emulate else contextlib.nullcontext()
+                ctx = fp8_emulated() if emulate else contextlib.nullcontext()
                 with ctx:
                     y = fp8.linear(xx, ww, None, rec if fp8_on else None, group, "column")
                     y.backward(dy.to(device))

@@ -90,15 +90,14 @@ def train_and_save(model_cfg, run, dev, steps: int, micro_batch: int, root: str)
     tokens, then save_checkpoint. Returns (bf16 model, losses, seconds to train, to save)."""
     from megaq import checkpoint as ckpt
     from megaq.lr_schedule import LRSchedule
-    from megaq.model import GPTModel
     from megaq.parallel.topology import Layout, build_topology
-    from megaq.zero import ZeroConfig, build_engine
+    from megaq.parallelize import parallelize
+    from megaq.zero import ZeroConfig
 
     t0 = time.perf_counter()
-    model = GPTModel(model_cfg).to(dev)  # CPU init (deterministic), as bench_train.py
-    topo = build_topology(Layout(world_size=1), 0)
-    engine = build_engine([model], topo, ZeroConfig(stage=0, gather_dtype=torch.bfloat16, lr=LR,
-                                                    betas=(0.9, 0.95), weight_decay=0.1))
+    topo = build_topology(Layout(world_size=1), 0)  # CPU init (deterministic), as bench_train.py
+    (model,), engine = parallelize(model_cfg, topo, ZeroConfig(
+        stage=0, gather_dtype=torch.bfloat16, lr=LR, betas=(0.9, 0.95), weight_decay=0.1), device=dev)
     g = torch.Generator().manual_seed(1234)
     losses = []
     for _ in range(steps):

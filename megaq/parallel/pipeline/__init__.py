@@ -2,7 +2,7 @@
 
 Typical step on one rank::
 
-    chunks = megaq.model.build_model_chunks(config, topo, vp_size)
+    chunks, engine = megaq.parallelize.parallelize(config, topo, zero_config, vp_size=vp_size)
     forward_backward = get_forward_backward_func(topo.layout.pp, len(chunks))
     losses = forward_backward(chunks, microbatches, num_microbatches, topo,
                               tensor_shape=pipeline_tensor_shape(s, b, h, tp, sp))

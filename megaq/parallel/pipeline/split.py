@@ -100,7 +100,7 @@ def build_stage_chunks(make_chunk, num_layers: int, topo, vp_size: int | None = 
     holding the global layers ``[layer_start, layer_end)``; ``pre_process`` marks the
     chunk that owns the input embedding, ``post_process`` the one that owns the output
     layer and loss. The split knows layers and stages, never the model class
-    (megaq.model.build_model_chunks is the GPT factory).
+    (megaq.parallelize builds GPTModel chunks with it, step 1 of its order).
     """
     pp, stage, vp = topo.layout.pp, topo.pp_rank, vp_size or 1
     return [make_chunk(start, end, stage == 0 and v == 0, stage == pp - 1 and v == vp - 1)
