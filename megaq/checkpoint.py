@@ -20,8 +20,8 @@ Layout under --save DIR::
                                              (megaq.integrity); loads verify every file
                                              they read and refuse a directory without it
 
-Every file holds only tensors and plain containers, and is read with
-``torch.load(weights_only=True)``.
+Every file holds only tensors and plain containers, and is read through
+megaq.safe_unpickle (torch's weights_only unpickler: nothing else is unpickled).
 
 Atomicity: all ranks write into ``.iter_0000100.tmp`` (files fsynced), a barrier
 waits for everyone, rank 0 renames the directory into place, then rewrites
@@ -43,7 +43,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from megaq import checkpoint_guard, integrity
+from megaq import checkpoint_guard, failure, integrity
 from megaq.config import FLAG_CLASSES, RunConfig
 from megaq.flags import dest, flag_fields, to_dict
 from megaq.model import GPTConfig, GPTModel
@@ -411,88 +411,121 @@ def load_checkpoint(root: str, *, config: RunConfig, topo, engine, lr_schedule, 
     integrity.verify_checkpoints(not config.checkpointing.no_verify_checkpoint)
     _verified(integrity.require_manifest, ckpt)  # a directory without one is never loaded
     from megaq import dist_checkpoint  # it builds on this module's helpers
-    if dist_checkpoint.is_dist_checkpoint(ckpt):  # --ckpt-format torch_dist wrote it
-        path = os.path.join(ckpt, dist_checkpoint.COMMON_FILE)
-        sd = dist_checkpoint.read_common(ckpt)
-        saved_tp, saved_pp = sd["layout"]["tp"], sd["layout"]["pp"]
-        same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+    dist = dist_checkpoint.is_dist_checkpoint(ckpt)  # --ckpt-format torch_dist wrote it
+    # Integrity first: every file this load reads is verified before anything of the
+    # checkpoint is compared with this run's flags, so that a damaged file is reported
+    # as damaged, never as a settings mismatch. The settings file (model / common file),
+    # this rank's RNG streams and, on a TP / PP reshard, every shard are read here; the
+    # DCP index and shard files are verified before check_flags runs (dist_checkpoint),
+    # and the qgZ residuals are verified here and read after the weights. Each rank
+    # reads its own files: the ranks agree on the outcome before any of them enters a
+    # collective of the load (a rank that failed alone would leave the others waiting).
+    with failure.agreed(topo.world):
+        sd, path, saved_tp, saved_pp, same_mp = _read_settings(ckpt, dist, topo)
         saved = saved_config(sd)
+        rng_path, rng = (_read_rng_state(ckpt, sd["layout"], topo) if load_rng and same_mp
+                         else (None, None))
+        ef_path, ef_reason = (_error_feedback_source(ckpt, sd, saved, config, topo)
+                              if load_optim else (None, None))
+        if ef_path is not None:
+            _verified(integrity.verify, ckpt, ef_path)
+        stages = None
+        if not dist and not same_mp and model_chunks is not None:
+            stages = read_all_stages(ckpt, saved_tp, saved_pp)
+
+    def check_flags():
+        """Every comparison of the checkpoint's settings with this run's flags."""
         _check_architecture(saved, config, path, same_tp=same_mp)
-        if load_optim:
-            _check_optimizer(saved, config, path)
-        # every layout reshards: each rank reads the pieces it now holds
-        dist_checkpoint.load_checkpoint(ckpt, sd, saved, config=config, topo=topo,
-                                        engine=engine, load_optim=load_optim)
-    else:
-        saved_tp, saved_pp = checkpoint_layout(ckpt)
-        same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
-        # The configuration and metadata live in every mp_rank file; read this rank's, or
-        # (new TP/PP layout) the first one.
-        path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-        sd = _verified(integrity.load_verified, ckpt, path)
-        saved = saved_config(sd)
-        _check_architecture(saved, config, path, same_tp=same_mp)
-        if same_mp:
-            state = sd["model_optim"]
-        elif model_chunks is None:
+        if not dist and not same_mp and model_chunks is None:
             _check_layout({"tp": saved_tp, "pp": saved_pp}, topo, ckpt)
-        else:
-            state = reshard_full_state(ckpt, sd["layout"], topo, model_chunks)
         if load_optim and not has_optimizer_state(sd["model_optim"]):
             raise CheckpointError(f"{ckpt} was saved with --no-save-optim (no optimizer state); "
                                   f"load it with --no-load-optim (fresh optimizer state, same "
                                   f"iteration) or --finetune (weights only, iteration 0)")
+        if load_optim:
+            _check_optimizer(saved, config, path)
+
+    if dist:
+        # every layout reshards: each rank reads the pieces it now holds
+        dist_checkpoint.load_checkpoint(ckpt, sd, saved, config=config, topo=topo, engine=engine,
+                                        load_optim=load_optim, check_flags=check_flags)
+    else:
+        check_flags()
+        state = sd["model_optim"] if same_mp else reshard_full_state(
+            ckpt, sd["layout"], topo, model_chunks, stages=stages)
         if not load_optim:
             state = engine_weights_only(state)
-        else:
-            _check_optimizer(saved, config, path)
         try:
             engine.load_full_state(state)
         except OptimizerStateMismatch as e:
             raise CheckpointError(f"{path}: {e}; pass --no-load-optim to load the weights only")
-    if load_optim:
-        _load_error_feedback(ckpt, sd, saved, config, topo, engine)
+    if ef_path is not None:
+        engine.load_error_feedback_state(_verified(integrity.load_verified, ckpt,
+                                                   ef_path)["residuals"])
+    elif ef_reason is not None and topo.rank == 0:
+        print(f" note: qgZ error-feedback residuals start from zero: {ef_reason}", flush=True)
     if lr_schedule is not None:  # None: --finetune (the flags' schedule from its start)
         if load_optim:  # settings checked against the flags (megaq.lr_schedule)
             lr_schedule.load_state_dict(sd["lr_scheduler"])
         else:
             lr_schedule.restore_position(sd["lr_scheduler"])
 
-    if load_rng and not same_mp:
+    if load_rng and not same_mp and topo.rank == 0:
         # The TP/PP coordinates changed: no rank's streams map onto ours (the TP tracker's
         # streams are per TP rank); keep the fresh seeding of this run.
-        load_rng = False
-        if topo.rank == 0:
-            print(f" note: {ckpt} was saved with TP={saved_tp}, PP={saved_pp}; weights and "
-                  f"optimizer state resharded to TP={topo.layout.tp}, PP={topo.layout.pp}; "
-                  f"RNG streams start fresh", flush=True)
-    if load_rng:
-        saved_layout = sd["layout"]
-        same = (saved_layout["world_size"] == topo.layout.world_size
-                and saved_layout["dp"] == topo.layout.dp)
-        if same:
-            src_rank = topo.rank
-        else:
-            # DP changed: take the streams of the rank with my TP/PP coordinates and my DP
-            # rank folded onto the old DP size (dropout streams cannot be split exactly).
-            old = saved_layout
-            src_rank = topo.tp_rank + old["tp"] * ((topo.dp_rank % old["dp"]) + old["dp"] * topo.pp_rank)
-        rpath = rng_file(ckpt, src_rank)
-        if os.path.isfile(rpath):
-            rng = _verified(integrity.load_verified, ckpt, rpath)
-            try:
-                set_rng_state(rng)
-            except (RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
-                raise CheckpointError(f"{rpath} holds no valid RNG state ({type(e).__name__}: "
-                                      f"{e}); restore the file, or pass --no-load-rng") from None
-        else:
-            raise CheckpointError(f"{rpath} is missing; the checkpoint is incomplete "
-                                  f"(or pass --no-load-rng)")
+        print(f" note: {ckpt} was saved with TP={saved_tp}, PP={saved_pp}; weights and "
+              f"optimizer state resharded to TP={topo.layout.tp}, PP={topo.layout.pp}; "
+              f"RNG streams start fresh", flush=True)
+    if rng is not None:
+        try:
+            set_rng_state(rng)
+        except (RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{rng_path} holds no valid RNG state ({type(e).__name__}: "
+                                  f"{e}); restore the file, or pass --no-load-rng") from None
     return {"iteration": int(sd["iteration"]), "consumed_samples": int(sd["consumed_samples"]),
             "extra": sd.get("extra", {}), "path": ckpt,
             "saved_global_batch_size": saved["training"].get("global_batch_size")}
+
+
+def _read_settings(ckpt: str, dist: bool, topo) -> tuple:
+    """(the file holding the saved settings, read and verified; its path; the saved TP
+    and PP sizes; whether this run has them): torch_dist's common file, or the torch
+    format's model file of this rank (the first one on a new TP / PP layout)."""
+    from megaq import dist_checkpoint
+    if dist:
+        sd = dist_checkpoint.read_common(ckpt)
+        saved_tp, saved_pp = sd["layout"]["tp"], sd["layout"]["pp"]
+        same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+        return sd, os.path.join(ckpt, dist_checkpoint.COMMON_FILE), saved_tp, saved_pp, same_mp
+    saved_tp, saved_pp = checkpoint_layout(ckpt)
+    same_mp = (saved_tp, saved_pp) == (topo.layout.tp, topo.layout.pp)
+    # The configuration and metadata live in every mp_rank file; read this rank's, or
+    # (new TP/PP layout) the first one.
+    path = model_file(ckpt, topo.tp_rank, topo.pp_rank) if same_mp else model_file(ckpt, 0, 0)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+    return _verified(integrity.load_verified, ckpt, path), path, saved_tp, saved_pp, same_mp
+
+
+def _read_rng_state(ckpt: str, saved_layout: dict, topo) -> tuple[str, dict]:
+    """(file, RNG streams) this rank resumes with (verified): its own rank's, or when DP
+    changed, those of the rank with its TP/PP coordinates and its DP rank folded onto the
+    old DP size (dropout streams cannot be split exactly)."""
+    if (saved_layout["world_size"] == topo.layout.world_size
+            and saved_layout["dp"] == topo.layout.dp):
+        src_rank = topo.rank
+    else:
+        old = saved_layout
+        src_rank = topo.tp_rank + old["tp"] * ((topo.dp_rank % old["dp"]) + old["dp"] * topo.pp_rank)
+    rpath = rng_file(ckpt, src_rank)
+    if not os.path.isfile(rpath):
+        raise CheckpointError(f"{rpath} is missing; the checkpoint is incomplete "
+                              f"(or pass --no-load-rng)")
+    rng = _verified(integrity.load_verified, ckpt, rpath)
+    if not isinstance(rng, dict):
+        raise CheckpointError(f"{rpath} holds a {type(rng).__name__}, not RNG state; restore the "
+                              f"file, or pass --no-load-rng")
+    return rpath, rng
 
 
 def _check_optimizer(saved: dict, config: RunConfig, path: str) -> None:
@@ -504,28 +537,24 @@ def _check_optimizer(saved: dict, config: RunConfig, path: str) -> None:
                               f"to load the weights only (fresh optimizer state)")
 
 
-def _load_error_feedback(ckpt: str, sd: dict, saved: dict, config: RunConfig, topo,
-                         engine) -> None:
-    """Restore this rank's qgZ error-feedback residuals when this run uses them and
-    they still mean the same thing: same layout (each residual is one rank's own
-    quantization error) and the same qgZ bits and block. Otherwise they restart from
-    zero, as after any weight load, and rank 0 says why."""
+def _error_feedback_source(ckpt: str, sd: dict, saved: dict, config: RunConfig,
+                           topo) -> tuple[str | None, str | None]:
+    """(file, None) when this rank restores its qgZ error-feedback residuals: this run
+    uses them and they still mean the same thing (same layout: each residual is one
+    rank's own quantization error; the same qgZ bits and block). Otherwise (None, why
+    they restart from zero, as after any weight load), or (None, None) when this run
+    keeps none."""
     if not (config.zero.quantized_gradients and config.zero.error_feedback):
-        return
+        return None, None
     path = error_feedback_file(ckpt, topo.rank)
     if sd["layout"] != layout_dict(topo.layout):
-        reason = f"the layout changed ({sd['layout']} -> {layout_dict(topo.layout)})"
-    elif any(saved["zero"].get(k, _EF_SETTINGS_BEFORE.get(k)) != getattr(config.zero, k)
-             for k in _EF_SETTINGS):
-        reason = "the qgZ bits, block size, own-rows setting, int4 code or Hadamard setting changed"
-    elif not os.path.isfile(path):
-        reason = "the checkpoint holds none (saved without error feedback, or at DP=1)"
-    else:
-        engine.load_error_feedback_state(_verified(integrity.load_verified, ckpt,
-                                                   path)["residuals"])
-        return
-    if topo.rank == 0:
-        print(f" note: qgZ error-feedback residuals start from zero: {reason}", flush=True)
+        return None, f"the layout changed ({sd['layout']} -> {layout_dict(topo.layout)})"
+    if any(saved["zero"].get(k, _EF_SETTINGS_BEFORE.get(k)) != getattr(config.zero, k)
+           for k in _EF_SETTINGS):
+        return None, "the qgZ bits, block size, own-rows setting, int4 code or Hadamard setting changed"
+    if not os.path.isfile(path):
+        return None, "the checkpoint holds none (saved without error feedback, or at DP=1)"
+    return path, None
 
 
 # ------------------------------------------------------------- TP / PP resharding
@@ -567,28 +596,29 @@ def concat_tp_shards(parts: list[torch.Tensor], dim: int, stride: int = 1,
     return full
 
 
-def read_all_stages(ckpt_dir: str, tp: int, pp: int, mmap: bool = False) -> tuple[dict, dict]:
+def read_all_stages(ckpt_dir: str, tp: int, pp: int, mmap: bool = False,
+                    progress=lambda items, total: items) -> tuple[dict, dict]:
     """(saved configuration, {"step", "params": {global name: [per old TP rank
     {param, exp_avg, exp_avg_sq}]}}).
 
     mmap=True memory-maps the files instead of reading them: a tensor is read from disk
-    only when used (the HF export streams one tensor at a time this way)."""
+    only when used (the HF export streams one tensor at a time this way). `progress`
+    wraps the shard files as they are read (the converter's progress bar)."""
     entries: dict[str, list] = {}
     cfg = None
     step = 0
-    for p in range(pp):
-        for t in range(tp):
-            path = model_file(ckpt_dir, t, p)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-            sd = _verified(integrity.load_verified, ckpt_dir, path, mmap)
-            cfg = cfg or saved_config(sd)
-            step = int(sd["model_optim"]["step"])
-            ranges = stage_layer_ranges(cfg["model"]["num_layers"], pp,
-                                        saved_virtual_pipeline_size(cfg), p)
-            for name, entry in sd["model_optim"]["params"].items():
-                g = local_to_global_name(name, ranges)
-                entries.setdefault(g, [None] * tp)[t] = entry
+    for p, t in progress([(p, t) for p in range(pp) for t in range(tp)], tp * pp):
+        path = model_file(ckpt_dir, t, p)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+        sd = _verified(integrity.load_verified, ckpt_dir, path, mmap)
+        cfg = cfg or saved_config(sd)
+        step = int(sd["model_optim"]["step"])
+        ranges = stage_layer_ranges(cfg["model"]["num_layers"], pp,
+                                    saved_virtual_pipeline_size(cfg), p)
+        for name, entry in sd["model_optim"]["params"].items():
+            g = local_to_global_name(name, ranges)
+            entries.setdefault(g, [None] * tp)[t] = entry
     return cfg, {"step": step, "params": entries}
 
 
@@ -604,12 +634,14 @@ def fit_rows(full: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor
     return torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
 
 
-def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks) -> dict:
+def reshard_full_state(ckpt_dir: str, saved_layout: dict, topo, model_chunks,
+                       stages: tuple | None = None) -> dict:
     """This rank's engine.full_state()-shaped dict from a checkpoint of another TP x PP
     layout: stages stitched by global layer index, TP shards concatenated along each
     parameter's partition dimension and re-split for this rank (weights and every named
-    optimizer state alike). Every rank reads every shard file: memory of one full model."""
-    _, saved = read_all_stages(ckpt_dir, saved_layout["tp"], saved_layout["pp"])
+    optimizer state alike). Every rank reads every shard file: memory of one full model.
+    `stages`: what read_all_stages returned, when the caller read them already."""
+    _, saved = stages or read_all_stages(ckpt_dir, saved_layout["tp"], saved_layout["pp"])
     num_layers = sum(c.layer_end - c.layer_start for c in model_chunks) * topo.layout.pp
     ranges = stage_layer_ranges(num_layers, topo.layout.pp, len(model_chunks), topo.pp_rank)
     tp, tp_rank = topo.layout.tp, topo.tp_rank

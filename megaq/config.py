@@ -36,6 +36,7 @@ from typing import ClassVar
 
 import torch
 
+from megaq import export_files
 from megaq.data.config import DataConfig
 from megaq.flags import flag, from_flags, set_derived, switch, to_dict
 from megaq.model.config import GPTConfig
@@ -307,8 +308,8 @@ class CheckpointConfig:
 def _check_save_hf(save_hf: str, checkpoints: dict) -> None:
     """The HF export replaces its directory: refuse one that would take a checkpoint with
     it (the same as, inside or around --save / --load / --pretrained-checkpoint) or that
-    holds something other than an earlier export (an empty directory, or one with the
-    config.json an export writes, is replaced)."""
+    holds something other than an earlier export (an empty directory, or an earlier
+    export: megaq.export_files.is_export, is replaced)."""
     target = os.path.realpath(save_hf)
     for flag_name, path in checkpoints.items():
         if not path:
@@ -317,9 +318,10 @@ def _check_save_hf(save_hf: str, checkpoints: dict) -> None:
         if os.path.commonpath([target, other]) in (target, other):
             raise ConfigError(f"--save-hf {save_hf} overlaps {flag_name} {path}: the export replaces "
                               f"its directory; give --save-hf a directory outside the checkpoints")
-    if os.path.isdir(target) and os.listdir(target) and not os.path.isfile(os.path.join(target, "config.json")):
-        raise ConfigError(f"--save-hf {save_hf} exists and is not a Hugging Face export (no config.json): "
-                          f"the export would replace it; choose a new directory or remove this one")
+    if os.path.isdir(target) and os.listdir(target) and not export_files.is_export(target):
+        raise ConfigError(f"--save-hf {save_hf} exists and is not a Hugging Face export written by "
+                          f"megaq (it holds other files): the export would replace it; choose a new "
+                          f"directory or remove this one")
     if os.path.exists(target) and not os.path.isdir(target):
         raise ConfigError(f"--save-hf {save_hf} is a file, not a directory: choose a directory path")
 

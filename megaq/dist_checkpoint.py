@@ -54,12 +54,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from megaq import checkpoint as ckpt
-from megaq import checkpoint_guard, failure, host_staging, integrity
+from megaq import checkpoint_guard, failure, host_staging, integrity, safe_unpickle
 from megaq.parallel import comm
 from megaq.parallel.pipeline.split import stage_layer_ranges
 from megaq.zero import state as state_io
@@ -248,30 +250,46 @@ class _LoadPlanner(DefaultLoadPlanner):
             return obj.piece_at(index.offset)
         return super().lookup_tensor(index)
 
+    def load_bytes(self, read_item, value) -> None:
+        # DCP's default would unpickle the entry with torch.load(weights_only=False); what
+        # megaq loads is tensors only (_fit_to_saved refuses any other entry), so this is
+        # never reached, and must never unpickle
+        raise ckpt.CheckpointError(f"the checkpoint holds {read_item.storage_index.fqn} as "
+                                   f"pickled bytes, which megaq never reads")
 
-class _VerifiedReader(dcp.FileSystemReader):
-    """DCP's file reader, refusing files that do not match the manifest. Each file is
-    checked once, before its first read; the caller checks the whole plan up front
-    (verify_plan) so that a damaged file is one clear line, not an error inside DCP."""
+
+class VerifiedReader(dcp.FileSystemReader):
+    """DCP's file reader, refusing files that do not match the manifest, and reading
+    its index (.metadata) through megaq.safe_unpickle: DCP's own reader unpickles it with
+    plain pickle, which runs whatever the file names. Each file is checked once, before
+    its first read; the caller checks the whole plan up front (_verify_reads) so that a
+    damaged file is one clear line, not an error inside DCP."""
 
     def __init__(self, path: str):
         super().__init__(path)
         self.ckpt_dir = str(path)
         self._metadata = None
 
-    def read_metadata(self):
-        """DCP's index, read (and verified) once per reader: a tool reading tensor after
-        tensor reuses it."""
+    def read_metadata(self, *args, **kwargs):
+        """DCP's index, verified, read and checked once per reader: a tool reading
+        tensor after tensor reuses it, and DCP's own calls get it from here."""
         if self._metadata is not None:
             return self._metadata
         path = os.path.join(self.ckpt_dir, METADATA_FILE)
         _verify_once(self.ckpt_dir, path)
         try:
-            self._metadata = super().read_metadata()
+            metadata = safe_unpickle.load(path, safe_unpickle.DCP_INDEX)
+        except safe_unpickle.UnpicklingRefused as e:
+            raise ckpt.CheckpointError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a damaged index (unverified load)
             raise ckpt.CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is "
                                        f"damaged or not a DCP index") from None
-        return self._metadata
+        _check_index(metadata, path)
+        if getattr(metadata, "storage_meta", None) is None:  # as DCP's reader completes it
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        self._metadata = metadata
+        return metadata
 
     @staticmethod
     def stored_chunk_bytes(metadata, item) -> int:
@@ -284,6 +302,39 @@ class _VerifiedReader(dcp.FileSystemReader):
 
     def files_of(self, plan) -> list[str]:
         return sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+
+
+def _check_index(metadata, path: str) -> None:
+    """Refuse a DCP index whose contents are not what DCP writes (the allowed classes in
+    the wrong places), in one line: DCP would fail deep inside, or (a storage entry
+    naming ../x) read a file outside the checkpoint directory."""
+    def refuse(why):
+        raise ckpt.CheckpointError(f"{path} is not a DCP index ({why}); the file is damaged or "
+                                   f"was altered: restore it or load an earlier iteration")
+    if not isinstance(metadata, Metadata):
+        refuse(f"it holds a {type(metadata).__name__}")
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        refuse("its tensor list or file map is not a dict")
+    for fqn, md in entries.items():
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not (isinstance(fqn, str) and isinstance(md, TensorStorageMetadata)
+                and isinstance(md.properties, TensorProperties)
+                and isinstance(md.properties.dtype, torch.dtype)
+                and isinstance(md.size, torch.Size) and isinstance(md.chunks, list)
+                and all(isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                        and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(md.size)
+                        == len(c.sizes) for c in md.chunks)):
+            refuse(f"entry {fqn!r} is not a tensor's description")
+    for index, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo)
+                and isinstance(rel, str) and rel not in ("", ".", "..")
+                and os.path.basename(rel) == rel
+                and isinstance(info.offset, int) and isinstance(info.length, int)
+                and info.offset >= 0 and info.length >= 0):
+            refuse(f"a storage entry names {rel!r}, not a file of its directory")
 
 
 # --------------------------------------------------------------- this rank's state
@@ -549,7 +600,7 @@ def _fit_to_saved(state: dict, metadata, ckpt_dir: str) -> dict:
     return out
 
 
-def _verify_reads(reader: _VerifiedReader, metadata, state: dict):
+def _verify_reads(reader: VerifiedReader, metadata, state: dict):
     """Plan the reads of `state` and check every file they touch against the manifest
     before DCP opens any (a damaged or missing file is then one CheckpointError naming
     it, not an error inside DCP's reader). Returns the plan."""
@@ -581,20 +632,25 @@ def _verify_once(ckpt_dir: str, path: str) -> None:
 
 
 def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engine,
-                    load_optim: bool) -> None:
+                    load_optim: bool, check_flags=lambda: None) -> None:
     """Fill this rank's shard buffers from a torch_dist checkpoint of any layout.
-    `sd` is its common file, `saved` its configuration. Collective over every rank."""
+    `sd` is its common file, `saved` its configuration. Collective over every rank.
+    `check_flags()` compares the checkpoint's settings with the run's (raising a
+    CheckpointError); it runs once every file this rank reads is verified, or first
+    when the saved tensors do not fit this model (then the setting that differs is
+    the error to show, not a tensor's shape)."""
     group = checkpoint_group(topo)
-    if load_optim and not ckpt.has_optimizer_state(sd["model_optim"]):
-        raise ckpt.CheckpointError(f"{ckpt_dir} was saved without optimizer state "
-                                   f"(--no-save-optim); load it with --no-load-optim (fresh optimizer "
-                                   f"state, same iteration) or --finetune (weights only, iteration 0)")
     state = local_state(engine, config, topo, optim=load_optim, for_save=False)
-    reader = _VerifiedReader(ckpt_dir)
+    reader = VerifiedReader(ckpt_dir)
     with failure.agreed(group, catch=(ckpt.CheckpointError,)):
         metadata = reader.read_metadata()
-        state = _fit_to_saved(state, metadata, ckpt_dir)
+        try:
+            state = _fit_to_saved(state, metadata, ckpt_dir)
+        except ckpt.CheckpointError:
+            check_flags()
+            raise
         plan = _verify_reads(reader, metadata, state)
+        check_flags()
     # What DCP's reader materialises beyond our buffers: each saved chunk it reads is
     # loaded whole, one at a time, then copied into our views.
     LAST_SHARD_BYTES["load"] = _state_bytes(state)
@@ -611,11 +667,14 @@ def load_checkpoint(ckpt_dir: str, sd: dict, saved: dict, *, config, topo, engin
     engine.state_loaded()
 
 
-def read_full_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+def read_full_tensors(ckpt_dir: str, names: list[str],
+                      reader: VerifiedReader | None = None) -> dict[str, torch.Tensor]:
     """{global parameter name: its full fp32 weight} read on one process without any
     process group (tools: generate, HF export, format conversion). A tied output
-    layer that the checkpoint holds as the embedding reads the embedding."""
-    reader = _VerifiedReader(ckpt_dir)
+    layer that the checkpoint holds as the embedding reads the embedding. A caller
+    reading tensor after tensor passes one `reader` (VerifiedReader(ckpt_dir)): the
+    index is then read once, not once per call."""
+    reader = reader or VerifiedReader(ckpt_dir)
     metadata = reader.read_metadata()
     out = {}
     for name in names:
@@ -629,7 +688,7 @@ def read_full_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tensor
     return out
 
 
-def _read_one(reader: _VerifiedReader, fqn: str) -> torch.Tensor:
+def _read_one(reader: VerifiedReader, fqn: str) -> torch.Tensor:
     """One whole tensor of the checkpoint, assembled from its saved chunks."""
     md = reader.read_metadata().state_dict_metadata[fqn]
     full = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
@@ -646,16 +705,21 @@ def save_full_tensors(tensors: dict[str, torch.Tensor], ckpt_dir: str) -> None:
     _run_dcp(dcp.save, tensors, None, storage_writer=writer, planner=_SavePlanner())
 
 
-def read_saved_state(ckpt_dir: str, keys=("param",)) -> dict[str, dict[str, torch.Tensor]]:
+def read_saved_state(ckpt_dir: str, keys=("param",),
+                     progress=lambda items, total: items) -> dict[str, dict[str, torch.Tensor]]:
     """{global parameter name: {state key: full tensor}} of every parameter (the
-    format converter: one process, the whole model in memory)."""
-    reader = _VerifiedReader(ckpt_dir)
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    format converter: one process, the whole model in memory). `progress` wraps the
+    tensors as they are read (the converter's progress bar)."""
+    reader = VerifiedReader(ckpt_dir)
+    wanted = []
     for fqn, md in reader.read_metadata().state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
         key, name = ("param", fqn[len("model."):]) if fqn.startswith("model.") else \
             fqn[len("optimizer."):].split(".", 1)
         if key in keys:
-            out.setdefault(name, {})[key] = _read_one(reader, fqn)
+            wanted.append((fqn, key, name))
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, key, name in progress(wanted, len(wanted)):
+        out.setdefault(name, {})[key] = _read_one(reader, fqn)
     return out

@@ -112,7 +112,9 @@ def agreed(group, catch: tuple = (Exception,), on_failure=None):
     try:
         yield
     except catch as e:  # noqa: PERF203 - one block
-        failure = (type(e).__name__, _one_line(e))
+        # an inner block's agreed failure passes through naming the rank that found it
+        failure = ((e.kind, _one_line(e), e.origin_rank) if isinstance(e, AgreedError)
+                   else (type(e).__name__, _one_line(e), None))
     outcomes = _gather(group, failure)
     failed = [(i, f) for i, f in enumerate(outcomes) if f is not None]
     if not failed:
@@ -120,8 +122,9 @@ def agreed(group, catch: tuple = (Exception,), on_failure=None):
     if on_failure is not None:
         with contextlib.suppress(Exception):
             on_failure()
-    index, (kind, message) = failed[0]
-    origin = group.ranks[index] if group is not None else 0
+    index, (kind, message, origin) = failed[0]
+    if origin is None:
+        origin = group.ranks[index] if group is not None else 0
     raise AgreedError(message, origin, kind, group.size if group is not None else 1)
 
 

@@ -7,7 +7,7 @@ directory whose manifest is missing or incomplete is a save that did not finish 
 a checkpoint from before manifests), and :func:`require_manifest` refuses it.
 
 Loading passes every file it reads through :func:`verify` (or :func:`load_verified`
-for ``torch.load`` files): the file's SHA-256 must equal the manifest's, else one
+for torch.save files): the file's SHA-256 must equal the manifest's, else one
 :class:`IntegrityError` line names the file and both hashes. A flipped byte, a
 truncation, an empty file and a missing file are all caught before the bytes are
 used. ``--no-verify-checkpoint`` turns the checks off (``verify_checkpoints(False)``).
@@ -147,12 +147,15 @@ def verify(root: str, path: str) -> None:
 
 
 def load_verified(root: str, path: str, mmap: bool = False):
-    """torch.load (weights only, on CPU) of a verified checkpoint file; any reading
-    failure becomes one IntegrityError line naming the file."""
-    import torch
+    """A verified checkpoint file's contents (tensors and plain containers only: read
+    by megaq.safe_unpickle, on CPU); any reading failure becomes one IntegrityError
+    line naming the file (a forbidden class: naming the class too)."""
+    from megaq import safe_unpickle
     verify(root, path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return safe_unpickle.load(path, safe_unpickle.TENSORS, mmap=mmap)
+    except safe_unpickle.UnpicklingRefused as e:
+        raise IntegrityError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - damaged file, foreign pickle, empty file
         first = (str(e).splitlines() or [""])[0]
         raise IntegrityError(f"{path} cannot be read ({type(e).__name__}: {first}); it is damaged "

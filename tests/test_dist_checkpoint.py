@@ -183,6 +183,6 @@ def test_no_load_optim_no_save_optim_and_refusals(tmp_path):
     assert out["weights_step"] == 0 and out["moments_zero"] and out["masters_equal"]
     assert out["no_optim_loads_weights"]
     assert out["finetune"] == {"iteration": 0, "step": 0, "weights": True, "moments_zero": True}
-    assert "saved without optimizer state" in out["errors"]["no_optim"]
+    assert "was saved with --no-save-optim (no optimizer state)" in out["errors"]["no_optim"]
     assert "--no-load-optim" in out["errors"]["no_optim"]
     assert "different architecture: --hidden-size 64 (checkpoint: 32)" in out["errors"]["arch"]

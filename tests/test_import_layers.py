@@ -23,10 +23,12 @@ LAYERS = [
     # applies the parallel layer's pieces and the zero engine to the model, in one order
     ("parallelize", ("megaq.parallelize",)),
     ("data", ("megaq.data",)),
-    ("config", ("megaq.config",)),
-    # the manifest and the directory guards (job lock, stale .tmp, write errors) of a save
+    # what an HF export holds: the --save-hf check and the converters recognise one by it
+    ("config", ("megaq.config", "megaq.export_files")),
+    # the manifest and the directory guards (job lock, stale .tmp, write errors) of a save;
+    # the one allow-listed unpickler every checkpoint reader (and the converters) use
     ("checkpoint", ("megaq.checkpoint", "megaq.dist_checkpoint", "megaq.checkpoint_guard",
-                    "megaq.integrity", "megaq.host_staging")),
+                    "megaq.integrity", "megaq.host_staging", "megaq.safe_unpickle")),
     # the hang watchdog counts training iterations
     ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
                   "megaq.watchdog")),

@@ -140,10 +140,11 @@ def test_save_hf_never_replaces_a_checkpoint_or_other_files(tmp_path):
     with pytest.raises(ArgumentsError, match="overlaps --load"):
         parse_config(base(tmp_path, "--train-iters", "1", "--save", str(ck), "--load", str(notes),
                           "--save-hf", str(notes / "hf")), world_size=1)
-    # an empty directory, or an earlier export (config.json), is replaced as before
+    # an empty directory, or an earlier export (its config.json and weights), is replaced
     earlier = tmp_path / "hf"
     earlier.mkdir()
     (earlier / "config.json").write_text("{}")
+    (earlier / "model.safetensors").write_bytes(b"")
     for hf in (earlier, tmp_path / "new"):
         c = parse_config(base(tmp_path, "--train-iters", "1", "--save", str(ck), "--save-hf", str(hf)),
                          world_size=1)

@@ -129,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "megatron: Megatron-LM checkpoint root (latest_checkpointed_iteration.txt) "
                         "or its iter_*/release dir")
     p.add_argument("--output", required=True, help="directory to write (must not exist)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output that holds only an earlier output of the "
+                        "same kind written by megaq (an export for --to hf, a checkpoint for --to "
+                        "megaq); any other directory is refused")
     g = p.add_argument_group("--to hf")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the written weights (the checkpoint holds fp32 masters)")

@@ -16,8 +16,8 @@ import shutil
 
 from megaq import checkpoint as ckpt
 from megaq import dist_checkpoint, integrity
-from megaq.interop.common import (InteropError, megaq_layout, replace_dir, resolve_checkpoint_dir,
-                                  temp_dir_for, check_output)
+from megaq.interop.common import (InteropError, check_output, megaq_layout, progress, replace_dir,
+                                  resolve_checkpoint_dir, temp_dir_for)
 from megaq.model import GPTConfig
 from megaq.parallel.tensor_parallel import shard_of
 from megaq.zero.optimizer import optimizer_state_names
@@ -56,7 +56,9 @@ def _finish(tmp_root: str, out_root: str, iteration: int, iter_tmp: str) -> str:
 def torch_to_dist(ckpt_dir: str, out_root: str) -> str:
     tp, pp = ckpt.checkpoint_layout(ckpt_dir)
     record = ckpt._verified(integrity.load_verified, ckpt_dir, ckpt.model_file(ckpt_dir, 0, 0))
-    saved, state = ckpt.read_all_stages(ckpt_dir, tp, pp)
+    saved, state = ckpt.read_all_stages(
+        ckpt_dir, tp, pp, progress=lambda items, total: progress(items, "reading", total=total,
+                                                                 unit="shard"))
     optim_saved = ckpt.has_optimizer_state(record["model_optim"])
     tensors = {}
     for info in _layout_of(saved, tp, pp):
@@ -87,12 +89,14 @@ def dist_to_torch(ckpt_dir: str, out_root: str) -> str:
     tp, pp = common["layout"]["tp"], common["layout"]["pp"]
     optim_saved = ckpt.has_optimizer_state(common["model_optim"])
     keys = _state_keys(saved)
-    full = dist_checkpoint.read_saved_state(ckpt_dir, keys if optim_saved else ("param",))
+    full = dist_checkpoint.read_saved_state(
+        ckpt_dir, keys if optim_saved else ("param",),
+        progress=lambda items, total: progress(items, "reading", total=total))
     tmp_root = temp_dir_for(out_root)
     iteration = int(common["iteration"])
     it = ckpt.iteration_dir(tmp_root, iteration)
     layout = _layout_of(saved, tp, pp)
-    for stage in range(pp):
+    for stage in progress(range(pp), "writing", unit="stage"):
         shards = [{} for _ in range(tp)]
         for info in (i for i in layout if i.stage == stage):
             src = info.name
@@ -126,7 +130,7 @@ def convert_format(src: str, out_root: str, fmt: str, overwrite: bool = False) -
     have = "torch_dist" if dist_checkpoint.is_dist_checkpoint(ckpt_dir) else "torch"
     if have == fmt:
         raise InteropError(f"{ckpt_dir} is in the {fmt} format already; nothing to convert")
-    check_output(out_root, overwrite, src)
+    check_output(out_root, overwrite, src, writes="megaq")
     try:
         out = dist_to_torch(ckpt_dir, out_root) if have == "torch_dist" else \
             torch_to_dist(ckpt_dir, out_root)

@@ -12,18 +12,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
+import stat
+import sys
 from typing import Callable
 
 import torch
 
 from megaq import checkpoint as ckpt
-from megaq import dist_checkpoint
-from megaq import integrity
+from megaq import checkpoint_guard, dist_checkpoint, export_files, integrity
 
 
 class InteropError(RuntimeError):
     """A conversion that cannot be done as asked; the message names the reason and the fix."""
+
+
+def progress(items, desc: str, total: int | None = None, unit: str = "tensor"):
+    """`items`, with a progress bar on stderr while they are consumed (tqdm; none when
+    stderr is not a terminal, so logs and captured output stay clean)."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, total=total, unit=unit, file=sys.stderr, disable=None,
+                leave=False, dynamic_ncols=True)
 
 
 
@@ -96,9 +106,11 @@ class MegaqCheckpointReader:
         self.dir = resolve_checkpoint_dir(path)
         self.tp, self.pp = ckpt.checkpoint_layout(self.dir)
         self.dist = dist_checkpoint.is_dist_checkpoint(self.dir)
-        if self.dist:  # --ckpt-format torch_dist: full tensors are read one at a time
+        if self.dist:  # --ckpt-format torch_dist: full tensors are read one at a time,
+            # through one reader, which reads (and checks) the DCP index once
             self.config = ckpt.saved_config(dist_checkpoint.read_common(self.dir))
             self.params = None
+            self._index = dist_checkpoint.VerifiedReader(self.dir)
         else:
             self.config, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
             self.params = saved["params"]
@@ -108,7 +120,8 @@ class MegaqCheckpointReader:
     def full(self, info: ParamInfo) -> torch.Tensor:
         if self.dist:
             try:
-                return dist_checkpoint.read_full_tensors(self.dir, [info.name])[info.name]
+                return dist_checkpoint.read_full_tensors(self.dir, [info.name],
+                                                         self._index)[info.name]
             except ckpt.CheckpointError as e:
                 raise InteropError(str(e)) from None
         if info.name not in self.params:
@@ -163,6 +176,7 @@ def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
     # that loads it keeps its flags' (megaq.lr_schedule.LRSchedule.load_state_dict)
     lr_scheduler = {"num_steps": 0, "num_samples": 0}
     zero = torch.zeros(1)
+    bar = progress(layout, "writing the megaq checkpoint")
     for stage in range(pp):
         shards = [{} for _ in range(tp)]
         for info in (i for i in layout if i.stage == stage):
@@ -173,11 +187,13 @@ def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
                 z = zero.expand_as(part)
                 # clone: a view would make torch.save write the whole full tensor
                 shards[r][info.key] = {"param": part.clone(), "exp_avg": z, "exp_avg_sq": z}
+            bar.update()
         for r in range(tp):
             record = ckpt.model_file_record(0, 0, config, config.parallel.layout, lr_scheduler,
                                             {"step": 0, "params": shards[r]}, extra)
             ckpt.save_file(record, ckpt.model_file(ckpt.iteration_dir(root, 0), r, stage))
         del shards
+    bar.close()
     integrity.write_manifest(ckpt.iteration_dir(root, 0))  # as a save: loads verify it
     ckpt.write_tracker(root, 0)
 
@@ -198,8 +214,10 @@ def write_json(path: str, obj) -> None:
         f.write("\n")
 
 
-def check_output(out_dir: str, overwrite: bool, source: str) -> None:
-    """Refuse an --output that cannot take the conversion of `source` (the --input)."""
+def check_output(out_dir: str, overwrite: bool, source: str, writes: str) -> None:
+    """Refuse an --output that cannot take the conversion of `source` (the --input):
+    `writes` is what the conversion writes there, "hf" (an export) or "megaq" (a
+    checkpoint); --overwrite replaces only an earlier one of those."""
     out, src = os.path.realpath(out_dir), os.path.realpath(source)
     # the output directory is replaced as a whole (replace_dir): one that is the input,
     # holds it or lies inside it would delete the input (and anything else there)
@@ -210,9 +228,46 @@ def check_output(out_dir: str, overwrite: bool, source: str) -> None:
     # a file is not replaced by a directory, even with --overwrite
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise InteropError(f"--output {out_dir} is a file, not a directory; pass a directory path")
-    if os.path.exists(out_dir) and not overwrite and os.listdir(out_dir):
+    if not os.path.exists(out_dir) or not os.listdir(out_dir):
+        return
+    if not overwrite:
         raise InteropError(f"{out_dir} already exists; pass a new directory (or --overwrite "
                            f"to replace it)")
+    what, earlier = {"hf": ("Hugging Face export", export_files.is_export),
+                     "megaq": ("megaq checkpoint", is_written_checkpoint_root)}[writes]
+    if not earlier(out_dir):
+        raise InteropError(f"--output {out_dir} is not an earlier {what} written by megaq (it "
+                           f"holds other files), and --overwrite replaces only that; choose a "
+                           f"new --output (nothing was changed)")
+
+
+# what a megaq checkpoint root holds besides its iter_* directories: the tracker, what
+# the converters write beside it, the job lock, and a killed save's or tracker's leftovers
+_ROOT_FILES = (ckpt.TRACKER_FILE, "megaq_args.txt", "megaq_args.json",
+               export_files.TOKENIZER_MODEL, checkpoint_guard.LOCK_NAME)
+_ROOT_LEFTOVER = re.compile(r"(\.iter_\d{7}\.(tmp|old)|"
+                            + re.escape(ckpt.TRACKER_FILE) + r"\.tmp-\d+)")
+
+
+def is_written_checkpoint_root(path: str) -> bool:
+    """True when `path` is a megaq checkpoint root (a --save directory or a converter's
+    output) and holds nothing else: its tracker file, iter_XXXXXXX directories, and only
+    the other files megaq writes there."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    for e in entries:
+        mode = e.stat(follow_symlinks=False).st_mode  # a symlink is never megaq's
+        if re.fullmatch(r"iter_\d{7}", e.name):
+            ok = stat.S_ISDIR(mode)
+        elif _ROOT_LEFTOVER.fullmatch(e.name):
+            ok = stat.S_ISDIR(mode) or stat.S_ISREG(mode)
+        else:
+            ok = e.name in _ROOT_FILES and stat.S_ISREG(mode)
+        if not ok:
+            return False
+    return any(e.name == ckpt.TRACKER_FILE for e in entries)
 
 
 def temp_dir_for(out_dir: str) -> str:

@@ -34,8 +34,9 @@ import shutil
 import torch
 
 from megaq import checkpoint as ckpt
+from megaq import export_files, safe_unpickle
 from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo, check_output,
-                                  megaq_layout, megaq_layout_flags, megaq_run_config,
+                                  megaq_layout, megaq_layout_flags, megaq_run_config, progress,
                                   replace_dir, temp_dir_for, write_json, write_megaq_args,
                                   write_megaq_checkpoint)
 
@@ -268,8 +269,8 @@ class SafetensorsWriter:
             self._f.close()
             self._f = None
         n = len(self.shards)
-        names = ["model.safetensors"] if n == 1 else \
-            [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = [export_files.WEIGHTS] if n == 1 else \
+            [export_files.shard_name(i + 1, n) for i in range(n)]
         weight_map = {}
         for (data_path, entries), fname in zip(self.shards, names):
             header = json.dumps({"__metadata__": {"format": "pt"}, **entries},
@@ -282,7 +283,7 @@ class SafetensorsWriter:
             os.remove(data_path)
             weight_map.update({k: fname for k in entries})
         if n > 1:
-            write_json(os.path.join(self.out_dir, "model.safetensors.index.json"),
+            write_json(os.path.join(self.out_dir, export_files.WEIGHTS_INDEX),
                         {"metadata": {"total_size": self.total}, "weight_map": weight_map})
         return names
 
@@ -357,7 +358,7 @@ def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_leng
         return {}
     sp = tok.sp
     n = sp.get_piece_size()
-    shutil.copyfile(model_path, os.path.join(out_dir, "tokenizer.model"))
+    shutil.copyfile(model_path, os.path.join(out_dir, export_files.TOKENIZER_MODEL))
     special = {"eos": int(tok.eod), "pad": int(tok.pad)}
     if sp.bos_id() >= 0:
         special["bos"] = int(sp.bos_id())
@@ -373,14 +374,14 @@ def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_leng
            **{f"{k}_token": piece(v) for k, v in special.items()}}
     fast = _fast_tokenizer_json(out_dir, tok, appended, log)
     if fast is not None:
-        with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+        with open(os.path.join(out_dir, export_files.TOKENIZER_JSON), "w") as f:
             f.write(fast)
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     else:
         # transformers converts tokenizer.model itself when loading (needs sentencepiece
         # and protobuf there); its Llama tokenizer treats leading spaces differently.
         cfg.update(tokenizer_class="LlamaTokenizer", legacy=True)
-    write_json(os.path.join(out_dir, "tokenizer_config.json"), cfg)
+    write_json(os.path.join(out_dir, export_files.TOKENIZER_CONFIG), cfg)
     return special
 
 
@@ -443,7 +444,7 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     into place at the end.
 
     Returns {"dir", "family", "files", "bytes", "tokenizer": bool}."""
-    check_output(out_dir, overwrite, ckpt_path)
+    check_output(out_dir, overwrite, ckpt_path, writes="hf")
     # a tokenizer asked for by name is shipped or refused, never dropped with a note
     if tokenizer_model is not None and not (os.path.isfile(tokenizer_model)
                                             and os.access(tokenizer_model, os.R_OK)):
@@ -461,7 +462,7 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     tmp = temp_dir_for(out_dir)
     try:
         writer = SafetensorsWriter(tmp, max_shard_bytes)
-        for info in layout:
+        for info in progress(layout, "exporting"):
             if info.name == "output_layer.weight" and config.tie_embeddings:
                 continue  # the last stage's copy of the tied embedding
             full = reader.full(info)
@@ -490,9 +491,9 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
             log(f" note: no tokenizer files: the checkpoint's run had {had}, and the export writes "
                 f"SentencePiece tokenizers only; pass --tokenizer-model to add one (or save a "
                 f"transformers tokenizer beside the weights with save_pretrained)")
-        write_json(os.path.join(tmp, "config.json"),
+        write_json(os.path.join(tmp, export_files.CONFIG),
                     hf_config(config, family, padded, dtype, special))
-        write_json(os.path.join(tmp, "generation_config.json"),
+        write_json(os.path.join(tmp, export_files.GENERATION_CONFIG),
                     generation_config(vocab, padded, special))
         replace_dir(tmp, out_dir)
     except BaseException:
@@ -539,9 +540,15 @@ class HFTensorSource:
                 if fname.endswith(".safetensors"):
                     from safetensors import safe_open
                     self._open[fname] = safe_open(path, framework="pt")
-                else:
-                    self._open[fname] = torch.load(path, map_location="cpu", weights_only=True,
-                                                   mmap=True)
+                else:  # a pickle: tensors and containers only (megaq.safe_unpickle)
+                    self._open[fname] = safe_unpickle.load(path, safe_unpickle.TENSORS, mmap=True)
+                    if not isinstance(self._open[fname], dict):
+                        raise InteropError(f"{path} holds a {type(self._open[fname]).__name__}, "
+                                           f"not a state dict of tensors; download it again")
+            except safe_unpickle.UnpicklingRefused as e:
+                raise InteropError(str(e)) from None
+            except InteropError:
+                raise
             except Exception as e:  # noqa: BLE001 - a truncated or foreign file, any reader's error
                 raise InteropError(f"{path} cannot be read ({type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}); the file is "
@@ -564,7 +571,12 @@ class HFTensorSource:
                                f"match its config.json")
         self.used.add(name)
         f = self._file(self._where[name])
-        return f.get_tensor(name) if hasattr(f, "get_tensor") else f[name]
+        t = f.get_tensor(name) if hasattr(f, "get_tensor") else f.get(name)
+        if not isinstance(t, torch.Tensor):
+            raise InteropError(f"{os.path.join(self.dir, self._where[name])}: {name} is "
+                               f"{'missing' if t is None else 'a ' + type(t).__name__}, not a "
+                               f"tensor; the file is damaged or does not match its index")
+        return t
 
 
 def _read_json(path: str, what: str) -> dict:
@@ -683,7 +695,7 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
     for a TP x PP (x VP) layout, plus megaq_args.txt / megaq_args.json: the flags that
     describe it; the checkpoint stores the RunConfig those flags give (megaq_run_config).
     Returns {"dir", "family", "flags", "load_flags"}."""
-    check_output(out_dir, overwrite, hf_dir)
+    check_output(out_dir, overwrite, hf_dir, writes="megaq")
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise InteropError(f"{hf_dir} has no config.json; pass a transformers model directory")

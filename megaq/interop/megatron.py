@@ -9,7 +9,7 @@ Megatron-LM's `--ckpt-format torch` layout::
         {"args": argparse.Namespace, "iteration", "checkpoint_version",
          "model" (or "model0", "model1", ... with virtual pipeline stages),
          "optimizer", "opt_param_scheduler", "rng_state"}
-      mp_rank_*/distrib_optim.pt                     --use-distributed-optimizer
+      mp_rank_*/distrib_optim.pt                     --use-distributed-optimizer (never read)
 
 megaq's own checkpoints share the tracker and iter_* names but hold
 mp_rank_XX_YYY/model_optim.pt, so the two are told apart by the file name.
@@ -38,6 +38,7 @@ Public API:
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -45,8 +46,9 @@ from typing import Iterator
 
 import torch
 
+from megaq import safe_unpickle
 from megaq.integrity import MANIFEST_NAME
-from megaq.interop.common import InteropError
+from megaq.interop.common import InteropError, progress
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"        # Megatron-LM's; megaq writes model_optim.pt
@@ -131,28 +133,66 @@ def load_refusal(path: str) -> str | None:
 
 # ------------------------------------------------------------------------ reading
 def _read(path: str) -> dict:
-    # Megatron pickles an argparse.Namespace (with enums and dtypes) in every file, so
-    # weights_only loading cannot read it: only import checkpoints you trust.
+    """One model_optim_rng.pt, through megaq.safe_unpickle: Megatron pickles its flags as
+    an argparse.Namespace (holding dtypes and some of Megatron's enums) and numpy RNG
+    state beside the tensors; anything else is refused unread, naming the class."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        sd = safe_unpickle.load(path, safe_unpickle.MEGATRON)
+    except safe_unpickle.UnpicklingRefused as e:
+        raise MegatronImportError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file
         raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
                                   "damaged or incomplete") from None
+    if not isinstance(sd, dict):
+        raise MegatronImportError(f"{path} holds a {type(sd).__name__}, not the dict Megatron-LM "
+                                  "saves; it is not a Megatron-LM checkpoint file")
+    return sd
 
 
 def _model_chunks(sd: dict, path: str) -> list[dict]:
     if "model" in sd:
-        return [sd["model"]]
-    chunks = sorted((k for k in sd if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
-    if not chunks:
-        raise MegatronImportError(f"{path} has no 'model' state dict; it is not a Megatron-LM "
-                                  "model checkpoint")
-    return [sd[k] for k in chunks]
+        chunks = [sd["model"]]
+    else:
+        names = sorted((k for k in sd if isinstance(k, str) and re.fullmatch(r"model\d+", k)),
+                       key=lambda k: int(k[5:]))
+        if not names:
+            raise MegatronImportError(f"{path} has no 'model' state dict; it is not a Megatron-LM "
+                                      "model checkpoint")
+        chunks = [sd[k] for k in names]
+    for chunk in chunks:
+        if not isinstance(chunk, dict) or not all(isinstance(k, str) for k in chunk):
+            raise MegatronImportError(f"{path}: its model state is a {type(chunk).__name__}, not "
+                                      "a dict of named tensors; it is not a Megatron-LM checkpoint")
+    return chunks
 
 
-def _arg(a, name, default=None):
-    return getattr(a, name, default) if a is not None else default
+# The type each of Megatron's saved flags that the import reads must have (a flag not
+# named here is a switch: a bool); None (unset) is always allowed.
+_ARG_TYPES = {**{n: int for n in ("num_layers", "hidden_size", "num_attention_heads",
+                                  "ffn_hidden_size", "num_query_groups", "kv_channels",
+                                  "seq_length", "max_position_embeddings", "num_experts",
+                                  "make_vocab_size_divisible_by", "padded_vocab_size",
+                                  "vocab_size")},
+              **{n: float for n in ("rotary_percent", "rotary_base", "norm_epsilon",
+                                    "layernorm_epsilon")},
+              "position_embedding_type": str, "normalization": str}
+
+
+def _arg(a, name, default=None, path=""):
+    """Megatron's saved flag `name`, checked to be of the type Megatron saves it as (a
+    number given as text, say, is refused in one line rather than failing later)."""
+    value = getattr(a, name, default) if a is not None else default
+    want = _ARG_TYPES.get(name, bool)
+    ok = (value is None or (want is str and isinstance(value, str))
+          or (want is bool and isinstance(value, (bool, int)))
+          or (want is int and type(value) is int)
+          or (want is float and isinstance(value, (int, float)) and not isinstance(value, bool)))
+    if not ok:
+        raise MegatronImportError(f"{path}: the saved flag {name} is {value!r} (a "
+                                  f"{type(value).__name__}), not a {want.__name__}; the file is damaged or not a Megatron-LM "
+                                  "checkpoint")
+    return value
 
 
 def architecture_from_args(a, path: str) -> dict:
@@ -160,46 +200,55 @@ def architecture_from_args(a, path: str) -> dict:
     if a is None:
         raise MegatronImportError(f"{path} holds no 'args'; the architecture (heads, norm, "
                                   "activation) cannot be inferred from the weights alone")
+    if not isinstance(a, argparse.Namespace):
+        raise MegatronImportError(f"{path} holds 'args' as a {type(a).__name__}, not the "
+                                  "argparse.Namespace Megatron-LM saves; it is not a Megatron-LM "
+                                  "checkpoint (or another tool rewrote it)")
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        if (_arg(a, name, path=path) or 0) < 1:
+            raise MegatronImportError(f"{path} holds no positive args.{name}; the architecture "
+                                      "cannot be read from it (the file is damaged or incomplete)")
+    arg = lambda name, default=None: _arg(a, name, default, path)  # noqa: E731
 
     def refuse(what):
         raise MegatronImportError(f"{path}: the model uses {what}, which megaq does not "
                                   "implement; it cannot be imported")
-    if (_arg(a, "num_experts") or 0) > 1:
+    if (arg("num_experts") or 0) > 1:
         refuse(f"a mixture of experts (--num-experts {a.num_experts})")
-    if _arg(a, "qk_layernorm"):
+    if arg("qk_layernorm"):
         refuse("QK layer norm (--qk-layernorm)")
-    if _arg(a, "squared_relu"):
+    if arg("squared_relu"):
         refuse("squared ReLU (--squared-relu)")
-    if (_arg(a, "rotary_percent", 1.0) or 1.0) != 1.0:
+    if (arg("rotary_percent", 1.0) or 1.0) != 1.0:
         refuse(f"partial rotary embeddings (--rotary-percent {a.rotary_percent})")
-    if _arg(a, "multi_latent_attention"):
+    if arg("multi_latent_attention"):
         refuse("multi-latent attention")
-    pos = _arg(a, "position_embedding_type") or (
-        "rope" if _arg(a, "use_rotary_position_embeddings") else "learned_absolute")
+    pos = arg("position_embedding_type") or (
+        "rope" if arg("use_rotary_position_embeddings") else "learned_absolute")
     if pos not in ("rope", "learned_absolute"):
         refuse(f"--position-embedding-type {pos}")
-    if _arg(a, "add_qkv_bias") and not _arg(a, "add_bias_linear", True):
+    if arg("add_qkv_bias") and not arg("add_bias_linear", True):
         refuse("a QKV bias without the other linear biases (--add-qkv-bias)")
     heads = a.num_attention_heads
-    groups = _arg(a, "num_query_groups") if _arg(a, "group_query_attention") else None
-    padded = _arg(a, "padded_vocab_size")
+    groups = arg("num_query_groups") if arg("group_query_attention") else None
+    padded = arg("padded_vocab_size")
     return {
         "num_layers": a.num_layers, "hidden_size": a.hidden_size,
-        "ffn_hidden_size": _arg(a, "ffn_hidden_size") or 4 * a.hidden_size,
+        "ffn_hidden_size": arg("ffn_hidden_size") or 4 * a.hidden_size,
         "num_attention_heads": heads, "num_query_groups": groups or heads,
-        "kv_channels": _arg(a, "kv_channels") or a.hidden_size // heads,
-        "seq_length": _arg(a, "seq_length"),
-        "max_position_embeddings": _arg(a, "max_position_embeddings") or _arg(a, "seq_length"),
+        "kv_channels": arg("kv_channels") or a.hidden_size // heads,
+        "seq_length": arg("seq_length"),
+        "max_position_embeddings": arg("max_position_embeddings") or arg("seq_length"),
         "position_embedding_type": pos,
-        "rotary_base": _arg(a, "rotary_base", 10000) or 10000,
-        "normalization": _arg(a, "normalization", "LayerNorm") or "LayerNorm",
-        "norm_epsilon": _arg(a, "norm_epsilon", _arg(a, "layernorm_epsilon", 1e-5)) or 1e-5,
-        "swiglu": bool(_arg(a, "swiglu")),
-        "add_bias_linear": bool(_arg(a, "add_bias_linear", True)),
-        "untie_embeddings_and_output_weights": bool(_arg(a, "untie_embeddings_and_output_weights")),
-        "make_vocab_size_divisible_by": _arg(a, "make_vocab_size_divisible_by", 128) or 128,
+        "rotary_base": arg("rotary_base", 10000) or 10000,
+        "normalization": arg("normalization", "LayerNorm") or "LayerNorm",
+        "norm_epsilon": arg("norm_epsilon", arg("layernorm_epsilon", 1e-5)) or 1e-5,
+        "swiglu": bool(arg("swiglu")),
+        "add_bias_linear": bool(arg("add_bias_linear", True)),
+        "untie_embeddings_and_output_weights": bool(arg("untie_embeddings_and_output_weights")),
+        "make_vocab_size_divisible_by": arg("make_vocab_size_divisible_by", 128) or 128,
         "padded_vocab_size": padded,
-        "vocab_size": _arg(a, "vocab_size"),  # None when Megatron took it from the tokenizer
+        "vocab_size": arg("vocab_size"),  # None when Megatron took it from the tokenizer
     }
 
 
@@ -313,7 +362,8 @@ def load_megatron_checkpoint(path: str, *, optimizer: bool = False) -> tuple[dic
     first = _read(files[(0, 0)])
     a = first.get("args")
     arch = architecture_from_args(a, files[(0, 0)])
-    has_optim = bool(first.get("optimizer")) or any(
+    opt = first.get("optimizer")
+    has_optim = (opt is not None and not (isinstance(opt, (dict, list)) and not opt)) or any(
         os.path.isfile(os.path.join(d, "distrib_optim.pt")) for d in mp.values())
     if optimizer and has_optim:
         raise MegatronImportError(
@@ -330,11 +380,15 @@ def load_megatron_checkpoint(path: str, *, optimizer: bool = False) -> tuple[dic
         # at a time, so memory holds one stage's shards plus the finished full tensors.
         sharded: dict[str, tuple[int, list]] = {}
         offsets, total = {}, 0
-        by_stage = {}
-        for p in range(pp):
-            by_stage[p] = [(_model_chunks(first, files[(0, 0)]) if (t, p) == (0, 0)
-                            else _model_chunks(_read(files[(t, p)]), files[(t, p)]))
-                           for t in range(tp)]
+        by_stage = {p: [None] * tp for p in range(pp)}
+        for t, p in progress([(t, p) for p in range(pp) for t in range(tp)],
+                             "reading Megatron-LM shards", unit="file"):
+            chunks = (_model_chunks(first, files[(0, 0)]) if (t, p) == (0, 0)
+                      else _model_chunks(_read(files[(t, p)]), files[(t, p)]))
+            if len(chunks) != vp:
+                raise MegatronImportError(f"{files[(t, p)]} holds {len(chunks)} model chunks, "
+                                          f"{files[(0, 0)]} {vp}; the checkpoint is inconsistent")
+            by_stage[p][t] = chunks
         for v in range(vp):  # Megatron's layer order: chunk-major, then stage
             for p in range(pp):
                 offsets[(p, v)] = total
@@ -353,7 +407,12 @@ def load_megatron_checkpoint(path: str, *, optimizer: bool = False) -> tuple[dic
                     gname, dim = mapped
                     if tied and gname == "output_layer.weight":
                         continue  # the last stage's copy of the tied embedding
-                    parts = [by_stage[p][t][v][name] for t in range(tp)]
+                    parts = [_tensor(by_stage[p][t], v, name, files[(t, p)]) for t in range(tp)]
+                    for t, part in enumerate(parts):
+                        if part.shape != parts[0].shape:
+                            raise MegatronImportError(
+                                f"{files[(t, p)]}: {name} has shape {tuple(part.shape)}, TP rank "
+                                f"0's {tuple(parts[0].shape)}; the checkpoint is inconsistent")
                     sharded[gname] = (dim, parts)
             del by_stage[p]
             for gname in list(sharded):
@@ -365,6 +424,16 @@ def load_megatron_checkpoint(path: str, *, optimizer: bool = False) -> tuple[dic
                     config["vocab_rows"] = full.shape[0]
                 yield gname, full
     return config, weights()
+
+
+def _tensor(chunks: list[dict], v: int, name: str, path: str) -> torch.Tensor:
+    """Tensor `name` of model chunk `v` of one stage file (TP rank 0's file named it)."""
+    t = chunks[v].get(name) if v < len(chunks) else None
+    if not isinstance(t, torch.Tensor):
+        what = "has no" if t is None else f"holds a {type(t).__name__} as"
+        raise MegatronImportError(f"{path} {what} tensor {name} (TP rank 0's shard has it); the "
+                                  "checkpoint is incomplete or inconsistent")
+    return t
 
 
 def _concat(parts, dim, stride):
@@ -388,7 +457,7 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
 
     if os.path.exists(out_dir) and not overwrite:
         raise MegatronImportError(f"{out_dir} exists; choose a new --output or pass --overwrite")
-    check_output(out_dir, overwrite, config["source"])  # never inside, or around, the input
+    check_output(out_dir, overwrite, config["source"], writes="megaq")  # not in / around the input
     params = dict(weights)  # reads every shard; the embedding fixes vocab_rows
     rows = config["vocab_rows"]
     vocab = vocab_size or config.get("vocab_size") or rows

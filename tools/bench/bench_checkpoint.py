@@ -8,7 +8,9 @@ For each DP size (TP = PP = 1, ZeRO-3) it builds the model and its engine on DP 
   async        torch_dist with --async-save: the time training is blocked (staging the
                shard into CPU memory), then the background write until committed
 
-and the load of what was just saved (into the same engine). Reported per rank: save
+and the load of what was just saved (into the same engine), and (rank 0) the time to read
+the torch_dist index (.metadata) with torch's reader (plain pickle) and with megaq's
+(megaq.safe_unpickle), interleaved in the same process. Reported per rank: save
 and load seconds (the slowest rank: saves and loads are collective), bytes written,
 and peak host memory added during the save and during the load (VmHWM after the
 phase minus VmRSS before it, the high-water mark reset through /proc/self/clear_refs;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -128,6 +131,8 @@ def _bench_rank(topo, argv, work):
                                  model_chunks=chunks)
             loaded = time.perf_counter() - t0
         comm.barrier(topo.world)
+        if topo.rank == 0 and fmt == "torch_dist":
+            out["index"] = _time_index(ckpt.iteration_dir(root, 1))
         if topo.rank == 0:
             shutil.rmtree(root, ignore_errors=True)
         out["formats"][fmt] = {"save_s": saved, "blocked_s": blocked, "load_s": loaded,
@@ -136,6 +141,36 @@ def _bench_rank(topo, argv, work):
                                "staged_bytes": dist_checkpoint.HOST_BYTES.peak}
         dist_checkpoint.HOST_BYTES.reset()
     return out
+
+
+def _time_index(ckpt_dir: str, repeats: int = 25) -> dict:
+    """Reading the DCP index (.metadata) as torch's FileSystemReader does (plain
+    pickle) against megaq's reader (megaq.safe_unpickle's allow-listed unpickler and the
+    shape check), interleaved, same timer, no garbage collection inside a read: the
+    fastest of `repeats` reads each (the file is in the page cache, so that is the
+    unpickling's own cost on a loaded machine; the manifest check, the same in both,
+    is left out)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megaq import dist_checkpoint, safe_unpickle
+    path = os.path.join(ckpt_dir, dist_checkpoint.METADATA_FILE)
+
+    def safe():
+        dist_checkpoint._check_index(safe_unpickle.load(path, safe_unpickle.DCP_INDEX), path)
+    times = {"plain": [], "safe": []}
+    for _ in range(repeats):
+        for name, read in (("plain", lambda: dcp.FileSystemReader(ckpt_dir).read_metadata()),
+                           ("safe", safe)):
+            # a collection of the whole heap (torch's objects: ~100 ms) would land on the
+            # same read of every round: collect before, none during
+            gc.collect()
+            gc.disable()
+            t0 = time.perf_counter()
+            read()
+            times[name].append(time.perf_counter() - t0)
+            gc.enable()
+    return {"bytes": os.path.getsize(path), "plain_s": min(times["plain"]),
+            "safe_s": min(times["safe"])}
 
 
 def summarise(dp: int, ranks: list[dict]) -> list[dict]:
@@ -152,7 +187,24 @@ def summarise(dp: int, ranks: list[dict]) -> list[dict]:
             "save_peak_rank0": per[0]["save_peak_bytes"],
             "load_peak_max": max(p["load_peak_bytes"] for p in per),
             "per_rank": per})
+        if fmt == "torch_dist" and "index" in ranks[0]:
+            rows[-1]["index"] = ranks[0]["index"]
     return rows
+
+
+def index_table(rows: list[dict]) -> str:
+    """The DCP index read by megaq's allow-listed unpickler against plain pickle, and
+    what the difference is of the whole torch_dist load (every rank reads the index)."""
+    out = ["| DP | .metadata KiB | plain pickle ms | megaq reader ms | ratio | extra, % of the "
+           "torch_dist load |", "|" + "---|" * 6]
+    for r in rows:
+        if "index" not in r:
+            continue
+        i = r["index"]
+        out.append(f"| {r['dp']} | {i['bytes'] / 1024:.0f} | {1e3 * i['plain_s']:.2f} | "
+                   f"{1e3 * i['safe_s']:.2f} | {i['safe_s'] / i['plain_s']:.2f} | "
+                   f"{100 * (i['safe_s'] - i['plain_s']) / r['load_s']:.2f} |")
+    return "\n".join(out) if len(out) > 2 else ""
 
 
 def table(rows: list[dict]) -> str:
@@ -257,6 +309,9 @@ def _report(rows: list[dict], model: list[str], a) -> int:
     print(f"\n{params / 1e6:.1f}M parameters (fp32 masters + AdamW moments: "
           f"{12 * params / 2**20:.0f} MiB), CPU gloo ranks, {os.cpu_count()} cores\n")
     print(table(rows))
+    if index_table(rows):
+        print("\nreading the DCP index (rank 0; fastest of 25 reads each, interleaved):\n")
+        print(index_table(rows))
     proj = project(rows) if 1 in a.dp else []
     if proj:
         print("\nprojection from this run's per-byte costs at DP=1 (see project()):\n")

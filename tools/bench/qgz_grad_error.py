@@ -142,11 +142,12 @@ def two_hops(G, code: str, own_exact: bool, block: int, gen=None):
 def analyze(o):
     import torch
 
+    from megaq import safe_unpickle
     files = collections.defaultdict(dict)
     for f in glob.glob(os.path.join(o.dir, "g_*.pt")):
         _, c, rest = os.path.basename(f)[:-3].split("_", 2)
         name, r = rest.rsplit("_", 1)
-        files[(int(c), name)][int(r)] = torch.load(f).double()
+        files[(int(c), name)][int(r)] = safe_unpickle.load(f).double()
     steps = sorted({c for c, _ in files})
     units = sorted({u for _, u in files})
     exact = {key: sum(G[r] for r in range(4)) / 4 for key, G in files.items()}

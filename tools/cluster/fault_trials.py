@@ -11,9 +11,10 @@ pretrain_gpt.py's path (the default launcher is torchrun on this machine, and
 ``scripts/launch_local.sh`` adds the script itself; its rank count comes from NPROC,
 which is set to --nproc). Every trial runs a tiny model on mock data (or on a small
 generated token dataset) and injects one real fault: damaged or truncated checkpoint
-files, a file-size limit for a full disk, SIGKILL of every rank during a background
-save, an absurd learning rate, SIGINT, SIGSTOP, SIGKILL of the launcher, a second
-job on the same checkpoint directory, empty data.
+files, a checkpoint whose DCP index would run a command, a file-size limit for a full
+disk, SIGKILL of every rank during a background save, an absurd learning rate, SIGINT,
+SIGSTOP, SIGKILL of the launcher, a second job on the same checkpoint directory, empty
+data.
 Rank processes are found as the launcher's descendants that carry a RANK variable.
 
 Prints a table (trial, expected, observed, pass/fail) and writes JSON (--json).
@@ -176,6 +177,45 @@ def _flip(path: str, pos: int | None = None) -> None:
     open(path, "wb").write(bytes(data))
 
 
+class RunsCommand:
+    """What a hostile file plants in a pickle: unpickling it runs `command` (through
+    os.system, pickled as posix.system) and gives its exit status in its place."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def rehash(ckpt_dir: str, rel: str) -> None:
+    """Put file `rel`'s new SHA-256 into the checkpoint's manifest, as whoever alters a
+    checkpoint would (the manifest is not signed)."""
+    from megaq import integrity
+    path = os.path.join(ckpt_dir, integrity.MANIFEST_NAME)
+    manifest = json.load(open(path))
+    digest, size = integrity.sha256_of(os.path.join(ckpt_dir, rel))
+    manifest["files"][rel] = {"sha256": digest, "bytes": size}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def plant_in_dcp_index(ckpt_dir: str, marker: str) -> str:
+    """Rewrite the DCP index (.metadata) of a torch_dist checkpoint directory so that
+    unpickling it touches `marker`, then gives the real index (its planner_data, unused,
+    becomes the command's exit status), and re-hash it: a plain pickle.load runs the
+    command and the load goes on as if nothing happened. Returns the file's path."""
+    import pickle
+    path = os.path.join(ckpt_dir, ".metadata")
+    with open(path, "rb") as f:
+        index = pickle.load(f)  # megaq's own index, written by the trial's run
+    index.planner_data = RunsCommand(f"touch {shlex.quote(marker)}")
+    with open(path, "wb") as f:
+        pickle.dump(index, f)
+    rehash(ckpt_dir, ".metadata")
+    return path
+
+
 class Trials:
     def __init__(self, launcher: str, nproc: int, work: str, timeout: float):
         self.launcher, self.nproc, self.work, self.timeout = launcher, nproc, work, timeout
@@ -262,6 +302,22 @@ class Trials:
                         (lines[0][:110] + "...") if lines else f"exit {code}, no error line", ok, secs)
             shutil.rmtree(it)
             shutil.copytree(backup, it)
+
+    def crafted_checkpoint(self):
+        """A downloaded checkpoint whose DCP index would run a command when unpickled
+        (its manifest re-hashed, as an attacker would): --load must refuse it unread."""
+        root = self.checkpoint("ck_crafted")
+        marker = os.path.join(self.work, "crafted_ran")
+        path = plant_in_dcp_index(os.path.join(root, "iter_0000002"), marker)
+        code, text, secs = self.run(TINY + MOCK + ["--train-iters", "3", "--load", root])
+        lines = _error_lines(text)
+        ran = os.path.exists(marker)
+        ok = (code not in (0, None) and not ran and len(lines) == 1 and path in lines[0]
+              and "posix.system" in lines[0] and not _rank_traceback(text))
+        self.record("--load of a checkpoint whose .metadata pickle runs a command",
+                    "refused unread: one line naming the file and the class, command not run",
+                    f"exit {code}, command ran: {ran}, "
+                    + ((lines[0][:80] + "...") if lines else "no error line"), ok, secs)
 
     def disk_full(self):
         root = self.checkpoint("ck_full")
@@ -447,8 +503,9 @@ def main(argv=None) -> int:
         launcher += " {script}"
     work = tempfile.mkdtemp(prefix="megaq_fault_trials_")
     t = Trials(launcher, a.nproc, work, a.timeout)
-    names = ["rank3_only_error", "damaged_files", "disk_full", "save_sigkill", "nan_streak",
-             "sigint", "sigstop", "launcher_sigkill", "lock", "empty_data"]
+    names = ["rank3_only_error", "damaged_files", "crafted_checkpoint", "disk_full",
+             "save_sigkill", "nan_streak", "sigint", "sigstop", "launcher_sigkill", "lock",
+             "empty_data"]
     if a.only:
         names = [n for n in a.only.split(",") if n]
     print(f"fault trials: launcher `{launcher}`, {a.nproc} ranks, work dir {work}", flush=True)
