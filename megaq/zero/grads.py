@@ -19,12 +19,13 @@ Who calls what:
 * the engine's gradient hook: :meth:`add` (sequence-parallel grads are summed over
   TP here first); the end-of-backward callback: :meth:`flush`; ``finish_grad_sync``:
   :meth:`finish` (every reduction done, accumulators settled, tied-embedding copies
-  summed over ``topo.embedding``); ``zero_grad``: :meth:`zero`.
+  summed over ``topo.embedding``); ``clip_grad_norm``: :meth:`global_norm`;
+  ``zero_grad``: :meth:`zero`.
 * a reducer (the seam of megaq.zero.collectives, or qgZ) is handed a partition's
   settled accumulator as ``out`` when its reduction starts, adds into it, and calls
   nothing here.
-* the optimizer reads through :meth:`read` (settled accumulators) and scales through
-  :meth:`scale`.
+* the optimizer reads through :meth:`read` (settled accumulators), which its leaves'
+  ``.grad`` view.
 
 Reductions in flight are bounded by ``cfg.reduce_bucket_size`` bytes of buckets: past
 it, the oldest is finished (FIFO: every rank finishes them in the order it started
@@ -178,10 +179,25 @@ class GradState:
             self._settle(name)
         return self._accum
 
-    def scale(self, coef: torch.Tensor) -> None:
-        """Multiply every accumulator by `coef` (0-d tensor: no host sync)."""
-        for g in self.read().values():
-            g.mul_(coef)
+    def global_norm(self) -> torch.Tensor:
+        """L2 norm of the step's gradient over every DP shard, TP and PP rank, each element
+        counted once (0-d fp32 tensor: no host sync). This rank sums the squares of what
+        it owns: its DP shard of sharded partitions, replicated partitions on DP rank 0
+        only, and within those the ranges ``FlatPartition.counted_ranges`` names
+        (TP-replicated params on TP rank 0 only, a tied embedding copy on the first stage
+        only); one all-reduce over the world adds them up."""
+        accum = self.read()
+        device = next(iter(accum.values())).device if accum else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for name, part in self.parts.items():
+            if not part.sharded and self.topo.dp.rank != 0:
+                continue  # replicated over DP: counted once per DP group
+            grad = accum[name]
+            for a, b in part.counted_ranges():
+                g = grad[a:b]
+                total += torch.dot(g, g)
+        comm.all_reduce(total, self.topo.world, "dp_misc")
+        return total.sqrt()
 
     def memory_bytes(self) -> int:
         """fp32 accumulators + buckets being filled + full grads kept across micro-batches."""

@@ -212,7 +212,6 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
     import copy
 
     from megaq.model.gpt import compile_blocks
-    from megaq.parallel import fp8_delayed
     from megaq.parallel.topology import Layout, build_topology
     from megaq.zero import ZeroConfig, build_engine
 
@@ -235,8 +234,7 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
     def opt_step():
         engine.finish_grad_sync()
         engine.clip_grad_norm(1.0)
-        fp8_delayed.step(model, None)  # delayed FP8 scaling's history (megaq.training's order)
-        engine.step(3e-4)
+        engine.step(3e-4)  # its post-step hook rolls delayed FP8 scaling's histories
 
     return (model, engine), fwd_bwd, opt_step, getattr(engine.optimizer, "kind", "?")
 
