@@ -124,6 +124,8 @@ def main(argv=None) -> None:
     p.add_argument("--kernel-internals", action="store_true",
                    help="follow the calls a kernel makes inside kernels/ too")
     args = p.parse_args(argv)
+    if sys.version_info < (3, 11):
+        sys.exit("error: this tool names functions by code.co_qualname: run it on Python 3.11 or later")
     from megaq.parallel.launch import run_on_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
