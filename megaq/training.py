@@ -4,8 +4,8 @@ One step = the pipeline schedule over the step's micro-batches (gradient accumul
 global batch / (micro batch x DP) of them; no pipelining when PP = 1) + the engine's
 grad sync, clipping and optimizer update. Host synchronisation: none per micro-batch;
 one per iteration (a small all-reduce of the step's loss, whose finiteness and the
-grad norm's decide whether the update is applied on every rank alike); the comm
-counters are gathered once per logged iteration.
+grad norm's decide in the engine's step whether the update is applied, on every rank
+alike); the comm counters are gathered once per logged iteration.
 
 Early exit (Megatron's flags): --exit-interval N, --exit-duration-in-mins M, and
 --exit-signal-handler (SIGTERM / SIGUSR1 on any rank); the stop vote rides on the
@@ -175,24 +175,20 @@ class Trainer:
         timers.stop("all-grads-sync")
         timers.start("optimizer")
         timers.start("optimizer-clip-main-grad", 2)
-        norm = engine.clip_grad_norm(self.config.optimizer.clip_grad)
+        engine.clip_grad_norm(self.config.optimizer.clip_grad)  # queued: no host sync
         timers.stop("optimizer-clip-main-grad", 2)
         timers.stop("optimizer")
         loss = self._global_mean(loss_sum, self.training.num_micro_batches)  # the one host sync
-        grad_norm = float(norm)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        # delayed FP8 scaling: this step's amaxes into the histories (dropped when skipped)
-        fp8_delayed.step(self.p.model_chunks, self.topo.tp, self.topo.dp, skipped=not finite)
-        if not finite:
-            engine.skip_step()
-            return loss, grad_norm, False
         timers.start("optimizer")
         timers.start("optimizer-inner-step", 2)
-        engine.step(self.p.lr_schedule.get_lr())
+        # the update, or none when the loss or the grad norm is not finite (every rank
+        # alike: both are global); then the engine's post-step hooks (FP8 histories)
+        result = engine.step(self.p.lr_schedule.get_lr(), loss=loss)
         timers.stop("optimizer-inner-step", 2)
         timers.stop("optimizer")
-        self.p.lr_schedule.step()
-        return loss, grad_norm, True
+        if not result.skipped:
+            self.p.lr_schedule.step()
+        return loss, result.grad_norm, not result.skipped
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int, where: str = "", final: bool = False) -> float | None:

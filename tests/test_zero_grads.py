@@ -20,7 +20,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import zero_harness as H  # noqa: E402
 
-from megaq.parallel.comm import Handle  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape  # noqa: E402
 from megaq.parallelize import parallelize  # noqa: E402
@@ -30,21 +29,28 @@ STEPS, N_MICRO = 2, 2
 
 
 class _Logged:
-    """A reducer seam that logs its starts (with the bytes still in flight) and waits."""
+    """A reducer seam that logs its starts (with the bytes still in flight) and waits
+    (the finish of each reduction)."""
 
     def __init__(self, inner, log: list, inflight: dict):
         self.inner, self.log, self.inflight = inner, log, inflight
 
-    def start_reduce(self, part, flat, grads) -> Handle:
+    def start_reduce(self, name, flat, out):
         nbytes = flat.numel() * flat.element_size()
-        key = (part.name, len(self.log))
+        key = (name, len(self.log))
         self.log.append(("start", key, nbytes, dict(self.inflight)))
         self.inflight[key] = nbytes
+        return _LoggedReduction(self.inner.start_reduce(name, flat, out), self, key)
 
-        def waited():
-            self.log.append(("wait", key))
-            del self.inflight[key]
-        return Handle(self.inner.start_reduce(part, flat, grads), then=waited)
+
+class _LoggedReduction:
+    def __init__(self, inner, seam: _Logged, key):
+        self.inner, self.seam, self.key = inner, seam, key
+
+    def finish(self):
+        self.inner.finish()
+        self.seam.log.append(("wait", self.key))
+        del self.seam.inflight[self.key]
 
 
 def _train(topo, bucket: int | None):

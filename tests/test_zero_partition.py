@@ -292,3 +292,51 @@ def test_engine_and_model_are_freed_when_dropped(stage):
     del engine, model
     gc.collect()
     assert [r() is None for r in refs] == [True, True]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_engine_step_given_the_loss_skips_non_finite_steps_without_a_trace(stage):
+    """engine.step(lr, loss=...) decides the skip (the training loop's one call after
+    clipping): a non-finite loss, or a finite loss with non-finite grads, leaves weights,
+    moments and step count as they were and reports the grad norm as a float; the next
+    finite step is then bit for bit a fresh engine's first step (nothing of the skipped
+    steps' grads reaches it)."""
+    import math
+
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def build():
+        model = _Chunk()
+        return model, build_engine([model], build_topology(Layout(1), 0),
+                                   ZeroConfig(stage=stage, block_size=4, lr=1e-2))
+
+    def backward(model, engine, scale=1.0):
+        engine.zero_grad()
+        (model(ids).float().pow(2).mean() * scale).backward()
+        engine.finish_grad_sync()
+        return float(engine.clip_grad_norm(0.1))
+
+    model, engine = build()
+    start = engine.full_state()
+    norm = backward(model, engine)
+    bad_loss = engine.step(1e-2, loss=float("nan"))
+    assert bad_loss.skipped and bad_loss.grad_norm == norm and math.isfinite(norm)
+    backward(model, engine, scale=float("inf"))
+    bad_grads = engine.step(1e-2, loss=1.0)
+    assert bad_grads.skipped and not math.isfinite(bad_grads.grad_norm)
+    _assert_same_state(engine.full_state(), start)
+    backward(model, engine)
+    good = engine.step(1e-2, loss=1.0)
+    assert not good.skipped and good.grad_norm == norm
+    ref_model, ref = build()
+    backward(ref_model, ref)
+    assert ref.step(1e-2).grad_norm is None  # no loss: nothing read to the host
+    _assert_same_state(engine.full_state(), ref.full_state())
+    assert ref.step_count == 1
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert got["step"] == want["step"]
+    for name, st in want["params"].items():
+        for key, t in st.items():
+            assert torch.equal(got["params"][name][key], t), (name, key)

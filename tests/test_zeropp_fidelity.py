@@ -47,13 +47,13 @@ def _grad(rank: int, t: int, n: int) -> torch.Tensor:
 class _Bf16Residuals(QuantizedGradReducer):
     """Mutant: residuals rounded to bf16 after every call (a bf16 store)."""
 
-    def start_reduce_flat(self, key, full_grad_flat, out):
-        h = super().start_reduce_flat(key, full_grad_flat, out)
-        h.wait()
+    def start_reduce(self, key, full_grad_flat, out):
+        reduction = super().start_reduce(key, full_grad_flat, out)
+        reduction.finish()
         for store in (self._res1, self._res2):
             for r in store.values():
                 r.copy_(r.to(torch.bfloat16).to(torch.float32))
-        return h
+        return reduction
 
 
 def _worker(topo):
@@ -92,10 +92,10 @@ def _worker(topo):
     bound = (hop1 + hop2) / n * (1 + SLACK)
     out = {"k": rails.k, "m": rails.m}
     for name, (cls, cfg) in variants.items():
-        red = cls(topo, cfg)
+        red = cls.for_topology(topo, cfg)
         acc = torch.zeros(S, dtype=torch.float32)
         for t in range(STEPS):
-            red.start_reduce_flat("unit", grads[t][me], acc).wait()
+            red.start_reduce("unit", grads[t][me], acc).finish()
         err = (acc.double() - exact).abs()
         out[name] = {"mean": float(err.mean()), "max_over_bound": float((err / bound).max())}
     return out

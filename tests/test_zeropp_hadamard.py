@@ -132,7 +132,7 @@ def _qgz_worker(topo):
     for name, kw in CASES.items():
         cfg = ZeroConfig(quantized_gradients=True, block_size=BLOCK, grad_chunk=CHUNK,
                          **{"grad_code": "linear", **kw})
-        red = QuantizedGradReducer(topo, cfg)
+        red = QuantizedGradReducer.for_topology(topo, cfg)
         calls = EF_CALLS if cfg.error_feedback else 1
         err2 = norm2 = 0.0
         zeroed = nonzero = 0  # elements that are non-zero in the exact sum but arrive as 0
@@ -142,7 +142,7 @@ def _qgz_worker(topo):
             g = _grads(u, n, S)
             acc = torch.zeros(S)
             for _ in range(calls):
-                red.start_reduce_flat(f"u{u}", g[me], acc).wait()
+                red.start_reduce(f"u{u}", g[me], acc).finish()
             mine = g.reshape(n, n, S)[:, me].double()  # every rank's contribution to my shard
             exact = calls * mine.sum(0) / n
             err = acc.double() - exact

@@ -55,16 +55,6 @@ class _Unit:  # what the seams read of an engine partition
         self.name, self.shard, self.full = name, shard, full
 
 
-class _Into:
-    """What a reducer writes through (the engine's GradState): one fp32 tensor per name."""
-
-    def __init__(self, **accums):
-        self.accums = accums
-
-    def accumulator_for_add(self, name):
-        return self.accums[name]
-
-
 def _cfg(**kw) -> ZeroConfig:
     return ZeroConfig(block_size=BLOCK, grad_chunk=CHUNK, **kw)
 
@@ -144,14 +134,14 @@ def _run_step(topo, cfg: ZeroConfig | None, units, grads):
         out = torch.zeros(S, dtype=torch.float32)
         mine = g[topo.dp.rank]
         if reducer:
-            handles.append(reducer.start_reduce(unit, mine, _Into(**{unit.name: out})))  # all started, then waited
+            handles.append(reducer.start_reduce(unit.name, mine, out))  # all started, then finished
         else:
             tmp = torch.empty(S, dtype=mine.dtype)
             comm.reduce_scatter(tmp, mine, dp, "grad_reduce")
             out.add_(tmp.float() / n)
         red.append(out)
     for h in handles:
-        h.wait()
+        h.finish()
     mem = gatherer.memory_bytes() if gatherer else {}
     return fwd, bwd, red, mem
 
@@ -291,11 +281,10 @@ def _feedback_worker(topo, steps):
     out = {}
     for fb in (False, True):
         cfg = _cfg(quantized_gradients=True, error_feedback=fb)
-        red = QuantizedGradReducer(topo, cfg)
-        unit = _Unit("u", None, None)
+        red = QuantizedGradReducer.for_topology(topo, cfg)
         acc = torch.zeros(S)
         for _ in range(steps):
-            red.start_reduce(unit, g[topo.dp.rank], _Into(u=acc)).wait()
+            red.start_reduce("u", g[topo.dp.rank], acc).finish()
         mine = g.reshape(n, n, S)[:, topo.dp.rank].double()
         err = (acc.double() - steps * mine.sum(0) / n).abs()
         bound = _block_absmax(mine).sum(0) / n * _qgz_coef(rails, cfg, feedback=fb)
@@ -336,8 +325,8 @@ def _order_worker(topo):
     try:
         n, S = topo.dp.size, 4 * CHUNK
         g = _grads(5, n, S, topo)
-        red = QuantizedGradReducer(topo, _cfg(quantized_gradients=True))
-        red.start_reduce(_Unit("u", None, None), g[topo.dp.rank], _Into(u=torch.zeros(S))).wait()
+        red = QuantizedGradReducer.for_topology(topo, _cfg(quantized_gradients=True))
+        red.start_reduce("u", g[topo.dp.rank], torch.zeros(S)).finish()
     finally:
         comm.all_to_all = real
     return events

@@ -24,7 +24,8 @@ carry the histories in their "extra" record: :func:`checkpoint_extra`, :func:`re
   computed by :func:`scale_from_amax` as every other FP8 scale; 1 while a history
   holds only zeros.
 
-:func:`step` runs once per optimizer step (megaq.training, tools/bench): it MAX-reduces
+:func:`step` runs once per optimizer step, as the post-step hook of the ZeRO engine
+(megaq.zero.engine.ZeroEngine.step, applied or skipped alike): it MAX-reduces
 every layer's ``now`` over TP and DP in one all-reduce each, so every rank holds the
 same history and scales whatever the TP split (as current scaling reduces a sharded
 tensor's amax), rolls it in and recomputes the scales. Until a layer's first step

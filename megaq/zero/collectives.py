@@ -17,16 +17,20 @@ Seam 1, weight gathering (:class:`WeightGatherer`)
     megaq.zero.zeropp.fp8_weights.FP8WeightGatherer (``part.full_fp8`` filled too).
 
 Seam 2, gradient reduction (:class:`GradReducer`)
-    ``start_reduce(part, full_grad_flat, grads) -> comm.Handle``: ``full_grad_flat`` is
-    this rank's padded flat gradient of the unit (``part.padded_numel`` elements, grad
-    dtype); by the time ``handle.wait()`` returns, the reducer has added ``(sum over DP
-    of my shard's slice) / dp_size`` into ``grads.accumulator_for_add(part.name)`` (the
-    fp32 accumulator of :class:`megaq.zero.grads.GradState`, the only way in). The
-    reducer owns ``full_grad_flat`` until then (it may reuse it as scratch).
-    Plain: one ``comm.reduce_scatter`` over ``topo.dp``, tag ``"grad_reduce"``. ZeRO++
-    (qgZ): megaq.zero.zeropp.grads.QuantizedGradReducer.
-    Replicated partitions (stage 0, and parameters under the persistence threshold)
-    go through :class:`ReplicatedReducer` (an all-reduce) instead.
+    ``start_reduce(key, flat, out) -> pending``: ``flat`` is this rank's padded flat
+    gradient of unit ``key`` (``part.padded_numel`` elements, grad dtype) and ``out``
+    the fp32 accumulator of my shard (``part.shard_numel`` elements, settled by
+    :class:`megaq.zero.grads.GradState`, which hands it over). Once ``pending.finish()``
+    returns, the reducer has added ``(sum over DP of my shard's slice) / dp_size`` into
+    ``out``; it writes nothing else and knows nothing of the gradient state. It owns
+    ``flat`` until then (it may reuse it as scratch), and reductions are finished in
+    the order they were started, on every rank.
+    Plain: one ``comm.reduce_scatter`` over ``topo.dp``, tag ``"grad_reduce"``
+    (:class:`PendingAdd`). ZeRO++ (qgZ): megaq.zero.zeropp.grads.QuantizedGradReducer
+    (its :class:`~megaq.zero.zeropp.grads.QgzReduction` runs the two hops of every
+    chunk after the first in ``finish()``). Replicated partitions (stage 0, and
+    parameters under the persistence threshold) go through :class:`ReplicatedReducer`
+    (an all-reduce) instead.
 
 Selection: :func:`make_gatherer` / :func:`make_reducer`, from the ZeroConfig switches.
 """
@@ -60,22 +64,37 @@ class WeightGatherer:
         """Nothing cached from the weights, so nothing to drop after a weight write."""
 
 
+class PendingAdd:
+    """A plain reduction in flight: ``finish()`` waits for the collective (``work``), then
+    adds ``src * alpha`` into ``out`` (add_ upcasts a bf16 ``src`` element-wise: no fp32
+    temporary of the shard). ``PendingAdd()``: nothing left to do."""
+
+    def __init__(self, work=None, src: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 alpha: float = 1.0):
+        self.work, self.src, self.out, self.alpha = work, src, out, alpha
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.out is not None:
+            self.out.add_(self.src, alpha=self.alpha)
+        self.work = self.src = self.out = None
+
+
 class GradReducer:
     """Plain ZeRO-3 gradient reduction: reduce-scatter over DP, average once, add in fp32."""
 
     def __init__(self, topo, cfg: ZeroConfig):
         self.topo, self.cfg = topo, cfg
 
-    def start_reduce(self, part, full_grad_flat: torch.Tensor, grads) -> Handle:
+    def start_reduce(self, key: str, flat: torch.Tensor, out: torch.Tensor) -> PendingAdd:
         dp = self.topo.dp
-        accum = grads.accumulator_for_add(part.name)
         if dp.size == 1:  # nothing to reduce: accumulate the flat grad directly (no copies)
-            accum.add_(full_grad_flat)
-            return Handle()
-        out = torch.empty(part.shard_numel, dtype=full_grad_flat.dtype, device=full_grad_flat.device)
-        work = comm.reduce_scatter(out, full_grad_flat, dp, "grad_reduce", async_op=True)
-        # add_ upcasts a bf16 operand element-wise: no fp32 temporary of the shard
-        return Handle(work, lambda: accum.add_(out, alpha=1.0 / dp.size))
+            out.add_(flat)
+            return PendingAdd()
+        shard = torch.empty(out.numel(), dtype=flat.dtype, device=flat.device)
+        work = comm.reduce_scatter(shard, flat, dp, "grad_reduce", async_op=True)
+        return PendingAdd(work, shard, out, 1.0 / dp.size)
 
 
 class ReplicatedReducer:
@@ -86,10 +105,9 @@ class ReplicatedReducer:
     def __init__(self, group, phase: str):
         self.group, self.phase = group, phase
 
-    def start_reduce(self, part, flat: torch.Tensor, grads) -> Handle:
-        accum = grads.accumulator_for_add(part.name)
+    def start_reduce(self, key: str, flat: torch.Tensor, out: torch.Tensor) -> PendingAdd:
         work = comm.all_reduce(flat, self.group, self.phase, async_op=True)
-        return Handle(work, lambda: accum.add_(flat, alpha=1.0 / self.group.size))
+        return PendingAdd(work, flat, out, 1.0 / self.group.size)
 
 
 def make_gatherer(topo, cfg: ZeroConfig, partitions=()):
@@ -107,5 +125,5 @@ def make_gatherer(topo, cfg: ZeroConfig, partitions=()):
 def make_reducer(topo, cfg: ZeroConfig):
     """Stage 3's reducer of sharded partitions: qgZ when it is on, else the plain one."""
     if cfg.quantized_gradients:
-        return QuantizedGradReducer(topo, cfg)
+        return QuantizedGradReducer.for_topology(topo, cfg)
     return GradReducer(topo, cfg)

@@ -7,7 +7,15 @@ Per step::
     for each micro-batch: forward; torch.autograd.backward(...)   # hooks do the rest
     engine.finish_grad_sync()
     norm = engine.clip_grad_norm(max_norm)       # tensor, no host sync
-    engine.step(lr)          # or engine.skip_step() when not engine.grads_finite()
+    result = engine.step(lr, loss=loss)   # or step(lr): applied whatever the grads hold
+
+``step`` with the step's loss (a float the caller already has on the host) reads the
+grad norm and skips the update when either is not finite (the grads are dropped);
+either way its post-step hooks run: the weight gatherer learns the shards moved, and
+delayed FP8 scaling rolls this step's amaxes into its histories (or drops them).
+The clipping state (the norm, the factor) lives in the engine, from
+``clip_grad_norm`` to the optimizer's step; the norm is GradState's
+(megaq.zero.grads), the optimizer applies the factor.
 
 Hooks (stage 3; see units.py for sites and units):
 
@@ -44,12 +52,14 @@ backward is recognised and neither releases weights nor hooks outputs.
 
 from __future__ import annotations
 
+import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from megaq.parallel import comm
+from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.comm import Handle
 from megaq.zero import state as state_io
 from megaq.zero.collectives import ReplicatedReducer, make_gatherer, make_reducer
@@ -71,6 +81,24 @@ def _tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors(o)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`ZeroEngine.step` did."""
+
+    skipped: bool             # the update was not applied (non-finite loss or grad norm)
+    grad_norm: float | None   # the step's global grad norm, read to the host when the
+    #                           step was given the loss to check (else None: no sync)
+
+
+@dataclass
+class _Clip:
+    """A step's clipping state, in one place: the global grad norm (computed once, when
+    first asked for) and the factor clip_grad_norm chose (None: no clipping)."""
+
+    norm: torch.Tensor | None = None
+    coef: torch.Tensor | None = None
 
 
 def _weak_hook(method, *bound):
@@ -116,8 +144,7 @@ class ZeroEngine:
         self.optimizer = build_optimizer(self.partitions, cfg, topo, self.grads)
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
         self.zero_model_bytes = sum(p.model_bytes for p in self.partitions if p.sharded)
-        self.skipped_steps = 0
-        self._norm: torch.Tensor | None = None
+        self._clip = _Clip()
         # unit name -> (unit, its gather's handle, phase)
         self._pending_gathers: dict[str, tuple[Unit, Handle, str]] = {}
         self._in_backward = False
@@ -272,8 +299,7 @@ class ZeroEngine:
     # ================================================================ step
     def zero_grad(self) -> None:
         self.grads.zero()
-        self.optimizer.zero_grad()
-        self._norm = None
+        self._clip = _Clip()
         # A step that died mid-forward/backward (exception) must not leak state into this one.
         self._in_backward = False
         self._bwd_started.clear()
@@ -282,9 +308,9 @@ class ZeroEngine:
             self._release_all()
 
     def grad_norm(self) -> torch.Tensor:
-        if self._norm is None:
-            self._norm = self.optimizer.global_grad_norm()
-        return self._norm
+        if self._clip.norm is None:
+            self._clip.norm = self.grads.global_norm()
+        return self._clip.norm
 
     def params_norm(self) -> torch.Tensor:
         """L2 norm of all fp32 master weights over every TP / PP / DP shard, each element
@@ -294,27 +320,42 @@ class ZeroEngine:
         return sq.sqrt()
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Global grad norm over DP shards, TP and PP ranks; scale grads to max_norm."""
+        """Global grad norm over DP shards, TP and PP ranks (no host sync); the next
+        :meth:`step` scales the grads to `max_norm` (a later call replaces the factor)."""
         norm = self.grad_norm()
         if max_norm:
             # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1
-            self.optimizer.scale_grads(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            self._clip.coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return norm
 
     def grads_finite(self) -> torch.Tensor:
         """Bool tensor: is the global grad norm finite (no inf/nan in any grad)?"""
         return torch.isfinite(self.grad_norm())
 
-    def step(self, lr: float) -> None:
-        self.optimizer.step(lr)
-        self._norm = None
-        if self.gatherer is not None:  # weight deltas keep their references (after_step)
-            getattr(self.gatherer, "after_step", self.gatherer.invalidate)()
+    def step(self, lr: float, loss: float | None = None) -> StepResult:
+        """The optimizer's update with the clip factor of :meth:`clip_grad_norm`, or no
+        update: given `loss` (the step's global loss, a float already on the host), a
+        step whose loss or grad norm is not finite is skipped and its grads dropped.
+        Then the post-step hooks, applied or skipped alike (:meth:`_after_step`)."""
+        grad_norm, skipped = None, False
+        if loss is not None:  # the caller synchronised for the loss: reading the norm is cheap
+            grad_norm = float(self.grad_norm())
+            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step(lr, self._clip.coef)
+        self._after_step(skipped)
+        if skipped:
+            self.zero_grad()
+        self._clip = _Clip()
+        return StepResult(skipped, grad_norm)
 
-    def skip_step(self) -> None:
-        """Bookkeeping for a step the loop skipped (non-finite grads): drop the grads."""
-        self.skipped_steps += 1
-        self.zero_grad()
+    def _after_step(self, skipped: bool) -> None:
+        """What follows every optimizer step (torchtitan's post-optimizer hooks)."""
+        if not skipped and self.gatherer is not None:  # the shards moved
+            # weight deltas keep their references (after_step); the others drop copies
+            getattr(self.gatherer, "after_step", self.gatherer.invalidate)()
+        # delayed FP8 scaling: this step's amaxes into the histories (dropped when skipped)
+        fp8_delayed.step(self.chunks, self.topo.tp, self.topo.dp, skipped=skipped)
 
     @property
     def step_count(self) -> int:
@@ -331,7 +372,7 @@ class ZeroEngine:
     def state_loaded(self) -> None:
         """Call after the shard buffers were overwritten (load_full_state, or a sharded
         checkpoint read straight into them and megaq.zero.state.finish_load)."""
-        self._norm = None
+        self._clip = _Clip()
         if self.gatherer is not None:
             self.gatherer.invalidate()  # hpZ / qwZ copies of the old weights are stale
         reset = getattr(self.reducer, "reset_error_feedback", None)

@@ -19,16 +19,17 @@ Who calls what:
 * the engine's gradient hook: :meth:`add` (sequence-parallel grads are summed over
   TP here first); the end-of-backward callback: :meth:`flush`; ``finish_grad_sync``:
   :meth:`finish` (every reduction done, accumulators settled, tied-embedding copies
-  summed over ``topo.embedding``); ``zero_grad``: :meth:`zero`.
-* a reducer (the seam of megaq.zero.collectives, or qgZ) writes only through
-  :meth:`accumulator_for_add`, which settles the accumulator and hands it out to be
-  added into.
-* the optimizer reads through :meth:`read` (settled accumulators) and scales through
-  :meth:`scale`.
+  summed over ``topo.embedding``); ``clip_grad_norm``: :meth:`global_norm`;
+  ``zero_grad``: :meth:`zero`.
+* a reducer (the seam of megaq.zero.collectives, or qgZ) is handed a partition's
+  settled accumulator as ``out`` when its reduction starts, adds into it, and calls
+  nothing here.
+* the optimizer reads through :meth:`read` (settled accumulators), which its leaves'
+  ``.grad`` view.
 
 Reductions in flight are bounded by ``cfg.reduce_bucket_size`` bytes of buckets: past
-it, the oldest is waited for (FIFO: every rank waits in the order it started, which
-is the order the collectives were issued).
+it, the oldest is finished (FIFO: every rank finishes them in the order it started
+them, which is the order their collectives were issued).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class GradState:
         self._written: dict[str, set[int]] = {}    # name -> slot offsets written while stale
         self._buckets: dict[str, list] = {}        # name -> [padded flat grad, params seen]
         self._full: dict[str, torch.Tensor] = {}   # last_microbatch: name -> full fp32 grad
-        self._pending: deque[tuple[comm.Handle, int]] = deque()
+        self._pending: deque[tuple[object, int]] = deque()  # (reduction in flight, its bytes)
         self.inflight_bytes = 0
         # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
         # (qgZ too: at DP=1 it has nothing to exchange and adds exactly, residuals unused)
@@ -109,7 +110,7 @@ class GradState:
             if full is not None:
                 self._launch(part, full.to(part.dtype) if part.dtype != full.dtype else full)
         while self._pending:
-            self._wait_oldest()
+            self._finish_oldest()
         accum = self.read()
         if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
             for name, part in self.parts.items():
@@ -125,24 +126,20 @@ class GradState:
 
     # ------------------------------------------------------------ reductions
     def _launch(self, part: FlatPartition, flat: torch.Tensor) -> None:
+        """Start reducing `flat` (the partition's padded flat grad) into its settled
+        accumulator, which the reducer adds (sum over DP of my slice) / DP size into."""
         reducer = self.reducer if part.sharded else self.replicated
-        handle = reducer.start_reduce(part, flat, self)
         nbytes = _nbytes(flat)
-        self._pending.append((handle, nbytes))
+        self._settle(part.name)
+        self._pending.append((reducer.start_reduce(part.name, flat, self._accum[part.name]), nbytes))
         self.inflight_bytes += nbytes
         while self.inflight_bytes > self.cfg.reduce_bucket_size and len(self._pending) > 1:
-            self._wait_oldest()
+            self._finish_oldest()
 
-    def _wait_oldest(self) -> None:
-        handle, nbytes = self._pending.popleft()
-        handle.wait()
+    def _finish_oldest(self) -> None:
+        reduction, nbytes = self._pending.popleft()
+        reduction.finish()
         self.inflight_bytes -= nbytes
-
-    def accumulator_for_add(self, name: str) -> torch.Tensor:
-        """The one way a reducer writes: partition `name`'s fp32 accumulator, settled,
-        for the reducer to ADD (sum over DP of this rank's slice) / DP size into."""
-        self._settle(name)
-        return self._accum[name]
 
     # ------------------------------------------------------------ fp32 accumulator
     def _add_slot(self, name: str, offset: int, src: torch.Tensor) -> None:
@@ -182,10 +179,25 @@ class GradState:
             self._settle(name)
         return self._accum
 
-    def scale(self, coef: torch.Tensor) -> None:
-        """Multiply every accumulator by `coef` (0-d tensor: no host sync)."""
-        for g in self.read().values():
-            g.mul_(coef)
+    def global_norm(self) -> torch.Tensor:
+        """L2 norm of the step's gradient over every DP shard, TP and PP rank, each element
+        counted once (0-d fp32 tensor: no host sync). This rank sums the squares of what
+        it owns: its DP shard of sharded partitions, replicated partitions on DP rank 0
+        only, and within those the ranges ``FlatPartition.counted_ranges`` names
+        (TP-replicated params on TP rank 0 only, a tied embedding copy on the first stage
+        only); one all-reduce over the world adds them up."""
+        accum = self.read()
+        device = next(iter(accum.values())).device if accum else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for name, part in self.parts.items():
+            if not part.sharded and self.topo.dp.rank != 0:
+                continue  # replicated over DP: counted once per DP group
+            grad = accum[name]
+            for a, b in part.counted_ranges():
+                g = grad[a:b]
+                total += torch.dot(g, g)
+        comm.all_reduce(total, self.topo.world, "dp_misc")
+        return total.sqrt()
 
     def memory_bytes(self) -> int:
         """fp32 accumulators + buckets being filled + full grads kept across micro-batches."""

@@ -1,5 +1,5 @@
 """Sharded fp32 optimizers: master weights and optimizer state for this rank's shards
-only, plus global grad-norm clipping. ``build_optimizer`` picks one by
+only, and the update (clip factor applied). ``build_optimizer`` picks one by
 ``ZeroConfig.optimizer``: ``ShardedAdamW`` ("adam", Megatron's default) or
 ``ShardedSGD`` ("sgd": momentum SGD, L2 weight decay, as Megatron's --optimizer sgd).
 
@@ -9,24 +9,23 @@ shard itself when the gather dtype is fp32) and one buffer per *named* optimizer
 state (``STATE_NAMES``: AdamW's ``exp_avg`` / ``exp_avg_sq``, SGD's
 ``momentum_buffer``), in ``PartitionState.state``; checkpoints iterate
 ``PartitionState.buffers()`` = {"param": master, **state} by name. The gradient is the
-fp32 accumulator that megaq.zero.grads.GradState owns (read, never written, here). The
-update runs on *leaf tensors that view* these buffers, one per (partition, decay
-group): at most two per partition because partitions are laid out decay-first; the
-inner torch optimizer's per-parameter state is pointed at views of the same named
-buffers, so it updates them in place. AdamW on CUDA runs megaq's one-pass step
-(megaq.kernels.fused_adamw; ``ZeroConfig.fused_step``): per leaf one kernel reads the
-fp32 grad, master and moments, applies the clip factor, and writes the master, the
-moments and the gather-dtype weights (the bf16 model copy) in the same pass. Otherwise
-the inner optimizer is apex FusedAdam (adam_w_mode; ``use_apex``), or torch.optim.AdamW
-with ``fused=True`` on CUDA (``ZeroConfig.fused_adamw``) and ``foreach=True``
-elsewhere; torch's fused one also applies the clip factor (``scale_grads``). SGD is
+fp32 accumulator that megaq.zero.grads.GradState owns (read here, and multiplied by the
+clip factor where the update cannot apply it itself). The update runs on *leaf
+tensors that view* these buffers, one per (partition, decay group): at most two per
+partition because partitions are laid out decay-first; the inner torch optimizer's
+per-parameter state is pointed at views of the same named buffers, so it updates them
+in place. AdamW on CUDA runs megaq's one-pass step (megaq.kernels.fused_adamw;
+``ZeroConfig.fused_step``): per leaf one kernel reads the fp32 grad, master and
+moments, applies the clip factor, and writes the master, the moments and the
+gather-dtype weights (the bf16 model copy) in the same pass. Otherwise the inner
+optimizer is apex FusedAdam (adam_w_mode; ``use_apex``), or torch.optim.AdamW with
+``fused=True`` on CUDA (``ZeroConfig.fused_adamw``) and ``foreach=True`` elsewhere;
+torch's fused one also applies the clip factor (as AMP's ``grad_scale``). SGD is
 torch.optim.SGD (foreach). After an inner optimizer's update the new weights are
 written back into the gather-dtype shards as a separate pass.
 
-Global grad norm: each rank sums the squares of the gradient elements it *owns*
-(its DP shard of sharded partitions; replicated partitions on DP rank 0 only;
-TP-replicated params on TP rank 0 only; a tied embedding copy on the first stage
-only), one all-reduce over the world adds them up.
+The clip factor is an argument of :meth:`ShardedOptimizer.step`: the engine holds the
+step's clipping state (megaq.zero.engine), GradState computes the norm.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from megaq.kernels import fused_adamw
-from megaq.parallel import comm
 from megaq.zero.config import ZeroConfig
 from megaq.zero.grads import GradState
 from megaq.zero.partition import FlatPartition
@@ -95,8 +93,6 @@ class ShardedOptimizer:
         param_groups = [{"params": groups[d], "weight_decay": cfg.weight_decay if d else 0.0}
                         for d in (True, False) if groups[d]]
         self.kind = "foreach"  # how the step runs (ShardedAdamW: also "fused", "apex", "onepass")
-        # the clip factor for the next step, where the step applies it (_fold_grad_scale)
-        self._grad_scale: torch.Tensor | None = None
         self.inner = self._build_inner(param_groups, device) if param_groups else None
         if self.inner is not None:
             self._install_state(0)
@@ -120,24 +116,7 @@ class ShardedOptimizer:
         if self.inner is not None:
             self._install_state(step)
 
-    # ------------------------------------------------------------------ grads
-    def zero_grad(self) -> None:
-        """A clip factor of a skipped step must not carry over."""
-        self._grad_scale = None
-
-    def local_sq_norm(self) -> torch.Tensor:
-        grads = self.grads.read()
-        dev = self.states[0].master.device if self.states else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float32, device=dev)
-        for st in self.states:
-            if not st.part.sharded and self.topo.dp.rank != 0:
-                continue  # replicated over DP: counted once per DP group
-            grad = grads[st.part.name]
-            for a, b in st.part.counted_ranges():
-                g = grad[a:b]
-                total += torch.dot(g, g)
-        return total
-
+    # ------------------------------------------------------------------ norms
     def local_param_sq_norm(self) -> torch.Tensor:
         """Sum of squares of the fp32 master weights this rank owns (counted once over
         DP, TP and tied copies, as the grad norm): the --log-params-norm summand."""
@@ -151,33 +130,27 @@ class ShardedOptimizer:
                 total += torch.dot(w, w)
         return total
 
-    def global_grad_norm(self) -> torch.Tensor:
-        sq = self.local_sq_norm()
-        comm.all_reduce(sq, self.topo.world, "dp_misc")
-        return sq.sqrt()
-
-    def scale_grads(self, coef: torch.Tensor) -> None:
-        """Multiply every grad by ``coef`` (0-d tensor: no host sync) before the next step:
-        inside the step's own pass where the optimizer can (:meth:`_fold_grad_scale`,
-        which saves a read and a write of every grad), else a separate in-place multiply."""
-        if not self._fold_grad_scale(coef):
-            self.grads.scale(coef)
-
-    def _fold_grad_scale(self, coef: torch.Tensor) -> bool:
-        """Keep ``coef`` in ``_grad_scale`` for the next step's own pass to apply; False
-        where the step cannot (the default)."""
-        return False
-
     # ------------------------------------------------------------------ update
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: torch.Tensor | None = None) -> None:
+        """One update from the gradients GradState holds, times `grad_scale` (the clip
+        factor, a 0-d tensor: no host sync; None: no clipping). The update applies it in
+        its own pass where it can (:meth:`_applies_grad_scale`: a read and a write of
+        every grad less), else the grads are multiplied in place first."""
         self.step_count += 1
         if not self._leaves:
             return
-        self.grads.read()  # settled: the leaves' .grad view these accumulators
-        self._update(lr)
-        self._grad_scale = None
+        grads = self.grads.read()  # settled: the leaves' .grad view these accumulators
+        if grad_scale is not None and not self._applies_grad_scale():
+            for g in grads.values():
+                g.mul_(grad_scale)
+            grad_scale = None
+        self._update(lr, grad_scale)
 
-    def _update(self, lr: float) -> None:
+    def _applies_grad_scale(self) -> bool:
+        """Does :meth:`_update` apply a clip factor itself? (Not by default.)"""
+        return False
+
+    def _update(self, lr: float, grad_scale: torch.Tensor | None) -> None:
         """The inner optimizer's step on the leaves, then the gather-dtype write-back."""
         for g in self.inner.param_groups:
             g["lr"] = lr
@@ -219,27 +192,22 @@ class ShardedAdamW(ShardedOptimizer):
         return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                  fused=fused or None, foreach=None if fused else True)
 
-    def _fold_grad_scale(self, coef):
-        if self.kind == "fused":  # torch's fused AdamW divides by it, as AMP's unscale
-            self._grad_scale = (1.0 / coef).to(torch.float32)
-            return True
-        if self.kind == "onepass":  # megaq's kernel multiplies by it
-            self._grad_scale = coef.to(torch.float32)
-            return True
-        return False
+    def _applies_grad_scale(self):
+        return self.kind in ("fused", "onepass")
 
-    def _update(self, lr: float) -> None:
+    def _update(self, lr: float, grad_scale: torch.Tensor | None) -> None:
+        if self.kind == "fused":  # torch's fused AdamW divides by it, as AMP's unscale
+            self.inner.grad_scale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
         if self.kind != "onepass":
-            if self.kind == "fused":
-                self.inner.grad_scale = self._grad_scale  # torch's fused AdamW reads it
-            return super()._update(lr)
+            return super()._update(lr, None)
         cfg = self.cfg
+        scale = None if grad_scale is None else grad_scale.to(torch.float32)  # megaq's kernel multiplies
         scalars = {wd: fused_adamw.step_scalars(lr, wd, cfg.betas, cfg.eps, self.step_count)
                    for wd in set(self._leaf_decay.values())}
         for leaf, st, a, b in self._leaves:
             out = None if st.master is st.part.shard else st.part.shard[a:b]
             fused_adamw.adamw_step(leaf.data, leaf.grad, st.state["exp_avg"][a:b],
-                                   st.state["exp_avg_sq"][a:b], out, self._grad_scale,
+                                   st.state["exp_avg_sq"][a:b], out, scale,
                                    scalars[self._leaf_decay[id(leaf)]])
 
     def _install_step(self, state, leaf, step):

@@ -124,8 +124,8 @@ def main(argv=None):
         local = SimpleNamespace(size=1)  # all-to-all over one member: a local copy
         for code in CODES:
             cfg = ZeroConfig(quantized_gradients=True, block_size=block, grad_code=code)
-            red = QuantizedGradReducer.standalone(cfg, Rails(k=K_NODES, m=M_RANKS, a=1, j=1), local, local)
-            record("qgZ unit (one rank)", code, N, 0, lambda red=red: red.start_reduce_flat("u", grad, out).wait())
+            red = QuantizedGradReducer(cfg, Rails(k=K_NODES, m=M_RANKS, a=1, j=1), local, local)
+            record("qgZ unit (one rank)", code, N, 0, lambda red=red: red.start_reduce("u", grad, out).finish())
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "block": block, "k_nodes": K_NODES, "m_ranks": M_RANKS,
             "iters": args.iters, "bit_identical": "Triton == reference, every op, code and size",

@@ -13,7 +13,7 @@ Per path and size, two figures per call:
                   that evicts the L2 cache; CUDA events around the call; median.
   graph_ms        calls captured in one CUDA graph and replayed back to back
                   (tools/bench/bench_kernels.py's Timer; eager when capture fails).
-Two operations: `unit` (start_reduce_flat + wait: hop 1, hop 2 and the final reduce
+Two operations: `unit` (start_reduce + finish: hop 1, hop 2 and the final reduce
 of every chunk) and `hop2` (the in-node hop alone, chunk 0: fused kernel vs unfused).
 
     python tools/bench/bench_qgz_paths.py --out $OUT/qgz_paths_h200.json       # GPU
@@ -104,11 +104,11 @@ def main(argv=None):
         for name, (ef, own) in PATHS.items():
             cfg = ZeroConfig(quantized_gradients=True, error_feedback=ef, grad_exact_own_rows=own,
                              block_size=block, grad_chunk=chunk)
-            red = QuantizedGradReducer.standalone(cfg, rails, local, local)
+            red = QuantizedGradReducer(cfg, rails, local, local)
             bounds = chunk_bounds(S, block, chunk)
 
             def unit(red=red):
-                red.start_reduce_flat("unit", grad, out).wait()
+                red.start_reduce("unit", grad, out).finish()
 
             hop1 = red._issue_hop1("unit", 0, bounds[0], grad.reshape(n, S))
             hop1[1].wait()

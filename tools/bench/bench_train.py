@@ -197,7 +197,6 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
     as pretrain_gpt.py applies it (megaq.parallelize: FP8 GEMMs, compiled blocks, engine)."""
     import copy
 
-    from megaq.parallel import fp8_delayed
     from megaq.parallel.topology import Layout, build_topology
     from megaq.parallelize import parallelize
     from megaq.zero import ZeroConfig
@@ -219,8 +218,7 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
     def opt_step():
         engine.finish_grad_sync()
         engine.clip_grad_norm(1.0)
-        fp8_delayed.step(model, None)  # delayed FP8 scaling's history (megaq.training's order)
-        engine.step(3e-4)
+        engine.step(3e-4)  # its post-step hook rolls delayed FP8 scaling's histories
 
     return (model, engine), fwd_bwd, opt_step, getattr(engine.optimizer, "kind", "?")
 

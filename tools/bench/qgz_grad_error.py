@@ -63,12 +63,12 @@ def _capture_rank(topo, argv, out_dir, steps):
     plain = collectives.GradReducer.start_reduce
     calls = collections.Counter()
 
-    def start_reduce(self, part, flat, grads):
-        c = calls[part.name]
-        calls[part.name] += 1
+    def start_reduce(self, name, flat, out):
+        c = calls[name]
+        calls[name] += 1
         if c in steps:
-            torch.save(flat.clone(), os.path.join(out_dir, f"g_{c}_{part.name}_{topo.rank}.pt"))
-        return plain(self, part, flat, grads)
+            torch.save(flat.clone(), os.path.join(out_dir, f"g_{c}_{name}_{topo.rank}.pt"))
+        return plain(self, name, flat, out)
 
     collectives.GradReducer.start_reduce = start_reduce
     pretrain.main(argv, topo=topo)

@@ -64,10 +64,10 @@ def rank_main(topo, argv, metrics, units, sr):
     if units:
         quantized = grads.QuantizedGradReducer.start_reduce
 
-        def start_reduce(self, part, flat, acc):
-            if re.fullmatch(units, part.name):
-                return quantized(self, part, flat, acc)
-            return collectives.GradReducer(topo, self.cfg).start_reduce(part, flat, acc)
+        def start_reduce(self, name, flat, out):
+            if re.fullmatch(units, name):
+                return quantized(self, name, flat, out)
+            return collectives.GradReducer(topo, self.cfg).start_reduce(name, flat, out)
 
         grads.QuantizedGradReducer.start_reduce = start_reduce
     if sr:

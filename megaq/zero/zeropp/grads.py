@@ -54,7 +54,6 @@ import torch
 
 from megaq.kernels import ops
 from megaq.parallel import comm
-from megaq.parallel.comm import Handle
 from megaq.zero.config import ZeroConfig
 from megaq.zero.partition import padded
 
@@ -71,28 +70,21 @@ def chunk_bounds(S: int, block: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class QuantizedGradReducer:
-    """Engine seam: ``start_reduce(part, full_grad_flat, grads)`` adds into
-    ``grads.accumulator_for_add(part.name)`` (see megaq.zero.collectives).
+    """Engine seam (megaq.zero.collectives): ``start_reduce(key, grad, out)`` quantizes
+    chunk 0 of a unit's full flat gradient, posts its in-node hop and returns the
+    :class:`QgzReduction` whose ``finish()`` does the rest and adds ``(sum over DP of
+    my shard's slice) / n`` into ``out``.
 
-    The handle must be waited before ``full_grad_flat`` is overwritten or freed
-    (chunks after the first are quantized from it inside ``wait()``), and handles
-    must be waited in the order they were started on every rank (gloo and NCCL run
-    a group's collectives in issue order).
+    ``grad`` must stay untouched until then (chunks after the first are quantized from
+    it in ``finish()``), and reductions must be finished in the order they were started
+    on every rank (gloo and NCCL run a group's collectives in issue order).
     """
 
-    def __init__(self, topo, cfg: ZeroConfig):
-        self._setup(cfg, rails_of(topo), topo.intra, topo.inter)
-
-    @classmethod
-    def standalone(cls, cfg: ZeroConfig, rails: Rails, intra, inter) -> "QuantizedGradReducer":
-        """A reducer for a given grid position without a topology (the H200 timing of
-        tools/bench/bench_qgz_paths.py passes groups of size 1, whose all-to-all is a
-        local copy, to time one rank's compute alone)."""
-        self = cls.__new__(cls)
-        self._setup(cfg, rails, intra, inter)
-        return self
-
-    def _setup(self, cfg: ZeroConfig, rails: Rails, intra, inter) -> None:
+    def __init__(self, cfg: ZeroConfig, rails: Rails, intra, inter):
+        """`rails`: my place in the k nodes x m ranks grid; `intra` / `inter`: the groups
+        of hop 1 (my node's DP ranks) and hop 2 (my rail). A group of one member makes
+        its all-to-all a local copy (tools/bench/bench_qgz_paths.py times one rank's
+        compute that way)."""
         self.cfg = cfg
         self.rails = rails
         self.intra, self.inter = intra, inter
@@ -100,9 +92,10 @@ class QuantizedGradReducer:
         self._res1: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [n * s]
         self._res2: dict[tuple, torch.Tensor] = {}  # (part name, chunk) -> fp32 [k, s]
 
-    # ------------------------------------------------------------------ engine seam
-    def start_reduce(self, part, full_grad_flat: torch.Tensor, grads) -> Handle:
-        return self.start_reduce_flat(part.name, full_grad_flat, grads.accumulator_for_add(part.name))
+    @classmethod
+    def for_topology(cls, topo, cfg: ZeroConfig) -> "QuantizedGradReducer":
+        """The reducer of this rank's DP group (its grid checked against the layout)."""
+        return cls(cfg, rails_of(topo), topo.intra, topo.inter)
 
     def memory_bytes(self) -> dict[str, int]:
         """Persistent memory this reducer holds (error-feedback residuals)."""
@@ -130,7 +123,10 @@ class QuantizedGradReducer:
             stores[hop][(key, int(i))] = t.to(device=device, dtype=torch.float32).clone()
 
     # ---------------------------------------------------------------------- protocol
-    def start_reduce_flat(self, key: str, grad: torch.Tensor, out: torch.Tensor) -> Handle:
+    def start_reduce(self, key: str, grad: torch.Tensor, out: torch.Tensor) -> "QgzReduction":
+        """Start reducing `grad` (the unit's padded flat gradient, n x S elements) into
+        `out` (my fp32 shard of S elements, added into); `key` names the unit (its
+        error-feedback residuals)."""
         n, S = self.n, out.numel()
         if grad.numel() != n * S:
             raise ValueError(f"qgZ: full gradient has {grad.numel()} elements but the DP size "
@@ -138,25 +134,10 @@ class QuantizedGradReducer:
         if out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"qgZ: the accumulator shard must be contiguous float32 (got {out.dtype})")
         grad2d = grad.reshape(n, S)
-        if n == 1:  # nothing to exchange: exact
+        if n == 1:  # nothing to exchange: exact, and nothing left to finish
             out.add_(grad2d[0].to(torch.float32))
-            return Handle()
-        bounds = chunk_bounds(S, self.cfg.block_size, self.cfg.grad_chunk)
-        first = self._issue_hop1(key, 0, bounds[0], grad2d)
-
-        def run():
-            cur = first
-            pending = None
-            for i in range(len(bounds)):
-                nxt = self._issue_hop1(key, i + 1, bounds[i + 1], grad2d) if i + 1 < len(bounds) else None
-                second = self._issue_hop2(key, i, bounds[i], cur)
-                if pending is not None:
-                    self._finish(*pending, out)
-                pending = (bounds[i], second)
-                cur = nxt
-            self._finish(*pending, out)
-
-        return Handle(then=run)
+            return QgzReduction(self, key, grad2d, out, [])
+        return QgzReduction(self, key, grad2d, out, chunk_bounds(S, self.cfg.block_size, self.cfg.grad_chunk))
 
     def _chunk_input(self, grad2d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Flat [n * (hi - lo)] in chunk order, zero-padded past the shard's end."""
@@ -251,7 +232,8 @@ class QuantizedGradReducer:
         h2 = comm.all_to_all(recv2, send, self.inter, PHASE, async_op=True)
         return recv2, h2, cfg.grad_bits_inter, own2
 
-    def _finish(self, bounds, hop2, out: torch.Tensor) -> None:
+    def _accumulate(self, bounds, hop2, out: torch.Tensor) -> None:
+        """Wait for chunk i's cross-node rows, dequantize and sum them, / n, into `out`."""
         lo, hi = bounds
         recv, h, bits, own = hop2
         if h is not None:
@@ -271,6 +253,35 @@ class QuantizedGradReducer:
             part = ops.dequant_reduce(recv, hi - lo, bits, self.cfg.block_size, scale, code=self.cfg.grad_code,
                                       hadamard=self.cfg.grad_hadamard)
             out[lo:S].add_(part[:S - lo])
+
+
+class QgzReduction:
+    """One unit's qgZ reduction in flight, from :meth:`QuantizedGradReducer.start_reduce`
+    (which quantized chunk 0 and posted its in-node hop) to :meth:`finish`."""
+
+    def __init__(self, reducer: QuantizedGradReducer, key: str, grad2d: torch.Tensor,
+                 out: torch.Tensor, bounds: list[tuple[int, int]]):
+        self.reducer, self.key, self.grad2d, self.out = reducer, key, grad2d, out
+        self.bounds = bounds  # the chunks left to do ([] when finished)
+        self._hop1 = reducer._issue_hop1(key, 0, bounds[0], grad2d) if bounds else None
+
+    def finish(self) -> None:
+        """The rest of the protocol, chunk by chunk, pipelined: for chunk i, chunk i+1's
+        hop 1 is posted (quantize, in-node all-to-all), then chunk i's hop 2 (wait for
+        its in-node rows, reduce and requantize, post the cross-node all-to-all), then
+        chunk i-1's cross-node rows are waited for and accumulated into `out`. A second
+        call does nothing."""
+        red, key, bounds = self.reducer, self.key, self.bounds
+        hop1, done = self._hop1, None  # chunk i's posted hop 1; chunk i-1's posted hop 2
+        for i, chunk in enumerate(bounds):
+            nxt = red._issue_hop1(key, i + 1, bounds[i + 1], self.grad2d) if i + 1 < len(bounds) else None
+            hop2 = red._issue_hop2(key, i, chunk, hop1)
+            if done is not None:
+                red._accumulate(*done, self.out)
+            done, hop1 = (chunk, hop2), nxt
+        if done is not None:
+            red._accumulate(*done, self.out)
+        self.bounds, self._hop1 = [], None
 
 
 def _reduce_rows(recv: torch.Tensor, mine: int, L: int, bits: int, block: int,
