@@ -77,7 +77,7 @@ class PeerWatch:
         self._ask.set(self._key("host", rank), socket.gethostname())
         self._left = False
         self._store_gone = False  # a roll call found the store gone: no more store calls
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # mark_left may run in a signal handler of its own thread
         threading.Thread(target=self._answer, name="megaq-peer-watch", daemon=True).start()
 
     def _key(self, *parts) -> str:
