@@ -61,6 +61,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked; the message names the reason and the fix."""
 
 
+class NonFiniteWeights(CheckpointError):
+    """A save refused because the weights hold inf or nan. Every rank raises it together
+    (it follows from an all-reduce), so rank 0 prints the one line (megaq.failure)."""
+
+    agreed = True
+
+
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
@@ -149,28 +156,32 @@ def save_file(obj, path: str) -> None:
 
 
 def write_tracker(root: str, iteration: int) -> None:
-    """Point latest_checkpointed_iteration.txt at `iteration` (temporary file + rename)."""
+    """Point latest_checkpointed_iteration.txt at `iteration` (temporary file + rename).
+    The temporary is created exclusively and never through a link; the rename replaces
+    the name itself (a link there is replaced, what it pointed to is untouched)."""
     path = os.path.join(root, TRACKER_FILE)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
+    checkpoint_guard.write_file_no_follow(tmp, f"{iteration}\n".encode(), "the tracker's temporary")
     os.replace(tmp, path)
     _fsync_dir(root)
 
 
 def read_tracker(root: str) -> int | None:
-    """The iteration named by latest_checkpointed_iteration.txt, or None if there is none."""
+    """The iteration named by latest_checkpointed_iteration.txt, or None if there is none.
+    A tracker that is a symbolic link is refused (CheckpointError), never followed."""
     path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
+    try:
+        text = checkpoint_guard.read_tracker_text(root)
+    except checkpoint_guard.LinkRefused as e:
+        raise CheckpointError(str(e)) from None
+    if text is None:
         return None
-    text = open(path, "rb").read().decode("utf-8", "replace").strip()  # never trusted to be text
+    text = text.strip()
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix it to name an "
-                              f"existing iter_* directory (e.g. 100) or remove it") from None
+        raise CheckpointError(f"{path} holds {text[:200]!r}, not an iteration number; fix it to "
+                              f"name an existing iter_* directory (e.g. 100) or remove it") from None
 
 
 def not_a_checkpoint_root(path: str) -> str | None:
@@ -216,6 +227,8 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
     streams, the LR schedule and the position only (such a checkpoint loads with
     --no-load-optim or --finetune)."""
     from megaq import dist_checkpoint  # it builds on this module's helpers
+    wait_for_async_save()  # a background save in flight commits first, whatever happens here
+    refuse_non_finite_weights(root, iteration, engine)  # before anything is staged or written
     if config.checkpointing.ckpt_format == "torch_dist":
         return dist_checkpoint.save_checkpoint(
             root, iteration, config=config, topo=topo, engine=engine, lr_schedule=lr_schedule,
@@ -251,6 +264,23 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
         if rank == 0:
             commit_directory(root, tmp, final, iteration)
     return final
+
+
+def refuse_non_finite_weights(root: str, iteration: int, engine) -> None:
+    """Collective: raise NonFiniteWeights on every rank when any fp32 master weight of any
+    shard is inf or nan, so that `latest` never moves onto weights that cannot train on.
+    One all-reduce of one number after a pass over this rank's shard (what the save
+    writes, read once more: small next to writing it)."""
+    if engine.params_finite():
+        return
+    latest = checkpoint_guard.latest_iteration(root)
+    if latest is not None:
+        keep = (f"the previous checkpoint (iteration {latest}) stays latest; resume from it with "
+                f"a lower --lr (plus --override-opt_param-scheduler) or a smaller --weight-decay")
+    else:
+        keep = "no checkpoint was written; start again with a lower --lr or --weight-decay"
+    raise NonFiniteWeights(f"refusing to save iteration {iteration} to {root}: the weights hold "
+                           f"inf or nan (an update overflowed them); {keep}")
 
 
 def commit_directory(root: str, tmp: str, final: str, iteration: int,

@@ -8,10 +8,21 @@ write errors (a full disk) that leave the previous checkpoint in place.
   a lock that can be taken is stale by definition: the new job takes it over and says
   whose it was. A lock that cannot be taken belongs to a live job (for example orphaned
   ranks of a killed launcher) and the second job refuses, with one line naming it.
-  Shared filesystems must honour ``flock`` (NFSv4, Lustre with ``-o flock``, GPFS do).
+  Shared filesystems should honour ``flock`` (NFSv4, Lustre with ``-o flock``, GPFS do).
+  Where the filesystem refuses ``flock`` (ENOLCK, EOPNOTSUPP, EINVAL) the lock falls
+  back to a file created exclusively, ``DIR/.megaq_job.lock.excl``, with a note: the job
+  removes it when it ends, but a job that crashes leaves it behind, and the next job
+  then refuses to start until it is removed (on the same host, a file whose process is
+  gone is taken over).
+* **No links followed.** Nothing megaq writes in DIR goes through a symbolic link: the
+  lock, the tracker ``latest_checkpointed_iteration.txt`` (and its temporary) and the
+  save's temporary directory are opened with ``O_NOFOLLOW`` / ``O_EXCL`` and checked
+  with ``lstat`` before anything is removed. A symlinked lock or tracker is refused in
+  one line naming it (a job would otherwise write through it, outside DIR).
 * **Stale temporaries.** A save killed halfway leaves ``.iter_XXXXXXX.tmp`` behind. Every
   save and every start removes all of them (:func:`remove_stale_temporaries`): the lock
-  guarantees no other job is writing one.
+  guarantees no other job is writing one. A link under such a name is removed itself
+  (never what it points to), and only what is really gone is reported.
 * **Write errors.** :func:`write_errors` wraps each phase of a save: an ``OSError`` on any
   rank (ENOSPC, EDQUOT, EFBIG, EIO, ...) becomes one agreed error line on every rank
   naming the directory, the bytes the save needs and the bytes free; the half-written
@@ -22,24 +33,98 @@ write errors (a full disk) that leave the previous checkpoint in place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import json
 import os
 import shutil
 import socket
+import stat
 import time
 
 from megaq import failure
 
 LOCK_NAME = ".megaq_job.lock"
+EXCLUSIVE_LOCK_NAME = ".megaq_job.lock.excl"  # the lock where the filesystem has no flock
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # as megaq.checkpoint.TRACKER_FILE
 
-_held: dict[str, int] = {}  # absolute directory -> fd holding its flock (this process)
+# absolute directory -> how this process holds its lock: ("flock", fd) or ("file", path)
+_held: dict[str, tuple] = {}
+
+# what fcntl.flock raises on a filesystem that does not support it
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
 class CheckpointLockError(RuntimeError):
     """The checkpoint directory belongs to another job that is still running."""
+
+
+class LinkRefused(RuntimeError):
+    """A file megaq writes (or reads to decide what to write) in a checkpoint directory
+    is a symbolic link; the message names it and the fix."""
+
+
+# ----------------------------------------------------------------------- no links
+def link_refusal(path: str, what: str) -> str:
+    """The one line refusing `path` (a symbolic link) as `what` (e.g. "the job lock")."""
+    target = "?"
+    with contextlib.suppress(OSError):
+        target = os.readlink(path)
+    return (f"{path} is a symbolic link (to {target}), not {what}: megaq follows no links in "
+            f"a checkpoint directory (it would read or write through it, outside the "
+            f"directory); replace the link with a regular file, or remove it, and run again")
+
+
+def open_no_follow(path: str, flags: int, what: str, mode: int = 0o644) -> int:
+    """os.open(path, flags | O_NOFOLLOW); a symbolic link at `path` raises LinkRefused."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a link
+            raise LinkRefused(link_refusal(path, what)) from None
+        raise
+
+
+def read_tracker_text(root: str) -> str | None:
+    """The text of ``root/latest_checkpointed_iteration.txt`` (its first 4 KiB), None when
+    there is none (or something other than a file stands there); a link raises LinkRefused."""
+    path = os.path.join(root, TRACKER_FILE)
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise LinkRefused(link_refusal(path, "the checkpoint tracker"))
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    fd = open_no_follow(path, os.O_RDONLY, "the checkpoint tracker")
+    try:
+        return os.read(fd, 4096).decode("utf-8", "replace")  # never trusted to be text
+    finally:
+        os.close(fd)
+
+
+def check_tracker(root: str) -> None:
+    """Refuse (LinkRefused) a tracker in `root` that is a symbolic link: the job would
+    rewrite `latest` in place of a link someone put there."""
+    read_tracker_text(root)
+
+
+def write_file_no_follow(path: str, data: bytes, what: str) -> None:
+    """Write `data` to a new file at `path` (O_EXCL | O_NOFOLLOW: never through a link,
+    never into an existing file; a leftover at `path` (a file, or a link, which is
+    removed itself) is replaced), flushed and fsynced."""
+    try:
+        fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what)
+    except FileExistsError:  # left by a killed process with the same pid
+        os.unlink(path)
+        fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class _WriteFailed(RuntimeError):
@@ -71,17 +156,21 @@ def _read_owner(fd: int) -> dict | None:
 
 def lock_directory(root: str) -> str | None:
     """Take `root`'s job lock for this process (idempotent). Returns a note when a stale
-    lock was taken over, None otherwise; CheckpointLockError when a live job holds it."""
+    lock was taken over or the lock is a plain file (no flock there), None otherwise;
+    CheckpointLockError when a live job holds it, LinkRefused when the lock is a link."""
     root = os.path.abspath(root)
     if root in _held:
         return None
     path = os.path.join(root, LOCK_NAME)
     try:
         os.makedirs(root, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, "the job lock")
     except OSError as e:  # a file in the way, no permission, a read-only file system
         raise CheckpointLockError(f"--save {root}: cannot write there ({e.strerror}: {e.filename}); "
                                   f"pass a --save directory this job can create and write") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device under the lock's name
+        os.close(fd)
+        raise CheckpointLockError(f"{path} is not a regular file; remove it and run again")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -91,25 +180,106 @@ def lock_directory(root: str) -> str | None:
             f"{root} is in use by another running job ({_describe(owner)}); a second job must "
             f"not write there: stop that job (its ranks may have outlived their launcher) or "
             f"pass another --save directory") from None
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in _NO_FLOCK:
+            raise
+        return _lock_with_file(root)
     previous = _read_owner(fd)
     me = _owner_record()
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (json.dumps(me) + "\n").encode())
     os.fsync(fd)
-    _held[root] = fd
+    _held[root] = ("flock", fd)
     if previous and (previous.get("pid"), previous.get("host")) != (me["pid"], me["host"]):
         return f" note: took over the stale checkpoint lock of {root} ({_describe(previous)}: no longer running)"
     return None
 
 
+def _process_gone(owner: dict) -> bool:
+    """True when `owner` (a lock record) names a process of this host that has ended."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists (another user's)
+        return False
+    return False
+
+
+def _lock_with_file(root: str) -> str:
+    """The job lock where the filesystem refuses flock: ``root/.megaq_job.lock.excl``,
+    created with O_EXCL (exactly one creator wins) and removed when the job ends
+    (unlock_directory). A crashed job leaves it: on the same host a file whose process
+    is gone is taken over, elsewhere the next job refuses until someone removes it."""
+    path = os.path.join(root, EXCLUSIVE_LOCK_NAME)
+    me = _owner_record()
+    took_over = None
+    for _ in range(2):
+        try:
+            fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "the job lock")
+        except FileExistsError:
+            if os.path.islink(path):
+                raise LinkRefused(link_refusal(path, "the job lock")) from None
+            try:
+                owner_fd = open_no_follow(path, os.O_RDONLY, "the job lock")
+            except FileNotFoundError:  # its owner just removed it
+                continue
+            owner = _read_owner(owner_fd)
+            os.close(owner_fd)
+            if owner and _process_gone(owner):
+                os.unlink(path)
+                took_over = owner
+                continue
+            raise CheckpointLockError(
+                f"{root} is claimed by another job ({_describe(owner)}): its lock is the file "
+                f"{path}, since this filesystem does not support flock; if that job is still "
+                f"running, stop it or pass another --save; if it crashed, remove {path} and "
+                f"run again") from None
+        try:
+            os.write(fd, (json.dumps(me) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _held[root] = ("file", path)
+        note = (f" note: {root} is on a filesystem without flock: the job lock is the file "
+                f"{path}, removed when this job ends; a job that crashes leaves it behind, and "
+                f"the next job on this directory then refuses to start until you remove it "
+                f"(on this host, a lock whose process is gone is taken over)")
+        if took_over:
+            note += f"; took over the stale lock of {_describe(took_over)}"
+        return note
+    raise CheckpointLockError(f"{path} keeps changing under this job: another job is claiming "
+                              f"{root}; pass another --save directory")
+
+
 def unlock_directory(root: str) -> None:
-    """Release this process's lock on `root` (the kernel also does so at exit)."""
-    fd = _held.pop(os.path.abspath(root), None)
-    if fd is not None:
+    """Release this process's lock on `root` (the kernel also drops a flock at exit; a
+    lock file is removed here, if it is still this process's)."""
+    held = _held.pop(os.path.abspath(root), None)
+    if held is None:
+        return
+    kind, handle = held
+    if kind == "flock":
         with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        os.close(handle)
+        return
+    with contextlib.suppress(OSError):
+        fd = open_no_follow(handle, os.O_RDONLY, "the job lock")
+        owner = _read_owner(fd)
         os.close(fd)
+        if owner and (owner.get("pid"), owner.get("host")) == (os.getpid(), socket.gethostname()):
+            os.unlink(handle)
+
+
+def unlock_all() -> None:
+    """Release every lock this process holds (the end of a run, however it ended)."""
+    for root in list(_held):
+        unlock_directory(root)
 
 
 def claim_save_directory(root: str, topo) -> None:
@@ -117,11 +287,12 @@ def claim_save_directory(root: str, topo) -> None:
     every rank raises the same AgreedError when another job holds the lock."""
     group = topo.world if topo is not None else None
     rank = topo.rank if topo is not None else 0
-    with failure.agreed(group, catch=(CheckpointLockError, OSError)):
+    with failure.agreed(group, catch=(CheckpointLockError, LinkRefused, OSError)):
         if rank == 0:
             note = lock_directory(root)
             if note:
                 print(note, flush=True)
+            check_tracker(root)  # a linked tracker: refused before anything is written
             removed = remove_stale_temporaries(root)
             if removed:
                 print(f" note: removed {len(removed)} unfinished save(s) from {root}: "
@@ -129,13 +300,22 @@ def claim_save_directory(root: str, topo) -> None:
 
 
 def remove_stale_temporaries(root: str) -> list[str]:
-    """Delete every ``.iter_*.tmp`` / ``.iter_*.old`` directory under `root` (saves that
-    were killed or failed); returns their names. Only the lock holder calls this."""
+    """Delete every ``.iter_*.tmp`` / ``.iter_*.old`` under `root` (saves that were
+    killed or failed); returns the names of those really gone. Only the lock holder
+    calls this. A directory is removed with what it holds (links inside are unlinked,
+    never followed); a link or stray file under such a name is unlinked itself, so
+    what a link points to is never touched. One that cannot be removed is left (the
+    save that needs its name then fails with a clear line) and not reported."""
     removed = []
     for path in sorted(glob.glob(os.path.join(root, ".iter_*.tmp")) +
                        glob.glob(os.path.join(root, ".iter_*.old"))):
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(os.path.basename(path))
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        if not os.path.lexists(path):
+            removed.append(os.path.basename(path))
     return removed
 
 
@@ -160,10 +340,11 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _latest(root: str) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(root, TRACKER_FILE)) as f:
-            return int(f.read().strip())
+def latest_iteration(root: str) -> int | None:
+    """The iteration `root`'s tracker names, None when it names none (or is unreadable)."""
+    with contextlib.suppress(OSError, ValueError, LinkRefused):
+        text = read_tracker_text(root)
+        return int(text.strip()) if text is not None else None
     return None
 
 
@@ -179,7 +360,7 @@ def describe_write_error(e: OSError, root: str, state=None) -> str:
     """One line for a failed checkpoint write: what failed, the bytes the save needs
     (the size of the last complete checkpoint, else this rank's state), the bytes
     free, and what stays ``latest``."""
-    latest = _latest(root)
+    latest = latest_iteration(root)
     needed = 0
     if latest is not None:
         needed = _dir_bytes(os.path.join(root, f"iter_{latest:07d}"))

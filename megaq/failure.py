@@ -17,6 +17,18 @@ Two kinds of failure, two ways of reporting:
   every rank raises together because it follows from a collective result (class
   attribute ``agreed = True``: megaq.training.TrainingDiverged) is reported the same way.
 
+* **A peer that vanished** (:func:`report_collective_failure`): a collective fails on
+  the survivors (megaq.parallel.comm.CollectiveFailed). Every surviving rank prints one
+  line naming the lost rank(s) with their node and host (a roll call over the job's
+  store: megaq.parallel.peers), the phase and group of the collective and the last
+  completed iteration, and exits with :data:`PEER_LOST_EXIT`. The backend's traceback
+  goes to a per-rank log file whose path the line gives (:func:`log_path`), not to the
+  terminal. When the peer left on purpose (it printed its own error line first), the
+  survivors exit quietly with its exit code: the job shows one error line.
+  The launcher stops the survivors with SIGTERM as soon as it notices the death, often
+  before their own collectives fail; :func:`install_sigterm_grace` gives a rank
+  :data:`SIGTERM_GRACE_SECONDS` to name the lost peer before it ends as SIGTERM would.
+
 `report()` is what the command-line entry calls in its ``except`` clause.
 """
 
@@ -24,7 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import stat
 import sys
+import tempfile
+import threading
+import traceback
+
+PEER_LOST_EXIT = 1             # a survivor of a lost peer (not a user mistake: 2 is those)
+SIGTERM_GRACE_SECONDS = 4.0    # > the roll call (megaq.parallel.peers.ROLL_CALL_SECONDS)
+_reporting = threading.Event()  # this rank is reporting a lost peer: SIGTERM must wait
 
 
 class AgreedError(RuntimeError):
@@ -130,10 +151,123 @@ def agreed(group, catch: tuple = (Exception,), on_failure=None):
 
 def exit_now(code: int, line: str | None = None) -> None:
     """Print `line` (if any) to stderr, flush both streams and leave at once (no
-    interpreter finalisation: other threads may be blocked in a collective)."""
+    interpreter finalisation: other threads may be blocked in a collective). The peers
+    learn that this rank left on purpose (megaq.parallel.peers.mark_left)."""
     if line:
         print(line, file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        from megaq.parallel import peers
+        peers.mark_left(code)
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
+
+
+# ------------------------------------------------------------------- a lost peer
+def install_sigterm_grace() -> None:
+    """SIGTERM (the launcher stopping this rank, usually because a peer died) gives this
+    rank SIGTERM_GRACE_SECONDS to find out and name the lost peer itself (its next
+    collective fails within milliseconds of a death) before it ends as SIGTERM would.
+    The rank marks itself as leaving at once, so that roll calls do not count it lost.
+    A second SIGTERM ends it at once. Main thread only (a signal handler)."""
+    with contextlib.suppress(ValueError):  # not the main thread (an embedding caller): skip
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal API
+    if _reporting.is_set():
+        return  # this rank is naming a lost peer; it exits right after
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+    with contextlib.suppress(Exception):
+        from megaq.parallel import peers
+        peers.mark_left(128 + signal.SIGTERM)
+
+    def end():
+        if not _reporting.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+    timer = threading.Timer(SIGTERM_GRACE_SECONDS, end)
+    timer.daemon = True
+    timer.start()
+
+
+def log_path(rank: int, what: str) -> str:
+    """A new per-rank log file for `what`, in $MEGAQ_LOG_DIR, else in a directory of this
+    user's under the temporary directory (made private; never through a link)."""
+    base = os.environ.get("MEGAQ_LOG_DIR") or os.path.join(tempfile.gettempdir(),
+                                                            f"megaq-{os.getuid()}")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():  # someone else's, or a link
+        base = tempfile.mkdtemp(prefix="megaq-")
+    return os.path.join(base, f"{what}.rank{rank:05d}.pid{os.getpid()}.log")
+
+
+def _write_log(path: str, line: str, e: BaseException) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(line + "\n\n" + "".join(traceback.format_exception(e)))
+
+
+def _ranks_where(verdict) -> str:
+    parts = []
+    for r in verdict.lost:
+        host = verdict.hosts.get(r)
+        parts.append(f"{r} (node {verdict.nodes.get(r)}{f', host {host}' if host else ''})")
+    return ("rank " if len(parts) == 1 else "ranks ") + ", ".join(parts)
+
+
+def collective_failure_line(e, rank: int, verdict, log: str | None) -> str | None:
+    """The line for CollectiveFailed `e` on `rank` given the roll call's `verdict`
+    (None: no watch), or None when the peer left on purpose (nothing to add)."""
+    where = f"in {e.phase} on {e.group.describe()}"
+    where += (f" after iteration {e.iteration}" if e.iteration is not None
+              else " outside the training loop")
+    how = ("it stopped answering (no reply within the process-group timeout, nor to the roll "
+           "call)" if e.timed_out else "its process ended (the connection to it closed)")
+    if verdict is None:
+        what = (f"lost a peer {where}: {how}; which rank is not known (no launcher store to ask: "
+                f"start the job with torchrun or srun)")
+    elif verdict.store_error and verdict.lost:  # rank 0 hosted the store (no torchrun agent)
+        what = (f"lost {_ranks_where(verdict)} {where}: its process ended, and with it the job's "
+                f"rendezvous store it hosted ({verdict.store_address}: {verdict.store_error})")
+    elif verdict.store_error:
+        what = (f"lost a peer {where}, and the job's rendezvous store at {verdict.store_address} "
+                f"(torchrun's agent on the first node) does not answer either "
+                f"({verdict.store_error}): that node or its launcher is gone")
+    elif verdict.lost:
+        what = f"lost {_ranks_where(verdict)} {where}: {how}"
+    elif verdict.left:
+        return None  # that rank printed its own error and left: the job has its one line
+    else:
+        what = (f"a collective failed {where}, yet every rank answered the roll call: "
+                f"{str(e).split(': ', 1)[-1]}")
+    tail = f"; this rank stops. The backend's traceback: {log}" if log else "; this rank stops"
+    return f"[rank {rank}] error: {what}{tail}"
+
+
+def report_collective_failure(e, rank: int) -> int:
+    """For a CollectiveFailed (megaq.parallel.comm) on this rank: call the roll, print
+    the one line (see :func:`collective_failure_line`), put the traceback in the log
+    file, and return the exit code (PEER_LOST_EXIT; the leaving peer's own code when it
+    left on purpose). SIGTERM waits until the caller exits."""
+    _reporting.set()
+    with contextlib.suppress(Exception):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from megaq.parallel import peers
+    verdict = peers.roll_call()
+    log = None
+    with contextlib.suppress(OSError):
+        log = log_path(rank, "collective_failure")
+    line = collective_failure_line(e, rank, verdict, log)
+    if line is None:  # the leaving peer's code; a rank the launcher stopped tells less
+        sigterm = 128 + signal.SIGTERM
+        return min(verdict.left.values(), key=lambda c: (c == sigterm, c))
+    if log is not None:
+        try:
+            _write_log(log, line, e)
+        except OSError:
+            line = collective_failure_line(e, rank, verdict, None)
+    print(line, file=sys.stderr, flush=True)
+    peers.linger(verdict)  # rank 0 hosting the store keeps it up for the others' roll call
+    return PEER_LOST_EXIT

@@ -16,6 +16,9 @@ dataclasses and cannot disagree with them::
 
 Adding a flag is adding such a field (and using it). A field without flag metadata is
 derived (filled in by the builder or ``__post_init__``), never read from the command line.
+A ``type=float`` flag is parsed as a finite number by megaq's parser
+(megaq.data.errors.finite_float): inf and nan are refused for every float flag at once,
+before the field's own range check in ``__post_init__``.
 
 This module imports nothing of megaq, so config classes at every layer can use it.
 """

@@ -34,11 +34,13 @@ def seed_everything(seed: int, topo) -> None:
 def _init_distributed(parallel):
     from megaq.parallel.launch import init_from_env
     from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
+    from megaq.parallel import peers
     rank, world = init_from_env(parallel.distributed_backend,
                                 parallel.distributed_timeout_minutes, parallel.device)
     rpn = ranks_per_node_from_env(world, rank, parallel.gpus_per_node)
     layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
                     hpz_size=parallel.hpz_size, order=parallel.rank_order)
+    peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.failure)
     return build_topology(layout, rank)
 
 
@@ -276,31 +278,41 @@ def _print_banner(config, topo) -> None:
 
 
 def cli(argv=None) -> int:
+    from megaq import checkpoint_guard, failure
     from megaq.arguments import ArgumentsError
     from megaq.checkpoint import CheckpointError
     from megaq.data.errors import DataError
     from megaq.interop.common import InteropError
+    from megaq.parallel import peers
+    from megaq.parallel.comm import CollectiveFailed
     from megaq.parallel.pipeline import PipelineConfigError
     from megaq.parallel.topology import LayoutError
     from megaq.training import TrainingDiverged
     from megaq.zero import ZeroConfigError
-    from megaq import failure
-    finished = False
+    failure.install_sigterm_grace()  # a rank stopped by the launcher first names a lost peer
+    code = 1  # an uncaught exception: its traceback, exit 1
     try:
         main(argv)
-        finished = True
+        code = 0
+    except CollectiveFailed as e:  # a peer vanished: one line per survivor, no teardown
+        code = failure.report_collective_failure(e, failure.current_rank_and_world()[0])
+        checkpoint_guard.unlock_all()
+        failure.exit_now(code)
     except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
             TrainingDiverged, ZeroConfigError, InteropError, failure.AgreedError) as e:
+        code = 2
         failure.report(e, *failure.current_rank_and_world())  # every rank, at once (see there)
-        return 2
     except KeyboardInterrupt:
+        code = 130
         failure.report(KeyboardInterrupt("interrupted (Ctrl-C); nothing saved since the last "
                                          "checkpoint (--exit-signal-handler saves on Ctrl-C)"),
                        *failure.current_rank_and_world())
-        return 130
     finally:
-        _shut_down_distributed(orderly=finished)
-    return 0
+        if code != 0:  # the peers' roll call must not count this rank lost
+            peers.mark_left(code)
+        checkpoint_guard.unlock_all()
+        _shut_down_distributed(orderly=code == 0)
+    return code
 
 
 def _shut_down_distributed(orderly: bool) -> None:

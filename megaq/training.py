@@ -256,6 +256,9 @@ class Trainer:
         watchdog.start(self.topo.rank, self.training.hang_timeout_minutes)
         try:
             return self._train_loop()
+        except comm.CollectiveFailed as e:  # a peer vanished: say when (megaq.failure)
+            e.iteration = self.state.iteration
+            raise
         finally:
             watchdog.stop()
             comm.STATS.timing = False

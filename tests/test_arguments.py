@@ -118,6 +118,46 @@ def test_refusals_name_the_flag(extra, world, needle):
     assert needle in msg and "\n" not in msg
 
 
+def _float_flags():
+    """Every flag of the configuration declared as a float."""
+    return [f.metadata["flag"] for cls in FLAG_CLASSES for f in flag_fields(cls)
+            if f.metadata["argparse"].get("type") is float]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400"])
+def test_every_float_flag_refuses_non_finite_values(value):
+    """One generic check (the parser's float type), for every float flag: inf, nan and
+    numbers beyond float range (which parse as inf) are one line naming the flag."""
+    flags = _float_flags()
+    assert {"--lr", "--min-lr", "--weight-decay", "--clip-grad", "--adam-eps",
+            "--distributed-timeout-minutes", "--hang-timeout-minutes"} <= set(flags)
+    for flag in flags:
+        with pytest.raises(ArgumentsError) as e:
+            parse([f"{flag}={value}"], world=1)  # the = form: "-inf" is no option name
+        msg = str(e.value)
+        assert msg.startswith(f"argument {flag}: {value!r} is not a finite number"), msg
+        assert "\n" not in msg
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--lr", "nan"),
+                                        ("--weight-decay", "nan"), ("--clip-grad", "inf")])
+def test_non_finite_settings_named_in_the_issue_are_refused(flag, value):
+    with pytest.raises(ArgumentsError, match=f"argument {flag}: '{value}' is not a finite number"):
+        parse([flag, value], world=1)
+
+
+def test_finite_float_ranges_are_unchanged():
+    """The per-flag ranges still apply after the finiteness check (and large finite
+    values pass it)."""
+    assert parse(["--lr", "1e30", "--min-lr", "0"], world=1).optimizer.lr == 1e30
+    with pytest.raises(ArgumentsError, match="--lr and --min-lr must be >= 0"):
+        parse(["--lr", "-1"], world=1)
+    with pytest.raises(ArgumentsError, match="--clip-grad must be >= 0"):
+        parse(["--clip-grad", "-1"], world=1)
+    with pytest.raises(ArgumentsError, match="--hang-timeout-minutes must be > 0"):
+        parse(["--hang-timeout-minutes", "0"], world=1)
+
+
 def test_zero_flags_reach_the_engine_config():
     """Each --zero-* flag lands in the engine's ZeroConfig (built once, at parse time)."""
     from megaq.zero import ZeroConfig
@@ -210,6 +250,17 @@ def test_cli_refusal_is_one_line_and_nonzero():
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: --global-batch-size 3")
+
+
+def test_cli_non_finite_lr_is_one_line_before_any_step():
+    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + BASE
+                       + ["--lr", "inf", "--vocab-size", "64"], capture_output=True, text=True,
+                       env={**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == ["error: argument --lr: 'inf' is not a finite number: every float setting "
+                     "must be finite (no inf or nan); give a finite value (see --help)"], r.stderr
+    assert "iteration" not in r.stdout
 
 
 def test_device_flag():

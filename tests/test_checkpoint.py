@@ -49,6 +49,9 @@ class DictEngine:
     def error_feedback_state(self):
         return {}  # no qgZ error feedback here (tests/test_checkpoint_resume.py has it)
 
+    def params_finite(self):
+        return all(bool(e["param"].isfinite().all()) for e in self.state["params"].values())
+
     def checkpoint_taken(self):
         """No weight-delta references to re-synchronise here."""
 

@@ -139,3 +139,64 @@ def test_bad_flag_is_one_error_line(tmp_path, capsys):
                                            tmp_path / "m", "--vocab-size", "8k"], capsys)
     assert rc == 2 and err.strip() == ("error: argument --vocab-size: invalid int value: '8k' "
                                        "(see --help)")
+
+
+# ------------------------------------------------------------ long documents in pieces
+def varied_text(docs, seed=0, n=60_000):
+    """~400 K characters that stress the cut rule: the corpus's code and prose, then a
+    stretch of mixed scripts, digits, whitespace runs (tabs, NBSP, ideographic space),
+    punctuation, emoji and combining marks, sprinkled with cut candidates (" a ")."""
+    import random
+    pools = ["abcXYZ", "ÀéïøßΩжЖ中文字ひらカナ한", "0123456789²³¼Ⅻ٣", " \t\n\r\u00a0\u2003\u3000\x1c",
+             "'''.,;:!?-_()[]{}\"/\\@#$%^&*+=<>|~`", "🙂🚀💡", "\u0301\u0308"]
+    rng = random.Random(seed)
+    noise = "".join(rng.choice(rng.choice(pools)) + (" a " if rng.random() < 0.1 else "")
+                    for _ in range(n))
+    prose = "".join(docs)
+    return prose + noise + prose
+
+
+@pytest.fixture(scope="module")
+def extra_models(tmp_path_factory, tiny_corpus):
+    """An NFKC BPE model (SentencePiece's default normalizer: whitespace folded) and a
+    unigram model, trained on the tiny corpus."""
+    d = tmp_path_factory.mktemp("models")
+    return {"nfkc_bpe": train_sentencepiece([tiny_corpus[0]], str(d / "nfkc"), 512,
+                                            normalization="nmt_nfkc", log=quiet),
+            "unigram": train_sentencepiece([tiny_corpus[0]], str(d / "uni"), 512,
+                                           model_type="unigram", log=quiet)}
+
+
+@pytest.mark.parametrize("kind", ["identity_bpe", "nfkc_bpe", "unigram"])
+def test_long_document_in_pieces_gives_the_whole_documents_ids(kind, tiny_tokenizer, tiny_corpus,
+                                                               extra_models):
+    """Cut every ~2 KB (hundreds of cuts over varied text): BPE models give exactly the
+    whole document's ids. A unigram model may differ only where SentencePiece's float32
+    search picks between segmentations of equal score: same text, same total score."""
+    from megaq.data.tokenizer import tokenize_in_pieces
+    model = tiny_tokenizer if kind == "identity_bpe" else extra_models[kind]
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    text = varied_text(tiny_corpus[1])
+    parts = list(tokenize_in_pieces(tok, text, piece_chars=2048))
+    assert len(parts) > 200  # the rule found cuts all along (else nothing was tested)
+    pieces = [i for p in parts for i in p]
+    whole = tok.tokenize(text)
+    if kind != "unigram":
+        assert pieces == whole
+        return
+    assert len(pieces) == len(whole)
+    differ = [i for i, (a, b) in enumerate(zip(pieces, whole)) if a != b]
+    assert len(differ) < len(whole) // 1000, len(differ)
+    sp = tok.sp
+    score = lambda ids: sum(sp.get_score(i) for i in ids)  # noqa: E731
+    assert sp.decode(pieces) == sp.decode(whole)
+    assert abs(score(pieces) - score(whole)) < 1e-3 * max(1, len(differ))
+
+
+def test_text_without_a_safe_cut_is_encoded_whole(tiny_tokenizer):
+    """No single space between ASCII letters: one piece, the whole text's ids."""
+    from megaq.data.tokenizer import tokenize_in_pieces
+    tok = build_tokenizer("SentencePieceTokenizer", tiny_tokenizer)
+    text = ("x" * 5000 + "  ") * 4 + "é " * 3000  # double spaces; a space after non-ASCII
+    parts = list(tokenize_in_pieces(tok, text, piece_chars=1024))
+    assert len(parts) == 1 and parts[0] == tok.tokenize(text)

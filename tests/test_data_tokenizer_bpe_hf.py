@@ -261,3 +261,14 @@ def test_pretrain_gpt_trains_on_gpt2_bpe_data(tmp_path, capsys, tiny_corpus, gpt
     assert len(losses) == 2
     # An untrained model's loss is about ln(vocab): the 600-id vocabulary, not a default.
     assert abs(losses[1] - np.log(600)) < 0.5, losses
+
+
+def test_gpt2_bpe_long_document_in_pieces_gives_the_whole_documents_ids(gpt2_files, tiny_corpus):
+    """Cut every ~2 KB of the corpus and of GPT-2's edge cases: the ids are exactly the
+    whole document's (megaq.data.tokenizer.tokenize_in_pieces)."""
+    from megaq.data.tokenizer import tokenize_in_pieces
+    tok = build_tokenizer("GPT2BPETokenizer", None, *gpt2_files)
+    text = " ".join(tiny_corpus[1][:60] + EDGE_TEXTS * 20 + random_texts(2000))
+    parts = list(tokenize_in_pieces(tok, text, piece_chars=2048))
+    assert len(parts) > 50
+    assert [i for p in parts for i in p] == tok.tokenize(text)

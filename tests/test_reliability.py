@@ -226,6 +226,30 @@ def test_nan_streak_leaves_latest_at_last_healthy_checkpoint(tmp_path):
     assert sorted(n for n in os.listdir(root) if "iter_" in n) == ["iter_0000001"]
 
 
+def test_weights_that_overflow_never_become_latest(tmp_path):
+    """A resume with an absurd learning rate: SGD's update (lr 1e38 x a gradient with
+    weight decay) overflows fp32, so iteration 2's weights hold inf while its loss (computed
+    before the update) is finite. The save at 2 is refused on every rank in one line
+    before anything is staged (--async-save), and iteration 1 stays latest."""
+    root = str(tmp_path / "ck")
+    sgd = ["--optimizer", "sgd", "--save", root, "--save-interval", "1"]
+    r = run(tiny_argv(1, *sgd), world=2)
+    assert r["codes"] == [0, 0] and ckpt.read_tracker(root) == 1, r["stderr"]
+    argv = tiny_argv(3, *sgd, "--load", root, "--weight-decay", "100", "--async-save",
+                     "--override-opt_param-scheduler")
+    argv[argv.index("--lr") + 1] = "1e38"
+    r = run(argv, world=2)
+    lines = error_lines(r)
+    assert all_failed(r, 2) and len(lines) == 1, r["stderr"]
+    assert lines[0] == (f"error: refusing to save iteration 2 to {root}: the weights hold inf or "
+                        f"nan (an update overflowed them); the previous checkpoint (iteration 1) "
+                        f"stays latest; resume from it with a lower --lr (plus "
+                        f"--override-opt_param-scheduler) or a smaller --weight-decay")
+    assert "lm loss: 4." in r["stdout"].split("iteration        2/")[1].splitlines()[0]  # finite
+    assert ckpt.read_tracker(root) == 1
+    assert sorted(n for n in os.listdir(root) if "iter_" in n) == ["iter_0000001"]
+
+
 # --------------------------------------------------------------------- signals
 def _signal_when_training(sig, ranks, after="iteration        2/"):
     def inject(pids, outdir):
@@ -338,6 +362,36 @@ def test_process_group_timeout_reaches_new_groups():
     assert r["codes"][0] == 3, r
     seconds = float(r["stdout"].split("timed out after ")[1].split()[0])
     assert seconds < 10, seconds
+
+
+# ------------------------------------------------------------------- a lost rank
+def test_killed_rank_is_named_by_every_survivor_in_one_line(tmp_path):
+    """kill -9 of rank 2 of 4, the ranks posing as 2 nodes of 2: each survivor prints one
+    line naming rank 2 (node 1, its host), the phase, the group and the iteration; the
+    backend's traceback goes to the log file the line names, none to the terminal; the
+    job ends within seconds (run_cli_on_ranks reaps every rank: no orphan)."""
+    killed = {}
+
+    def kill_rank_2(pids, outdir):
+        wait_for(os.path.join(outdir, "0.out"), "iteration        3/")
+        os.kill(pids[2], signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    r = run(tiny_argv(100000, "--gpus-per-node", "2"), world=4, on_start=kill_rank_2,
+            env={"MEGAQ_LOG_DIR": str(tmp_path / "logs")})
+    elapsed = time.monotonic() - killed["at"]
+    assert r["codes"][2] == -signal.SIGKILL and all(r["codes"][i] == 1 for i in (0, 1, 3)), r
+    lines = error_lines(r)
+    assert len(lines) == 3, r["stderr"]
+    for rank, line in zip((0, 1, 3), lines):
+        assert line.startswith(f"[rank {rank}] error: lost rank 2 (node 1, host "), line
+        assert ") in " in line and " group (ranks " in line and " after iteration " in line
+        assert "its process ended (the connection to it closed); this rank stops" in line
+        log = line.split("The backend's traceback: ")[1]
+        assert log.startswith(str(tmp_path / "logs")) and "Traceback" in open(log).read()
+    assert "Traceback" not in r["stderr"] and "GLHF" not in r["stderr"]
+    # the roll call (2 s) and the launcher's polling; generous for a loaded CI
+    assert elapsed < 20, elapsed
 
 
 # ------------------------------------------------------------------ job ownership

@@ -6,6 +6,7 @@ it as `error: <message>` and exit with status 2.
 """
 
 import argparse
+import math
 
 
 class DataError(Exception):
@@ -15,13 +16,38 @@ class DataError(Exception):
         super().__init__(" ".join(str(message).split()))  # force a single line
 
 
+def finite_float(text: str) -> float:
+    """argparse's type for every float flag of megaq's parsers (see ArgumentParser): a
+    finite number. `inf` / `nan` (and numbers beyond float range, which parse as inf)
+    are refused: a learning rate or weight decay of inf / nan trains to non-finite weights
+    and saves them, and no megaq float setting means "unlimited" by inf (leave out
+    --exit-duration-in-mins for no time limit; the timeouts exist so that no hang lasts
+    forever, so they take large finite values)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number: every float setting "
+                                         f"must be finite (no inf or nan); give a finite value")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """megaq's parser: argparse prints a usage block and exits on a bad flag; here error()
     raises `error_class` with one line, `<message> (see --help)`, that the entry point
     prints as its `error:` line (the data tools: DataError through run_cli, exit 2;
-    pretrain_gpt.py and the other tools set their own class)."""
+    pretrain_gpt.py and the other tools set their own class).
+
+    Every flag declared with ``type=float`` is parsed by :func:`finite_float` (argparse's
+    type registry maps ``float`` to it), so that inf and nan are refused once, for every
+    float flag of every megaq parser, before any per-flag range check."""
 
     error_class = DataError
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", float, finite_float)
 
     def error(self, message):
         raise self.error_class(f"{message} (see --help)")

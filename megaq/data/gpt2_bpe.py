@@ -155,6 +155,19 @@ class GPT2BPETokenizer:
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
 
+    def cut_at(self, text: str, pos: int) -> tuple[int, int] | None:
+        """The first place at or after `pos` where the encoding separates (for
+        megaq.data.tokenizer.tokenize_in_pieces): before a single space between two ASCII
+        letters, which stays with the next piece (no pre-token reaches from a letter across
+        a space; " word" starts one). -> (index, index); None if there is none."""
+        i = text.find(" ", max(pos, 1))
+        while 0 < i < len(text) - 1:
+            before, after = text[i - 1], text[i + 1]
+            if before.isascii() and before.isalpha() and after.isascii() and after.isalpha():
+                return i, i
+            i = text.find(" ", i + 1)
+        return None
+
     def detokenize(self, ids) -> str:
         data = bytearray()
         for i in ids:

@@ -228,14 +228,14 @@ class IndexedDatasetWriter:
         arr = np.asarray(tokens, dtype=self.dtype)
         self.add_documents(arr, np.array([arr.size], dtype=np.int32))
 
-    def add_documents(self, flat: np.ndarray, lengths: np.ndarray) -> None:
-        """Add several documents given as their concatenated tokens and their lengths."""
-        flat = np.asarray(flat)
-        if flat.dtype != self.dtype:
-            flat = flat.astype(self.dtype)
-        self._bin.write(flat.tobytes(order="C"))
+    def add_documents(self, flat, lengths: np.ndarray) -> None:
+        """Add several documents given as their concatenated tokens (one array, or a list
+        of consecutive parts of it) and their lengths. Written without a copy."""
+        for part in (flat if isinstance(flat, list) else [flat]):
+            part = np.ascontiguousarray(part, dtype=self.dtype)
+            self._bin.write(memoryview(part).cast("B"))
+            self.num_tokens += int(part.size)
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
-        self.num_tokens += int(flat.size)
 
     def append_writer(self, other: "IndexedDatasetWriter") -> None:
         """Append everything another (unfinished) writer holds; used to merge partitions."""

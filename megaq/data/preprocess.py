@@ -1,7 +1,7 @@
 """jsonl (or .jsonl.gz) -> Megatron `{prefix}_{key}_document.bin/.idx`.
 
 The main process reads raw lines in chunks and hands them to worker processes, which
-parse the JSON, tokenize (megaq.data.tokenizer.build_tokenizer) and return one flat token array plus the
+parse the JSON, tokenize (megaq.data.tokenizer.build_tokenizer) and return the token array (in parts) plus the
 document lengths per chunk; the main process writes them in input order. With one
 worker everything runs in the main process (no pickling). `--partitions N` encodes N
 contiguous line ranges one after another into temporary datasets and merges them;
@@ -9,6 +9,13 @@ the result is byte-identical to N = 1.
 
 Bad input stops the run with a DataError naming the file and line; nothing is left
 under the output names (everything is written to temporary names and renamed last).
+
+Memory: a document longer than `LONG_DOC_CHARS` is tokenized in pieces
+(megaq.data.tokenizer.tokenize_in_pieces: cut only where the ids provably equal the whole
+document's) straight into a numpy array, and its raw line is dropped once parsed, so one
+50 MB document peaks at a few times its size (docs/PERFORMANCE.md) instead of the
+encoder's tens of bytes per character. Shorter documents are tokenized in batches as
+before; the output is the same bytes either way.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,10 +34,15 @@ import numpy as np
 
 from megaq.data.errors import DataError
 from megaq.data.indexed import IndexedDatasetWriter, resolve_dtype
-from megaq.data.tokenizer import build_tokenizer
+from megaq.data.tokenizer import build_tokenizer, tokenize_in_pieces
 
 CHUNK_DOCS = 256          # documents per worker task: amortises IPC, keeps latency low
 CHUNK_BYTES = 1 << 20
+# Longer documents are tokenized in pieces of PIECE_CHARS. Up to this length a document is
+# encoded whole, as always (the encoder's working memory stays within ~100 MB), so that
+# every document of normal length gets exactly the ids it always got, whatever the model.
+LONG_DOC_CHARS = 1 << 20
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a code point with no UTF-8 form
 
 
 @dataclass
@@ -78,7 +91,8 @@ def iter_chunks(path: str, start: int = 0, stop: int | None = None,
     try:
         with f:
             lines, nbytes, first, offset, n = [], 0, start + 1, 0, 0
-            for lineno, line in enumerate(f, 1):
+            for line in f:  # (not enumerate: it would keep the last, maybe huge, line alive)
+                lineno += 1
                 if lineno <= start:
                     offset += len(line)
                     continue
@@ -88,6 +102,7 @@ def iter_chunks(path: str, start: int = 0, stop: int | None = None,
                     lines.append(line)
                 n += 1
                 nbytes += len(line)
+                line = None  # held by `lines` only: the encoder drops it once parsed
                 if n >= chunk_docs or nbytes >= CHUNK_BYTES:
                     yield first, ((offset, nbytes) if by_range else lines)
                     first, lines, offset, nbytes, n = lineno + 1, [], offset + nbytes, 0, 0
@@ -120,29 +135,35 @@ class ChunkEncoder:
         self._fd = None
 
     def __call__(self, chunk):
-        """-> ("ok", {key: (flat tokens, lengths)}, {key: empty}, docs, nbytes) or ("error", msg)."""
+        """-> ("ok", {key: (token array parts, lengths)}, {key: empty}, docs, nbytes) or
+        ("error", msg)."""
         first, lines = chunk
         if isinstance(lines, tuple):  # a byte range of the (uncompressed) input
             offset, nbytes = lines
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDONLY)
-            parts = os.pread(self._fd, nbytes, offset).split(b"\n")  # only \n ends a line
-            lines = [x + b"\n" for x in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+            lines = os.pread(self._fd, nbytes, offset).split(b"\n")  # only \n ends a line
+            if not lines[-1]:
+                lines.pop()  # after the last \n (the newlines are not needed to parse)
+        else:
+            nbytes = sum(len(x) for x in lines)
         texts = {k: [] for k in self.keys}
         empty = dict.fromkeys(self.keys, 0)
         docs = 0
-        nbytes = 0
-        for lineno, raw in enumerate(lines, first):
-            nbytes += len(raw)
-            if not raw.strip():
+        for index in range(len(lines)):
+            lineno, raw = first + index, lines[index]
+            lines[index] = None  # the raw line goes once parsed (its text is all that is kept)
+            if not raw or raw.isspace():
                 for k in self.keys:
                     empty[k] += 1
                 continue
-            try:
+            try:  # decoded as json.loads decodes bytes, the bytes dropped before parsing
+                raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
                 obj = json.loads(raw)
             except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
                 return ("error", f"{self.path}:{lineno}: malformed JSON ({e}); fix or delete "
                                  "this line (one JSON object per line)")
+            raw = None
             if not isinstance(obj, dict):
                 return ("error", f"{self.path}:{lineno}: expected a JSON object, got "
                                  f"{type(obj).__name__}; write one object per line")
@@ -156,25 +177,65 @@ class ChunkEncoder:
                 if not isinstance(text, str):
                     return ("error", f"{self.path}:{lineno}: json key {k!r} holds "
                                      f"{type(text).__name__}, expected a string; fix the line")
-                try:  # JSON's \ud800-style escapes can decode to lone surrogates
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:
+                # JSON's \ud800-style escapes can decode to lone surrogates (searched for,
+                # not encoded: no copy of a long text)
+                bad = None if text.isascii() else _SURROGATE.search(text)
+                if bad is not None:
                     return ("error", f"{self.path}:{lineno}: invalid text: json key {k!r} holds "
-                                     f"a lone surrogate {text[e.start]!r} at character {e.start} "
+                                     f"a lone surrogate {bad.group()!r} at character {bad.start()} "
                                      f"(not Unicode text); fix or delete this line")
                 texts[k].append(text)
+        raw = obj = text = None  # only texts[k] holds the documents now
         out = {}
         for k in self.keys:
-            ids = self.tokenizer.tokenize_batch(texts[k]) if texts[k] else []
-            kept = [x for x in ids if x]
-            empty[k] += len(ids) - len(kept)
-            if self.append_eod:
-                for x in kept:
-                    x.append(self.tokenizer.eod)
-            lengths = np.fromiter((len(x) for x in kept), np.int32, len(kept))
-            flat = np.fromiter(itertools.chain.from_iterable(kept), self.dtype, int(lengths.sum()))
-            out[k] = (flat, lengths)
+            docs_k, texts[k] = texts[k], None
+            out[k] = self._encode_documents(docs_k)
+            empty[k] += out[k][2]
+            out[k] = out[k][:2]
         return ("ok", out, empty, docs, nbytes)
+
+    def _encode_documents(self, texts: list[str]) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """(the documents' tokens, concatenated, as consecutive array parts; lengths; empty
+        documents) of `texts`, consumed: each long text is dropped once tokenized. Short
+        documents are tokenized in one batch; a long one in pieces (tokenize_in_pieces),
+        each kept as an array, so no Python int per token lives on."""
+        short = [t for t in texts if len(t) <= LONG_DOC_CHARS]
+        batch = iter(self.tokenizer.tokenize_batch(short) if short else [])
+        del short
+        eod = [self.tokenizer.eod] if self.append_eod else []
+        parts: list[np.ndarray] = []
+        lengths: list[int] = []
+        run: list[list[int]] = []  # short documents since the last part
+
+        def flush():
+            n = sum(len(x) for x in run)
+            parts.append(np.fromiter(itertools.chain.from_iterable(run), self.dtype, n))
+            run.clear()
+
+        empty = 0
+        for i in range(len(texts)):
+            text, texts[i] = texts[i], None
+            if len(text) <= LONG_DOC_CHARS:
+                ids = next(batch)
+                if ids:
+                    run.append(ids + eod)
+                    lengths.append(len(run[-1]))
+                else:
+                    empty += 1
+                continue
+            pieces = [np.asarray(p, dtype=self.dtype) for p in tokenize_in_pieces(self.tokenizer, text)]
+            text = None
+            n = sum(p.size for p in pieces)
+            if not n:
+                empty += 1
+                continue
+            if run:
+                flush()
+            parts += [p for p in pieces if p.size] + ([np.asarray(eod, self.dtype)] if eod else [])
+            lengths.append(n + len(eod))
+        if run or not parts:
+            flush()
+        return parts, np.asarray(lengths, dtype=np.int32), empty
 
 
 _WORKER_ENCODER = None  # set in each pool worker by _init_worker; never used in the parent
@@ -298,9 +359,9 @@ def _encode_range(path, start, stop, pool, encode, writers, stats, t0, log_inter
         if res[0] == "error":
             raise DataError(res[1])
         _, out, empty, docs, nbytes = res
-        for k, (flat, lengths) in out.items():
-            writers[k].add_documents(flat, lengths)
-            stats.tokens[k] += int(flat.size)
+        for k, (parts, lengths) in out.items():
+            writers[k].add_documents(parts, lengths)
+            stats.tokens[k] += int(sum(p.size for p in parts))
             stats.empty[k] += empty[k]
         stats.documents += docs
         stats.bytes += nbytes

@@ -22,6 +22,34 @@ files and checkpoints made with Megatron agree on every id and on the vocab size
 turns literal special-token strings such as "</s>" inside the text into their ids;
 megaq encodes such text as text, like SentencePiece. User-defined symbols such as
 `<EOD>` are matched by SentencePiece itself, so both agree on them.)
+
+Long documents (:func:`tokenize_in_pieces`, used by preprocessing above a million
+characters) are encoded in pieces of about `PIECE_CHARS` characters, so that the
+encoder's working memory (about a hundred bytes per character in SentencePiece) stays
+bounded. A tokenizer cuts only where its encoding provably separates (its ``cut_at``):
+
+- SentencePiece: at a single ASCII space between two ASCII letters or digits, the space
+  dropped. The normalizer turns that space into the ``▁`` the next piece's dummy prefix
+  gives back (checked on the model: ``normalize("a b") == "▁a▁b"``; and at each cut, on
+  a window around it: normalization does not reach across it), and no piece of the
+  model holds a ``▁`` other than first or in a run of only ``▁`` (checked on the
+  vocabulary), so every segmentation has a boundary before that lone ``▁`` and the two
+  sides are segmented independently. For BPE models (megaq's default) the ids are
+  exactly the whole document's. Unigram models: SentencePiece's search keeps its
+  running path score in float32, so between segmentations of equal score (a run of
+  spaces as ``▁`` + ``▁▁`` or ``▁▁`` + ``▁``) it picks by rounding, which depends on where
+  in the input the run lies: the whole document's own ids there are an accident of
+  position, and the pieces' ids may pick the other equal-score segmentation (99 of
+  11.3 M ids of a 20 MB document, same text and total score; tests/test_data_tokenizer.py
+  checks that). Documents of normal length (below preprocessing's million characters)
+  are never cut, so their ids are unchanged for every model.
+- GPT2BPETokenizer: before a single space between two ASCII letters: no pre-token of
+  GPT-2's pattern reaches from a letter across a space, and " word" starts one.
+- HuggingFaceTokenizer: never cut (its pipeline is configurable beyond what can be
+  checked): such a document is encoded whole, in the tokenizer's own memory.
+
+A model that fails a check, or a stretch of text with no such space (base64, a huge
+table of symbols), is encoded whole there.
 """
 
 from __future__ import annotations
@@ -33,6 +61,30 @@ from megaq.data.errors import DataError
 SUPPORTED_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
                    "HuggingFaceTokenizer")
 EOD_PIECE = "<EOD>"
+PIECE_CHARS = 1 << 16  # characters per piece of a long document (tokenize_in_pieces)
+SPACE_MARK = "\u2581"  # SentencePiece's ▁: an escaped space
+_WINDOW = 64  # characters each side of a cut whose normalization is checked
+
+
+def _word_char(c: str) -> bool:
+    return c.isascii() and c.isalnum()
+
+
+def tokenize_in_pieces(tokenizer, text: str, piece_chars: int = PIECE_CHARS):
+    """Yield the ids of `text` in consecutive runs whose concatenation is
+    ``tokenizer.tokenize(text)``: pieces of about `piece_chars` characters, cut where the
+    tokenizer's ``cut_at(text, pos)`` finds a place at or after `pos` where its encoding
+    separates (-> (end of this piece, start of the next)), or whole when it has none."""
+    cut_at = getattr(tokenizer, "cut_at", None)
+    start = 0
+    while cut_at is not None and len(text) - start > 2 * piece_chars:
+        cut = cut_at(text, start + piece_chars)
+        if cut is None:
+            break
+        end, start_next = cut
+        yield tokenizer.tokenize(text[start:end])
+        start = start_next
+    yield tokenizer.tokenize(text[start:] if start else text)
 
 
 class SentencePieceTokenizer:
@@ -100,6 +152,39 @@ class SentencePieceTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return self.sp.encode(text)
+
+    def _separable(self) -> bool:
+        """Can this model's encoding be cut at a lone space (see the module's docstring)?"""
+        if not hasattr(self, "_separable_cached"):
+            ok = hasattr(self.sp, "normalize") and self.sp.normalize("a b") == f"{SPACE_MARK}a{SPACE_MARK}b"
+            for i in range(self.sp.get_piece_size()):
+                if not ok:
+                    break
+                piece = self.sp.id_to_piece(i)
+                ok = SPACE_MARK not in piece[1:] or set(piece) == {SPACE_MARK}
+            self._separable_cached = ok
+        return self._separable_cached
+
+    def cut_at(self, text: str, pos: int) -> tuple[int, int] | None:
+        """The first place at or after `pos` where the encoding separates: a single space
+        between ASCII letters / digits, dropped (-> (its index, index + 1)); None if none."""
+        if not self._separable():
+            return None
+        i = text.find(" ", max(pos, 1))
+        while 0 < i < len(text) - 1:
+            if _word_char(text[i - 1]) and _word_char(text[i + 1]) and self._normalizes_apart(text, i):
+                return i, i + 1
+            i = text.find(" ", i + 1)
+        return None
+
+    def _normalizes_apart(self, text: str, i: int) -> bool:
+        """normalize(L + " " + R) == normalize(L) + normalize(R) on a window around the
+        space at i, with a lone ▁ there (its neighbours are no spaces after normalizing)."""
+        left, right = text[max(0, i - _WINDOW):i], text[i + 1:i + 1 + _WINDOW]
+        norm_left, norm_right = self.sp.normalize(left), self.sp.normalize(right)
+        return (self.sp.normalize(f"{left} {right}") == norm_left + norm_right
+                and not norm_left.endswith(SPACE_MARK) and norm_right.startswith(SPACE_MARK)
+                and not norm_right.startswith(SPACE_MARK * 2))
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         # One thread: parallelism comes from worker processes, and SentencePiece's own

@@ -31,6 +31,17 @@ so its seconds are charged to its phase without the compute it would otherwise
 overlap. Steps get slower (no overlap), and a collective's time includes waiting for
 peers that arrive later; the figures say where communication time goes, while the
 step time to quote is the one measured with timing off.
+
+A peer that vanished
+--------------------
+When a member's process ends (killed, crashed, its node down) or stops answering, the
+backend fails the collective on the others with its own text ("Connection closed by
+peer [addr]", a timeout). Every collective here translates that failure, where it is
+issued and where its handle is waited on, into :class:`CollectiveFailed`, which
+carries the phase tag and the group (its name: tp, dp, intra, inter, hpz, pp,
+embedding, world) so that the failure layer (megaq.failure, megaq.parallel.peers) can
+say in one line which rank was lost, where and when. Errors that are not the
+transport's (a wrong shape, a wrong dtype: bugs) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -78,6 +89,51 @@ STATS = CommStats()  # this process's counters (one process = one rank)
 LAST_ENTERED: list = [None, 0.0]  # [what, time.time()] of the last collective issued (megaq.watchdog)
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective failed in the transport: a peer's process ended, or a peer did not
+    answer within the process-group timeout. `phase` is the call's phase tag, `group` the
+    Group it ran on, `cause` the backend's exception; `iteration` (the last completed
+    training iteration) is filled in by the training loop when it passes through."""
+
+    def __init__(self, phase: str, group: "Group", cause: BaseException):
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        super().__init__(f"{phase} on {group.describe()} failed: {first}")
+        self.phase, self.group, self.cause = phase, group, cause
+        self.iteration: int | None = None
+
+    @property
+    def timed_out(self) -> bool:
+        """The peer did not answer in time (rather than its connection closing)."""
+        return "timed out" in str(self.cause).lower() or "timeout" in str(self.cause).lower()
+
+
+# The transport's words for a peer that is gone or silent (gloo, NCCL, the c10d store).
+_TRANSPORT_WORDS = ("connection closed", "connection reset", "connection refused", "broken pipe",
+                    "timed out", "timeout", "remote worker", "socket", "peer", "nccl",
+                    "communicator was aborted", "distnetworkerror")
+
+
+def _transport_failure(e: BaseException) -> bool:
+    if isinstance(e, CollectiveFailed) or not isinstance(e, RuntimeError):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in _TRANSPORT_WORDS)
+
+
+@contextlib.contextmanager
+def _guarded(phase: str, group: "Group | None"):
+    """Turn a transport failure inside the block into CollectiveFailed(phase, group)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group is None or not _transport_failure(e):
+            raise
+        raise CollectiveFailed(phase, group, e) from e
+
+
 class Handle:
     """The one async handle of megaq: what every ``async_op=True`` collective here
     returns, and what the ZeRO seams return for work built on top of collectives.
@@ -88,14 +144,17 @@ class Handle:
     Waiting again is harmless.
     """
 
-    def __init__(self, work=None, then: Callable[[], None] | None = None):
+    def __init__(self, work=None, then: Callable[[], None] | None = None,
+                 what: tuple | None = None):
         self._work, self._then = work, then
+        self._what = what  # (phase, group) of the collective behind `work`, for its failure
 
     def wait(self) -> None:
         if self._work is not None:
             work, self._work = self._work, None
-            for w in (work if isinstance(work, list) else (work,)):
-                w.wait()
+            with _guarded(*(self._what or ("", None))):
+                for w in (work if isinstance(work, list) else (work,)):
+                    w.wait()
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -113,9 +172,11 @@ class Group:
     pg: object = None
     rank_index: int = field(default=-1)
     _backend: str | None = field(default=None, repr=False)
+    name: str = ""  # what the group is for (tp, dp, intra, ...): failures name it
 
     @classmethod
-    def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False) -> "Group":
+    def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False,
+               name: str = "") -> "Group":
         pg = None
         if world:
             pg = dist.group.WORLD
@@ -124,7 +185,15 @@ class Group:
             pg = dist.new_group(ranks, timeout=process_group_timeout())
         me = dist.get_rank() if dist.is_initialized() else 0
         idx = ranks.index(me) if me in ranks else -1
-        return cls(ranks=list(ranks), nodes=[node_of(r) for r in ranks], pg=pg, rank_index=idx)
+        return cls(ranks=list(ranks), nodes=[node_of(r) for r in ranks], pg=pg, rank_index=idx,
+                   name=name or ("world" if world else ""))
+
+    def describe(self) -> str:
+        """'the dp group (ranks 0-3)', for error lines."""
+        rs = self.ranks
+        span = (f"{rs[0]}-{rs[-1]}" if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1))
+                else ",".join(map(str, rs)))
+        return f"the {self.name} group (ranks {span})" if self.name else f"the group of ranks {span}"
 
     @property
     def size(self) -> int:
@@ -178,10 +247,11 @@ def _charge_ring(group: Group, phase: str, full_bytes: int, passes: int = 1) -> 
     STATS.add(phase, INTER if group.ring_successor_is_remote() else INTRA, sent)
 
 
-def _run(fn, *args, async_op: bool, **kw) -> Handle | None:
-    work = fn(*args, async_op=async_op, **kw)
+def _run(fn, *args, async_op: bool, what: tuple | None = None, **kw) -> Handle | None:
+    with _guarded(*(what or ("", None))):
+        work = fn(*args, async_op=async_op, **kw)
     if async_op:
-        return Handle(work)
+        return Handle(work, what=what)
     return None
 
 
@@ -208,13 +278,16 @@ def _timed(phase: str, t: torch.Tensor):
     STATS.add_time(phase, time.perf_counter() - t0)
 
 
-def _timed_run(phase: str, t: torch.Tensor, fn, *args, async_op: bool, **kw) -> Handle | None:
-    """_run, synchronous and timed while STATS.timing is on (a finished handle then)."""
+def _timed_run(phase: str, on: Group, t: torch.Tensor, fn, *args, async_op: bool,
+               **kw) -> Handle | None:
+    """_run on group `on`, synchronous and timed while STATS.timing is on (a finished
+    handle then); a transport failure becomes CollectiveFailed(phase, on)."""
     LAST_ENTERED[:] = [f"{getattr(fn, '__name__', fn)} ({phase}, {tuple(t.shape)})", time.time()]
+    what = (phase, on)
     if not STATS.timing:
-        return _run(fn, *args, async_op=async_op, **kw)
+        return _run(fn, *args, async_op=async_op, what=what, **kw)
     with _timed(phase, t):
-        _run(fn, *args, async_op=False, **kw)
+        _run(fn, *args, async_op=False, what=what, **kw)
     return _done(async_op)
 
 
@@ -231,17 +304,18 @@ def _host_empty(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
 
-def _staged_out(phase: str, fn, output: torch.Tensor, input: torch.Tensor, **kw) -> None:
+def _staged_out(phase: str, on: Group, fn, output: torch.Tensor, input: torch.Tensor,
+                **kw) -> None:
     """fn(host output, host input) on host copies; then output <- host output."""
     host = _host_empty(output)
-    _timed_run(phase, output, fn, host, input.cpu(), async_op=False, **kw)
+    _timed_run(phase, on, output, fn, host, input.cpu(), async_op=False, **kw)
     output.copy_(host)
 
 
-def _staged_inplace(phase: str, fn, tensor: torch.Tensor, **kw) -> None:
+def _staged_inplace(phase: str, on: Group, fn, tensor: torch.Tensor, **kw) -> None:
     """fn(host copy) for an in-place collective; then tensor <- host copy."""
     host = tensor.cpu()
-    _timed_run(phase, tensor, fn, host, async_op=False, **kw)
+    _timed_run(phase, on, tensor, fn, host, async_op=False, **kw)
     tensor.copy_(host)
 
 
@@ -254,9 +328,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(output))
     if _via_host(group, output):
-        _staged_out(phase, _all_gather_flat, output, input, group=group.pg)
+        _staged_out(phase, group, _all_gather_flat, output, input, group=group.pg)
         return _done(async_op)
-    return _timed_run(phase, output, _all_gather_flat, output, input, group=group.pg, async_op=async_op)
+    return _timed_run(phase, group, output, _all_gather_flat, output, input, group=group.pg,
+                      async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
@@ -272,12 +347,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phas
         else:
             fn, kw = _reduce_scatter_flat, {"op": op, "group": group.pg}
         if _via_host(group, input):
-            _staged_out(phase, fn, output, input, **kw)
+            _staged_out(phase, group, fn, output, input, **kw)
         else:
-            _timed_run(phase, input, fn, output, input, async_op=False, **kw)
+            _timed_run(phase, group, input, fn, output, input, async_op=False, **kw)
         return _done(async_op)
-    return _timed_run(phase, input, _reduce_scatter_flat, output, input, op=op, group=group.pg,
-                      async_op=async_op)
+    return _timed_run(phase, group, input, _reduce_scatter_flat, output, input, op=op,
+                      group=group.pg, async_op=async_op)
 
 
 def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -315,9 +390,10 @@ def all_reduce(tensor: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.
         return _done(async_op)
     _charge_ring(group, phase, _nbytes(tensor), passes=2)
     if _via_host(group, tensor):
-        _staged_inplace(phase, dist.all_reduce, tensor, op=op, group=group.pg)
+        _staged_inplace(phase, group, dist.all_reduce, tensor, op=op, group=group.pg)
         return _done(async_op)
-    return _timed_run(phase, tensor, dist.all_reduce, tensor, op=op, group=group.pg, async_op=async_op)
+    return _timed_run(phase, group, tensor, dist.all_reduce, tensor, op=op, group=group.pg,
+                      async_op=async_op)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str,
@@ -332,9 +408,10 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
         if j != group.rank_index:
             STATS.add(phase, group.link_to(j), chunk)
     if _via_host(group, input):
-        _staged_out(phase, dist.all_to_all_single, output, input, group=group.pg)
+        _staged_out(phase, group, dist.all_to_all_single, output, input, group=group.pg)
         return _done(async_op)
-    return _timed_run(phase, input, dist.all_to_all_single, output, input, group=group.pg, async_op=async_op)
+    return _timed_run(phase, group, input, dist.all_to_all_single, output, input, group=group.pg,
+                      async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
@@ -350,10 +427,11 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group, phase: str,
     if pos < n - 1:
         STATS.add(phase, group.link_to(chain[pos + 1]), _nbytes(tensor))
     if _via_host(group, tensor):
-        _staged_inplace(phase, dist.broadcast, tensor, src=group.ranks[src_index], group=group.pg)
+        _staged_inplace(phase, group, dist.broadcast, tensor, src=group.ranks[src_index],
+                        group=group.pg)
         return _done(async_op)
-    return _timed_run(phase, tensor, dist.broadcast, tensor, src=group.ranks[src_index], group=group.pg,
-                      async_op=async_op)
+    return _timed_run(phase, group, tensor, dist.broadcast, tensor, src=group.ranks[src_index],
+                      group=group.pg, async_op=async_op)
 
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
@@ -377,18 +455,28 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
         for dst, host in landing:
             dst.copy_(host)
     if STATS.timing:
-        with _timed(phase, (sends or recvs)[0][0]):
+        with _timed(phase, (sends or recvs)[0][0]), _guarded(phase, group):
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
             land()
         return Handle()
-    return Handle(dist.batch_isend_irecv(ops), then=land if landing else None)
+    with _guarded(phase, group):
+        works = dist.batch_isend_irecv(ops)
+    return Handle(works, then=land if landing else None, what=(phase, group))
 
 
 def barrier(group: Group | None = None) -> None:
     LAST_ENTERED[:] = ["barrier", time.time()]
     if dist.is_initialized() and (group is None or group.size > 1):
-        dist.barrier(group=None if group is None else group.pg)
+        with _guarded("barrier", group or _world_group()):
+            dist.barrier(group=None if group is None else group.pg)
+
+
+def _world_group() -> Group:
+    """The default group, described (for failures of a call given no Group)."""
+    n = dist.get_world_size()
+    return Group(ranks=list(range(n)), nodes=[0] * n, pg=None, rank_index=dist.get_rank(),
+                 name="world")
 
 
 # ------------------------------------------------------------------ reading counters
@@ -397,7 +485,9 @@ def _gather_objects(world: Group, local) -> list:
     if world.size == 1:
         return [local]
     gathered = [None] * world.size
-    dist.all_gather_object(gathered, local, group=world.pg)
+    LAST_ENTERED[:] = ["all_gather_object (objects)", time.time()]
+    with _guarded("objects", world):
+        dist.all_gather_object(gathered, local, group=world.pg)
     return gathered
 
 

@@ -129,8 +129,7 @@ def checkpoint_extra(model_chunks, topo) -> list | None:
                                  "ready": [s.ready for s in sts]}
     if topo is None or topo.pp.size == 1:
         return None if mine is None else [mine]
-    stages = [None] * topo.pp.size
-    dist.all_gather_object(stages, mine, group=topo.pp.pg)
+    stages = comm.all_gather_objects(topo.pp, mine)
     return None if all(st is None for st in stages) else stages
 
 

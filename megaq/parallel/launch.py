@@ -176,7 +176,9 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
 
     Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT), a session of its own, stdout/stderr in files, and runs
-    ``os._exit(entry(argv))``. The launcher's failure policy is torchrun's: when a rank
+    ``os._exit(entry(argv))``. As torchrun's agent does, the launcher hosts the job's
+    rendezvous store (TORCHELASTIC_USE_AGENT_STORE), so it outlives any rank. The
+    launcher's failure policy is torchrun's: when a rank
     exits non-zero, the others get SIGTERM, then SIGKILL after `grace` seconds. Forking
     from a process that already imported torch and megaq makes a run take about a
     second, so tests can repeat races many times. `before()` runs in each rank before
@@ -204,6 +206,8 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
                     os.environ.update({"RANK": str(r), "WORLD_SIZE": str(world_size),
                                        "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                       "TORCHELASTIC_RESTART_COUNT": "0",
                                        "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
                     torch.set_num_threads(1)
                     if before is not None:
@@ -216,6 +220,10 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
                     sys.stderr.flush()
                     os._exit(code if isinstance(code, int) else 1)
             pids.append(pid)
+        # the agent's store (after the forks: no child inherits its server); the ranks'
+        # clients retry until it listens
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                              wait_for_workers=False)
         if on_start is not None:
             on_start(list(pids), tmp)
         t0 = time.monotonic()
@@ -242,6 +250,7 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
                             os.kill(other, signal.SIGKILL)
             time.sleep(0.02)
         seconds = time.monotonic() - t0
+        del store
 
         def read(k):
             return "".join(open(os.path.join(tmp, f"{r}.{k}"), errors="replace").read()

@@ -223,7 +223,7 @@ def build_topology(layout: Layout, rank: int) -> Topology:
 
     def make(kind: str, groups: list[list[int]]):
         for ranks in groups:
-            g = Group.create(ranks, layout.node_of)
+            g = Group.create(ranks, layout.node_of, name=kind)
             if rank in ranks:
                 mine[kind] = g
 

@@ -57,6 +57,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megaq.parallel import comm, fp8_delayed
@@ -318,6 +319,13 @@ class ZeroEngine:
         sq = self.optimizer.local_param_sq_norm()
         comm.all_reduce(sq, self.topo.world, "dp_misc")
         return sq.sqrt()
+
+    def params_finite(self) -> bool:
+        """Collective over the world: is every fp32 master weight finite, on every TP / PP
+        / DP shard? One all-reduce of one number (what a save checks before it writes)."""
+        ok = self.optimizer.local_params_finite()
+        comm.all_reduce(ok, self.topo.world, "dp_misc", op=dist.ReduceOp.MIN)
+        return bool(ok.item())
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Global grad norm over DP shards, TP and PP ranks (no host sync); the next

@@ -46,6 +46,8 @@ def _apex_fused_adam():
     return FusedAdam
 
 
+_FINITE_SLICE = 1 << 24  # elements per slice of local_params_finite (16M: 16 MiB of bools)
+
 class PartitionState:
     """The fp32 master weights and the optimizer's named state buffers of one partition
     on this rank."""
@@ -129,6 +131,17 @@ class ShardedOptimizer:
                 w = st.master[a:b]
                 total += torch.dot(w, w)
         return total
+
+    def local_params_finite(self) -> torch.Tensor:
+        """0-d float tensor, 1.0 when every fp32 master weight this rank holds is finite,
+        else 0.0 (no host sync). Read in slices so that the check allocates a small
+        temporary, not a bool copy of the shard."""
+        dev = self.states[0].master.device if self.states else torch.device("cpu")
+        ok = torch.ones((), dtype=torch.bool, device=dev)
+        for st in self.states:
+            for piece in st.master.split(_FINITE_SLICE):
+                ok &= torch.isfinite(piece).all()
+        return ok.to(torch.float32)
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float, grad_scale: torch.Tensor | None = None) -> None:

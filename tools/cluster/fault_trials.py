@@ -14,7 +14,8 @@ generated token dataset) and injects one real fault: damaged or truncated checkp
 files, a checkpoint whose DCP index would run a command, a file-size limit for a full
 disk, SIGKILL of every rank during a background save, an absurd learning rate, SIGINT,
 SIGSTOP, SIGKILL of the launcher, a second job on the same checkpoint directory, empty
-data.
+data, symbolic links planted in --save (lock, tracker, a stale .tmp), non-finite settings
+and weights that overflow, SIGKILL of one rank.
 Rank processes are found as the launcher's descendants that carry a RANK variable.
 
 Prints a table (trial, expected, observed, pass/fail) and writes JSON (--json).
@@ -468,6 +469,94 @@ class Trials:
         self.record("--split 0,100,0", "one clear line per rank, no traceback",
                     (lines[0][:110] + "...") if lines else f"exit {code}", ok, secs)
 
+    def links(self):
+        """Symbolic links planted in --save, pointing outside it: the lock and the tracker
+        are refused in one line; a stale .tmp link is removed itself. No target changes."""
+        outside = os.path.join(self.work, "outside.txt")
+        outside_dir = os.path.join(self.work, "outside_dir")
+        os.makedirs(outside_dir, exist_ok=True)
+        for name, what in ((".megaq_job.lock", "job lock"),
+                           ("latest_checkpointed_iteration.txt", "tracker")):
+            root = os.path.join(self.work, f"ck_link_{what.split()[-1]}")
+            os.makedirs(root, exist_ok=True)
+            with open(outside, "w") as f:
+                f.write("7\n")
+            os.symlink(outside, os.path.join(root, name))
+            code, text, secs = self.run(TINY + MOCK + ["--train-iters", "2", "--save", root,
+                                                       "--save-interval", "1"])
+            lines = _error_lines(text)
+            untouched = open(outside).read() == "7\n"
+            ok = (code not in (0, None) and len(lines) == 1 and "is a symbolic link" in lines[0]
+                  and name in lines[0] and untouched and not _rank_traceback(text))
+            self.record(f"--save holds a symlinked {what}", "refused in one line; target untouched",
+                        (lines[0][:110] + "...") if lines else f"exit {code}, no error line", ok, secs)
+        root = os.path.join(self.work, "ck_link_tmp")
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(outside_dir, "keep.bin"), "w") as f:
+            f.write("keep")
+        os.symlink(outside_dir, os.path.join(root, ".iter_0000009.tmp"))
+        code, text, secs = self.run(TINY + MOCK + ["--train-iters", "1", "--save", root,
+                                                   "--save-interval", "1"])
+        gone = not os.path.lexists(os.path.join(root, ".iter_0000009.tmp"))
+        kept = os.path.exists(os.path.join(outside_dir, "keep.bin"))
+        ok = code == 0 and gone and kept and "removed 1 unfinished save(s)" in text
+        self.record("--save holds a symlinked stale .iter_*.tmp", "the link removed, its target kept",
+                    f"exit {code}, link gone: {gone}, target kept: {kept}", ok, secs)
+
+    def non_finite(self):
+        """inf / nan settings: one line each before any step. Then weights that overflow
+        (a resume with SGD at --lr 1e38): the save is refused and latest stays."""
+        t0, good, cases = time.monotonic(), 0, [("--lr", "inf"), ("--lr", "nan"),
+                                                ("--weight-decay", "nan"), ("--clip-grad", "inf")]
+        for flag, value in cases:
+            code, text, _ = self.run(TINY + MOCK + ["--train-iters", "2", f"{flag}={value}"])
+            lines = _error_lines(text)
+            good += (code not in (0, None) and len(lines) >= 1 and all(flag in x for x in lines)
+                     and "not a finite number" in lines[0] and "iteration " not in text)
+        self.record("--lr inf, --lr nan, --weight-decay nan, --clip-grad inf",
+                    "one line each, before any step", f"{good} of {len(cases)}",
+                    good == len(cases), time.monotonic() - t0)
+        root = os.path.join(self.work, "ck_overflow")
+        sgd = ["--optimizer", "sgd", "--save", root, "--save-interval", "1"]
+        self.run(TINY + MOCK + ["--train-iters", "1"] + sgd)
+        flags = [f if f != "1e-3" else "1e38" for f in TINY] + MOCK + sgd + [
+            "--train-iters", "3", "--load", root, "--weight-decay", "100",
+            "--override-opt_param-scheduler"]
+        code, text, secs = self.run(flags)
+        lines = _error_lines(text)
+        ok = (code not in (0, None) and len(lines) == 1 and "the weights hold inf or nan" in lines[0]
+              and _tracker(root) == 1)
+        self.record("weights overflow to inf (SGD, --lr 1e38)", "save refused, latest stays 1",
+                    f"exit {code}, {len(lines)} line(s), latest {_tracker(root)}", ok, secs)
+
+    def dead_rank(self):
+        """SIGKILL of one rank while training, the ranks posing as 2 nodes: every survivor
+        prints one line naming it, no Python traceback reaches the terminal, the job ends."""
+        victim = min(2, self.nproc - 1)
+        job = Job(self, TINY + MOCK + ["--train-iters", "100000", "--gpus-per-node",
+                                       str(max(1, self.nproc // 2))])
+        job.wait_for("iteration        3/", self.timeout)
+        pid = job.rank_pid(victim)
+        ranks = job.ranks()
+        t0 = time.monotonic()
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        code = job.wait(60)
+        ended = time.monotonic() - t0
+        if code is None:
+            job.kill()
+        text = job.text()
+        lines = _error_lines(text)
+        named = [x for x in lines if f"lost rank {victim} (node " in x]
+        alive = [p for p in ranks if _alive(p)]
+        ok = (bool(pid) and code not in (0, None) and len(named) == self.nproc - 1
+              and len(lines) == len(named) and not _rank_traceback(text) and not alive)
+        self.record(f"SIGKILL of rank {victim} (of {self.nproc}, 2 nodes)",
+                    "each survivor names it in one line, no traceback",
+                    f"{len(named)} of {self.nproc - 1} survivors named it, ended after "
+                    f"{ended:.1f} s, traceback: {_rank_traceback(text)}, alive: {len(alive)}",
+                    ok, ended)
+
 
 def table(rows: list[dict], width: int = 90) -> str:
     """The results as a Markdown table (observed cut to `width` characters)."""
@@ -505,7 +594,7 @@ def main(argv=None) -> int:
     t = Trials(launcher, a.nproc, work, a.timeout)
     names = ["rank3_only_error", "damaged_files", "crafted_checkpoint", "disk_full",
              "save_sigkill", "nan_streak", "sigint", "sigstop", "launcher_sigkill", "lock",
-             "empty_data"]
+             "empty_data", "links", "non_finite", "dead_rank"]
     if a.only:
         names = [n for n in a.only.split(",") if n]
     print(f"fault trials: launcher `{launcher}`, {a.nproc} ranks, work dir {work}", flush=True)
