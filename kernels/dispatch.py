@@ -22,6 +22,7 @@ its first use, so CPU-only runs never load Triton.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 from typing import Callable
@@ -57,6 +58,14 @@ def use_triton(t: torch.Tensor, under_compile: str) -> bool:
 _MODULES: dict = {}  # "module" -> the imported megaq.kernels.module (imported once, kept)
 
 
+@functools.lru_cache(maxsize=None)
+def _split(qualified: str) -> tuple[str, str]:
+    """"module.function" -> ("module", "function"), once per name (a call's host time
+    matters: the qgZ hop of a 16M bucket runs for a few microseconds)."""
+    module, _, name = qualified.rpartition(".")
+    return module, name
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One kernel: `reference` (a torch function) and `triton` ("module.function" under
@@ -75,7 +84,7 @@ class Op:
 
     def triton_function(self) -> Callable:
         """The Triton implementation (its module imported on first use)."""
-        module, _, name = self.triton.rpartition(".")
+        module, name = _split(self.triton)
         mod = _MODULES.get(module)
         if mod is None:
             mod = _MODULES[module] = importlib.import_module(f"{__package__}.{module}")
