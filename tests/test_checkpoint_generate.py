@@ -86,9 +86,10 @@ def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, c
     run_on_ranks(_train, 1, args=(argv,))
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "generate.py"), "--load",
                         str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
-    no_tokenizer = (f"error: the run of {ckpt.iteration_dir(str(tmp_path / 'ck'), 1)} trained on "
-                    f"--mock-data without a tokenizer; pass --tokenizer-model PATH (or --vocab-file "
-                    f"and --merge-file; or --tokenizer-type NullTokenizer to give and get token ids)")
+    no_tokenizer = (f"error: {ckpt.iteration_dir(str(tmp_path / 'ck'), 1)} records no tokenizer "
+                    f"(a --mock-data run, or a model imported without one); pass --tokenizer-model "
+                    f"PATH (or --vocab-file and --merge-file; or --tokenizer-type NullTokenizer to "
+                    f"give and get token ids)")
     assert r.returncode == 2
     assert r.stderr.strip() == no_tokenizer, r.stderr
 

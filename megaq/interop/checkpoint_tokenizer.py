@@ -87,8 +87,8 @@ def run_tokenizer(ckpt_dir: str, data: dict, model_vocab: int, *,
                             f"the path the run recorded, {lost}, is gone (or relative to another "
                             f"directory); pass {_FLAGS[kind]}")
     if data.get("mock_data") and not tokenizer_type:
-        raise DataError(f"the run of {ckpt_dir} trained on --mock-data without a tokenizer; "
-                        f"pass {_ANY}")
+        raise DataError(f"{ckpt_dir} records no tokenizer (a --mock-data run, or a model "
+                        f"imported without one); pass {_ANY}")
     raise DataError(f"no tokenizer files for {ttype}: the run of {ckpt_dir} recorded none; "
                     f"pass {_FLAGS[kind]}")
 
