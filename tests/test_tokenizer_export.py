@@ -269,3 +269,28 @@ def test_a_save_notes_a_tokenizer_file_that_is_gone(tmp_path):
     assert tokenizer_files.copy_into(str(tmp_path), data, log=notes.append) == []
     assert len(notes) == 1 and "gone.json is gone, so this checkpoint holds no copy" in notes[0]
     assert not (tmp_path / "tokenizer").exists()
+
+
+def test_hf_import_carries_a_tokenizer_json(gpt2_run, tiny_corpus, tmp_path, capsys):
+    """A transformers model whose directory has tokenizer.json (and no tokenizer.model)
+    imports with HuggingFaceTokenizer flags and a copy in the checkpoint: generate.py
+    samples from the import as it is, and the export of the import ships the tokenizer."""
+    _, export, tok = gpt2_run
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=1, n_head=4,
+                                  n_positions=64, activation_function="gelu")
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(str(tmp_path / "src"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(export, name), tmp_path / "src")
+    convert = tool("convert_checkpoint")
+    assert convert.main(["--from", "hf", "--to", "megaq", "--input", str(tmp_path / "src"),
+                         "--output", str(tmp_path / "mq")]) == 0
+    copy = os.path.join(ckpt.iteration_dir(str(tmp_path / "mq"), 0), "tokenizer")
+    assert open(tmp_path / "mq" / "megaq_args.txt").read().split()[-4:] == [
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", copy]
+    capsys.readouterr()
+    assert tool("generate").main(["--load", str(tmp_path / "mq"), "--max-new-tokens", "3"]) == 0
+    assert "HuggingFaceTokenizer" in capsys.readouterr().out
+    assert convert.main(["--to", "hf", "--input", str(tmp_path / "mq"),
+                         "--output", str(tmp_path / "back")]) == 0
+    _check_ids(str(tmp_path / "back"), tok, _probe_texts(tiny_corpus[1])[:40])

@@ -34,7 +34,8 @@ import shutil
 import torch
 
 from megaq import checkpoint as ckpt
-from megaq import export_files, safe_unpickle
+from megaq import export_files, integrity, safe_unpickle
+from megaq.data import tokenizer_files
 from megaq.data.errors import DataError
 from megaq.interop.checkpoint_tokenizer import run_tokenizer
 from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo, check_output,
@@ -585,6 +586,35 @@ def _gpt2_flags(cfg, seq_length, divisible_by) -> list[str]:
     return [str(x) for x in flags]
 
 
+def _imported_tokenizer(hf_dir: str, out_dir: str, vocab: int, log) -> tuple[list[str], dict]:
+    """(tokenizer flags for megaq_args.txt, the data section naming the source's files)
+    of a transformers directory: its SentencePiece tokenizer.model as
+    GPTSentencePieceTokenizer (copied to CKPT/tokenizer.model), else its tokenizer.json
+    as a HuggingFaceTokenizer (the copy in CKPT/iter_0000000/tokenizer/), when that
+    tokenizer has the model's vocabulary; else none ([], {})."""
+    out = os.path.abspath(out_dir)
+    if os.path.isfile(os.path.join(hf_dir, export_files.TOKENIZER_MODEL)):
+        source = {"tokenizer_type": "GPTSentencePieceTokenizer",
+                  "tokenizer_model": os.path.join(hf_dir, export_files.TOKENIZER_MODEL)}
+        return (["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                 os.path.join(out, export_files.TOKENIZER_MODEL)], source)
+    if not os.path.isfile(os.path.join(hf_dir, export_files.TOKENIZER_JSON)):
+        return [], {}
+    from megaq.data.tokenizer import build_tokenizer
+    try:
+        size = build_tokenizer("HuggingFaceTokenizer", hf_dir).vocab_size
+    except DataError as e:
+        log(f" note: the tokenizer of {hf_dir} is not imported: {e}")
+        return [], {}
+    if size != vocab:
+        log(f" note: the tokenizer of {hf_dir} is not imported: it has {size} ids, config.json's "
+            f"vocab_size is {vocab}; pass the tokenizer flags for your data yourself")
+        return [], {}
+    copy = os.path.join(ckpt.iteration_dir(out, 0), tokenizer_files.TOKENIZER_DIR)
+    return (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", copy],
+            {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": hf_dir})
+
+
 def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
                    pp: int = 1, vp: int = 1, seq_length: int | None = None,
                    make_vocab_size_divisible_by: int = 1, overwrite: bool = False,
@@ -612,12 +642,9 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
                            f"chunks; pick --virtual-pipeline-size dividing layers / PP")
     layout_flags = megaq_layout_flags(tp, pp, vp, num_layers)
     src = HFTensorSource(hf_dir)
-    tokenizer_src = os.path.join(hf_dir, "tokenizer.model")
-    tok_flags = []
-    if os.path.isfile(tokenizer_src):
-        tok_flags = ["--tokenizer-type", "GPTSentencePieceTokenizer",
-                     "--tokenizer-model", os.path.join(os.path.abspath(out_dir), "tokenizer.model")]
-    run_config = megaq_run_config(flags + layout_flags, tp, pp)
+    vocab = int(flags[flags.index("--vocab-size") + 1])
+    tok_flags, tok_source = _imported_tokenizer(hf_dir, out_dir, vocab, log)
+    run_config = megaq_run_config(flags + layout_flags + tok_flags, tp, pp)
     config = run_config.model
     padded = run_config.padded_vocab_size
     mapping = MAPPINGS[family](config, padded)
@@ -658,8 +685,12 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
         if unused:
             raise InteropError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no "
                                f"megaq counterpart; the model has parts megaq lacks")
-        if tok_flags:
-            shutil.copyfile(tokenizer_src, os.path.join(tmp, "tokenizer.model"))
+        if tok_source:  # the copy a run's save holds (data.tokenizer_files), hashed too
+            it0 = ckpt.iteration_dir(tmp, 0)
+            tokenizer_files.copy_into(it0, tok_source, log=log)
+            integrity.write_manifest(it0, integrity.read_manifest(it0)["files"])
+            if tok_source["tokenizer_type"] != "HuggingFaceTokenizer":
+                shutil.copyfile(tok_source["tokenizer_model"], os.path.join(tmp, "tokenizer.model"))
         all_flags = flags + layout_flags + tok_flags
         write_megaq_args(tmp, out_dir, all_flags, {"family": family,
                                                    "source": os.path.abspath(hf_dir)})
