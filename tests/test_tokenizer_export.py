@@ -169,6 +169,11 @@ def test_gpt2_bpe_run_exports_its_tokenizer(gpt2_run, gpt2_files, tiny_corpus, t
         assert open(tmp_path / "again" / name, "rb").read() == \
             open(os.path.join(export, name), "rb").read()
     _greedy_matches_generate_py(ck, export, tok.tokenize("def main("), capsys)
+    # the format converter keeps the copy (and the manifest covers it)
+    from megaq import integrity
+    from megaq.interop.ckpt_format import convert_format
+    out = convert_format(ck, str(tmp_path / "torch"), "torch")["dir"]
+    assert "tokenizer/vocab.json" in integrity.verify_all(out)
 
 
 def test_hf_tokenizer_run_exports_its_tokenizer(hf_run, tiny_corpus, capsys):
@@ -210,11 +215,11 @@ def test_checkpoint_without_a_copy_asks_for_the_files_by_flag(gpt2_run, gpt2_fil
 
 def test_llama2_tokenizer_preprocess_train_export(tmp_path, capsys, tiny_tokenizer, tiny_corpus):
     """Megatron's Llama2Tokenizer: <s> before every document (</s> after it with
-    --append-eod), an empty document included; pretrain_gpt.py takes the type, and the
-    export's tokenizer adds the BOS as megaq does."""
+    --append-eod), an empty document included; pretrain_gpt.py trains on such data (its
+    vocabulary: the model's pieces), and the export's tokenizer adds the BOS as megaq does."""
     import sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file=tiny_tokenizer)
-    docs = ["def f(x):\n    return x", "", "  two  spaces\nand more"]
+    docs = ["def f(x):\n    return x", "", "  two  spaces\nand more"] + tiny_corpus[1][:20]
     src = write_jsonl(str(tmp_path / "in.jsonl"), docs)
     rc, err = run_tool("preprocess_data", ["--input", src, "--output-prefix", tmp_path / "d",
                                            "--tokenizer-type", "Llama2Tokenizer",
@@ -227,11 +232,12 @@ def test_llama2_tokenizer_preprocess_train_export(tmp_path, capsys, tiny_tokeniz
     tok = build_tokenizer("Llama2Tokenizer", tiny_tokenizer)
     assert (tok.vocab_size, tok.eod, tok.bos) == (sp.get_piece_size(), sp.eos_id(), sp.bos_id())
 
-    argv = TINY + LLAMA + ["--train-iters", "1", "--mock-data", "--vocab-size",
-                           str(tok.vocab_size), "--tokenizer-type", "Llama2Tokenizer",
-                           "--tokenizer-model", tiny_tokenizer, "--save", str(tmp_path / "ck"),
+    argv = TINY + LLAMA + ["--data-path", str(tmp_path / "d_text_document"), "--split", "1,0,0",
+                           "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+                           tiny_tokenizer, "--save", str(tmp_path / "ck"),
                            "--data-cache-path", str(tmp_path / "cache")]
-    run_on_ranks(_train, 1, args=(argv,))
+    losses = run_on_ranks(_train, 1, args=(argv,))[0]
+    assert abs(losses[1] - np.log(tok.vocab_size)) < 0.5  # the model's vocab: the 384 pieces
     assert tool("convert_checkpoint").main(["--to", "hf", "--input", str(tmp_path / "ck"),
                                             "--output", str(tmp_path / "hf")]) == 0
     _check_configs(str(tmp_path / "hf"), sp.bos_id(), sp.eos_id(), sp.pad_id())
