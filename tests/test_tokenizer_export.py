@@ -25,6 +25,7 @@ transformers = pytest.importorskip(
 
 from data_fixtures import EDGE_TEXTS, random_texts, run_tool, tool, write_jsonl  # noqa: E402
 from megaq import checkpoint as ckpt  # noqa: E402
+from megaq import export_files  # noqa: E402
 from megaq.data.indexed import IndexedDataset  # noqa: E402
 from megaq.data.tokenizer import build_tokenizer  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
@@ -152,6 +153,7 @@ def test_gpt2_bpe_run_exports_its_tokenizer(gpt2_run, gpt2_files, tiny_corpus, t
         assert open(os.path.join(it, "tokenizer", name), "rb").read() == open(src, "rb").read()
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
             "merges.txt"} <= set(os.listdir(export))
+    assert export_files.is_export(export)  # a later --save-hf / --overwrite may replace it
     _check_configs(export, tok.eod, tok.eod, tok.eod)  # GPT-2's: <|endoftext|> for all three
     at = _check_ids(export, tok, _probe_texts(tiny_corpus[1]))
     assert at.bos_token_id == at.pad_token_id == tok.eod

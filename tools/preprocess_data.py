@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaq.data.errors import ArgumentParser, DataError, run_cli  # noqa: E402
 from megaq.data.preprocess import preprocess  # noqa: E402
-from megaq.data.tokenizer import (DEFAULT_TYPE, SUPPORTED_TYPES, check_tokenizer_flags,  # noqa: E402
-                                   infer_tokenizer_type, inferred_type_note)
+from megaq.data.tokenizer import (  # noqa: E402
+    DEFAULT_TYPE, SUPPORTED_TYPES, check_tokenizer_flags, infer_tokenizer_type, inferred_type_note)
 
 
 def parse_args(argv=None):

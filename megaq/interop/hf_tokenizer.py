@@ -47,7 +47,8 @@ PROBE_TEXTS = (
     "trailing spaces   ",
     "line one\nline two\r\n\n\n    indented   line\n",
     "It's John's 'quoted' they're we've",
-    "\u00fcnic\u00f6de \u2192 \u4e2d\u6587 12345 na\u00efve caf\u00e9 \u03a9\u03bc\u03ad\u03b3\u03b1",
+    "\u00fcnic\u00f6de \u2192 \u4e2d\u6587 12345 na\u00efve caf\u00e9 "
+    "\u03a9\u03bc\u03ad\u03b3\u03b1",
     "\u041f\u0440\u0438\u0432\u0435\u0442 \u65e5\u672c\u8a9e \ud55c\uad6d\uc5b4 "
     "\U0001f642\U0001f680 e\u0301 x\u00b2",
     "nbsp\u00a0here ideographic\u3000space",
@@ -115,11 +116,14 @@ def mismatch(folder: str, tok) -> str | None:
         for probe, want in ((text, ours), (text + eod_text, ours + [tok.eod])):
             theirs = encode(probe)
             if theirs != want:
-                return (f"encodes {probe!r} as {theirs[:12]}, megaq as {want[:12]} (first "
-                        f"{min(12, max(len(theirs), len(want)))} ids)")
+                at = next((i for i, (a, b) in enumerate(zip(theirs, want)) if a != b),
+                          min(len(theirs), len(want)))
+                return (f"encodes {probe!r} as {theirs[at:at + 8]}, megaq as {want[at:at + 8]} "
+                        f"(ids from position {at})")
         plain = [i for i in ours if i not in specials]
         if decode(plain) != tok.detokenize(plain):
-            return f"decodes the ids of {text!r} as {decode(plain)!r}, megaq as {tok.detokenize(plain)!r}"
+            return (f"decodes the ids of {text!r} as {decode(plain)!r}, megaq as "
+                    f"{tok.detokenize(plain)!r}")
     return None
 
 
