@@ -16,6 +16,8 @@ Layout under --save DIR::
       qgz/rank_{rank:05d}.pt                 with --zero-gradient-error-feedback: the rank's
                                              qgZ residuals (restored when layout and qgZ
                                              settings match, else they restart from zero)
+      tokenizer/                             a copy of the run's tokenizer files
+                                             (megaq.data.tokenizer_files), for exports
       MANIFEST.sha256.json                   SHA-256 of every file above, written last
                                              (megaq.integrity); loads verify every file
                                              they read and refuse a directory without it
@@ -45,6 +47,7 @@ import torch
 
 from megaq import checkpoint_guard, failure, integrity
 from megaq.config import FLAG_CLASSES, RunConfig
+from megaq.data import tokenizer_files
 from megaq.flags import dest, flag_fields, to_dict
 from megaq.model import GPTConfig, GPTModel
 from megaq.parallel.pipeline.split import stage_layer_ranges
@@ -255,6 +258,8 @@ def save_checkpoint(root: str, iteration: int, *, config: RunConfig, topo, engin
             save_file(model_file_record(iteration, consumed_samples, config, layout,
                                         lr_schedule.state_dict(), full, extra),
                       model_file(tmp, tp_rank, pp_rank))
+        if rank == 0:  # the tokenizer's files travel with the weights (data.tokenizer_files)
+            tokenizer_files.copy_into(tmp, to_dict(config.data))
         save_file(rng_state(), rng_file(tmp, rank))
         residuals = engine.error_feedback_state() if save_optim else None
         if residuals:

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from megaq import checkpoint as ckpt
 from megaq import checkpoint_guard, failure, host_staging, integrity, safe_unpickle
+from megaq.data import tokenizer_files
 from megaq.parallel import comm
 from megaq.parallel.pipeline.split import stage_layer_ranges
 from megaq.zero import state as state_io
@@ -544,6 +545,7 @@ def _write_and_commit(*, root, iteration, tmp, final, state, common, rng, residu
         if rank == 0:
             ckpt.save_file(common, os.path.join(tmp, COMMON_FILE))
             written += [COMMON_FILE, METADATA_FILE]
+            tokenizer_files.copy_into(tmp, common["config"]["data"])  # hashed by the manifest
         ckpt.save_file(rng, ckpt.rng_file(tmp, rank))
         written.append(os.path.relpath(ckpt.rng_file(tmp, rank), tmp))
         if residuals:

@@ -15,6 +15,8 @@ import os
 import re
 import stat
 
+from megaq.data.tokenizer_files import HF_FILES
+
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 WEIGHTS = "model.safetensors"                      # one file
@@ -22,6 +24,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"     # sharded: the index and its 
 TOKENIZER_MODEL = "tokenizer.model"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -38,8 +41,9 @@ def is_export(path: str) -> bool:
         entries = {e.name: e for e in os.scandir(path)}
     except OSError:
         return False
+    # the tokenizer files of every type (megaq.interop.hf_tokenizer)
     known = {CONFIG, GENERATION_CONFIG, WEIGHTS, WEIGHTS_INDEX, TOKENIZER_MODEL,
-             TOKENIZER_JSON, TOKENIZER_CONFIG}
+             TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, *HF_FILES}
     for name, entry in entries.items():
         if not (name in known or _SHARD.fullmatch(name)):
             return False

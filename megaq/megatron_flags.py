@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from megaq.data.tokenizer import inferred_type_note
+
 IMPLEMENTED, NOTE, REFUSED = "implemented", "note", "refused"
 
 
@@ -241,8 +243,11 @@ def check_megatron_flags(args, error=ValueError) -> list[str]:
             continue
         shown = f.name if f.takes is None else f"{f.name} {' '.join(v) if isinstance(v, list) else v}"
         raise error(f"{shown}: megaq has no {f.why}; drop the flag")
+    inferred = inferred_type_note(*(getattr(args, k, None) for k in (  # what megaq infers
+        "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")))
     return [f"note: {f.name} is accepted and ignored: {f.why}"
-            for f in MEGATRON_FLAGS if f.kind == NOTE and _given(args, f) not in (None, False)]
+            for f in MEGATRON_FLAGS if f.kind == NOTE and _given(args, f) not in (None, False)
+            ] + ([inferred] if inferred else [])
 
 
 def print_megatron_notes(args, error=ValueError, print_fn=print) -> list[str]:

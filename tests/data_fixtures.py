@@ -1,12 +1,15 @@
 """Shared helpers and session fixtures for the data-pipeline tests (tests/test_data_*.py).
 
 A tiny SentencePiece model (vocab 384, trained on ~150 KB of stdlib text in well under a
-second) is built once per test session, with a small jsonl corpus next to it.
+second) is built once per test session, with a small jsonl corpus next to it; so are a
+GPT-2 byte-level BPE (encoder.json + vocab.bpe, vocab 600) and a Hugging Face tokenizer
+directory (vocab 500, BOS added), trained with the `tokenizers` library.
 """
 
 import json
 import multiprocessing as mp
 import os
+import random
 
 import numpy as np
 import pytest
@@ -97,9 +100,83 @@ def tiny_dataset(tiny_corpus, tiny_tokenizer):
     return stats.outputs["text"]
 
 
+# Text that exercises every branch of GPT-2's pre-tokenizer: contractions (and an
+# apostrophe that is not one), letters of several scripts, numbers including non-decimal
+# ones (superscripts, roman numerals), punctuation runs, whitespace runs before words, at
+# the end, tabs/newlines, Unicode spaces, emoji (4-byte UTF-8), combining marks, a
+# U+001C separator (whitespace for str.isspace, not for GPT-2), and the EOD string.
+EDGE_TEXTS = [
+    "Hello world! It's John's 'quoted' they're we've I'm you'll he'd 'S",
+    "  two  spaces\tand tab\n\nnew lines   \n trailing   ",
+    "numbers 12345 x² Ⅻ ٣٤ 3.14159 and_underscores __init__",
+    "naïve café Ωμέγα Привет 数据 日本語 한국어 🙂🚀 e\u0301 ok",
+    "nbsp\u00a0here thin\u2009space ideographic\u3000space sep\x1cfile",
+    "<|endoftext|> is text here, not a special token",
+    "def f(x):\n    return x ** 2  # comment!!!\n",
+    "", " ", "\n", "'", "''s", "a'b", "!!!??", "ⅫⅫ²³ 123",
+]
+
+
+def random_texts(n, seed=0):
+    """n random strings of letters of several scripts, digits, whitespace of every kind,
+    punctuation, emoji and combining marks."""
+    pools = ["abcXYZ", "ÀéïøßΩжЖ中文字ひらカナ한", "0123456789²³¼Ⅻ٣", " \t\n\r\u00a0\u2003\u3000\x1c",
+             "'''.,;:!?-_()[]{}\"/\\@#$%^&*+=<>|~`", "🙂🚀💡", "\u0301\u0308"]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.randint(0, 40)
+        out.append("".join(rng.choice(rng.choice(pools)) for _ in range(k)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(tmp_path_factory, tiny_corpus):
+    """(encoder.json, vocab.bpe) of a byte-level BPE (vocab 600) trained on the tiny corpus
+    with the `tokenizers` library (nothing downloaded)."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import ByteLevelBPETokenizer
+
+    _, docs = tiny_corpus
+    d = tmp_path_factory.mktemp("gpt2")
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(docs[:60], vocab_size=600, min_frequency=2,
+                                special_tokens=["<|endoftext|>"], show_progress=False)
+    vocab, merges = trainer.save_model(str(d))
+    os.rename(vocab, d / "encoder.json")
+    os.rename(merges, d / "vocab.bpe")
+    return str(d / "encoder.json"), str(d / "vocab.bpe")
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory, tiny_corpus):
+    """A saved HuggingFace tokenizer directory: tokenizer.json (BPE with a BOS
+    post-processor, like Llama's) + tokenizer_config.json naming bos/eos/pad."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    _, docs = tiny_corpus
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(docs[:60], trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bos = tk.token_to_id("<s>")
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    d = tmp_path_factory.mktemp("hf_tok")
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>", "pad_token": "<pad>",
+        "unk_token": "<unk>"}))
+    return str(d)
+
+
 def token_stream(indexed, doc_order):
     return np.concatenate([np.asarray(indexed[int(d)], dtype=np.int64) for d in doc_order])
 
 
-__all__ = ["tiny_corpus", "tiny_tokenizer", "tiny_dataset", "write_jsonl", "run_tool", "quiet",
-           "REPO", "TINY_VOCAB", "token_stream", "in_forked_children"]
+__all__ = ["tiny_corpus", "tiny_tokenizer", "tiny_dataset", "gpt2_files", "hf_dir", "write_jsonl",
+           "run_tool", "quiet", "REPO", "TINY_VOCAB", "EDGE_TEXTS", "random_texts", "token_stream",
+           "in_forked_children"]

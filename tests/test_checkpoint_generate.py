@@ -75,9 +75,10 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
 
 def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, capsys):
     """The tool end to end on a real checkpoint: it consolidates the model, then finds no
-    tokenizer (mock data) and says so in one line. Without its integrity manifest the
-    checkpoint is refused, naming --no-verify-checkpoint, which (as in pretrain_gpt.py)
-    loads it unverified: the tool then gets as far as the tokenizer again."""
+    tokenizer (mock data) and says so in one line, naming the flags. Without its integrity
+    manifest the checkpoint is refused, naming --no-verify-checkpoint, which (as in
+    pretrain_gpt.py) loads it unverified: the tool then gets as far as the tokenizer again.
+    With the NullTokenizer the prompt and the output are token ids."""
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-2",
             "--mock-data", "--vocab-size", "100", "--eval-iters", "0",
@@ -85,9 +86,12 @@ def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, c
     run_on_ranks(_train, 1, args=(argv,))
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "generate.py"), "--load",
                         str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
+    no_tokenizer = (f"error: {ckpt.iteration_dir(str(tmp_path / 'ck'), 1)} records no tokenizer "
+                    f"(a --mock-data run, or a model imported without one); pass --tokenizer-model "
+                    f"PATH (or --vocab-file and --merge-file; or --tokenizer-type NullTokenizer to "
+                    f"give and get token ids)")
     assert r.returncode == 2
-    assert r.stderr.strip().startswith("error: tokenizer model None not found")
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.strip() == no_tokenizer, r.stderr
 
     # the flag, in this process (a subprocess costs seconds of imports each)
     generate = tool("generate")
@@ -97,7 +101,15 @@ def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, c
         refused = capsys.readouterr().err.strip()
         assert "has no integrity manifest" in refused and "--no-verify-checkpoint" in refused
         assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint"]) == 2
-        assert capsys.readouterr().err.strip().startswith("error: tokenizer model None not found")
+        assert capsys.readouterr().err.strip() == no_tokenizer
+        assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint",
+                              "--tokenizer-type", "NullTokenizer", "--prompt", "7 8 9",
+                              "--max-new-tokens", "5"]) == 0
+        ids = capsys.readouterr().out.strip().splitlines()[-1].split(" ")
+        assert ids[:3] == ["7", "8", "9"] and len(ids) == 8 and all(0 <= int(i) < 100 for i in ids)
+        assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint",
+                              "--tokenizer-type", "NullTokenizer", "--prompt", "7 x"]) == 2
+        assert "'x' is not a token id below 100" in capsys.readouterr().err
     finally:
         integrity.verify_checkpoints(True)  # the tool turned it off for this process
 

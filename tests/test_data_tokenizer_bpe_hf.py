@@ -9,49 +9,17 @@ the same encoder.json / vocab.bpe files.
 import json
 import importlib.util
 import os
-import random
 
 import numpy as np
 import pytest
 
-from data_fixtures import run_tool, write_jsonl  # tiny_corpus: a fixture (conftest)
+# tiny_corpus, gpt2_files, hf_dir: fixtures (data_fixtures, via conftest)
+from data_fixtures import EDGE_TEXTS, random_texts, run_tool, write_jsonl
 from megaq.data.errors import DataError
 from megaq.data.indexed import IndexedDataset
 from megaq.data.tokenizer import build_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
-
-# Text that exercises every branch of GPT-2's pre-tokenizer: contractions (and an
-# apostrophe that is not one), letters of several scripts, numbers including non-decimal
-# ones (superscripts, roman numerals), punctuation runs, whitespace runs before words, at
-# the end, tabs/newlines, Unicode spaces, emoji (4-byte UTF-8), combining marks, a
-# U+001C separator (whitespace for str.isspace, not for GPT-2), and the EOD string.
-EDGE_TEXTS = [
-    "Hello world! It's John's 'quoted' they're we've I'm you'll he'd 'S",
-    "  two  spaces\tand tab\n\nnew lines   \n trailing   ",
-    "numbers 12345 x² Ⅻ ٣٤ 3.14159 and_underscores __init__",
-    "naïve café Ωμέγα Привет 数据 日本語 한국어 🙂🚀 e\u0301 ok",
-    "nbsp\u00a0here thin\u2009space ideographic\u3000space sep\x1cfile",
-    "<|endoftext|> is text here, not a special token",
-    "def f(x):\n    return x ** 2  # comment!!!\n",
-    "", " ", "\n", "'", "''s", "a'b", "!!!??", "ⅫⅫ²³ 123",
-]
-
-
-@pytest.fixture(scope="module")
-def gpt2_files(tmp_path_factory, tiny_corpus):
-    """(encoder.json, vocab.bpe) of a byte-level BPE (vocab 600) trained on the tiny corpus."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    _, docs = tiny_corpus
-    d = tmp_path_factory.mktemp("gpt2")
-    trainer = ByteLevelBPETokenizer()
-    trainer.train_from_iterator(docs[:60], vocab_size=600, min_frequency=2,
-                                special_tokens=["<|endoftext|>"], show_progress=False)
-    vocab, merges = trainer.save_model(str(d))
-    os.rename(vocab, d / "encoder.json")
-    os.rename(merges, d / "vocab.bpe")
-    return str(d / "encoder.json"), str(d / "vocab.bpe")
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +27,6 @@ def reference_bpe(gpt2_files):
     """tokenizers' byte-level BPE on the same files (GPT-2's settings: no prefix space)."""
     from tokenizers import ByteLevelBPETokenizer
     return ByteLevelBPETokenizer(*gpt2_files, add_prefix_space=False)
-
-
-def random_texts(n, seed=0):
-    pools = ["abcXYZ", "ÀéïøßΩжЖ中文字ひらカナ한", "0123456789²³¼Ⅻ٣", " \t\n\r\u00a0\u2003\u3000\x1c",
-             "'''.,;:!?-_()[]{}\"/\\@#$%^&*+=<>|~`", "🙂🚀💡", "\u0301\u0308"]
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        k = rng.randint(0, 40)
-        out.append("".join(rng.choice(rng.choice(pools)) for _ in range(k)))
-    return out
 
 
 def test_pretokenizer_matches_tokenizers_byte_level(gpt2_files):
@@ -128,30 +85,6 @@ def test_gpt2_bpe_bad_files(tmp_path, gpt2_files):
     bad.write_text("#version: 0.2\na b c\n")
     with pytest.raises(DataError, match="bad.bpe:2: expected two symbols"):
         build_tokenizer("GPT2BPETokenizer", None, vocab, str(bad))
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, tiny_corpus):
-    """A saved HuggingFace tokenizer directory: tokenizer.json (BPE with a BOS
-    post-processor, like Llama's) + tokenizer_config.json naming bos/eos/pad."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    _, docs = tiny_corpus
-    tk = Tokenizer(models.BPE(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(docs[:60], trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    bos = tk.token_to_id("<s>")
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
-    d = tmp_path_factory.mktemp("hf_tok")
-    tk.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-        "eos_token": "</s>", "pad_token": "<pad>",
-        "unk_token": "<unk>"}))
-    return str(d)
 
 
 @pytest.mark.parametrize("backend", ["transformers", "tokenizers"])

@@ -393,9 +393,8 @@ def test_unwritable_output_and_bad_flags_are_one_line(tmp_path, capsys):
     rc, err = _convert(["--to", "hf", "--input", ck, "--output", tmp_path / "out",
                         "--tokenizer-model", tmp_path / "tok.model"], capsys)
     assert rc == 2 and err == (f"error: --tokenizer-model {tmp_path / 'tok.model'} is not a "
-                               f"readable file; pass the tokenizer model the checkpoint was "
-                               f"trained with (or leave the flag out to ship the checkpoint's "
-                               f"own)\n"), err
+                               f"readable file; pass the tokenizer the checkpoint was trained "
+                               f"with (or leave the flag out to ship the checkpoint's own)\n"), err
     # a bad flag value: pretrain_gpt.py's one line, not argparse's usage block
     rc, err = _convert(["--to", "hf", "--input", ck, "--output", tmp_path / "out",
                         "--max-shard-size", "5XB"], capsys)
@@ -447,13 +446,13 @@ def test_imported_checkpoint_has_the_form_a_run_saves(trained, tmp_path):
     assert ours["model_optim"]["step"] == 0 and ours["iteration"] == 0
 
 
-def test_export_of_a_run_with_a_non_sentencepiece_tokenizer_says_so(tmp_path, capsys):
-    """The export ships SentencePiece models only; a run that used another tokenizer type
-    (here HuggingFaceTokenizer's directory) still exports its weights, with a note that
-    names the type instead of calling its tokenizer missing."""
+def test_export_of_a_run_whose_tokenizer_cannot_be_built_says_why(tmp_path, capsys):
+    """A run whose tokenizer files are no tokenizer (here a HuggingFaceTokenizer directory
+    with an empty tokenizer.json, never read: mock data) still exports its weights, with a
+    note naming the tokenizer and the reason, and ships no tokenizer files."""
     tok_dir = tmp_path / "hf_tok"
     tok_dir.mkdir()
-    (tok_dir / "tokenizer.json").write_text("{}")  # never read: mock data, and not shipped
+    (tok_dir / "tokenizer.json").write_text("{}")
     argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
             "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0",
             "--eval-iters", "0", "--mock-data", "--vocab-size", "64",
@@ -463,6 +462,10 @@ def test_export_of_a_run_with_a_non_sentencepiece_tokenizer_says_so(tmp_path, ca
     capsys.readouterr()  # the run's lines
     rc, _ = _convert(["--to", "hf", "--input", tmp_path / "ck", "--output", tmp_path / "out"])
     printed = capsys.readouterr()
+    text = printed.out + printed.err
     assert rc == 0 and (tmp_path / "out" / "model.safetensors").is_file()
-    assert "no tokenizer files: the checkpoint's run had HuggingFaceTokenizer" in printed.out + printed.err
-    assert not (tmp_path / "out" / "tokenizer.model").exists()
+    assert "note: no tokenizer files: HuggingFaceTokenizer (" in text, text
+    assert "the checkpoint's copy): " in text and "cannot load a tokenizer" in text, text
+    assert not {"tokenizer.json", "tokenizer.model"} & set(os.listdir(tmp_path / "out"))
+    cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert cfg["eos_token_id"] is None  # no tokenizer, no ids to claim

@@ -53,13 +53,16 @@ def megaq_to_hf(a) -> str:
     from megaq.interop.hf import DTYPES, export_to_hf
     t0 = time.perf_counter()
     out = export_to_hf(a.input, a.output, dtype=DTYPES[a.dtype],
-                       max_shard_bytes=a.max_shard_size,
-                       tokenizer_model=a.tokenizer_model, overwrite=a.overwrite)
+                       max_shard_bytes=a.max_shard_size, tokenizer_type=a.tokenizer_type,
+                       tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file,
+                       merge_file=a.merge_file, overwrite=a.overwrite)
     pad = (f"; vocab {out['vocab']} padded to {out['padded_vocab']} (padded ids suppressed in "
            f"generation_config.json)" if out["padded_vocab"] > out["vocab"] else "")
+    tok = (f"; tokenizer {out['tokenizer_spec'].describe()}" if out["tokenizer"] else
+           "; no tokenizer")
     return (f"[convert] {out['source']} -> {out['dir']}: {out['family']}, {a.dtype}, "
             f"{len(out['files'])} safetensors file(s), {out['bytes'] / 2**20:.1f} MiB"
-            f"{pad}; {time.perf_counter() - t0:.1f} s\n"
+            f"{pad}{tok}; {time.perf_counter() - t0:.1f} s\n"
             f"[convert] load it with: python -c \"from transformers import AutoModelForCausalLM, "
             f"AutoTokenizer; m = AutoModelForCausalLM.from_pretrained('{out['dir']}')"
             + (f"; t = AutoTokenizer.from_pretrained('{out['dir']}')" if out["tokenizer"] else "")
@@ -115,6 +118,7 @@ class _RouteMissing(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megaq.data.config import TOKENIZER_TYPES
     from megaq.data.errors import ArgumentParser
     # a bad flag is one `error: ... (see --help)` line (a DataError, main prints it)
     p = ArgumentParser(
@@ -138,8 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the written weights (the checkpoint holds fp32 masters)")
     g.add_argument("--max-shard-size", default="5GB", type=_parse_size,
                    help="split the safetensors above this size (with model.safetensors.index.json)")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="tokenizer to ship; None: the run's (inferred from the files below "
+                        "when they are given)")
     g.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece model to ship; None: the checkpoint's --tokenizer-model")
+                   help="SentencePiece model or Hugging Face tokenizer directory to ship; None: "
+                        "the checkpoint's copy of the run's (or the path the run recorded)")
+    g.add_argument("--vocab-file", default=None,
+                   help="GPT2BPETokenizer: vocab.json to ship; None: the checkpoint's copy")
+    g.add_argument("--merge-file", default=None,
+                   help="GPT2BPETokenizer: merges.txt to ship; None: the checkpoint's copy")
     g = p.add_argument_group("--from megaq --to megaq")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="format to write (the input is in the other one; layout unchanged)")

@@ -10,6 +10,10 @@ partition dimension (checked by re-slicing: if any shard does not round-trip, th
 refuses rather than sample from a scrambled model). A model trained with FP8 GEMMs
 samples with them (megaq.parallelize.apply_fp8), so its logits are the ones training
 computed; its blocks are not compiled (each new context length would compile again).
+
+The tokenizer is the run's, of any type: SentencePiece (SentencePieceTokenizer,
+GPTSentencePieceTokenizer, Llama2Tokenizer), GPT2BPETokenizer, HuggingFaceTokenizer, or
+the NullTokenizer (then --prompt is token ids separated by spaces, and so is the output).
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ from megaq import integrity  # noqa: E402
 from megaq.config import CheckpointConfig  # noqa: E402
 from megaq.flags import add_flag  # noqa: E402
 from megaq.parallelize import apply_fp8  # noqa: E402
+
+
+EPILOG = """tokenizer: each file comes from the first of: the flags above; the copy of the
+run's tokenizer files that every checkpoint holds (iter_*/tokenizer/); the path the run
+recorded (checkpoints saved before the copy existed). The type is the run's unless
+--tokenizer-type is given (--vocab-file with --merge-file imply GPT2BPETokenizer, a
+--tokenizer-model directory HuggingFaceTokenizer). A run on --mock-data has no
+tokenizer: pass one, or --tokenizer-type NullTokenizer to give and get token ids."""
 
 
 class GenerateError(RuntimeError):
@@ -55,15 +67,25 @@ def sample(model, ids: list[int], n: int, vocab_size: int, seq_length: int, temp
 def main(argv=None) -> int:
     from megaq.data.errors import ArgumentParser, DataError
     # one `error: ... (see --help)` line for a bad flag (a DataError), as pretrain_gpt.py prints
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    from megaq.data.config import TOKENIZER_TYPES
+    p = ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG)
     p.add_argument("--load", required=True,
                    help="checkpoint root (uses latest_checkpointed_iteration.txt) or an iter_* dir")
-    p.add_argument("--prompt", default="def ")
+    p.add_argument("--prompt", default="def ",
+                   help="text to continue (NullTokenizer: token ids separated by spaces)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="at least 0")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; at least 0")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer-model", default=None, help="default: the checkpoint's")
+    p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="default: the run's")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file or Hugging Face tokenizer directory; default: "
+                        "the checkpoint's copy of the run's")
+    p.add_argument("--vocab-file", default=None,
+                   help="GPT2BPETokenizer's vocab.json; default: the checkpoint's copy")
+    p.add_argument("--merge-file", default=None,
+                   help="GPT2BPETokenizer's merges.txt; default: the checkpoint's copy")
     add_flag(p, CheckpointConfig, "no_verify_checkpoint")
     try:
         a = p.parse_args(argv)
@@ -89,19 +111,18 @@ def main(argv=None) -> int:
         model, saved = ckpt.load_consolidated_model(ckpt_dir)
         if model.config.fp8 is not None:
             apply_fp8(model.layers, model.config.fp8)
-        data = saved["data"]
-        tok_path = a.tokenizer_model or data.get("tokenizer_model")
-        if not tok_path or not os.path.isfile(tok_path):
-            raise GenerateError(f"tokenizer model {tok_path!r} not found (the run used mock data, "
-                                f"or the file moved); pass --tokenizer-model")
-        from megaq.data.tokenizer import build_tokenizer
-        # the run's own tokenizer type: its eod/vocab rules differ between types
-        tok = build_tokenizer(data.get("tokenizer_type") or "SentencePieceTokenizer", tok_path)
+        from megaq.interop.checkpoint_tokenizer import run_tokenizer
+        # the run's own tokenizer type (its eod/vocab rules differ between types), its
+        # files from the flags, the checkpoint's copy, or the paths the run recorded
+        spec = run_tokenizer(ckpt_dir, saved["data"], model.config.vocab_size,
+                             tokenizer_type=a.tokenizer_type, tokenizer_model=a.tokenizer_model,
+                             vocab_file=a.vocab_file, merge_file=a.merge_file)
+        tok = spec.build()
         # ids past the model's embedding rows would index out of it: a different tokenizer
         if tok.vocab_size > model.config.vocab_size:
-            raise GenerateError(f"tokenizer {tok_path} has {tok.vocab_size} ids, the model "
-                                f"{model.config.vocab_size}; pass the --tokenizer-model the "
-                                f"checkpoint was trained with")
+            raise GenerateError(f"tokenizer {spec.describe()} has {tok.vocab_size} ids, the model "
+                                f"{model.config.vocab_size}; pass the tokenizer the checkpoint "
+                                f"was trained with")
         ids = tok.tokenize(a.prompt)
         # each new token is predicted from the ones before it: there must be one to start
         if not ids:
@@ -113,7 +134,8 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(a.seed)
     out = sample(model, ids, a.max_new_tokens, model.config.vocab_size, model.config.seq_length,
                  a.temperature, a.top_k, g)
-    print(f"[generate] {ckpt_dir} (trained with TP={tp}; consolidated to one process)")
+    print(f"[generate] {ckpt_dir} (trained with TP={tp}; consolidated to one process); "
+          f"tokenizer {spec.describe()}")
     print(tok.detokenize(out))
     return 0
 

@@ -9,7 +9,8 @@ from typing import ClassVar
 from megaq.data.blending import parse_data_path
 from megaq.data.errors import DataError
 from megaq.data.gpt_dataset import parse_split
-from megaq.data.tokenizer import SUPPORTED_TYPES, check_tokenizer_flags
+from megaq.data.tokenizer import (DEFAULT_TYPE, SUPPORTED_TYPES, check_tokenizer_flags,
+                                   infer_tokenizer_type)
 from megaq.flags import flag, set_derived, switch
 
 TOKENIZER_TYPES = SUPPORTED_TYPES + ("NullTokenizer",)
@@ -45,10 +46,15 @@ class DataConfig:
         "--demo-corpus", "use the built-in corpus (Python stdlib text) and its tokenizer, "
         "building them in DIR (default $MEGAQ_DATA_CACHE or <repo>/data_cache) if missing",
         nargs="?", const="", metavar="DIR")
+    # left out: inferred from the other tokenizer flags (GPT-2 BPE from --vocab-file and
+    # --merge-file; megatron_flags prints the note), else the default
     tokenizer_type: str = flag(
         "--tokenizer-type",
-        "tokenizer of --data-path (NullTokenizer: ids as they are, needs --vocab-size)",
-        "SentencePieceTokenizer", choices=list(TOKENIZER_TYPES))
+        f"tokenizer of --data-path (default {DEFAULT_TYPE}, or GPT2BPETokenizer when "
+        "--vocab-file and --merge-file are given; NullTokenizer: ids as they are, needs "
+        "--vocab-size)", DEFAULT_TYPE, choices=list(TOKENIZER_TYPES),
+        value=lambda a: infer_tokenizer_type(a.tokenizer_type, a.tokenizer_model, a.vocab_file,
+                                             a.merge_file))
     tokenizer_model: str | None = flag(
         "--tokenizer-model", "SentencePiece .model file, or a local HuggingFace tokenizer "
         "directory (HuggingFaceTokenizer)")

@@ -88,6 +88,8 @@ def pretokenize_pattern() -> re.Pattern:
 class GPT2BPETokenizer:
     """`tokenize(text) -> list[int]`, `detokenize(ids) -> str`, vocab_size, eod, pad."""
 
+    type = "GPT2BPETokenizer"
+
     def __init__(self, vocab_file: str, merge_file: str):
         self.vocab_file, self.merge_file = vocab_file, merge_file
         self.encoder = _read_vocab(vocab_file)

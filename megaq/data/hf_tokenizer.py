@@ -21,7 +21,11 @@ INSTALL_HINT = "pip install 'tokenizers==0.23.3' (or transformers)"
 
 
 class HuggingFaceTokenizer:
-    """`tokenize(text) -> list[int]`, `detokenize(ids) -> str`, vocab_size, eod, pad."""
+    """`tokenize(text) -> list[int]`, `detokenize(ids) -> str`, vocab_size, eod, pad;
+    `bos` / `unk`: the tokenizer's BOS / unknown-token ids, or None (for an export's
+    configs: whether a BOS starts each text is the tokenizer's own post-processor's say)."""
+
+    type = "HuggingFaceTokenizer"
 
     def __init__(self, path: str):
         self.path = path
@@ -36,12 +40,15 @@ class HuggingFaceTokenizer:
         if self._auto is not None:
             self.backend = "transformers"
             eos, pad = self._auto.eos_token_id, self._auto.pad_token_id
+            self.bos, self.unk = self._auto.bos_token_id, self._auto.unk_token_id
             self.vocab_size = len(self._auto)
         else:
             self.backend = "tokenizers"
             self._fast, config = _load_tokenizers(path)
             eos = _config_token_id(self._fast, config, "eos_token")
             pad = _config_token_id(self._fast, config, "pad_token")
+            self.bos = _config_token_id(self._fast, config, "bos_token")
+            self.unk = _config_token_id(self._fast, config, "unk_token")
             self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
         if eos is None:
             raise DataError(f"{path}: tokenizer has no EOS token, which HuggingFaceTokenizer "

@@ -1,10 +1,10 @@
-"""Megatron-LM's tokenizer types; this module holds the SentencePiece ones and
-`build_tokenizer`, which also builds `GPT2BPETokenizer` (megaq/data/gpt2_bpe.py:
-`--vocab-file`/`--merge-file`) and `HuggingFaceTokenizer` (megaq/data/hf_tokenizer.py:
-`--tokenizer-model DIR`). Every tokenizer has tokenize / tokenize_batch / detokenize and
-vocab_size / eod / pad.
+"""Megatron-LM's tokenizer types; this module holds the SentencePiece ones, the
+NullTokenizer and `build_tokenizer`, which also builds `GPT2BPETokenizer`
+(megaq/data/gpt2_bpe.py: `--vocab-file`/`--merge-file`) and `HuggingFaceTokenizer`
+(megaq/data/hf_tokenizer.py: `--tokenizer-model DIR`). Every tokenizer has tokenize /
+tokenize_batch / detokenize and vocab_size / eod / pad.
 
-Megatron-LM has two SentencePiece tokenizer types, and megaq reproduces both, so that
+Megatron-LM has three SentencePiece tokenizer types, and megaq reproduces them, so that
 files and checkpoints made with Megatron agree on every id and on the vocab size:
 
 - `SentencePieceTokenizer`: the model's pieces, then Megatron's special tokens
@@ -17,6 +17,17 @@ files and checkpoints made with Megatron agree on every id and on the vocab size
   exactly where Megatron's preprocess_data.py puts it.
 - `GPTSentencePieceTokenizer`: the model's pieces only; `eod` is the model's `</s>`;
   `pad` is the model's pad id, or eod when it has none.
+- `Llama2Tokenizer`: as GPTSentencePieceTokenizer, and every text starts with the
+  model's BOS id (Megatron-LM's `_Llama2Tokenizer.tokenize(s, bos=True, eos=False)`), so
+  a preprocessed document is `<s> ... </s>` with `--append-eod`. Decoding drops the
+  control pieces (`<s>`, `</s>`), as SentencePiece's decode does.
+
+`NullTokenizer` (Megatron's, for data that is already ids): the text is token ids
+separated by spaces; `eod` is `--vocab-size`, one past the ids (megaq.data.setup).
+
+`--tokenizer-type` may be left out when `--vocab-file` and `--merge-file` are given:
+megaq infers `GPT2BPETokenizer` and notes it (`infer_tokenizer_type`); Megatron-LM
+requires the flag.
 
 `tokenize` is SentencePiece's own encoding. (Megatron's SentencePieceTokenizer also
 turns literal special-token strings such as "</s>" inside the text into their ids;
@@ -58,8 +69,11 @@ import os
 
 from megaq.data.errors import DataError
 
-SUPPORTED_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                   "HuggingFaceTokenizer")
+# the types read from files (the NullTokenizer reads none: megaq.data.config adds it)
+SUPPORTED_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "GPT2BPETokenizer", "HuggingFaceTokenizer")
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+DEFAULT_TYPE = "SentencePieceTokenizer"
 EOD_PIECE = "<EOD>"
 PIECE_CHARS = 1 << 16  # characters per piece of a long document (tokenize_in_pieces)
 SPACE_MARK = "\u2581"  # SentencePiece's ▁: an escaped space
@@ -125,6 +139,7 @@ class SentencePieceTokenizer:
             self.pad = int(self.sp.pad_id()) if self.sp.pad_id() >= 0 else self.eod
         self.vocab_size = n + len(self._appended)
         self._appended_by_id = {i: t for t, i in self._appended.items()}
+        self.type = "SentencePieceTokenizer" if megatron_specials else "GPTSentencePieceTokenizer"
 
     def _piece_id(self, piece: str) -> int | None:
         i = self.sp.piece_to_id(piece)
@@ -207,8 +222,80 @@ class SentencePieceTokenizer:
         return "".join(out)
 
     def __repr__(self):
-        return (f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
+        return (f"{self.type}({self.model_path!r}, vocab_size={self.vocab_size}, "
                 f"eod={self.eod}, pad={self.pad})")
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's `Llama2Tokenizer`: GPTSentencePieceTokenizer's ids with the model's
+    BOS id before every text."""
+
+    def __init__(self, model_path: str):
+        super().__init__(model_path, megatron_specials=False)
+        self.type = "Llama2Tokenizer"
+        if self.sp.bos_id() < 0:
+            raise DataError(f"{model_path}: model has no bos id, which Llama2Tokenizer puts "
+                            "before every text; use --tokenizer-type GPTSentencePieceTokenizer")
+        self.bos = int(self.sp.bos_id())
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos] + self.sp.encode(text)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[self.bos] + ids for ids in self.sp.encode(texts, num_threads=1)]
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is token ids separated by spaces, and back."""
+
+    type = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        if not vocab_size or vocab_size < 1:
+            raise DataError("--tokenizer-type NullTokenizer needs --vocab-size N (the ids are "
+                            "below N)")
+        self.vocab_size = int(vocab_size)
+        self.eod = self.pad = self.vocab_size  # one past the ids (Megatron's), never in them
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = []
+        for word in text.split():
+            if not (word.isdigit() and int(word) < self.vocab_size):
+                raise DataError(f"NullTokenizer: {word!r} is not a token id below "
+                                f"{self.vocab_size}; the text must be ids separated by spaces")
+            ids.append(int(word))
+        return ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def __repr__(self):
+        return f"NullTokenizer(vocab_size={self.vocab_size})"
+
+
+def infer_tokenizer_type(tokenizer_type: str | None, tokenizer_model: str | None,
+                         vocab_file: str | None, merge_file: str | None) -> str:
+    """--tokenizer-type as given, else what the other tokenizer flags imply: the GPT-2
+    BPE when --vocab-file and --merge-file are given (and no --tokenizer-model), else
+    the default SentencePieceTokenizer."""
+    if tokenizer_type:
+        return tokenizer_type
+    if vocab_file and merge_file and not tokenizer_model:
+        return "GPT2BPETokenizer"
+    return DEFAULT_TYPE
+
+
+def inferred_type_note(tokenizer_type: str | None, tokenizer_model: str | None,
+                       vocab_file: str | None, merge_file: str | None) -> str | None:
+    """The note to print when --tokenizer-type was inferred from the other flags."""
+    if tokenizer_type or infer_tokenizer_type(None, tokenizer_model, vocab_file,
+                                              merge_file) == DEFAULT_TYPE:
+        return None
+    return ("note: --tokenizer-type GPT2BPETokenizer inferred from --vocab-file and "
+            "--merge-file (Megatron-LM requires the flag; pass it to silence this note)")
 
 
 def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None,
@@ -222,6 +309,11 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None,
         if not (vocab_file and merge_file):
             raise DataError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
                             f"--merge-file (GPT-2's encoder.json and vocab.bpe{tail})")
+    elif tokenizer_type in SUPPORTED_TYPES and not tokenizer_model and (vocab_file or merge_file):
+        given = "--vocab-file" if vocab_file else "--merge-file"
+        raise DataError(f"{given} is the GPT-2 BPE's: pass --vocab-file and --merge-file together "
+                        f"(GPT2BPETokenizer is then inferred), or --tokenizer-model PATH for "
+                        f"--tokenizer-type {tokenizer_type}")
     elif tokenizer_type in SUPPORTED_TYPES and not tokenizer_model:
         what = ("a local tokenizer directory" if tokenizer_type == "HuggingFaceTokenizer"
                 else "the SentencePiece .model file")
@@ -230,17 +322,22 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: str | None,
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None,
-                    vocab_file: str | None = None, merge_file: str | None = None):
+                    vocab_file: str | None = None, merge_file: str | None = None,
+                    vocab_size: int | None = None):
     """Megatron's `--tokenizer-type` / `--tokenizer-model` / `--vocab-file` /
-    `--merge-file` -> tokenizer object."""
+    `--merge-file` (/ `--vocab-size` for the NullTokenizer) -> tokenizer object."""
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
     if tokenizer_type not in SUPPORTED_TYPES:
         raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
-                        f"use one of {', '.join(SUPPORTED_TYPES)}")
+                        f"use one of {', '.join(SUPPORTED_TYPES + ('NullTokenizer',))}")
     if tokenizer_type == "GPT2BPETokenizer":
         from megaq.data.gpt2_bpe import GPT2BPETokenizer
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         from megaq.data.hf_tokenizer import HuggingFaceTokenizer
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
     return SentencePieceTokenizer(tokenizer_model,
                                   megatron_specials=tokenizer_type == "SentencePieceTokenizer")

@@ -16,6 +16,7 @@ import shutil
 
 from megaq import checkpoint as ckpt
 from megaq import dist_checkpoint, integrity
+from megaq.data import tokenizer_files
 from megaq.interop.common import (InteropError, check_output, megaq_layout, progress, replace_dir,
                                   resolve_checkpoint_dir, temp_dir_for)
 from megaq.model import GPTConfig
@@ -41,7 +42,7 @@ def _tied(saved: dict) -> bool:
 
 
 def _copy_rank_files(src: str, dst: str) -> None:
-    for sub in ("rng", "qgz"):
+    for sub in ("rng", "qgz", tokenizer_files.TOKENIZER_DIR):
         if os.path.isdir(os.path.join(src, sub)):
             shutil.copytree(os.path.join(src, sub), os.path.join(dst, sub))
 

@@ -34,14 +34,15 @@ import shutil
 import torch
 
 from megaq import checkpoint as ckpt
-from megaq import export_files, safe_unpickle
+from megaq import export_files, integrity, safe_unpickle
+from megaq.data import tokenizer_files
+from megaq.data.errors import DataError
+from megaq.interop.checkpoint_tokenizer import run_tokenizer
 from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo, check_output,
                                   megaq_layout, megaq_layout_flags, megaq_run_config, progress,
                                   replace_dir, temp_dir_for, write_json, write_megaq_args,
                                   write_megaq_checkpoint)
-
-# the tokenizer types whose model file write_tokenizer ships (tokenizer.model)
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+from megaq.interop.hf_tokenizer import write_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -333,124 +334,29 @@ def generation_config(vocab: int, padded_vocab: int, special: dict) -> dict:
     return {k: v for k, v in gen.items() if v is not None}
 
 
-# ------------------------------------------------------------------ tokenizer files
-_TOKENIZER_PROBE = ("def main(argv=None):\n    return  {'a': 1, \"b\": [2, 3.5]}\n\n"
-                    "  leading spaces\tand tabs\n\u00fcnic\u00f6de \u2192 \u4e2d\u6587 12345 ")
-
-
-def write_tokenizer(out_dir: str, tokenizer_type: str, model_path: str, max_length: int,
-                    log=print, model_vocab: int | None = None) -> dict:
-    """tokenizer.model (the SentencePiece model), tokenizer_config.json and, where
-    transformers can convert the model, tokenizer.json (fast tokenizer). Returns the
-    special ids {bos, eos, pad, unk} for the configs.
-
-    The fast tokenizer reproduces SentencePiece's encoding (a "\u2581" prefix on the text,
-    spaces as "\u2581", byte fallback); it is written only after it encodes a probe text
-    exactly as megaq's tokenizer does. Megatron's specials that megaq appends past
-    the model's pieces (<CLS>, <SEP>, <MASK> for SentencePieceTokenizer) become added
-    special tokens with their megaq ids.
-    """
-    from megaq.data.tokenizer import build_tokenizer
-    tok = build_tokenizer(tokenizer_type, model_path)
-    if model_vocab is not None and tok.vocab_size != model_vocab:
-        log(f" note: no tokenizer files: {model_path} has {tok.vocab_size} ids ({tokenizer_type}), "
-            f"the model {model_vocab}; pass the tokenizer the model was trained with")
-        return {}
-    sp = tok.sp
-    n = sp.get_piece_size()
-    shutil.copyfile(model_path, os.path.join(out_dir, export_files.TOKENIZER_MODEL))
-    special = {"eos": int(tok.eod), "pad": int(tok.pad)}
-    if sp.bos_id() >= 0:
-        special["bos"] = int(sp.bos_id())
-    if sp.unk_id() >= 0:
-        special["unk"] = int(sp.unk_id())
-    appended = {i: tok.detokenize([i]) for i in range(n, tok.vocab_size)}
-
-    def piece(i):
-        return appended[i] if i in appended else sp.id_to_piece(i)
-
-    cfg = {"add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-           "model_max_length": max_length,
-           **{f"{k}_token": piece(v) for k, v in special.items()}}
-    fast = _fast_tokenizer_json(out_dir, tok, appended, log)
-    if fast is not None:
-        with open(os.path.join(out_dir, export_files.TOKENIZER_JSON), "w") as f:
-            f.write(fast)
-        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    else:
-        # transformers converts tokenizer.model itself when loading (needs sentencepiece
-        # and protobuf there); its Llama tokenizer treats leading spaces differently.
-        cfg.update(tokenizer_class="LlamaTokenizer", legacy=True)
-    write_json(os.path.join(out_dir, export_files.TOKENIZER_CONFIG), cfg)
-    return special
-
-
-def _fast_tokenizer_json(out_dir: str, tok, appended: dict, log) -> str | None:
-    try:
-        from tokenizers import Tokenizer
-        from transformers import LlamaTokenizer
-    except ImportError:
-        log(" note: transformers / tokenizers not installed: no tokenizer.json written "
-            "(transformers builds one from tokenizer.model when loading)")
-        return None
-    scratch = os.path.join(out_dir, ".tokenizer_scratch")
-    os.makedirs(scratch, exist_ok=True)
-    try:
-        shutil.copyfile(os.path.join(out_dir, "tokenizer.model"),
-                        os.path.join(scratch, "tokenizer.model"))
-        write_json(os.path.join(scratch, "tokenizer_config.json"),
-                    {"add_bos_token": False, "add_eos_token": False})
-        converted = LlamaTokenizer.from_pretrained(scratch)
-        spec = json.loads(converted.backend_tokenizer.to_str())
-        # SentencePiece (add_dummy_prefix, identity normalisation): "\u2581" before the text,
-        # every space -> "\u2581", no pre-tokenizer. transformers' own Llama pipeline
-        # (Metaspace) drops the prefix when the text starts with a space; this does not.
-        # Specials are split off before normalising, so text after a special written
-        # literally inside the input ("a<EOD> b") gets its own "\u2581" prefix, where
-        # SentencePiece would not add one (docs/INTEROP.md).
-        spec["normalizer"] = {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "\u2581"},
-            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
-        spec["pre_tokenizer"] = None
-        spec["post_processor"] = None
-        for i, text in appended.items():
-            spec.setdefault("added_tokens", []).append(
-                {"id": i, "content": text, "single_word": False, "lstrip": False,
-                 "rstrip": False, "normalized": False, "special": True})
-        text = json.dumps(spec, ensure_ascii=False)
-        fast = Tokenizer.from_str(text)
-        ours = tok.tokenize(_TOKENIZER_PROBE)
-        theirs = fast.encode(_TOKENIZER_PROBE, add_special_tokens=False).ids
-        if ours != theirs or fast.decode(ours, skip_special_tokens=False) != tok.detokenize(ours):
-            log(" note: the fast tokenizer built from tokenizer.model does not reproduce megaq's "
-                "encoding (a unigram model?); only tokenizer.model is written")
-            return None
-        return text
-    except Exception as e:  # noqa: BLE001 - conversion is best effort; tokenizer.model stays
-        log(f" note: no tokenizer.json: transformers could not convert tokenizer.model "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-        return None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 # ------------------------------------------------------------------------- export
 def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.float32,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 tokenizer_model: str | None = None, overwrite: bool = False,
-                 log=print) -> dict:
+                 tokenizer_type: str | None = None, tokenizer_model: str | None = None,
+                 vocab_file: str | None = None, merge_file: str | None = None,
+                 overwrite: bool = False, log=print) -> dict:
     """Write a transformers directory for a megaq checkpoint (the model its stored
     configuration describes). Written to a temporary directory beside `out_dir`, renamed
-    into place at the end.
+    into place at the end. The tokenizer is the run's (megaq.interop.checkpoint_tokenizer:
+    the checkpoint's copy of its files first), or the one the tokenizer arguments name;
+    its files are written by megaq.interop.hf_tokenizer.
 
-    Returns {"dir", "family", "files", "bytes", "tokenizer": bool}."""
+    Returns {"dir", "family", "files", "bytes", "tokenizer": bool, ...}."""
     check_output(out_dir, overwrite, ckpt_path, writes="hf")
     # a tokenizer asked for by name is shipped or refused, never dropped with a note
-    if tokenizer_model is not None and not (os.path.isfile(tokenizer_model)
-                                            and os.access(tokenizer_model, os.R_OK)):
-        raise InteropError(f"--tokenizer-model {tokenizer_model} is not a readable file; pass "
-                           f"the tokenizer model the checkpoint was trained with (or leave the "
-                           f"flag out to ship the checkpoint's own)")
+    named = {"--tokenizer-model": tokenizer_model, "--vocab-file": vocab_file,
+             "--merge-file": merge_file}
+    for flag_name, path in named.items():
+        if path is not None and not (os.path.exists(path) and os.access(path, os.R_OK)):
+            raise InteropError(f"{flag_name} {path} is not a readable file; pass the tokenizer "
+                               f"the checkpoint was trained with (or leave the flag out to ship "
+                               f"the checkpoint's own)")
+    strict = tokenizer_type is not None or any(named.values())
     reader = MegaqCheckpointReader(ckpt_path)
     config = reader.model  # one process: its padded vocabulary is the checkpoint's
     family = model_family(config)
@@ -458,6 +364,15 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
     padded = config.padded_vocab_size(1)
     mapping = MAPPINGS[family](config, padded)
     layout = megaq_layout(config, reader.tp, reader.pp, reader.vp)
+    try:  # found before anything is written: a named tokenizer that is no good stops here
+        spec = run_tokenizer(reader.dir, reader.config["data"], vocab,
+                             tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
+                             vocab_file=vocab_file, merge_file=merge_file)
+    except DataError as e:
+        if strict:
+            raise InteropError(str(e)) from None
+        spec = None
+        log(f" note: no tokenizer files: {e}")
 
     tmp = temp_dir_for(out_dir)
     try:
@@ -472,25 +387,8 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
         files = writer.close()
 
         special = {}
-        data = reader.config["data"]
-        tok_type = data.get("tokenizer_type") or "SentencePieceTokenizer"
-        if tokenizer_model and tok_type not in SENTENCEPIECE_TYPES:
-            tok_type = "SentencePieceTokenizer"  # what --tokenizer-model ships
-        tok_path = tokenizer_model or data.get("tokenizer_model")
-        has_tok = tok_type in SENTENCEPIECE_TYPES and bool(tok_path) and os.path.isfile(tok_path)
-        if has_tok:
-            special = write_tokenizer(tmp, tok_type, tok_path, config.seq_length, log, vocab)
-            has_tok = bool(special)
-        else:
-            if tok_type in SENTENCEPIECE_TYPES:
-                had = f"tokenizer {tok_path!r} (not found)" if tok_path else "no tokenizer (mock data)"
-            elif tok_type == "NullTokenizer":
-                had = "no tokenizer (the NullTokenizer)"
-            else:  # GPT-2 BPE, HuggingFaceTokenizer: their own files, saved beside the weights
-                had = tok_type
-            log(f" note: no tokenizer files: the checkpoint's run had {had}, and the export writes "
-                f"SentencePiece tokenizers only; pass --tokenizer-model to add one (or save a "
-                f"transformers tokenizer beside the weights with save_pretrained)")
+        if spec is not None:
+            special = write_tokenizer(tmp, spec, config.seq_length, vocab, strict=strict, log=log)
         write_json(os.path.join(tmp, export_files.CONFIG),
                     hf_config(config, family, padded, dtype, special))
         write_json(os.path.join(tmp, export_files.GENERATION_CONFIG),
@@ -500,7 +398,8 @@ def export_to_hf(ckpt_path: str, out_dir: str, *, dtype: torch.dtype = torch.flo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"dir": out_dir, "family": family, "files": files, "bytes": writer.total,
-            "tokenizer": has_tok, "source": reader.dir, "vocab": vocab, "padded_vocab": padded}
+            "tokenizer": bool(special), "tokenizer_spec": spec, "source": reader.dir,
+            "vocab": vocab, "padded_vocab": padded}
 
 
 # ------------------------------------------------------------------------- import
@@ -687,6 +586,35 @@ def _gpt2_flags(cfg, seq_length, divisible_by) -> list[str]:
     return [str(x) for x in flags]
 
 
+def _imported_tokenizer(hf_dir: str, out_dir: str, vocab: int, log) -> tuple[list[str], dict]:
+    """(tokenizer flags for megaq_args.txt, the data section naming the source's files)
+    of a transformers directory: its SentencePiece tokenizer.model as
+    GPTSentencePieceTokenizer (copied to CKPT/tokenizer.model), else its tokenizer.json
+    as a HuggingFaceTokenizer (the copy in CKPT/iter_0000000/tokenizer/), when that
+    tokenizer has the model's vocabulary; else none ([], {})."""
+    out = os.path.abspath(out_dir)
+    if os.path.isfile(os.path.join(hf_dir, export_files.TOKENIZER_MODEL)):
+        source = {"tokenizer_type": "GPTSentencePieceTokenizer",
+                  "tokenizer_model": os.path.join(hf_dir, export_files.TOKENIZER_MODEL)}
+        return (["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                 os.path.join(out, export_files.TOKENIZER_MODEL)], source)
+    if not os.path.isfile(os.path.join(hf_dir, export_files.TOKENIZER_JSON)):
+        return [], {}
+    from megaq.data.tokenizer import build_tokenizer
+    try:
+        size = build_tokenizer("HuggingFaceTokenizer", hf_dir).vocab_size
+    except DataError as e:
+        log(f" note: the tokenizer of {hf_dir} is not imported: {e}")
+        return [], {}
+    if size != vocab:
+        log(f" note: the tokenizer of {hf_dir} is not imported: it has {size} ids, config.json's "
+            f"vocab_size is {vocab}; pass the tokenizer flags for your data yourself")
+        return [], {}
+    copy = os.path.join(ckpt.iteration_dir(out, 0), tokenizer_files.TOKENIZER_DIR)
+    return (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", copy],
+            {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": hf_dir})
+
+
 def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
                    pp: int = 1, vp: int = 1, seq_length: int | None = None,
                    make_vocab_size_divisible_by: int = 1, overwrite: bool = False,
@@ -714,12 +642,9 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
                            f"chunks; pick --virtual-pipeline-size dividing layers / PP")
     layout_flags = megaq_layout_flags(tp, pp, vp, num_layers)
     src = HFTensorSource(hf_dir)
-    tokenizer_src = os.path.join(hf_dir, "tokenizer.model")
-    tok_flags = []
-    if os.path.isfile(tokenizer_src):
-        tok_flags = ["--tokenizer-type", "GPTSentencePieceTokenizer",
-                     "--tokenizer-model", os.path.join(os.path.abspath(out_dir), "tokenizer.model")]
-    run_config = megaq_run_config(flags + layout_flags, tp, pp)
+    vocab = int(flags[flags.index("--vocab-size") + 1])
+    tok_flags, tok_source = _imported_tokenizer(hf_dir, out_dir, vocab, log)
+    run_config = megaq_run_config(flags + layout_flags + tok_flags, tp, pp)
     config = run_config.model
     padded = run_config.padded_vocab_size
     mapping = MAPPINGS[family](config, padded)
@@ -760,8 +685,12 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
         if unused:
             raise InteropError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no "
                                f"megaq counterpart; the model has parts megaq lacks")
-        if tok_flags:
-            shutil.copyfile(tokenizer_src, os.path.join(tmp, "tokenizer.model"))
+        if tok_source:  # the copy a run's save holds (data.tokenizer_files), hashed too
+            it0 = ckpt.iteration_dir(tmp, 0)
+            tokenizer_files.copy_into(it0, tok_source, log=log)
+            integrity.write_manifest(it0, integrity.read_manifest(it0)["files"])
+            if tok_source["tokenizer_type"] != "HuggingFaceTokenizer":
+                shutil.copyfile(tok_source["tokenizer_model"], os.path.join(tmp, "tokenizer.model"))
         all_flags = flags + layout_flags + tok_flags
         write_megaq_args(tmp, out_dir, all_flags, {"family": family,
                                                    "source": os.path.abspath(hf_dir)})
