@@ -33,8 +33,9 @@ import shutil
 
 import torch
 
-from megaq import checkpoint as ckpt
-from megaq import export_files, safe_unpickle
+from megaq import export_files
+from megaq.checkpoint import safe_unpickle
+from megaq.checkpoint.reshard import fit_rows
 from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo, check_output,
                                   megaq_layout, megaq_layout_flags, megaq_run_config, progress,
                                   replace_dir, temp_dir_for, write_json, write_megaq_args,
@@ -540,7 +541,7 @@ class HFTensorSource:
                 if fname.endswith(".safetensors"):
                     from safetensors import safe_open
                     self._open[fname] = safe_open(path, framework="pt")
-                else:  # a pickle: tensors and containers only (megaq.safe_unpickle)
+                else:  # a pickle: tensors and containers only (megaq.checkpoint.safe_unpickle)
                     self._open[fname] = safe_unpickle.load(path, safe_unpickle.TENSORS, mmap=True)
                     if not isinstance(self._open[fname], dict):
                         raise InteropError(f"{path} holds a {type(self._open[fname]).__name__}, "
@@ -748,7 +749,7 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
             if t.shape[0] != config.vocab_size:
                 raise InteropError(f"{hf_dir}: {mapping.hf_name(name)} has {t.shape[0]} rows, "
                                    f"config.json vocab_size is {config.vocab_size}")
-            t = ckpt.fit_rows(t, 0, padded, name)  # TP padding rows: zero
+            t = fit_rows(t, 0, padded, name)  # TP padding rows: zero
         return t
 
     tmp = temp_dir_for(out_dir)
