@@ -101,8 +101,10 @@ def build_trainer(config, topo, t_start: float | None = None):
     """Everything up to the first iteration: data, model, engine, checkpoint load.
     `config` is a megaq.config.RunConfig; `topo` this rank's Topology; `t_start` the
     perf_counter() the setup time printed counts from (default: now)."""
-    from megaq import checkpoint as ckpt
-    from megaq import checkpoint_guard, failure
+    from megaq import failure
+    from megaq.checkpoint import guard
+    from megaq.checkpoint.errors import CheckpointError
+    from megaq.checkpoint.load import load_checkpoint
     from megaq.data.setup import build_data
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel import fp8_delayed
@@ -129,14 +131,14 @@ def build_trainer(config, topo, t_start: float | None = None):
     state = TrainState()
 
     save = config.checkpointing.save
-    if save:  # one job per directory; stale .tmp saves removed (megaq.checkpoint_guard)
-        checkpoint_guard.claim_save_directory(save, topo)
+    if save:  # one job per directory; stale .tmp saves removed (megaq.checkpoint.guard)
+        guard.claim_save_directory(save, topo)
     source, finetune = checkpoint_source(config.checkpointing)
     if source:
         # every rank reads its own files; all agree before anyone exits (megaq.failure).
         # --finetune: weights only; iteration, samples, moments, schedule, RNG start fresh.
         with failure.agreed(topo.world):
-            loaded = ckpt.load_checkpoint(
+            loaded = load_checkpoint(
                 source, config=config, topo=topo, engine=engine,
                 lr_schedule=None if finetune else schedule, model_chunks=chunks,
                 load_rng=not (finetune or config.checkpointing.no_load_rng),
@@ -151,7 +153,7 @@ def build_trainer(config, topo, t_start: float | None = None):
                       f"LR schedule and RNG start fresh", flush=True)
         else:
             if loaded["consumed_samples"] % t.global_batch_size:
-                raise ckpt.CheckpointError(
+                raise CheckpointError(
                     f"{loaded['path']} consumed {loaded['consumed_samples']} samples, not a multiple "
                     f"of --global-batch-size {t.global_batch_size}; resume with a global batch "
                     f"size dividing it (e.g. the checkpoint's {loaded['saved_global_batch_size']})")
@@ -184,7 +186,8 @@ def checkpoint_source(checkpointing) -> tuple[str | None, bool]:
     resumed (or, with --finetune, its weights only); --pretrained-checkpoint DIR when
     --load holds no checkpoint yet (a fine-tuning job's first start; its requeued runs
     then resume from --load), as --finetune."""
-    from megaq import checkpoint as ckpt
+    from megaq.checkpoint.errors import CheckpointError
+    from megaq.checkpoint.paths import TRACKER_FILE, not_a_checkpoint_root, read_tracker
     from megaq.interop.megatron import load_refusal
     c = checkpointing
     # a path that is plainly something else (a file, one iteration, a Megatron-LM, HF or
@@ -192,23 +195,23 @@ def checkpoint_source(checkpointing) -> tuple[str | None, bool]:
     for flag_name, path in (("--load", c.load), ("--pretrained-checkpoint", c.pretrained_checkpoint)):
         if not path:
             continue
-        reason = ckpt.not_a_checkpoint_root(path)
+        reason = not_a_checkpoint_root(path)
         if reason:
-            raise ckpt.CheckpointError(f"{flag_name} {reason}")
+            raise CheckpointError(f"{flag_name} {reason}")
         reason = load_refusal(path)  # its line names the converter's command
         if reason:
-            raise ckpt.CheckpointError(reason)
-    if c.pretrained_checkpoint and (not c.load or ckpt.read_tracker(c.load) is None):
-        if ckpt.read_tracker(c.pretrained_checkpoint) is None:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(reason)
+    if c.pretrained_checkpoint and (not c.load or read_tracker(c.load) is None):
+        if read_tracker(c.pretrained_checkpoint) is None:
+            raise CheckpointError(
                 f"--pretrained-checkpoint {c.pretrained_checkpoint} holds no checkpoint (no "
-                f"{ckpt.TRACKER_FILE}); name a megaq checkpoint directory (tools/"
+                f"{TRACKER_FILE}); name a megaq checkpoint directory (tools/"
                 f"convert_checkpoint.py writes one from Megatron-LM or Hugging Face weights)")
         return c.pretrained_checkpoint, True
-    if c.finetune and c.load and ckpt.read_tracker(c.load) is None:
-        raise ckpt.CheckpointError(f"--finetune: {c.load} holds no checkpoint to start from (no "
-                                   f"{ckpt.TRACKER_FILE}); name the pretrained checkpoint with "
-                                   f"--load, or use --pretrained-checkpoint DIR")
+    if c.finetune and c.load and read_tracker(c.load) is None:
+        raise CheckpointError(f"--finetune: {c.load} holds no checkpoint to start from (no "
+                              f"{TRACKER_FILE}); name the pretrained checkpoint with "
+                              f"--load, or use --pretrained-checkpoint DIR")
     return c.load, c.finetune
 
 
@@ -278,9 +281,10 @@ def _print_banner(config, topo) -> None:
 
 
 def cli(argv=None) -> int:
-    from megaq import checkpoint_guard, failure
+    from megaq import failure
     from megaq.arguments import ArgumentsError
-    from megaq.checkpoint import CheckpointError
+    from megaq.checkpoint import guard
+    from megaq.checkpoint.errors import CheckpointError
     from megaq.data.errors import DataError
     from megaq.interop.common import InteropError
     from megaq.parallel import peers
@@ -296,7 +300,7 @@ def cli(argv=None) -> int:
         code = 0
     except CollectiveFailed as e:  # a peer vanished: one line per survivor, no teardown
         code = failure.report_collective_failure(e, failure.current_rank_and_world()[0])
-        checkpoint_guard.unlock_all()
+        guard.unlock_all()
         failure.exit_now(code)
     except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
             TrainingDiverged, ZeroConfigError, InteropError, failure.AgreedError) as e:
@@ -310,7 +314,7 @@ def cli(argv=None) -> int:
     finally:
         if code != 0:  # the peers' roll call must not count this rank lost
             peers.mark_left(code)
-        checkpoint_guard.unlock_all()
+        guard.unlock_all()
         _shut_down_distributed(orderly=code == 0)
     return code
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megaq import checkpoint as ckpt
 from megaq import failure, watchdog
+from megaq.checkpoint import staging
+from megaq.checkpoint.save import save_checkpoint
 from megaq.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
                                  training_log_line, validation_log_line)
 from megaq.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
@@ -226,7 +227,7 @@ class Trainer:
         s = self.state
         with SetAside():
             t0 = time.perf_counter()
-            path = ckpt.save_checkpoint(
+            path = save_checkpoint(
                 self.config.checkpointing.save, s.iteration, config=self.config, topo=self.topo,
                 engine=self.p.engine, lr_schedule=self.p.lr_schedule,
                 consumed_samples=s.consumed_samples,
@@ -235,7 +236,7 @@ class Trainer:
                 save_optim=not self.config.checkpointing.no_save_optim)
         if self.rank0:
             ms = (time.perf_counter() - t0) * 1000
-            if ckpt.async_save_in_flight():
+            if staging.async_save_in_flight():
                 print(f" checkpoint at iteration {s.iteration:7d} staged in {ms:.0f} ms; writing "
                       f"{path} in the background (--async-save)", flush=True)
             else:
@@ -245,7 +246,7 @@ class Trainer:
     def wait_for_async_save(self) -> None:
         """The end of the run: a background save (--async-save) is written and committed."""
         t0 = time.perf_counter()
-        iteration = ckpt.wait_for_async_save()
+        iteration = staging.wait_for_async_save()
         if iteration is not None and self.rank0:
             print(f" background checkpoint at iteration {iteration:7d} committed (waited "
                   f"{(time.perf_counter() - t0) * 1000:.0f} ms)", flush=True)

@@ -13,22 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from megaq import checkpoint as ckpt
-from megaq import integrity
 from megaq.arguments import parse_config
+from megaq.checkpoint import integrity
+from megaq.checkpoint.errors import CheckpointError
+from megaq.checkpoint.load import load_checkpoint
+from megaq.checkpoint.save import save_checkpoint
 from megaq.lr_schedule import LRSchedule
-from megaq.parallel.comm import Group
-from megaq.parallel.topology import Layout, Topology
+from megaq.parallel.topology import Layout, build_topology
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "10",
         "--lr", "1e-3", "--mock-data", "--ckpt-format", "torch"]
-
-
-def one_rank_topology() -> Topology:
-    g = Group(ranks=[0], nodes=[0], pg=None, rank_index=0)
-    return Topology(layout=Layout(1), rank=0, tp=g, dp=g, pp=g, embedding=g, intra=g,
-                    inter=g, hpz=g, world=g)
 
 
 class DictEngine:
@@ -64,16 +59,16 @@ def run_config(argv=ARGV):
 def setup(tmp_path, value=1.0):
     config = run_config()
     sched = LRSchedule.from_config(config.optimizer)
-    return config, one_rank_topology(), DictEngine(value), sched
+    return config, build_topology(Layout(1), 0), DictEngine(value), sched
 
 
 def save(root, it, config, topo, engine, sched):
-    return ckpt.save_checkpoint(root, it, config=config, topo=topo, engine=engine,
-                                lr_schedule=sched, consumed_samples=it * 4)
+    return save_checkpoint(root, it, config=config, topo=topo, engine=engine,
+                           lr_schedule=sched, consumed_samples=it * 4)
 
 
 def load(root, config, topo, engine, sched):
-    return ckpt.load_checkpoint(root, config=config, topo=topo, engine=engine, lr_schedule=sched)
+    return load_checkpoint(root, config=config, topo=topo, engine=engine, lr_schedule=sched)
 
 
 def test_layout_and_roundtrip(tmp_path):
@@ -132,7 +127,7 @@ def test_refuses_other_architecture(tmp_path):
     config, topo, engine, sched = setup(tmp_path)
     save(tmp_path, 1, config, topo, engine, sched)
     other = run_config(ARGV[:1] + ["3"] + ARGV[2:] + ["--swiglu", "--disable-bias-linear"])
-    with pytest.raises(ckpt.CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:
         load(tmp_path, other, topo, engine, sched)
     msg = str(e.value)
     assert "--num-layers 3 (checkpoint: 2)" in msg and "--swiglu True (checkpoint: False)" in msg
@@ -165,11 +160,11 @@ def test_reads_checkpoints_saved_before_the_typed_configuration(tmp_path):
         "global_batch_size": 1, "train_iters": 10, "lr": 1e-3, "seed": 1234,
         "zero_quantized_gradients_bits": 4, "zero_quantization_block_size": None}
     torch.save(sd, path)
-    with pytest.raises(ckpt.CheckpointError, match="has no integrity manifest"):
+    with pytest.raises(CheckpointError, match="has no integrity manifest"):
         load(tmp_path, config, topo, DictEngine(0.0), sched)
     unverified = run_config(ARGV + ["--no-verify-checkpoint"])
     assert load(tmp_path, unverified, topo, DictEngine(0.0), sched)["saved_global_batch_size"] == 1
-    with pytest.raises(ckpt.CheckpointError, match="--hidden-size 64 \\(checkpoint: 32\\)"):
+    with pytest.raises(CheckpointError, match="--hidden-size 64 \\(checkpoint: 32\\)"):
         load(tmp_path, run_config(ARGV[:2] + ["--hidden-size", "64"] + ARGV[4:]
                                   + ["--no-verify-checkpoint"]), topo, DictEngine(0.0), sched)
 
@@ -180,17 +175,17 @@ def test_refuses_other_tp_pp(tmp_path):
     d = tmp_path / "iter_0000001"
     shutil.copytree(d / "mp_rank_00_000", d / "mp_rank_00_001")  # as if saved with PP=2
     # Without the model chunks to reshard into, a TP/PP change is refused.
-    with pytest.raises(ckpt.CheckpointError, match="--pipeline-model-parallel-size 2"):
+    with pytest.raises(CheckpointError, match="--pipeline-model-parallel-size 2"):
         load(tmp_path, config, topo, engine, sched)
 
 
 def test_bad_tracker_and_missing_dir(tmp_path):
     config, topo, engine, sched = setup(tmp_path)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana\n")
-    with pytest.raises(ckpt.CheckpointError, match="not an iteration number"):
+    with pytest.raises(CheckpointError, match="not an iteration number"):
         load(tmp_path, config, topo, engine, sched)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
-    with pytest.raises(ckpt.CheckpointError, match="iter_0000007 does not exist"):
+    with pytest.raises(CheckpointError, match="iter_0000007 does not exist"):
         load(tmp_path, config, topo, engine, sched)
 
 
@@ -198,8 +193,8 @@ def test_no_load_optim_keeps_weights_resets_adam(tmp_path):
     config, topo, engine, sched = setup(tmp_path, value=2.0)
     save(tmp_path, 1, config, topo, engine, sched)
     fresh = DictEngine(0.0)
-    ckpt.load_checkpoint(tmp_path, config=config, topo=topo, engine=fresh, lr_schedule=sched,
-                         load_optim=False)
+    load_checkpoint(tmp_path, config=config, topo=topo, engine=fresh, lr_schedule=sched,
+                    load_optim=False)
     w = fresh.loaded["params"]["w"]
     assert fresh.loaded["step"] == 0 and torch.equal(w["param"], torch.full((3, 2), 2.0))
     assert set(w) == {"param"}  # weights only: the engine starts its optimizer state fresh

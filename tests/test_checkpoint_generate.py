@@ -1,4 +1,4 @@
-"""Consolidation onto one process (megaq.checkpoint.load_consolidated_model, what
+"""Consolidation onto one process (megaq.checkpoint.consolidate.load_consolidated_model, what
 tools/generate.py loads): a TP=2 x PP=2 checkpoint loaded on one process computes the
 same validation loss the 4-rank run computed."""
 
@@ -11,9 +11,8 @@ import torch
 
 from data_fixtures import tool
 from megaq import pretrain
-from megaq import checkpoint as ckpt
-from megaq import dist_checkpoint
-from megaq import integrity
+from megaq.checkpoint import dcp_format, formats, integrity, paths
+from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.interop.ckpt_format import convert_format
 from megaq.data.gpt_dataset import MockGPTDataset
 from megaq.parallel.launch import run_on_ranks
@@ -44,9 +43,9 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
             "--data-cache-path", str(tmp_path / "cache"), *model_flags]
     val = run_on_ranks(_train, 4, tp=2, pp=2, args=(argv,))[0][2]
 
-    ckpt_dir = ckpt.iteration_dir(str(tmp_path / "ck"), 2)
-    assert ckpt.checkpoint_layout(ckpt_dir) == (2, 2)
-    model, saved = ckpt.load_consolidated_model(ckpt_dir)
+    ckpt_dir = paths.iteration_dir(str(tmp_path / "ck"), 2)
+    assert formats.checkpoint_layout(ckpt_dir) == (2, 2)
+    model, saved = load_consolidated_model(ckpt_dir)
     model.eval()
     valid = MockGPTDataset(4, 16, saved["training"]["seed"], 100, "valid")
     tokens = torch.stack([torch.from_numpy(valid[i]["tokens"]) for i in range(4)])
@@ -60,13 +59,13 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
     # megaq): the torch copy consolidates to the same weights, and converting it back
     # gives every saved tensor (weights and AdamW moments) unchanged.
     old = convert_format(str(tmp_path / "ck"), str(tmp_path / "old"), "torch")["dir"]
-    assert os.path.isfile(ckpt.model_file(old, 1, 1))
+    assert os.path.isfile(paths.model_file(old, 1, 1))
     back = convert_format(str(tmp_path / "old"), str(tmp_path / "back"), "torch_dist")["dir"]
-    model_old, _ = ckpt.load_consolidated_model(old)
+    model_old, _ = load_consolidated_model(old)
     for (name, p), (_, q) in zip(model.named_parameters(), model_old.named_parameters()):
         assert torch.equal(p, q), name
     keys = ("param", "exp_avg", "exp_avg_sq")
-    first, again = (dist_checkpoint.read_saved_state(d, keys) for d in (ckpt_dir, back))
+    first, again = (dcp_format.read_saved_state(d, keys) for d in (ckpt_dir, back))
     assert first.keys() == again.keys() and len(first) > 5
     for name in first:
         for key in keys:
@@ -86,7 +85,7 @@ def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, c
     run_on_ranks(_train, 1, args=(argv,))
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "generate.py"), "--load",
                         str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
-    no_tokenizer = (f"error: {ckpt.iteration_dir(str(tmp_path / 'ck'), 1)} records no tokenizer "
+    no_tokenizer = (f"error: {paths.iteration_dir(str(tmp_path / 'ck'), 1)} records no tokenizer "
                     f"(a --mock-data run, or a model imported without one); pass --tokenizer-model "
                     f"PATH (or --vocab-file and --merge-file; or --tokenizer-type NullTokenizer to "
                     f"give and get token ids)")
@@ -95,23 +94,23 @@ def test_generate_refuses_in_one_line_and_takes_no_verify_checkpoint(tmp_path, c
 
     # the flag, in this process (a subprocess costs seconds of imports each)
     generate = tool("generate")
-    os.remove(os.path.join(ckpt.iteration_dir(str(tmp_path / "ck"), 1), integrity.MANIFEST_NAME))
-    try:
-        assert generate.main(["--load", str(tmp_path / "ck")]) == 2
-        refused = capsys.readouterr().err.strip()
-        assert "has no integrity manifest" in refused and "--no-verify-checkpoint" in refused
-        assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint"]) == 2
-        assert capsys.readouterr().err.strip() == no_tokenizer
-        assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint",
-                              "--tokenizer-type", "NullTokenizer", "--prompt", "7 8 9",
-                              "--max-new-tokens", "5"]) == 0
-        ids = capsys.readouterr().out.strip().splitlines()[-1].split(" ")
-        assert ids[:3] == ["7", "8", "9"] and len(ids) == 8 and all(0 <= int(i) < 100 for i in ids)
-        assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint",
-                              "--tokenizer-type", "NullTokenizer", "--prompt", "7 x"]) == 2
-        assert "'x' is not a token id below 100" in capsys.readouterr().err
-    finally:
-        integrity.verify_checkpoints(True)  # the tool turned it off for this process
+    os.remove(os.path.join(paths.iteration_dir(str(tmp_path / "ck"), 1), integrity.MANIFEST_NAME))
+    assert generate.main(["--load", str(tmp_path / "ck")]) == 2
+    refused = capsys.readouterr().err.strip()
+    assert "has no integrity manifest" in refused and "--no-verify-checkpoint" in refused
+    assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint"]) == 2
+    assert capsys.readouterr().err.strip() == no_tokenizer
+    assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint",
+                          "--tokenizer-type", "NullTokenizer", "--prompt", "7 8 9",
+                          "--max-new-tokens", "5"]) == 0
+    ids = capsys.readouterr().out.strip().splitlines()[-1].split(" ")
+    assert ids[:3] == ["7", "8", "9"] and len(ids) == 8 and all(0 <= int(i) < 100 for i in ids)
+    assert generate.main(["--load", str(tmp_path / "ck"), "--no-verify-checkpoint",
+                          "--tokenizer-type", "NullTokenizer", "--prompt", "7 x"]) == 2
+    assert "'x' is not a token id below 100" in capsys.readouterr().err
+    # the flag is that call's, not the process's: the next load verifies again
+    assert generate.main(["--load", str(tmp_path / "ck")]) == 2
+    assert "has no integrity manifest" in capsys.readouterr().err
 
 
 def test_generate_refuses_bad_input_in_one_line(tmp_path, capsys, tiny_tokenizer):

@@ -15,9 +15,9 @@ import socket
 
 import pytest
 
-from megaq import checkpoint as ckpt
-from megaq import checkpoint_guard as guard
 from megaq import pretrain
+from megaq.checkpoint import guard, paths
+from megaq.checkpoint.errors import CheckpointError
 from megaq.parallel.launch import run_cli_on_ranks
 
 PRECIOUS = b"someone else's file\n"
@@ -52,7 +52,7 @@ def test_symlinked_lock_is_refused_and_its_target_untouched(tmp_path):
     root.mkdir()
     target = _outside(tmp_path)
     os.symlink(target, root / guard.LOCK_NAME)
-    with pytest.raises(guard.LinkRefused) as e:
+    with pytest.raises(paths.LinkRefused) as e:
         guard.lock_directory(str(root))
     msg = str(e.value)
     assert f"{root / guard.LOCK_NAME} is a symbolic link (to {target})" in msg
@@ -80,13 +80,13 @@ def test_symlinked_tracker_is_refused_on_load_and_save(tmp_path):
     root.mkdir()
     target = _outside(tmp_path)
     target.write_bytes(b"7\n")
-    os.symlink(target, root / ckpt.TRACKER_FILE)
-    with pytest.raises(ckpt.CheckpointError, match="is a symbolic link") as e:
-        ckpt.read_tracker(str(root))
-    assert str(root / ckpt.TRACKER_FILE) in str(e.value)
-    with pytest.raises(guard.LinkRefused):
-        guard.check_tracker(str(root))  # what a --save claim checks before writing
-    assert guard.latest_iteration(str(root)) is None  # the disk-full line does not follow it
+    os.symlink(target, root / paths.TRACKER_FILE)
+    with pytest.raises(CheckpointError, match="is a symbolic link") as e:
+        paths.read_tracker(str(root))
+    assert str(root / paths.TRACKER_FILE) in str(e.value)
+    with pytest.raises(paths.LinkRefused):
+        paths.read_tracker_text(str(root))  # what a --save claim checks before writing
+    assert paths.latest_iteration(str(root)) is None  # the disk-full line does not follow it
     assert target.read_bytes() == b"7\n"
 
 
@@ -96,11 +96,11 @@ def test_tracker_writes_never_go_through_a_link(tmp_path):
     target = _outside(tmp_path)
     other = _outside(tmp_path, "other.txt")
     # a link planted at the temporary's name, and one at the tracker's own name
-    os.symlink(target, root / f"{ckpt.TRACKER_FILE}.tmp-{os.getpid()}")
-    os.symlink(other, root / ckpt.TRACKER_FILE)
-    ckpt.write_tracker(str(root), 3)
+    os.symlink(target, root / f"{paths.TRACKER_FILE}.tmp-{os.getpid()}")
+    os.symlink(other, root / paths.TRACKER_FILE)
+    paths.write_tracker(str(root), 3)
     assert target.read_bytes() == PRECIOUS and other.read_bytes() == PRECIOUS
-    assert not os.path.islink(root / ckpt.TRACKER_FILE) and ckpt.read_tracker(str(root)) == 3
+    assert not os.path.islink(root / paths.TRACKER_FILE) and paths.read_tracker(str(root)) == 3
 
 
 # ----------------------------------------------------------------------- the sweep
@@ -177,7 +177,7 @@ def test_without_flock_a_linked_lock_file_is_refused(tmp_path, monkeypatch):
     root.mkdir()
     target = _outside(tmp_path)
     os.symlink(target, root / guard.EXCLUSIVE_LOCK_NAME)
-    with pytest.raises(guard.LinkRefused, match="is a symbolic link"):
+    with pytest.raises(paths.LinkRefused, match="is a symbolic link"):
         guard.lock_directory(str(root))
     assert target.read_bytes() == PRECIOUS
 

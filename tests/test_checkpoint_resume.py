@@ -23,8 +23,8 @@ import time
 import pytest
 
 from megaq import pretrain
-from megaq import checkpoint as ckpt
-from megaq import checkpoint_guard, integrity
+from megaq.checkpoint import guard, integrity, paths
+from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.parallel.launch import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,9 +48,9 @@ def _train(topo, argv):
 def copy_checkpoint(src_root, iteration, dst_root):
     """A checkpoint directory whose latest is `iteration` (as if the run had stopped there)."""
     os.makedirs(dst_root)
-    name = os.path.basename(ckpt.iteration_dir(src_root, iteration))
+    name = os.path.basename(paths.iteration_dir(src_root, iteration))
     shutil.copytree(os.path.join(src_root, name), os.path.join(dst_root, name))
-    with open(os.path.join(dst_root, ckpt.TRACKER_FILE), "w") as f:
+    with open(os.path.join(dst_root, paths.TRACKER_FILE), "w") as f:
         f.write(f"{iteration}\n")
 
 
@@ -106,14 +106,14 @@ def test_exact_resume_with_qgz_error_feedback(tmp_path, code):
     zpp += ["--zero-hadamard-gradients"] if had else []
     full = model_argv(str(tmp_path), 4, zpp + ["--save", str(tmp_path / "ck"), "--save-interval", "2"])
     out_a = run_on_ranks(_train, 4, ranks_per_node=2, args=(full,))
-    assert os.path.isfile(ckpt.error_feedback_file(ckpt.iteration_dir(str(tmp_path / "ck"), 2), 3))
+    assert os.path.isfile(paths.error_feedback_file(paths.iteration_dir(str(tmp_path / "ck"), 2), 3))
     copy_checkpoint(str(tmp_path / "ck"), 2, str(tmp_path / "ck2"))
     resumed = model_argv(str(tmp_path), 4, zpp + ["--load", str(tmp_path / "ck2")])
     out_b = run_on_ranks(_train, 4, ranks_per_node=2, args=(resumed,))
     a, b = out_a[0]["losses"], out_b[0]["losses"]
     assert [b[i] for i in (3, 4)] == [a[i] for i in (3, 4)]
     # the same resume with the residuals dropped: iteration 4 moves off the trajectory
-    shutil.rmtree(os.path.join(ckpt.iteration_dir(str(tmp_path / "ck2"), 2), "qgz"))
+    shutil.rmtree(os.path.join(paths.iteration_dir(str(tmp_path / "ck2"), 2), "qgz"))
     out_c = run_on_ranks(_train, 4, ranks_per_node=2, args=(resumed,))
     assert out_c[0]["losses"][3] == a[3] and out_c[0]["losses"][4] != a[4]
 
@@ -201,19 +201,19 @@ def test_killed_during_save_latest_always_verifies_and_loads(tmp_path, fmt, trie
         shutil.rmtree(ck, ignore_errors=True)                # proves less: a few more
         mid += _kill_during_a_save(ck, argv, rng)
         kills += 1
-        latest = ckpt.read_tracker(ck)
+        latest = paths.read_tracker(ck)
         assert latest is not None and latest >= 1
-        latest_dir = ckpt.iteration_dir(ck, latest)
+        latest_dir = paths.iteration_dir(ck, latest)
         assert integrity.verify_all(latest_dir)  # every file the manifest lists matches
-        model, _ = ckpt.load_consolidated_model(latest_dir)  # and it loads
+        model, _ = load_consolidated_model(latest_dir)  # and it loads
         assert sum(p.numel() for p in model.parameters()) > 0
     assert mid >= 1, "no kill landed inside a save"
     out = run_on_ranks(_train, 2, args=(model_argv(str(tmp_path), latest + 2, fmt + [
         "--lr-decay-iters", "1000",  # the killed runs' schedule (their --train-iters)
         "--load", ck, "--save", ck, "--save-interval", "1"]),))
     assert sorted(out[0]["losses"]) == [latest + 1, latest + 2]
-    assert ckpt.read_tracker(ck) == latest + 2
-    assert [n for n in os.listdir(ck) if n.startswith(".")] == [checkpoint_guard.LOCK_NAME]
+    assert paths.read_tracker(ck) == latest + 2
+    assert [n for n in os.listdir(ck) if n.startswith(".")] == [guard.LOCK_NAME]
 
 
 def test_tp_pp_reshard(tmp_path):

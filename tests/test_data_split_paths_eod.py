@@ -66,7 +66,7 @@ def test_refusals_are_one_line(extra, message):
 def _first_step(tmp_path, tiny_dataset, tiny_tokenizer, extra, eod):
     """(trainer's loss of its first step, per-token losses [mb, s], the micro-batch) on one
     process; the step's batch is the first one with an end-of-document token in it."""
-    from megaq.checkpoint import one_process_topology
+    from megaq.parallel.topology import Layout, build_topology
     from megaq.pretrain import build_trainer
 
     argv = BASE + ["--global-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout",
@@ -74,7 +74,7 @@ def _first_step(tmp_path, tiny_dataset, tiny_tokenizer, extra, eod):
                    "--train-data-path", tiny_dataset, "--valid-data-path", tiny_dataset,
                    "--data-cache-path", str(tmp_path / "cache"), *extra]
     config = parse_config(argv, world_size=1)
-    trainer = build_trainer(config, one_process_topology())
+    trainer = build_trainer(config, build_topology(Layout(1), 0))
     (mb,) = next(b for b in trainer.p.train_batches(0) if (b[0]["tokens"] == eod).any())
     with torch.no_grad():
         per_token = trainer.p.model_chunks[0](input_ids=mb["tokens"], labels=mb["labels"])

@@ -11,17 +11,21 @@ Launches (few, each several checks):
   from R's iteration 2 as TP1 x PP1 x DP4 plain ZeRO-3 (saving at 3), as TP1 x PP2
      (interleaved, 2 chunks per stage) x DP2; and from the TP1 x PP1 x DP4 plain
      ZeRO-3 save back to ZeRO++ (hpZ) as TP2 x PP1 x DP4: losses within 1e-5 of R's.
-Also: flat ranges -> boxes, bytes a rank materialises while saving and loading.
+Also: flat ranges -> boxes, bytes a rank materialises while saving and loading, the
+engine's sharded state in and out (the interface the format reads and fills).
 """
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from megaq import checkpoint as ckpt
-from megaq import dist_checkpoint as dck
 from megaq import pretrain
+from megaq.checkpoint import dcp_chunks, dcp_format, staging
+from megaq.checkpoint.errors import CheckpointError
+from megaq.checkpoint.paths import common_file, error_feedback_file, iteration_dir, read_tracker
+from megaq.checkpoint.save import save_checkpoint
 from megaq.parallel.launch import run_on_ranks
 from tests.test_checkpoint_resume import copy_checkpoint, model_argv
 
@@ -32,11 +36,11 @@ ZEROPP = ["--zero-hpz-partition-size", "2", "--zero-quantized-weights",
 
 
 def _train(topo, argv):
-    dck.HOST_BYTES.reset()
+    staging.HOST_BYTES.reset()
     s = pretrain.main(argv, topo=topo)
-    return {"losses": s.losses, "host_peak": dck.HOST_BYTES.peak,
-            "state_bytes": dck.LAST_SHARD_BYTES.get("save", 0),
-            "load_bytes": dck.LAST_SHARD_BYTES.get("load", 0)}
+    return {"losses": s.losses, "host_peak": staging.HOST_BYTES.peak,
+            "state_bytes": dcp_format.LAST_SHARD_BYTES.get("save", 0),
+            "load_bytes": dcp_format.LAST_SHARD_BYTES.get("load", 0)}
 
 
 def layout_argv(tp, pp, extra=()):
@@ -53,13 +57,55 @@ def test_flat_range_boxes_cover_the_range_in_order():
     shape = (3, 4, 5)
     for a, b in [(0, 60), (7, 8), (3, 47), (20, 40), (19, 41), (0, 1), (59, 60)]:
         seen = []
-        for offsets, sizes, flat_start in dck.flat_range_boxes(shape, a, b):
+        for offsets, sizes, flat_start in dcp_chunks.flat_range_boxes(shape, a, b):
             idx = torch.arange(60).view(shape)
             box = idx[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
             assert box.flatten().tolist() == list(range(flat_start, flat_start + box.numel()))
             seen += box.flatten().tolist()
         assert seen == list(range(a, b))
-        assert len(dck.flat_range_boxes(shape, a, b)) <= 2 * len(shape) - 1
+        assert len(dcp_chunks.flat_range_boxes(shape, a, b)) <= 2 * len(shape) - 1
+
+
+def test_engine_sharded_state_in_and_out():
+    """engine.sharded_state() copied out and handed to a second engine becomes its state
+    (masters, moments, step); carried without the optimizer state, the second engine's
+    moments start at zero; another engine's pieces are refused."""
+    from megaq.parallel.topology import Layout, build_topology
+    from megaq.zero import ZeroConfig, build_engine
+    from tests import zero_harness as H
+
+    def engine():
+        torch.manual_seed(0)
+        model = H.GPTModel(H.model_config())
+        return model, build_engine([model], build_topology(Layout(1), 0), ZeroConfig(block_size=8))
+
+    model, a = engine()
+    tokens = torch.randint(0, model.config.vocab_size, (2, model.config.seq_length + 1))
+    for _ in range(2):
+        a.zero_grad()
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+        a.finish_grad_sync()
+        a.step(1e-2)
+    sd = a.sharded_state()
+    assert sd.step == 2 and sd.keys == ("param", "exp_avg", "exp_avg_sq")
+    copied = dataclasses.replace(sd, params=[dataclasses.replace(
+        p, tensors={k: t.clone() for k, t in p.tensors.items()}) for p in sd.params])
+    _, b = engine()
+    b.load_sharded_state(copied)
+    want, got = a.full_state(), b.full_state()
+    assert got["step"] == 2 and want["params"].keys() == got["params"].keys()
+    assert all(torch.equal(want["params"][n][k], got["params"][n][k])
+               for n in want["params"] for k in want["params"][n])
+    _, c = engine()
+    weights = dataclasses.replace(copied, step=0, keys=("param",), params=[dataclasses.replace(
+        p, tensors={"param": p.tensors["param"]}) for p in copied.params])
+    c.load_sharded_state(weights)
+    got = c.full_state()
+    assert got["step"] == 0 and any(e["exp_avg"].abs().sum() > 0 for e in want["params"].values())
+    assert all(torch.equal(e["param"], want["params"][n]["param"]) and not e["exp_avg"].any()
+               and not e["exp_avg_sq"].any() for n, e in got["params"].items())
+    with pytest.raises(ValueError, match="this rank's shard of every parameter"):
+        c.load_sharded_state(dataclasses.replace(copied, params=copied.params[1:]))
 
 
 def test_exact_resume_full_zeropp_sync_and_async(tmp_path):
@@ -67,10 +113,10 @@ def test_exact_resume_full_zeropp_sync_and_async(tmp_path):
     u = run(tmp_path, 8, 2, 2, 4, ZEROPP + ["--save", str(ck), "--save-interval", "2",
                                             "--async-save", "--gpus-per-node", "4"],
             ranks_per_node=4, hpz_size=2)
-    assert ckpt.read_tracker(str(ck)) == 4
-    it2 = ckpt.iteration_dir(str(ck), 2)
-    assert os.path.isfile(os.path.join(it2, dck.COMMON_FILE))
-    assert os.path.isfile(ckpt.error_feedback_file(it2, 7))
+    assert read_tracker(str(ck)) == 4
+    it2 = iteration_dir(str(ck), 2)
+    assert os.path.isfile(common_file(it2))
+    assert os.path.isfile(error_feedback_file(it2, 7))
     # the background save staged exactly what the rank writes: its own shard
     for r in u:
         assert 0 < r["host_peak"] == r["state_bytes"]
@@ -152,14 +198,14 @@ def _load_variants(topo, argv, ck, ck_no_optim):
            "moments_zero": all(not a[1].any() and not a[2].any() for a in weights)}
     # a checkpoint written without optimizer state (save_optim=False)
     t = trainer("--load", ck)
-    ckpt.save_checkpoint(ck_no_optim, 2, config=t.p.config, topo=topo, engine=t.p.engine,
-                         lr_schedule=t.p.lr_schedule, consumed_samples=16, save_optim=False)
+    save_checkpoint(ck_no_optim, 2, config=t.p.config, topo=topo, engine=t.p.engine,
+                    lr_schedule=t.p.lr_schedule, consumed_samples=16, save_optim=False)
     errors = {}
     for name, extra in [("no_optim", ["--load", ck_no_optim]),
                         ("arch", ["--load", ck, "--hidden-size", "64"])]:
         try:
             trainer(*extra)
-        except (ckpt.CheckpointError, AgreedError) as e:
+        except (CheckpointError, AgreedError) as e:
             errors[name] = str(e)
     without, _ = states(trainer("--load", ck_no_optim, "--no-load-optim"))
     out["no_optim_loads_weights"] = all(torch.equal(a[0], b[0]) for a, b in zip(full, without))

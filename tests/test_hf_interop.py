@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 
-from megaq import checkpoint as ckpt  # noqa: E402
+from megaq.checkpoint import paths, record  # noqa: E402
+from megaq.checkpoint.consolidate import load_consolidated_model  # noqa: E402
 from megaq.data.gpt_dataset import MockGPTDataset  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
 from megaq.pretrain import main as pretrain_main  # noqa: E402
@@ -86,7 +87,7 @@ def trained(tmp_path_factory, tiny_tokenizer):
 
 def _megaq_model(ckpt_root):
     """megaq's own model from the checkpoint, on one process (tools/generate.py's path)."""
-    model, saved = ckpt.load_consolidated_model(ckpt.iteration_dir(ckpt_root, 3))
+    model, saved = load_consolidated_model(paths.iteration_dir(ckpt_root, 3))
     return tool("generate"), model.eval(), saved
 
 
@@ -337,7 +338,7 @@ def test_export_refusals(trained, tmp_path, capsys):
     # a checkpoint whose shard file is missing: nothing written
     broken = tmp_path / "broken"
     shutil.copytree(root, broken)
-    os.remove(os.path.join(ckpt.iteration_dir(str(broken), 3), "__3_0.distcp"))  # rank 3's
+    os.remove(os.path.join(paths.iteration_dir(str(broken), 3), "__3_0.distcp"))  # rank 3's
     rc, err = _convert(["--to", "hf", "--input", broken, "--output", tmp_path / "y"], capsys)
     assert rc == 2 and "is missing" in err and err.count("\n") == 1
     assert sorted(os.listdir(tmp_path)) == ["broken", "empty"]
@@ -433,16 +434,16 @@ def test_imported_checkpoint_has_the_form_a_run_saves(trained, tmp_path):
     rc, _ = _convert(["--from", "hf", "--to", "megaq", "--input", tmp_path / "hf", "--output",
                       tmp_path / "mq", "--tensor-model-parallel-size", "2"])
     assert rc == 0
-    ours = torch.load(ckpt.model_file(ckpt.iteration_dir(str(tmp_path / "mq"), 0), 1, 0),
+    ours = torch.load(paths.model_file(paths.iteration_dir(str(tmp_path / "mq"), 0), 1, 0),
                       map_location="cpu", weights_only=True)
-    runs = torch.load(os.path.join(ckpt.iteration_dir(trained["llama_gqa_untied"][0], 3),
+    runs = torch.load(os.path.join(paths.iteration_dir(trained["llama_gqa_untied"][0], 3),
                                    "common.pt"), map_location="cpu", weights_only=True)
     assert set(ours) == set(runs) and set(ours["config"]) == set(runs["config"])
     for section in runs["config"]:
         assert set(ours["config"][section]) == set(runs["config"][section]), section
     assert ours["layout"] == {**runs["layout"], "world_size": 2, "pp": 1, "dp": 1,
                               "ranks_per_node": 2}
-    assert ckpt.saved_config(ours)["model"]["vocab_size"] == 99
+    assert record.saved_config(ours)["model"]["vocab_size"] == 99
     assert ours["model_optim"]["step"] == 0 and ours["iteration"] == 0
 
 

@@ -1,4 +1,4 @@
-"""--async-save's host staging (megaq/host_staging.py): one exact-size buffer whose
+"""--async-save's host staging (megaq/checkpoint/staging.py): one exact-size buffer whose
 pieces DCP writes without copying them, and a pinned buffer kept (and unregistered
 before it goes) across saves."""
 
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from megaq import host_staging as hs
+from megaq.checkpoint import staging as hs
 
 
 def test_pieces_are_exact_copies_on_storages_of_their_own_size():

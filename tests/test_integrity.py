@@ -1,4 +1,4 @@
-"""The SHA-256 checkpoint manifest (megaq.integrity): every byte of every file is covered.
+"""The SHA-256 checkpoint manifest (megaq.checkpoint.integrity): every byte of every file is covered.
 
 The checkpoint here is a real one: saved by megaq.pretrain on 2 forked ranks with qgZ
 error feedback (DCP index and shard files, common file, RNG and error-feedback files). The loader's use of the checks
@@ -12,7 +12,7 @@ import random
 import pytest
 
 from megaq import pretrain
-from megaq import integrity
+from megaq.checkpoint import integrity
 from megaq.parallel.launch import run_cli_on_ranks
 
 
@@ -81,23 +81,35 @@ def test_truncated_empty_and_missing_files_are_refused(saved):
 
 def test_directory_without_complete_manifest_is_refused(tmp_path):
     (tmp_path / "a.pt").write_bytes(b"x")
+    files = integrity.Verifier(str(tmp_path))
     with pytest.raises(integrity.IntegrityError, match="has no integrity manifest"):
-        integrity.require_manifest(str(tmp_path))
+        files.require_manifest()
     integrity.write_manifest(str(tmp_path))
     body = json.loads((tmp_path / integrity.MANIFEST_NAME).read_text())
     body["complete"] = False
     (tmp_path / integrity.MANIFEST_NAME).write_text(json.dumps(body))
     with pytest.raises(integrity.IntegrityError, match="not a complete megaq manifest"):
-        integrity.require_manifest(str(tmp_path))
+        files.require_manifest()
     (tmp_path / integrity.MANIFEST_NAME).write_text('{"format": "megaq-sha')  # torn write
     with pytest.raises(integrity.IntegrityError, match="cannot be read"):
-        integrity.require_manifest(str(tmp_path))
-    integrity.verify_checkpoints(False)  # --no-verify-checkpoint
-    try:
-        integrity.require_manifest(str(tmp_path))
-        integrity.verify(str(tmp_path), str(tmp_path / "a.pt"))
-    finally:
-        integrity.verify_checkpoints(True)
+        files.require_manifest()
+    with pytest.raises(integrity.IntegrityError, match="cannot be read"):
+        files.verify(str(tmp_path / "a.pt"))
+    unchecked = integrity.Verifier(str(tmp_path), enabled=False)  # --no-verify-checkpoint
+    unchecked.require_manifest()
+    unchecked.verify(str(tmp_path / "a.pt"))
+
+
+def test_a_verifier_checks_a_file_again_once_it_changed(tmp_path):
+    """A Verifier hashes a file once; a file written since (size or mtime) is hashed again."""
+    path = tmp_path / "a.pt"
+    path.write_bytes(b"x")
+    integrity.write_manifest(str(tmp_path))
+    files = integrity.Verifier(str(tmp_path))
+    files.verify(str(path))
+    path.write_bytes(b"xy")
+    with pytest.raises(integrity.IntegrityError, match="a.pt is damaged"):
+        files.verify(str(path))
 
 
 def test_file_added_after_the_save_is_refused(tmp_path):

@@ -38,7 +38,7 @@ def _train(topo, argv):
 
 
 def test_log_line_throughput_params_norm_timers_and_memory_at_pp2(tmp_path, capfd):
-    from megaq.checkpoint import load_consolidated_model
+    from megaq.checkpoint.consolidate import load_consolidated_model
 
     metrics = tmp_path / "m.jsonl"
     argv = _argv(tmp_path, ["--pipeline-model-parallel-size", "2", "--log-throughput",
@@ -101,7 +101,7 @@ class _FakeWandb(types.ModuleType):
 
 
 def test_wandb_gets_the_tensorboard_scalars(tmp_path, monkeypatch, capsys):
-    from megaq.checkpoint import one_process_topology
+    from megaq.parallel.topology import Layout, build_topology
     from megaq.pretrain import main
 
     fake = _FakeWandb()
@@ -111,7 +111,7 @@ def test_wandb_gets_the_tensorboard_scalars(tmp_path, monkeypatch, capsys):
     save_dir = tmp_path / "wb"
     main(_argv(tmp_path, ["--wandb-project", "proj", "--wandb-exp-name", "run1",
                           "--wandb-save-dir", str(save_dir), "--log-params-norm",
-                          "--log-memory-to-tensorboard"]), topo=one_process_topology())
+                          "--log-memory-to-tensorboard"]), topo=build_topology(Layout(1), 0))
     (init,) = fake.inits
     assert (init["project"], init["name"], init["dir"], init["mode"]) == (
         "proj", "run1", str(save_dir), "offline")  # the server is unreachable: offline

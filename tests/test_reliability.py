@@ -20,7 +20,7 @@ import time
 import pytest
 
 from megaq import pretrain
-from megaq import checkpoint as ckpt
+from megaq.checkpoint import paths
 from megaq.parallel.launch import run_cli_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +87,7 @@ def test_error_found_only_on_rank_3_is_printed_20_of_20(ck4):
     """Rank 3 alone reads rng/rank_00003.pt. 10 runs with it damaged (caught by the
     manifest), 10 with it truncated under --no-verify-checkpoint (caught by the read):
     every run prints the one line naming the file, and no rank exits 0."""
-    rng = os.path.join(ckpt.iteration_dir(ck4, 2), "rng", "rank_00003.pt")
+    rng = os.path.join(paths.iteration_dir(ck4, 2), "rng", "rank_00003.pt")
     good = open(rng, "rb").read()
     seen = []
     for i in range(20):
@@ -115,9 +115,9 @@ def shard_file(ckpt_dir, rank):
 @pytest.mark.parametrize("where", ["shard", "rng", "truncated_shard", "metadata",
                                    "empty_rng_unverified"])
 def test_damaged_checkpoint_file_one_line_naming_it(ck4, where):
-    it = ckpt.iteration_dir(ck4, 2)
+    it = paths.iteration_dir(ck4, 2)
     model = shard_file(it, 0)  # read by rank 0 (same layout: every rank reads its own)
-    rng = ckpt.rng_file(it, 1)
+    rng = paths.rng_file(it, 1)
     extra = []
     if where == "shard":
         _flip(model)
@@ -145,7 +145,7 @@ def test_flipped_rng_state_without_manifest_is_a_clear_line(ck4):
     """A byte flip inside the mt19937 state tensor (not the zip structure) loads as a
     tensor; restoring it fails: the line names the file instead of 'Invalid mt19937'."""
     import torch
-    rng = ckpt.rng_file(ckpt.iteration_dir(ck4, 2), 2)
+    rng = paths.rng_file(paths.iteration_dir(ck4, 2), 2)
     state = torch.load(rng, weights_only=True)
     state["torch_cpu"] = state["torch_cpu"][:100]  # a wrong-sized generator state
     torch.save(state, rng)
@@ -156,7 +156,7 @@ def test_flipped_rng_state_without_manifest_is_a_clear_line(ck4):
 
 
 def test_directory_without_manifest_is_never_loaded(ck4):
-    os.remove(os.path.join(ckpt.iteration_dir(ck4, 2), "MANIFEST.sha256.json"))
+    os.remove(os.path.join(paths.iteration_dir(ck4, 2), "MANIFEST.sha256.json"))
     r = run(tiny_argv(3, "--load", ck4), world=2)
     lines = error_lines(r)
     assert all_failed(r, 2) and len(lines) == 1 and "has no integrity manifest" in lines[0]
@@ -170,7 +170,7 @@ def test_reshard_reads_are_verified(tmp_path):
     r = run(tiny_argv(1, "--save", root, "--save-interval", "1",
                       "--tensor-model-parallel-size", "2"), world=2)
     assert r["codes"] == [0, 0], r["stderr"]
-    shard = shard_file(ckpt.iteration_dir(root, 1), 1)
+    shard = shard_file(paths.iteration_dir(root, 1), 1)
     _flip(shard)
     r = run(tiny_argv(2, "--load", root), world=2)
     lines = error_lines(r)
@@ -186,7 +186,7 @@ def _file_size_limit(limit):
 
 
 def test_disk_full_save_one_line_no_tmp_previous_stays_latest(ck4):
-    it = ckpt.iteration_dir(ck4, 2)
+    it = paths.iteration_dir(ck4, 2)
     model_bytes = os.path.getsize(shard_file(it, 0))
     biggest_other = max(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(it)
                         for n in ns if not n.endswith(".distcp"))
@@ -199,7 +199,7 @@ def test_disk_full_save_one_line_no_tmp_previous_stays_latest(ck4):
     assert f"cannot write the checkpoint to {ck4}: File too large" in lines[0]
     assert "needs about" in lines[0] and "(iteration 2) stays latest" in lines[0]
     assert "Traceback" not in r["stderr"]
-    assert ckpt.read_tracker(ck4) == 2
+    assert paths.read_tracker(ck4) == 2
     assert sorted(n for n in os.listdir(ck4) if n.startswith((".iter", "iter"))) == ["iter_0000002"]
     # and the previous checkpoint still loads
     ok = run(tiny_argv(3, "--load", ck4, "--global-batch-size", "4"), world=2)
@@ -222,7 +222,7 @@ def test_nan_streak_leaves_latest_at_last_healthy_checkpoint(tmp_path):
                                                    "in a row"), r["stderr"]
     assert "checkpoint at iteration 2 postponed" in r["stdout"]
     assert "checkpoint at iteration 3 postponed" in r["stdout"]
-    assert ckpt.read_tracker(root) == 1
+    assert paths.read_tracker(root) == 1
     assert sorted(n for n in os.listdir(root) if "iter_" in n) == ["iter_0000001"]
 
 
@@ -234,7 +234,7 @@ def test_weights_that_overflow_never_become_latest(tmp_path):
     root = str(tmp_path / "ck")
     sgd = ["--optimizer", "sgd", "--save", root, "--save-interval", "1"]
     r = run(tiny_argv(1, *sgd), world=2)
-    assert r["codes"] == [0, 0] and ckpt.read_tracker(root) == 1, r["stderr"]
+    assert r["codes"] == [0, 0] and paths.read_tracker(root) == 1, r["stderr"]
     argv = tiny_argv(3, *sgd, "--load", root, "--weight-decay", "100", "--async-save",
                      "--override-opt_param-scheduler")
     argv[argv.index("--lr") + 1] = "1e38"
@@ -246,7 +246,7 @@ def test_weights_that_overflow_never_become_latest(tmp_path):
                         f"stays latest; resume from it with a lower --lr (plus "
                         f"--override-opt_param-scheduler) or a smaller --weight-decay")
     assert "lm loss: 4." in r["stdout"].split("iteration        2/")[1].splitlines()[0]  # finite
-    assert ckpt.read_tracker(root) == 1
+    assert paths.read_tracker(root) == 1
     assert sorted(n for n in os.listdir(root) if "iter_" in n) == ["iter_0000001"]
 
 
@@ -265,7 +265,7 @@ def test_sigint_saves_at_next_iteration_and_exits_0(tmp_path):
             on_start=_signal_when_training(signal.SIGINT, [0, 1]))
     assert r["codes"] == [0, 0], r["stderr"]
     assert "Traceback" not in r["stderr"] and "KeyboardInterrupt" not in r["stderr"]
-    saved = ckpt.read_tracker(root)
+    saved = paths.read_tracker(root)
     assert saved and f"exiting program at iteration {saved}" in r["stdout"]
     assert "saved checkpoint at iteration" in r["stdout"]
 
@@ -410,11 +410,11 @@ def test_second_job_refused_by_lock_and_stale_lock_taken_over(tmp_path):
     lines = error_lines(r)
     assert all_failed(r, 2) and len(lines) == 1, r["stderr"]
     assert f"{root} is in use by another running job (pid" in lines[0]
-    assert not os.path.exists(ckpt.iteration_dir(root, 1))
+    assert not os.path.exists(paths.iteration_dir(root, 1))
     third = run(tiny_argv(1, "--save", root, "--save-interval", "1"), world=2)
     assert third["codes"] == [0, 0], third["stderr"]
     assert "took over the stale checkpoint lock" in third["stdout"]
-    assert ckpt.read_tracker(root) == 1
+    assert paths.read_tracker(root) == 1
 
 
 def test_sigkill_of_torchrun_leaves_no_rank_alive(tmp_path):

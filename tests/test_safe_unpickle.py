@@ -1,4 +1,4 @@
-"""Nothing megaq reads can run code (megaq/safe_unpickle.py).
+"""Nothing megaq reads can run code (megaq/checkpoint/safe_unpickle.py).
 
 Every reader and every entry point gets a planted file whose pickle would create a
 marker file (os.system("touch MARKER"), as a downloaded checkpoint could hold), its
@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from data_fixtures import tool
-from megaq import checkpoint as ckpt
-from megaq import dist_checkpoint, export_files, pretrain, safe_unpickle
+from megaq import export_files, pretrain
+from megaq.checkpoint import dcp_format, integrity, paths, safe_unpickle
+from megaq.checkpoint.errors import CheckpointError
 from megaq.parallel.launch import run_cli_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +62,7 @@ def copy(saved, fmt, tmp_path) -> tuple[str, str]:
     """(a copy of the `fmt` checkpoint root, its iteration directory)."""
     root = str(tmp_path / f"ck_{fmt}")
     shutil.copytree(saved[fmt], root)
-    return root, ckpt.iteration_dir(root, 1)
+    return root, paths.iteration_dir(root, 1)
 
 
 def plant_in_torch_file(ckpt_dir: str, rel: str, marker: str) -> str:
@@ -153,9 +154,9 @@ def test_an_index_naming_a_file_outside_its_directory_is_refused(saved, tmp_path
     with open(index, "wb") as f:
         pickle.dump(md, f)
     TRIALS.rehash(it, ".metadata")
-    with pytest.raises(ckpt.CheckpointError, match=r"is not a DCP index \(a storage entry names "
-                                                   r"'../../elsewhere.distcp', not a file of its"):
-        dist_checkpoint.VerifiedReader(it).read_metadata()
+    with pytest.raises(CheckpointError, match=r"is not a DCP index \(a storage entry names "
+                                              r"'../../elsewhere.distcp', not a file of its"):
+        dcp_format.VerifiedReader(integrity.Verifier(it)).read_metadata()
 
 
 def test_megatron_classes_are_read_without_megatron(tmp_path, monkeypatch):
@@ -197,10 +198,10 @@ def _unpickling_calls(path):
 
 
 def test_nothing_else_unpickles():
-    """Every unpickling in megaq, its tools and pretrain_gpt.py is megaq.safe_unpickle's,
+    """Every unpickling in megaq, its tools and pretrain_gpt.py is megaq.checkpoint.safe_unpickle's,
     except launch.run_on_ranks's (a forked child's return value over a pipe: not a
     file, not untrusted; the reason is at the call)."""
-    allowed = {os.path.join("megaq", "safe_unpickle.py"): 1,
+    allowed = {os.path.join("megaq", "checkpoint", "safe_unpickle.py"): 1,
                os.path.join("megaq", "parallel", "launch.py"): 1,
                # the fault trials plant a hostile index: they read megaq's own first
                os.path.join("tools", "cluster", "fault_trials.py"): 1}
@@ -348,7 +349,7 @@ def test_export_reads_the_index_once_and_shows_progress(saved, tmp_path, monkeyp
     monkeypatch.setattr(sys, "stderr", terminal)
     out = export_to_hf(root, str(tmp_path / "hf"), log=lambda *_: None)
     assert reads.count(safe_unpickle.DCP_INDEX) == 1
-    n = sum(1 for _ in dist_checkpoint.VerifiedReader(ckpt.iteration_dir(root, 1))
+    n = sum(1 for _ in dcp_format.VerifiedReader(integrity.Verifier(paths.iteration_dir(root, 1)))
             .read_metadata().state_dict_metadata if _.startswith("model."))
     assert n > 5 and "exporting" in terminal.text and f"/{n}" in terminal.text
     assert export_files.is_export(out["dir"])
@@ -360,7 +361,7 @@ def test_a_damaged_file_is_named_before_any_flag_is_compared(saved, tmp_path, fm
     """A flipped RNG file, resumed with another LR schedule: the damage is the error
     (it was reported as an LR-schedule mismatch: the flags were compared first)."""
     root, it = copy(saved, fmt, tmp_path)
-    rng = ckpt.rng_file(it, 0)
+    rng = paths.rng_file(it, 0)
     data = bytearray(open(rng, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(rng, "wb").write(bytes(data))
@@ -405,7 +406,7 @@ def test_overwrite_replaces_only_what_megaq_wrote(saved, tmp_path, capsys):
     assert run("--to", "hf", "--input", root, "--output", export)[0] == 0
     assert run("--to", "megaq", "--ckpt-format", "torch", "--input", root, "--output", old)[0] == 0
     assert run("--to", "megaq", "--ckpt-format", "torch", "--input", root, "--output", old)[0] == 0
-    assert export_files.is_export(str(export)) and ckpt.read_tracker(str(old)) == 1
+    assert export_files.is_export(str(export)) and paths.read_tracker(str(old)) == 1
     rc, err = run("--to", "megaq", "--ckpt-format", "torch", "--input", root, "--output", export)
     assert rc == 2 and "is not an earlier megaq checkpoint" in err
     rc, err = run("--to", "hf", "--input", root, "--output", old)

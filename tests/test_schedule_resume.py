@@ -14,9 +14,10 @@ import sys
 import pytest
 import torch
 
-from megaq import checkpoint as ckpt
 from megaq import pretrain
 from megaq.arguments import ArgumentsError, parse_config
+from megaq.checkpoint import paths
+from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.lr_schedule import LRSchedule, ScheduleMismatchError
 from megaq.metrics import drop_records_after
 from megaq.parallel.launch import run_on_ranks
@@ -76,7 +77,7 @@ def metrics(path):
 
 
 def saved_params(root, iteration):
-    sd = torch.load(ckpt.model_file(ckpt.iteration_dir(root, iteration), 0, 0),
+    sd = torch.load(paths.model_file(paths.iteration_dir(root, iteration), 0, 0),
                     weights_only=True)
     return {k: v["param"] for k, v in sd["model_optim"]["params"].items()}
 
@@ -225,7 +226,7 @@ def test_sample_based_resume_is_exact_and_truncates_the_metrics_file(runs, tmp_p
     tmp, out = runs
     ck = tmp_path / "ck"
     shutil.copytree(tmp / "samples", ck)
-    ckpt.write_tracker(str(ck), 3)
+    paths.write_tracker(str(ck), 3)
     m = tmp_path / "m.jsonl"
     shutil.copy(tmp / "samples.jsonl", m)
     with open(m, "a") as f:
@@ -263,7 +264,7 @@ def _schedule_trainer_ck(runs, tmp_path, name="iters"):
     tmp, _ = runs
     ck = tmp_path / "ck"
     shutil.copytree(tmp / name, ck)
-    ckpt.write_tracker(str(ck), 3)
+    paths.write_tracker(str(ck), 3)
     return ck
 
 
@@ -315,7 +316,7 @@ def test_finetune_resets_iteration_and_loads_weights(runs, tmp_path):
     # and it trains from there, saving its own iterations 1..2
     out = train(base(tmp_path, "--train-iters", "2", "--finetune", "--load", ck,
                      "--save", str(tmp_path / "ft")))
-    assert sorted(out["losses"]) == [1, 2] and ckpt.read_tracker(str(tmp_path / "ft")) == 2
+    assert sorted(out["losses"]) == [1, 2] and paths.read_tracker(str(tmp_path / "ft")) == 2
     empty = setup(base(tmp_path, "--train-iters", "2", "--finetune", "--load",
                        str(tmp_path / "none")))
     assert "--finetune: " in empty["error"] and "holds no checkpoint" in empty["error"]
@@ -327,7 +328,7 @@ def test_load_of_something_else_than_a_checkpoint_root_is_refused(runs, tmp_path
     empty or missing directory still starts from scratch, as in Megatron-LM."""
     tmp, _ = runs
     ck = str(tmp / "iters")
-    it = ckpt.iteration_dir(ck, 6)
+    it = paths.iteration_dir(ck, 6)
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
@@ -335,7 +336,7 @@ def test_load_of_something_else_than_a_checkpoint_root_is_refused(runs, tmp_path
     for path, flag, line in (
             (it, "--load", f"--load {it} is one iteration of the checkpoint {ck}; name the checkpoint "
                            f"directory itself"),
-            (ckpt.model_file(it, 0, 0), "--load", "is a file; name the checkpoint directory"),
+            (paths.model_file(it, 0, 0), "--load", "is a file; name the checkpoint directory"),
             (str(hf), "--load", f"--load {hf} is a Hugging Face model directory, not a megaq "
                                 f"checkpoint; convert it with `python tools/convert_checkpoint.py "
                                 f"--from hf --to megaq"),
@@ -347,7 +348,7 @@ def test_load_of_something_else_than_a_checkpoint_root_is_refused(runs, tmp_path
     # a tracker file that is not text is a damaged tracker, not a traceback
     bad = tmp_path / "bad"
     shutil.copytree(ck, bad)
-    (bad / ckpt.TRACKER_FILE).write_bytes(b"\xff\xfe")
+    (bad / paths.TRACKER_FILE).write_bytes(b"\xff\xfe")
     r = setup(base(tmp_path, "--train-iters", "2", "--load", str(bad)))
     assert "not an iteration number" in r["error"], r["error"]
 
@@ -384,7 +385,7 @@ def test_no_save_optim_is_smaller_and_needs_no_load_optim(runs, tmp_path):
     small = train(base(tmp_path, *ITERS, "--save", ck, "--save-interval", "3",
                        "--no-save-optim"))
     assert small["losses"] == out["iters"]["losses"]  # saving less changes no step
-    size = lambda root: os.path.getsize(ckpt.model_file(ckpt.iteration_dir(root, 6), 0, 0))  # noqa: E731
+    size = lambda root: os.path.getsize(paths.model_file(paths.iteration_dir(root, 6), 0, 0))  # noqa: E731
     assert size(ck) < 0.5 * size(str(tmp / "iters"))  # weights only: about a third
     refused = setup(base(tmp_path, *ITERS, "--load", ck))
     assert ("was saved with --no-save-optim (no optimizer state); load it with "
@@ -407,7 +408,7 @@ def test_no_save_optim_tp2_finetunes_at_tp1(tmp_path):
                                              "--no-save-optim"),))
     r = setup(base(tmp_path, *pad, "--train-iters", "1", "--finetune", "--load", ck))
     assert r["iteration"] == 0 and r["moments_zero"]
-    full = ckpt.load_consolidated_model(ckpt.iteration_dir(ck, 2))[0]
+    full = load_consolidated_model(paths.iteration_dir(ck, 2))[0]
     assert r["params"].keys() == dict(full.named_parameters()).keys()
     for name, p in full.named_parameters():
         assert torch.equal(r["params"][name], p.detach()), name

@@ -24,7 +24,8 @@ transformers = pytest.importorskip(
                            "pyproject.toml's test extra)")
 
 from data_fixtures import EDGE_TEXTS, random_texts, run_tool, tool, write_jsonl  # noqa: E402
-from megaq import checkpoint as ckpt  # noqa: E402
+from megaq.checkpoint.consolidate import load_consolidated_model  # noqa: E402
+from megaq.checkpoint.paths import iteration_dir, read_tracker  # noqa: E402
 from megaq import export_files  # noqa: E402
 from megaq.data.indexed import IndexedDataset  # noqa: E402
 from megaq.data.tokenizer import build_tokenizer  # noqa: E402
@@ -131,8 +132,8 @@ def _greedy_matches_generate_py(ckpt_root, export, prompt_ids, capsys):
                      "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     assert "[generate]" in out and "the checkpoint's copy" in out, out
-    it = ckpt.read_tracker(ckpt_root)
-    model, _ = ckpt.load_consolidated_model(ckpt.iteration_dir(ckpt_root, it))
+    it = read_tracker(ckpt_root)
+    model, _ = load_consolidated_model(iteration_dir(ckpt_root, it))
     vocab = model.config.vocab_size
     expect = gen.sample(model.eval(), prompt_ids, 12, vocab, model.config.seq_length, 0.0, 0,
                         torch.Generator())
@@ -148,7 +149,7 @@ def _greedy_matches_generate_py(ckpt_root, export, prompt_ids, capsys):
 
 def test_gpt2_bpe_run_exports_its_tokenizer(gpt2_run, gpt2_files, tiny_corpus, tmp_path, capsys):
     ck, export, tok = gpt2_run
-    it = ckpt.iteration_dir(ck, ckpt.read_tracker(ck))
+    it = iteration_dir(ck, read_tracker(ck))
     for name, src in zip(("vocab.json", "merges.txt"), gpt2_files):  # the copy in the checkpoint
         assert open(os.path.join(it, "tokenizer", name), "rb").read() == open(src, "rb").read()
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -172,7 +173,7 @@ def test_gpt2_bpe_run_exports_its_tokenizer(gpt2_run, gpt2_files, tiny_corpus, t
             open(os.path.join(export, name), "rb").read()
     _greedy_matches_generate_py(ck, export, tok.tokenize("def main("), capsys)
     # the format converter keeps the copy (and the manifest covers it)
-    from megaq import integrity
+    from megaq.checkpoint import integrity
     from megaq.interop.ckpt_format import convert_format
     out = convert_format(ck, str(tmp_path / "torch"), "torch")["dir"]
     assert "tokenizer/vocab.json" in integrity.verify_all(out)
@@ -195,7 +196,7 @@ def test_checkpoint_without_a_copy_asks_for_the_files_by_flag(gpt2_run, gpt2_fil
     ck, _, _ = gpt2_run
     old = tmp_path / "old"
     shutil.copytree(ck, old)
-    it = ckpt.iteration_dir(str(old), ckpt.read_tracker(str(old)))
+    it = iteration_dir(str(old), read_tracker(str(old)))
     gen = tool("generate")
     os.remove(os.path.join(it, "tokenizer", "vocab.json"))
     os.symlink(gpt2_files[0], os.path.join(it, "tokenizer", "vocab.json"))
@@ -293,7 +294,7 @@ def test_hf_import_carries_a_tokenizer_json(gpt2_run, tiny_corpus, tmp_path, cap
     convert = tool("convert_checkpoint")
     assert convert.main(["--from", "hf", "--to", "megaq", "--input", str(tmp_path / "src"),
                          "--output", str(tmp_path / "mq")]) == 0
-    copy = os.path.join(ckpt.iteration_dir(str(tmp_path / "mq"), 0), "tokenizer")
+    copy = os.path.join(iteration_dir(str(tmp_path / "mq"), 0), "tokenizer")
     assert open(tmp_path / "mq" / "megaq_args.txt").read().split()[-4:] == [
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", copy]
     capsys.readouterr()

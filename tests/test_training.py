@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from megaq import pretrain
+from megaq.checkpoint import paths
 from megaq.training import Trainer, TrainingDiverged
 from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
 from megaq.parallel.launch import run_on_ranks
@@ -147,9 +148,8 @@ def test_exit_interval_saves_and_stops_every_rank(tmp_path):
         "--exit-interval", "3", "--save", ck, "--save-interval", "2"]),))
     assert [r["iteration"] for r in out] == [3, 3]
     assert out[0]["reason"] == "--exit-interval 3" and sorted(out[0]["losses"]) == [1, 2, 3]
-    from megaq import checkpoint as ckpt
-    assert ckpt.read_tracker(ck) == 3  # saved at the exit, off the save interval
-    assert os.path.isdir(ckpt.iteration_dir(ck, 2))
+    assert paths.read_tracker(ck) == 3  # saved at the exit, off the save interval
+    assert os.path.isdir(paths.iteration_dir(ck, 2))
 
 
 def test_exit_duration_saves_and_stops_every_rank(tmp_path):
@@ -160,8 +160,7 @@ def test_exit_duration_saves_and_stops_every_rank(tmp_path):
         "--exit-duration-in-mins", "1e-6", "--save", ck]),))
     assert [r["iteration"] for r in out] == [1, 1]
     assert "--exit-duration-in-mins 1e-06 passed" in out[0]["reason"]
-    from megaq import checkpoint as ckpt
-    assert ckpt.read_tracker(ck) == 1
+    assert paths.read_tracker(ck) == 1
 
 
 def test_tensorboard_optional(tmp_path, capsys):
@@ -196,12 +195,11 @@ def _signalled(topo, args):
 
 
 def test_signal_on_one_rank_stops_all_after_a_save(tmp_path):
-    from megaq import checkpoint as ckpt
     out = run_on_ranks(_signalled, 2, args=(argv(str(tmp_path), 6, [
         "--exit-signal-handler", "--save", str(tmp_path / "ck"), "--save-interval", "5"]),))
     assert [r["iteration"] for r in out] == [2, 2]
     assert "signal" in out[0]["reason"]
-    assert ckpt.read_tracker(str(tmp_path / "ck")) == 2
+    assert paths.read_tracker(str(tmp_path / "ck")) == 2
 
 
 def test_plot_metrics_writes_png(tmp_path):

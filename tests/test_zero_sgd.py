@@ -52,13 +52,13 @@ def test_sgd_state_round_trip_across_dp_sizes():
 
 
 def test_adam_state_is_refused_by_sgd_engine():
-    from megaq.checkpoint import one_process_topology
+    from megaq.parallel.topology import Layout, build_topology
     from megaq.zero import build_engine
     from megaq.zero.state import OptimizerStateMismatch
 
     def engine(**kw):
         torch.manual_seed(0)
-        return build_engine([H.GPTModel(H.model_config())], one_process_topology(),
+        return build_engine([H.GPTModel(H.model_config())], build_topology(Layout(1), 0),
                             ZeroConfig(block_size=8, **kw))
     adam_state = engine().full_state()
     with pytest.raises(OptimizerStateMismatch, match="holds exp_avg, exp_avg_sq for .*, but "
@@ -77,11 +77,11 @@ def _argv(tmp_path, iters, extra=()):
 
 
 def test_pretrain_sgd_resumes_exactly_and_refuses_adam_state(tmp_path):
-    from megaq.checkpoint import one_process_topology
+    from megaq.parallel.topology import Layout, build_topology
     from megaq.pretrain import main
 
     def run(iters, extra):
-        return main(_argv(tmp_path, iters, extra), topo=one_process_topology()).losses
+        return main(_argv(tmp_path, iters, extra), topo=build_topology(Layout(1), 0)).losses
     sgd = ["--optimizer", "sgd", "--sgd-momentum", "0.8"]
     whole = run(4, sgd)
     ck = str(tmp_path / "sgd")

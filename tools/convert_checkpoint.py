@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from megaq.checkpoint import CheckpointError
+    from megaq.checkpoint.errors import CheckpointError
     from megaq.data.errors import DataError
     from megaq.interop.common import InteropError
     try:

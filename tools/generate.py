@@ -3,7 +3,7 @@
 
     python tools/generate.py --load CKPT_DIR --prompt "def main(" --max-new-tokens 80
 
-Any TP x PP x DP layout loads (megaq.checkpoint.load_consolidated_model): the
+Any TP x PP x DP layout loads (megaq.checkpoint.consolidate.load_consolidated_model): the
 checkpoint holds full (DP-consolidated) weights per TP x PP rank; pipeline stages are
 stitched back by global layer index and TP shards concatenated along each parameter's
 partition dimension (checked by re-slicing: if any shard does not round-trip, the tool
@@ -26,8 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megaq import checkpoint as ckpt  # noqa: E402
-from megaq import integrity  # noqa: E402
+from megaq.checkpoint.consolidate import load_consolidated_model  # noqa: E402
+from megaq.checkpoint.errors import CheckpointError  # noqa: E402
+from megaq.checkpoint.formats import checkpoint_layout  # noqa: E402
+from megaq.checkpoint.integrity import Verifier  # noqa: E402
+from megaq.checkpoint.paths import TRACKER_FILE, iteration_dir, read_tracker  # noqa: E402
 from megaq.config import CheckpointConfig  # noqa: E402
 from megaq.flags import add_flag  # noqa: E402
 from megaq.parallelize import apply_fp8  # noqa: E402
@@ -98,17 +101,17 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    integrity.verify_checkpoints(not a.no_verify_checkpoint)
+    verify = not a.no_verify_checkpoint
     try:
         ckpt_dir = a.load
         if not os.path.basename(os.path.normpath(ckpt_dir)).startswith("iter_"):
-            it = ckpt.read_tracker(ckpt_dir)
+            it = read_tracker(ckpt_dir)
             if it is None:
-                raise GenerateError(f"{ckpt_dir} holds no {ckpt.TRACKER_FILE}; pass a checkpoint "
+                raise GenerateError(f"{ckpt_dir} holds no {TRACKER_FILE}; pass a checkpoint "
                                     f"directory written by pretrain_gpt.py --save")
-            ckpt_dir = ckpt.iteration_dir(ckpt_dir, it)
-        tp, _ = ckpt.checkpoint_layout(ckpt_dir)
-        model, saved = ckpt.load_consolidated_model(ckpt_dir)
+            ckpt_dir = iteration_dir(ckpt_dir, it)
+        tp, _ = checkpoint_layout(ckpt_dir, Verifier(ckpt_dir, enabled=verify))
+        model, saved = load_consolidated_model(ckpt_dir, verify=verify)
         if model.config.fp8 is not None:
             apply_fp8(model.layers, model.config.fp8)
         from megaq.interop.checkpoint_tokenizer import run_tokenizer
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
         # files from the flags, the checkpoint's copy, or the paths the run recorded
         spec = run_tokenizer(ckpt_dir, saved["data"], model.config.vocab_size,
                              tokenizer_type=a.tokenizer_type, tokenizer_model=a.tokenizer_model,
-                             vocab_file=a.vocab_file, merge_file=a.merge_file)
+                             vocab_file=a.vocab_file, merge_file=a.merge_file, verify=verify)
         tok = spec.build()
         # ids past the model's embedding rows would index out of it: a different tokenizer
         if tok.vocab_size > model.config.vocab_size:
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
         if not ids:
             raise GenerateError(f"--prompt {a.prompt!r} gives no tokens; generation needs at "
                                 f"least one token to start from: pass a non-empty --prompt")
-    except (GenerateError, ckpt.CheckpointError, DataError) as e:
+    except (GenerateError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(a.seed)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megaq import integrity
+from megaq.checkpoint.integrity import IntegrityError, Verifier
 from megaq.data import tokenizer_files
 from megaq.data.errors import DataError
 from megaq.data.tokenizer import DEFAULT_TYPE, SENTENCEPIECE_TYPES, build_tokenizer
@@ -53,10 +53,12 @@ class TokenizerSpec:
 
 def run_tokenizer(ckpt_dir: str, data: dict, model_vocab: int, *,
                   tokenizer_type: str | None = None, tokenizer_model: str | None = None,
-                  vocab_file: str | None = None, merge_file: str | None = None) -> TokenizerSpec:
+                  vocab_file: str | None = None, merge_file: str | None = None,
+                  verify: bool = True) -> TokenizerSpec:
     """The tokenizer to use for checkpoint directory `ckpt_dir` (an iter_* directory)
     whose configuration's data section is `data`; the keyword arguments are the tool's
-    flags (None: not given). A DataError (one line) when no file can be found."""
+    flags (None: not given); verify=False (--no-verify-checkpoint) reads the checkpoint's
+    copy without checking it against the manifest. A DataError (one line) when no file can be found."""
     recorded = data.get("tokenizer_type") or DEFAULT_TYPE
     given = {k: v for k, v in (("tokenizer_model", tokenizer_model), ("vocab_file", vocab_file),
                                ("merge_file", merge_file)) if v}
@@ -75,7 +77,7 @@ def run_tokenizer(ckpt_dir: str, data: dict, model_vocab: int, *,
     if all(k in given for k in needs):
         return TokenizerSpec(ttype, **{k: given[k] for k in needs}, origin="given by flag")
     if files_kind(recorded) == kind:  # the run's own files fit this type
-        copied = _verified_copy(ckpt_dir, data, kind)
+        copied = _verified_copy(Verifier(ckpt_dir, enabled=verify), data, kind)
         if copied:
             return TokenizerSpec(ttype, **{**copied, **given}, origin="the checkpoint's copy")
         paths = {k: data.get(k) for k in needs}
@@ -108,9 +110,10 @@ def _exists(path: str, kind: str) -> bool:
     return os.path.isdir(path) if kind == "hf" else os.path.isfile(path)
 
 
-def _verified_copy(ckpt_dir: str, data: dict, kind: str) -> dict:
+def _verified_copy(verifier: Verifier, data: dict, kind: str) -> dict:
     """The copy's paths (tokenizer_files.copied_paths) once every file of it is a plain
     file that matches the manifest ({} when there is no copy)."""
+    ckpt_dir = verifier.root
     copied = tokenizer_files.copied_paths(ckpt_dir, data)
     if not copied:
         return {}
@@ -122,12 +125,12 @@ def _verified_copy(ckpt_dir: str, data: dict, kind: str) -> dict:
                             f"plain files only: restore it, or pass {_FLAGS[kind]}")
     try:
         for path in paths:
-            integrity.verify(ckpt_dir, path)
+            verifier.verify(path)
         for path in copied.values():
             if not os.path.exists(path):  # e.g. merges.txt lost beside vocab.json
-                integrity.verify(ckpt_dir, path)  # names it as missing (when verifying)
+                verifier.verify(path)  # names it as missing (when verifying)
                 raise DataError(f"{path} is missing; the checkpoint's tokenizer copy is "
                                 f"incomplete: pass {_FLAGS[kind]}")
-    except integrity.IntegrityError as e:
+    except IntegrityError as e:
         raise DataError(f"{e}; or pass {_FLAGS[kind]}") from None
     return copied

@@ -20,8 +20,15 @@ from typing import Callable
 
 import torch
 
-from megaq import checkpoint as ckpt
-from megaq import checkpoint_guard, dist_checkpoint, export_files, integrity
+from megaq import export_files
+from megaq.checkpoint import dcp_format, guard, integrity, torch_format
+from megaq.checkpoint.consolidate import consolidated_model_config
+from megaq.checkpoint.errors import CheckpointError
+from megaq.checkpoint.formats import checkpoint_layout
+from megaq.checkpoint.paths import (TRACKER_FILE, is_dist_checkpoint, iteration_dir, model_file,
+                                    read_tracker, save_file, write_tracker)
+from megaq.checkpoint.record import model_file_record, saved_config, saved_virtual_pipeline_size
+from megaq.checkpoint.reshard import concat_tp_shards, global_to_local_names
 
 
 class InteropError(RuntimeError):
@@ -71,7 +78,7 @@ def megaq_layout(config, tp: int, pp: int, vp: int = 1) -> list[ParamInfo]:
                            post_process=stage == pp - 1 and v == vp - 1,
                            layer_start=start, layer_end=end)
                   for v, (start, end) in enumerate(ranges)]
-        for name, (key, p) in ckpt.global_to_local_names(chunks, ranges).items():
+        for name, (key, p) in global_to_local_names(chunks, ranges).items():
             parallel = getattr(p, "tensor_model_parallel", False)
             out.append(ParamInfo(name, key, stage, p.partition_dim if parallel else -1,
                                  p.partition_stride if parallel else 1))
@@ -88,41 +95,43 @@ def resolve_checkpoint_dir(path: str) -> str:
     if not os.path.isdir(path):
         raise InteropError(f"{path} does not exist; pass a checkpoint directory written by "
                            f"pretrain_gpt.py --save")
-    it = ckpt.read_tracker(path)
+    it = read_tracker(path)
     if it is None:
-        raise InteropError(f"{path} holds no {ckpt.TRACKER_FILE}; pass a checkpoint directory "
+        raise InteropError(f"{path} holds no {TRACKER_FILE}; pass a checkpoint directory "
                            f"written by pretrain_gpt.py --save (or one of its iter_* directories)")
-    return ckpt.iteration_dir(path, it)
+    return iteration_dir(path, it)
 
 
 class MegaqCheckpointReader:
     """One process's view of a whole megaq checkpoint: memory-mapped shard files, and
-    `full(info)` builds one full parameter from its TP shards (checkpoint.concat_tp_shards).
-    `config` is the configuration it was saved with (checkpoint.saved_config's nesting)
-    and `model` its model on one process (checkpoint.consolidated_model_config: fp32,
-    the vocabulary padded as the checkpoint's TP size padded it)."""
+    `full(info)` builds one full parameter from its TP shards (reshard.concat_tp_shards).
+    `config` is the configuration it was saved with (record.saved_config's nesting)
+    and `model` its model on one process (consolidate.consolidated_model_config: fp32,
+    the vocabulary padded as the checkpoint's TP size padded it). Every file is
+    verified against the checkpoint's manifest."""
 
     def __init__(self, path: str):
         self.dir = resolve_checkpoint_dir(path)
-        self.tp, self.pp = ckpt.checkpoint_layout(self.dir)
-        self.dist = dist_checkpoint.is_dist_checkpoint(self.dir)
+        files = integrity.Verifier(self.dir)
+        self.tp, self.pp = checkpoint_layout(self.dir, files)
+        self.dist = is_dist_checkpoint(self.dir)
         if self.dist:  # --ckpt-format torch_dist: full tensors are read one at a time,
             # through one reader, which reads (and checks) the DCP index once
-            self.config = ckpt.saved_config(dist_checkpoint.read_common(self.dir))
+            self.config = saved_config(dcp_format.read_common(self.dir, files))
             self.params = None
-            self._index = dist_checkpoint.VerifiedReader(self.dir)
+            self._index = dcp_format.VerifiedReader(files)
         else:
-            self.config, saved = ckpt.read_all_stages(self.dir, self.tp, self.pp, mmap=True)
+            self.config, saved = torch_format.read_all_stages(self.dir, self.tp, self.pp,
+                                                              files=files, mmap=True)
             self.params = saved["params"]
-        self.vp = ckpt.saved_virtual_pipeline_size(self.config)
-        self.model = ckpt.consolidated_model_config(self.config)
+        self.vp = saved_virtual_pipeline_size(self.config)
+        self.model = consolidated_model_config(self.config)
 
     def full(self, info: ParamInfo) -> torch.Tensor:
         if self.dist:
             try:
-                return dist_checkpoint.read_full_tensors(self.dir, [info.name],
-                                                         self._index)[info.name]
-            except ckpt.CheckpointError as e:
+                return dcp_format.read_full_tensors(self._index, [info.name])[info.name]
+            except CheckpointError as e:
                 raise InteropError(str(e)) from None
         if info.name not in self.params:
             raise InteropError(f"{self.dir} has no parameter {info.name}; it is incomplete or "
@@ -130,7 +139,7 @@ class MegaqCheckpointReader:
         parts = [entry["param"] for entry in self.params[info.name]]
         if info.dim < 0 or self.tp == 1:
             return parts[0]
-        return ckpt.concat_tp_shards(parts, info.dim, info.stride, name=info.name)
+        return concat_tp_shards(parts, info.dim, info.stride, name=info.name)
 
 
 
@@ -189,13 +198,13 @@ def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
                 shards[r][info.key] = {"param": part.clone(), "exp_avg": z, "exp_avg_sq": z}
             bar.update()
         for r in range(tp):
-            record = ckpt.model_file_record(0, 0, config, config.parallel.layout, lr_scheduler,
+            record = model_file_record(0, 0, config, config.parallel.layout, lr_scheduler,
                                             {"step": 0, "params": shards[r]}, extra)
-            ckpt.save_file(record, ckpt.model_file(ckpt.iteration_dir(root, 0), r, stage))
+            save_file(record, model_file(iteration_dir(root, 0), r, stage))
         del shards
     bar.close()
-    integrity.write_manifest(ckpt.iteration_dir(root, 0))  # as a save: loads verify it
-    ckpt.write_tracker(root, 0)
+    integrity.write_manifest(iteration_dir(root, 0))  # as a save: loads verify it
+    write_tracker(root, 0)
 
 
 def write_megaq_args(root: str, out_dir: str, flags: list[str], info: dict) -> None:
@@ -243,10 +252,10 @@ def check_output(out_dir: str, overwrite: bool, source: str, writes: str) -> Non
 
 # what a megaq checkpoint root holds besides its iter_* directories: the tracker, what
 # the converters write beside it, the job lock, and a killed save's or tracker's leftovers
-_ROOT_FILES = (ckpt.TRACKER_FILE, "megaq_args.txt", "megaq_args.json",
-               export_files.TOKENIZER_MODEL, checkpoint_guard.LOCK_NAME)
+_ROOT_FILES = (TRACKER_FILE, "megaq_args.txt", "megaq_args.json",
+               export_files.TOKENIZER_MODEL, guard.LOCK_NAME)
 _ROOT_LEFTOVER = re.compile(r"(\.iter_\d{7}\.(tmp|old)|"
-                            + re.escape(ckpt.TRACKER_FILE) + r"\.tmp-\d+)")
+                            + re.escape(TRACKER_FILE) + r"\.tmp-\d+)")
 
 
 def is_written_checkpoint_root(path: str) -> bool:
@@ -267,7 +276,7 @@ def is_written_checkpoint_root(path: str) -> bool:
             ok = e.name in _ROOT_FILES and stat.S_ISREG(mode)
         if not ok:
             return False
-    return any(e.name == ckpt.TRACKER_FILE for e in entries)
+    return any(e.name == TRACKER_FILE for e in entries)
 
 
 def temp_dir_for(out_dir: str) -> str:

@@ -33,8 +33,10 @@ import shutil
 
 import torch
 
-from megaq import checkpoint as ckpt
-from megaq import export_files, integrity, safe_unpickle
+from megaq import export_files
+from megaq.checkpoint import integrity, safe_unpickle
+from megaq.checkpoint.paths import iteration_dir
+from megaq.checkpoint.reshard import fit_rows
 from megaq.data import tokenizer_files
 from megaq.data.errors import DataError
 from megaq.interop.checkpoint_tokenizer import run_tokenizer
@@ -439,7 +441,7 @@ class HFTensorSource:
                 if fname.endswith(".safetensors"):
                     from safetensors import safe_open
                     self._open[fname] = safe_open(path, framework="pt")
-                else:  # a pickle: tensors and containers only (megaq.safe_unpickle)
+                else:  # a pickle: tensors and containers only (megaq.checkpoint.safe_unpickle)
                     self._open[fname] = safe_unpickle.load(path, safe_unpickle.TENSORS, mmap=True)
                     if not isinstance(self._open[fname], dict):
                         raise InteropError(f"{path} holds a {type(self._open[fname]).__name__}, "
@@ -610,7 +612,7 @@ def _imported_tokenizer(hf_dir: str, out_dir: str, vocab: int, log) -> tuple[lis
         log(f" note: the tokenizer of {hf_dir} is not imported: it has {size} ids, config.json's "
             f"vocab_size is {vocab}; pass the tokenizer flags for your data yourself")
         return [], {}
-    copy = os.path.join(ckpt.iteration_dir(out, 0), tokenizer_files.TOKENIZER_DIR)
+    copy = os.path.join(iteration_dir(out, 0), tokenizer_files.TOKENIZER_DIR)
     return (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", copy],
             {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": hf_dir})
 
@@ -673,7 +675,7 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
             if t.shape[0] != config.vocab_size:
                 raise InteropError(f"{hf_dir}: {mapping.hf_name(name)} has {t.shape[0]} rows, "
                                    f"config.json vocab_size is {config.vocab_size}")
-            t = ckpt.fit_rows(t, 0, padded, name)  # TP padding rows: zero
+            t = fit_rows(t, 0, padded, name)  # TP padding rows: zero
         return t
 
     tmp = temp_dir_for(out_dir)
@@ -686,7 +688,7 @@ def import_from_hf(hf_dir: str, out_dir: str, *, tp: int = 1,
             raise InteropError(f"{hf_dir}: tensor {unused[0]} (and {len(unused) - 1} more) has no "
                                f"megaq counterpart; the model has parts megaq lacks")
         if tok_source:  # the copy a run's save holds (data.tokenizer_files), hashed too
-            it0 = ckpt.iteration_dir(tmp, 0)
+            it0 = iteration_dir(tmp, 0)
             tokenizer_files.copy_into(it0, tok_source, log=log)
             integrity.write_manifest(it0, integrity.read_manifest(it0)["files"])
             if tok_source["tokenizer_type"] != "HuggingFaceTokenizer":

@@ -46,8 +46,9 @@ from typing import Iterator
 
 import torch
 
-from megaq import safe_unpickle
-from megaq.integrity import MANIFEST_NAME
+from megaq.checkpoint import safe_unpickle
+from megaq.checkpoint.integrity import MANIFEST_NAME
+from megaq.checkpoint.reshard import concat_tp_shards, fit_rows
 from megaq.interop.common import InteropError, progress
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -133,7 +134,7 @@ def load_refusal(path: str) -> str | None:
 
 # ------------------------------------------------------------------------ reading
 def _read(path: str) -> dict:
-    """One model_optim_rng.pt, through megaq.safe_unpickle: Megatron pickles its flags as
+    """One model_optim_rng.pt, through megaq.checkpoint.safe_unpickle: Megatron pickles its flags as
     an argparse.Namespace (holding dtypes and some of Megatron's enums) and numpy RNG
     state beside the tensors; anything else is refused unread, naming the class."""
     try:
@@ -419,7 +420,7 @@ def load_megatron_checkpoint(path: str, *, optimizer: bool = False) -> tuple[dic
                 dim, parts = sharded.pop(gname)
                 stride = 2 if arch["swiglu"] and gname.endswith(("linear_fc1.weight",
                                                                  "linear_fc1.bias")) else 1
-                full = parts[0] if dim < 0 or tp == 1 else _concat(parts, dim, stride)
+                full = parts[0] if dim < 0 or tp == 1 else concat_tp_shards(parts, dim, stride)
                 if gname == "embedding.word_embeddings.weight":
                     config["vocab_rows"] = full.shape[0]
                 yield gname, full
@@ -436,11 +437,6 @@ def _tensor(chunks: list[dict], v: int, name: str, path: str) -> torch.Tensor:
     return t
 
 
-def _concat(parts, dim, stride):
-    from megaq.checkpoint import concat_tp_shards
-    return concat_tp_shards(parts, dim, stride)
-
-
 # ------------------------------------------------------------------------ writing
 def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bool = False,
                            vocab_size: int | None = None) -> dict:
@@ -450,7 +446,6 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     same form as a training save and as the Hugging Face import. The vocabulary rows are
     megaq's padding of `vocab_size` (default: the checkpoint's true vocab when its args
     name one, else every embedding row). Returns {"dir", "flags", "load_flags", "tensors"}."""
-    from megaq import checkpoint as ckpt
     from megaq.interop.common import (check_output, megaq_layout, megaq_run_config,
                                       replace_dir, temp_dir_for, write_megaq_args,
                                       write_megaq_checkpoint as write_iteration_zero)
@@ -473,7 +468,7 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     def full_tensor(info) -> torch.Tensor:
         t = params[info.name]
         if info.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t = ckpt.fit_rows(t, 0, run.padded_vocab_size, info.name)
+            t = fit_rows(t, 0, run.padded_vocab_size, info.name)
         return t
 
     tmp = temp_dir_for(out_dir)

@@ -127,7 +127,7 @@ def checkpoint_extra(model_chunks, topo) -> list | None:
     sts = states(model_chunks)
     mine = None if not sts else {"history": torch.stack([s.history for s in sts]).cpu(),
                                  "ready": [s.ready for s in sts]}
-    if topo is None or topo.pp.size == 1:
+    if topo.pp.size == 1:
         return None if mine is None else [mine]
     stages = comm.all_gather_objects(topo.pp, mine)
     return None if all(st is None for st in stages) else stages
@@ -141,8 +141,7 @@ def restore(model_chunks, topo, saved: list | None) -> str | None:
     sts = states(model_chunks)
     if not sts:
         return None
-    pp_rank = topo.pp_rank if topo is not None else 0
-    st = saved[pp_rank] if saved is not None and len(saved) > pp_rank else None
+    st = saved[topo.pp_rank] if saved is not None and len(saved) > topo.pp_rank else None
     want = (len(sts), sts[0].history.shape[0], 2)
     if st is None or tuple(st["history"].shape) != want:
         got = "none" if st is None else f"shape {tuple(st['history'].shape)}"

@@ -145,7 +145,7 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
                 rank, ok, value = queue.get(timeout=timeout)
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                # Not untrusted input, so not megaq.safe_unpickle's: these bytes come over a
+                # Not untrusted input, so not megaq.checkpoint.safe_unpickle's: these bytes come over a
                 # pipe from a child this process forked a moment ago, running this
                 # process's own code (fn's return value, any picklable object); no file and
                 # no other user is in between. Every file megaq reads goes through

@@ -377,9 +377,21 @@ class ZeroEngine:
         state_io.load_full_state(self, sd)
         self.state_loaded()
 
+    def sharded_state(self, optim: bool = True) -> state_io.ShardedState:
+        """This rank's shard of every parameter: views into the fp32 master (and, with
+        `optim`, the optimizer state) buffers with their flat ranges and TP partitions
+        (megaq.zero.state.ShardedState). No copy, no collective."""
+        return state_io.sharded_state(self, optim)
+
+    def load_sharded_state(self, sd: state_io.ShardedState) -> None:
+        """Take a sharded_state() filled in place (or its like) as this rank's state;
+        optimizer state it does not carry starts from zero, the step is sd.step."""
+        state_io.load_sharded_state(self, sd)
+        self.state_loaded()
+
     def state_loaded(self) -> None:
-        """Call after the shard buffers were overwritten (load_full_state, or a sharded
-        checkpoint read straight into them and megaq.zero.state.finish_load)."""
+        """Call after the shard buffers were overwritten (load_full_state,
+        load_sharded_state)."""
         self._clip = _Clip()
         if self.gatherer is not None:
             self.gatherer.invalidate()  # hpZ / qwZ copies of the old weights are stale

@@ -1,4 +1,6 @@
-"""Full (un-sharded) optimizer state in and out of the engine, for checkpoints.
+"""The engine's state in and out, for checkpoints: full (DP-gathered) or this rank's shard.
+
+Full state (--ckpt-format torch):
 
 ``full_state(engine)`` returns, for this TP/PP rank, ``{"step": int, "params":
 {name: {"param": weights, <state name>: buffer, ...}}}`` with full fp32 CPU tensors
@@ -9,11 +11,21 @@ optimizer's ``STATE_NAMES`` (megaq.zero.optimizer): AdamW's ``exp_avg`` and
 ``chunk{i}.`` when a rank holds several model chunks (virtual pipeline).
 ``load_full_state(engine, sd)`` takes the same dict, whatever DP size wrote it, and
 keeps only this rank's shard; an entry holding only "param" (a weights-only state,
-megaq.checkpoint.engine_weights_only) starts the optimizer state fresh (zeros, step 0
+megaq.checkpoint.torch_format.engine_weights_only) starts the optimizer state fresh (zeros, step 0
 as the dict says). Another optimizer's state is refused (OptimizerStateMismatch).
+
+Sharded state (--ckpt-format torch_dist): ``sharded_state(engine, optim)`` is a
+:class:`ShardedState`, this rank's part of every parameter as 1-D views into its shard
+buffers (no copy, no collective), with the flat range of the parameter each covers and
+the parameter's TP partition, which is what a writer needs to place the pieces in the
+global tensors. A reader fills the views in place (or builds its own ShardedState of the
+same parameters) and hands it to ``load_sharded_state(engine, sd)``; an optimizer state
+the ShardedState does not carry starts from zero.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -91,3 +103,71 @@ def finish_load(engine, step: int) -> None:
     for st in engine.optimizer.states:
         st.write_back()
     engine.optimizer.set_step(step)
+
+
+# ---------------------------------------------------------------- sharded state
+@dataclass
+class ParamShard:
+    """One parameter's part of this rank's shard."""
+
+    name: str                          # as full_state keys it ("chunk{i}." with several chunks)
+    shape: torch.Size                  # the parameter's (TP-local) shape
+    start: int                         # [start, end): the elements of the row-major
+    end: int                           # parameter this rank holds
+    tensors: dict[str, torch.Tensor]   # "param" (fp32 master) and optimizer state: end - start
+    replicated: bool                   # every DP rank holds all of it (not ZeRO-sharded)
+    tp_dim: int | None                 # TP partition dimension (None: the same on every TP rank)
+    tp_stride: int                     # and its stride (megaq.parallel.tensor_parallel.shard_of)
+    shared_embedding: bool             # the copy of a tied embedding on another pipeline stage
+
+
+@dataclass
+class ShardedState:
+    step: int
+    keys: tuple[str, ...]              # what each ParamShard's tensors hold: "param" [+ the optimizer's]
+    params: list[ParamShard]
+    num_chunks: int                    # model chunks of this rank (the names' "chunk{i}.")
+
+
+def sharded_state(engine, optim: bool = True) -> ShardedState:
+    params = []
+    for st in engine.optimizer.states:
+        part = st.part
+        buffers = state_buffers(st, optim)
+        for slot in part.slots:
+            a, b = max(slot.offset, part.lo), min(slot.offset + slot.numel, part.hi)
+            if b <= a:
+                continue  # the parameter lies wholly in other DP ranks' shards
+            p = slot.param
+            tp_split = getattr(p, "tensor_model_parallel", False)
+            params.append(ParamShard(
+                name=slot.name, shape=slot.shape, start=a - slot.offset, end=b - slot.offset,
+                tensors={k: buf[a - part.lo:b - part.lo] for k, buf in buffers.items()},
+                replicated=not part.sharded, tp_dim=p.partition_dim if tp_split else None,
+                tp_stride=p.partition_stride if tp_split else 1,
+                shared_embedding=getattr(p, "shared_embedding", False)))
+    keys = ("param", *engine.optimizer.STATE_NAMES) if optim else ("param",)
+    return ShardedState(engine.optimizer.step_count, keys, params, len(engine.chunks))
+
+
+def load_sharded_state(engine, sd: ShardedState) -> None:
+    """Take `sd` (views into this engine's buffers, filled in place, or tensors of the
+    same parameters) as the engine's state; an optimizer state `sd` does not carry starts
+    from zero, and the step is `sd.step`."""
+    own = sharded_state(engine)
+    if "param" not in sd.keys or not set(sd.keys) <= set(own.keys):
+        raise OptimizerStateMismatch(f"the sharded state holds {', '.join(sd.keys)}, but this "
+                                     f"engine keeps {', '.join(own.keys)}")
+    if [(p.name, p.start, p.end) for p in own.params] != [(p.name, p.start, p.end) for p in sd.params]:
+        raise ValueError("load_sharded_state expects this rank's shard of every parameter, "
+                         "as engine.sharded_state() lists them")
+    for st in engine.optimizer.states:  # an optimizer state not loaded: fresh (zeros)
+        for key, buf in state_buffers(st).items():
+            if key not in sd.keys:
+                buf.zero_()
+    for mine, given in zip(own.params, sd.params):
+        for key in sd.keys:
+            src, dst = given.tensors[key], mine.tensors[key]
+            if src.data_ptr() != dst.data_ptr() or src.shape != dst.shape:
+                dst.copy_(src)
+    finish_load(engine, sd.step)

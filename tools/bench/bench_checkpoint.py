@@ -10,7 +10,7 @@ For each DP size (TP = PP = 1, ZeRO-3) it builds the model and its engine on DP 
 
 and the load of what was just saved (into the same engine), and (rank 0) the time to read
 the torch_dist index (.metadata) with torch's reader (plain pickle) and with megaq's
-(megaq.safe_unpickle), interleaved in the same process. Reported per rank: save
+(megaq.checkpoint.safe_unpickle), interleaved in the same process. Reported per rank: save
 and load seconds (the slowest rank: saves and loads are collective), bytes written,
 and peak host memory added during the save and during the load (VmHWM after the
 phase minus VmRSS before it, the high-water mark reset through /proc/self/clear_refs;
@@ -64,17 +64,16 @@ class PeakRSS:
 
 def _written_by(ckpt_dir: str, fmt: str, rank: int, dp_rank: int) -> int:
     """Bytes of the files rank `rank` wrote into a checkpoint directory."""
-    from megaq import checkpoint as ckpt
-    from megaq import dist_checkpoint
-    files = [ckpt.rng_file(ckpt_dir, rank)]
+    from megaq.checkpoint import dcp_format
+    from megaq.checkpoint.paths import common_file, model_file, rng_file
+    files = [rng_file(ckpt_dir, rank)]
     if fmt == "torch":
-        files += [ckpt.model_file(ckpt_dir, 0, 0)] if dp_rank == 0 else []
+        files += [model_file(ckpt_dir, 0, 0)] if dp_rank == 0 else []
     else:
         files += [os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir)
                   if n.startswith(f"__{rank}_")]
         if rank == 0:
-            files += [os.path.join(ckpt_dir, dist_checkpoint.COMMON_FILE),
-                      os.path.join(ckpt_dir, dist_checkpoint.METADATA_FILE)]
+            files += [common_file(ckpt_dir), os.path.join(ckpt_dir, dcp_format.METADATA_FILE)]
     return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
 
@@ -93,9 +92,11 @@ def _exact_malloc() -> None:
 def _bench_rank(topo, argv, work):
     import torch
 
-    from megaq import checkpoint as ckpt
-    from megaq import dist_checkpoint
     from megaq.arguments import parse_config
+    from megaq.checkpoint import staging
+    from megaq.checkpoint.load import load_checkpoint
+    from megaq.checkpoint.paths import iteration_dir
+    from megaq.checkpoint.save import save_checkpoint
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel import comm
     from megaq.parallelize import parallelize
@@ -118,45 +119,45 @@ def _bench_rank(topo, argv, work):
         comm.barrier(topo.world)
         with PeakRSS() as save_mem:
             t0 = time.perf_counter()
-            ckpt.save_checkpoint(root, 1, config=cfg, topo=topo, engine=engine,
+            save_checkpoint(root, 1, config=cfg, topo=topo, engine=engine,
                                  lr_schedule=schedule, consumed_samples=0)
             blocked = time.perf_counter() - t0
-            ckpt.wait_for_async_save()
+            staging.wait_for_async_save()
             saved = time.perf_counter() - t0
         comm.barrier(topo.world)
-        written = _written_by(ckpt.iteration_dir(root, 1), fmt, topo.rank, topo.dp_rank)
+        written = _written_by(iteration_dir(root, 1), fmt, topo.rank, topo.dp_rank)
         with PeakRSS() as load_mem:
             t0 = time.perf_counter()
-            ckpt.load_checkpoint(root, config=cfg, topo=topo, engine=engine, lr_schedule=schedule,
+            load_checkpoint(root, config=cfg, topo=topo, engine=engine, lr_schedule=schedule,
                                  model_chunks=chunks)
             loaded = time.perf_counter() - t0
         comm.barrier(topo.world)
         if topo.rank == 0 and fmt == "torch_dist":
-            out["index"] = _time_index(ckpt.iteration_dir(root, 1))
+            out["index"] = _time_index(iteration_dir(root, 1))
         if topo.rank == 0:
             shutil.rmtree(root, ignore_errors=True)
         out["formats"][fmt] = {"save_s": saved, "blocked_s": blocked, "load_s": loaded,
                                "bytes_written": written, "save_peak_bytes": save_mem.added,
                                "load_peak_bytes": load_mem.added,
-                               "staged_bytes": dist_checkpoint.HOST_BYTES.peak}
-        dist_checkpoint.HOST_BYTES.reset()
+                               "staged_bytes": staging.HOST_BYTES.peak}
+        staging.HOST_BYTES.reset()
     return out
 
 
 def _time_index(ckpt_dir: str, repeats: int = 25) -> dict:
     """Reading the DCP index (.metadata) as torch's FileSystemReader does (plain
-    pickle) against megaq's reader (megaq.safe_unpickle's allow-listed unpickler and the
+    pickle) against megaq's reader (megaq.checkpoint.safe_unpickle's allow-listed unpickler and the
     shape check), interleaved, same timer, no garbage collection inside a read: the
     fastest of `repeats` reads each (the file is in the page cache, so that is the
     unpickling's own cost on a loaded machine; the manifest check, the same in both,
     is left out)."""
     import torch.distributed.checkpoint as dcp
 
-    from megaq import dist_checkpoint, safe_unpickle
-    path = os.path.join(ckpt_dir, dist_checkpoint.METADATA_FILE)
+    from megaq.checkpoint import dcp_format, safe_unpickle
+    path = os.path.join(ckpt_dir, dcp_format.METADATA_FILE)
 
     def safe():
-        dist_checkpoint._check_index(safe_unpickle.load(path, safe_unpickle.DCP_INDEX), path)
+        dcp_format._check_index(safe_unpickle.load(path, safe_unpickle.DCP_INDEX), path)
     times = {"plain": [], "safe": []}
     for _ in range(repeats):
         for name, read in (("plain", lambda: dcp.FileSystemReader(ckpt_dir).read_metadata()),

@@ -9,7 +9,7 @@ with the built-in corpus's SentencePiece tokenizer, vocabulary padded for genera
 
 1. train --steps steps in this process as bench_train.py's megaq-s0 does (bf16 GPTModel,
    fp32 master weights, megaq.zero stage 0, AdamW) on random tokens;
-2. save a megaq checkpoint (megaq.checkpoint.save_checkpoint, weights + AdamW moments);
+2. save a megaq checkpoint (megaq.checkpoint.save.save_checkpoint, weights + AdamW moments);
 3. export it with `tools/convert_checkpoint.py --to hf --dtype bf16` in its own process,
    timed and memory-sampled as tools/bench/bench_convert.py measures (peak RssAnon: what
    the converter allocated; peak VmHWM: also the memory-mapped checkpoint pages read);
@@ -88,7 +88,7 @@ def run_config(model, steps: int, micro_batch: int, data_flags: list[str]):
 def train_and_save(model_cfg, run, dev, steps: int, micro_batch: int, root: str) -> tuple:
     """bench_train.py's megaq-s0 step (one process, stage 0) for `steps` steps on random
     tokens, then save_checkpoint. Returns (bf16 model, losses, seconds to train, to save)."""
-    from megaq import checkpoint as ckpt
+    from megaq.checkpoint.save import save_checkpoint
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel.topology import Layout, build_topology
     from megaq.parallelize import parallelize
@@ -112,9 +112,9 @@ def train_and_save(model_cfg, run, dev, steps: int, micro_batch: int, root: str)
         losses.append(float(loss.detach()))
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ckpt.save_checkpoint(root, steps, config=run, topo=topo, engine=engine,
-                         lr_schedule=LRSchedule.from_config(run.optimizer),
-                         consumed_samples=steps * micro_batch)
+    save_checkpoint(root, steps, config=run, topo=topo, engine=engine,
+                    lr_schedule=LRSchedule.from_config(run.optimizer),
+                    consumed_samples=steps * micro_batch)
     save_s = time.perf_counter() - t0
     del engine
     return model.eval(), losses, train_s, save_s
@@ -143,11 +143,11 @@ def compare_logits(trained, ckpt_dir: str, hf_dir: str, tokens: torch.Tensor, de
     """The three comparisons of the docstring, plus transformers' load times."""
     import transformers
 
-    from megaq import checkpoint as ckpt
+    from megaq.checkpoint.consolidate import load_consolidated_model
 
     real = slice(0, vocab)  # padded ids: zero rows, not part of the model's distribution
     megaq_bf16 = trained(input_ids=tokens)[..., real].float()
-    master, _ = ckpt.load_consolidated_model(ckpt_dir)
+    master, _ = load_consolidated_model(ckpt_dir)
     master = master.to(dev).eval()
     same_weights = bf16_weights_are_rounded_master(trained, master)
     megaq_fp32 = master(input_ids=tokens)[..., real]
@@ -205,7 +205,7 @@ def check_model(name, model_cfg, micro_batch, a, dev, data_flags, tokens, tokeni
     print(f"[check_hf] {export['output']}", flush=True)
     params = sum(p.numel() for p in model.parameters())
     tokens = tokens.to(dev)
-    from megaq.checkpoint import iteration_dir
+    from megaq.checkpoint.paths import iteration_dir
     logits = compare_logits(model, iteration_dir(ck, a.steps), hf_dir, tokens, dev,
                             model_cfg.vocab_size)
     del model

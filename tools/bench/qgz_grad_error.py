@@ -142,7 +142,7 @@ def two_hops(G, code: str, own_exact: bool, block: int, gen=None):
 def analyze(o):
     import torch
 
-    from megaq import safe_unpickle
+    from megaq.checkpoint import safe_unpickle
     files = collections.defaultdict(dict)
     for f in glob.glob(os.path.join(o.dir, "g_*.pt")):
         _, c, rest = os.path.basename(f)[:-3].split("_", 2)

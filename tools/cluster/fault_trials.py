@@ -192,7 +192,7 @@ class RunsCommand:
 def rehash(ckpt_dir: str, rel: str) -> None:
     """Put file `rel`'s new SHA-256 into the checkpoint's manifest, as whoever alters a
     checkpoint would (the manifest is not signed)."""
-    from megaq import integrity
+    from megaq.checkpoint import integrity
     path = os.path.join(ckpt_dir, integrity.MANIFEST_NAME)
     manifest = json.load(open(path))
     digest, size = integrity.sha256_of(os.path.join(ckpt_dir, rel))
@@ -348,7 +348,7 @@ class Trials:
         whose manifest verifies and which a new run loads."""
         import random
 
-        from megaq import integrity
+        from megaq.checkpoint import integrity
         rng, good, mid, t0 = random.Random(16), 0, 0, time.monotonic()
         root = os.path.join(self.work, "ck_kill")
         for _ in range(tries):

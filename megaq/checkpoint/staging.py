@@ -1,5 +1,7 @@
-"""Host memory for --async-save's copy of a rank's shard: one buffer of exactly the bytes
-staged, page-locked by registering it with CUDA.
+"""--async-save: the host copy of a rank's shard, and the background save in flight.
+
+The copy is one buffer of exactly the bytes staged, page-locked by registering it with
+CUDA.
 
 Why not ``torch.empty(..., pin_memory=True)`` per tensor: torch's pinned-memory cache
 rounds every block up to a power of two. Over the 444 pieces of a 124M-parameter shard
@@ -14,9 +16,16 @@ The pinned buffer is kept for the next save (one save is in flight at a time, an
 run's shard keeps its size), as torch's cache would keep its blocks, so the
 registration is paid once per run. Without CUDA nothing is pinned and the buffer is
 dropped after the write.
+
+One save is in flight at a time (:func:`start_background`): a thread writes, hashes and
+commits it while training goes on; the next save and the end of the run wait for it
+(:func:`wait_for_async_save`, which re-raises its failure). :data:`HOST_BYTES` counts
+the host memory the checkpoint code allocates itself (staging copies, read buffers).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -91,3 +100,73 @@ def buffer_for(nbytes: int, pin: bool) -> StagingBuffer:
     if buffer.pinned:
         _KEPT.append(buffer)
     return buffer
+
+
+# ------------------------------------------------------------------ host bytes
+class HostBytes:
+    """Bytes of the tensors the checkpoint code itself allocates (staging copies,
+    read buffers), live and peak: what a rank materialises beyond its own state."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def reset(self) -> None:
+        self.live = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+HOST_BYTES = HostBytes()
+
+
+# ------------------------------------------------------------ the save in flight
+class _PendingSave:
+    def __init__(self, iteration: int):
+        self.thread, self.iteration, self.error = None, iteration, None
+
+
+_PENDING: list[_PendingSave] = []
+
+
+def wait_for_async_save() -> int | None:
+    """Wait for the background save in flight (if any) to be written and committed;
+    re-raise its failure here. Returns its iteration (None when there was none)."""
+    if not _PENDING:
+        return None
+    pending = _PENDING.pop()
+    pending.thread.join()
+    if pending.error is not None:
+        raise pending.error
+    return pending.iteration
+
+
+def async_save_in_flight() -> bool:
+    return bool(_PENDING)
+
+
+def start_background(iteration: int, write, job: dict, staged_bytes: int) -> None:
+    """Run write(**job) in a background thread (the save of `iteration`, its tensors
+    staged: `staged_bytes` of HOST_BYTES, given back when it ends). The caller waited
+    for the previous one (wait_for_async_save)."""
+    pending = _PendingSave(iteration)
+    # daemon: a run that dies mid-write must not hang on it (the save is then simply
+    # not committed, and the previous checkpoint stays latest)
+    pending.thread = threading.Thread(target=_background, args=(pending, write, job, staged_bytes),
+                                      name=f"megaq-async-save-{iteration}", daemon=True)
+    _PENDING.append(pending)
+    pending.thread.start()
+
+
+def _background(pending: _PendingSave, write, job: dict, staged_bytes: int) -> None:
+    try:
+        write(**job)
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread's next wait
+        pending.error = e
+    finally:
+        HOST_BYTES.sub(staged_bytes)  # the staged copies are dropped now (a pinned buffer
+        job.clear()                   # stays for the next save)

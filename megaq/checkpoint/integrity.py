@@ -4,13 +4,14 @@ A save writes every file into its temporary directory, then :func:`write_manifes
 hashes them all and writes ``MANIFEST.sha256.json`` (itself through a temporary name
 and a rename, fsynced), and only then is the directory renamed into place. So a
 directory whose manifest is missing or incomplete is a save that did not finish (or
-a checkpoint from before manifests), and :func:`require_manifest` refuses it.
+a checkpoint from before manifests), and :meth:`Verifier.require_manifest` refuses it.
 
-Loading passes every file it reads through :func:`verify` (or :func:`load_verified`
-for torch.save files): the file's SHA-256 must equal the manifest's, else one
-:class:`IntegrityError` line names the file and both hashes. A flipped byte, a
-truncation, an empty file and a missing file are all caught before the bytes are
-used. ``--no-verify-checkpoint`` turns the checks off (``verify_checkpoints(False)``).
+Loading reads every file through a :class:`Verifier` of its directory, which checks
+the file against the manifest before its bytes are used (:func:`verify`): its SHA-256
+must equal the manifest's, else one :class:`IntegrityError` line names the file and
+both hashes. A flipped byte, a truncation, an empty file and a missing file are all
+caught. ``--no-verify-checkpoint`` (CheckpointConfig.no_verify_checkpoint, passed down
+by the load) builds the Verifier with ``enabled=False``; nothing here remembers it.
 
 The manifest format (JSON)::
 
@@ -24,26 +25,17 @@ import hashlib
 import json
 import os
 
+from megaq.checkpoint import safe_unpickle
+from megaq.checkpoint.errors import CheckpointError
+
 MANIFEST_NAME = "MANIFEST.sha256.json"
 FORMAT = "megaq-sha256-manifest"
 VERSION = 1
 _CHUNK = 1 << 22
 
-_verify_enabled = True
 
-
-class IntegrityError(RuntimeError):
+class IntegrityError(CheckpointError):
     """A checkpoint file that does not match its manifest, or a missing manifest."""
-
-
-def verify_checkpoints(enabled: bool) -> None:
-    """Turn verification on or off for this process (``--no-verify-checkpoint``)."""
-    global _verify_enabled
-    _verify_enabled = bool(enabled)
-
-
-def verification_enabled() -> bool:
-    return _verify_enabled
 
 
 def sha256_of(path: str) -> tuple[str, int]:
@@ -116,18 +108,9 @@ def read_manifest(root: str) -> dict:
     return body
 
 
-def require_manifest(root: str) -> None:
-    """Refuse a checkpoint directory without a complete manifest (when verifying)."""
-    if _verify_enabled:
-        read_manifest(root)
-
-
 def verify(root: str, path: str) -> None:
     """Check that `path` (a file inside checkpoint directory `root`) matches the
-    manifest; IntegrityError naming the file and both hashes otherwise. No-op when
-    verification is off."""
-    if not _verify_enabled:
-        return
+    manifest; IntegrityError naming the file and both hashes otherwise."""
     manifest = read_manifest(root)
     rel = os.path.relpath(path, root).replace(os.sep, "/")
     entry = manifest["files"].get(rel)
@@ -146,12 +129,10 @@ def verify(root: str, path: str) -> None:
             f"iteration (--no-verify-checkpoint skips this check)")
 
 
-def load_verified(root: str, path: str, mmap: bool = False):
-    """A verified checkpoint file's contents (tensors and plain containers only: read
-    by megaq.safe_unpickle, on CPU); any reading failure becomes one IntegrityError
-    line naming the file (a forbidden class: naming the class too)."""
-    from megaq import safe_unpickle
-    verify(root, path)
+def load_file(path: str, mmap: bool = False):
+    """A checkpoint file's contents (tensors and plain containers only: read by
+    megaq.checkpoint.safe_unpickle, on CPU); any reading failure becomes one
+    IntegrityError line naming the file (a forbidden class: naming the class too)."""
     try:
         return safe_unpickle.load(path, safe_unpickle.TENSORS, mmap=mmap)
     except safe_unpickle.UnpicklingRefused as e:
@@ -168,3 +149,38 @@ def verify_all(root: str) -> list[str]:
     for rel in sorted(manifest["files"]):
         verify(root, os.path.join(root, rel))
     return sorted(manifest["files"])
+
+
+class Verifier:
+    """The files of checkpoint directory `root`, checked against its manifest before they
+    are used; with enabled=False (--no-verify-checkpoint) used unchecked. A file checked
+    once and unchanged since (size, mtime) is not hashed again: a tool reading one tensor
+    at a time must not hash a rank's file per tensor."""
+
+    def __init__(self, root: str, enabled: bool = True):
+        self.root, self.enabled = str(root), enabled
+        self._checked: set[tuple] = set()
+
+    def require_manifest(self) -> None:
+        """Refuse a directory without a complete manifest (a save that did not finish)."""
+        if self.enabled:
+            read_manifest(self.root)
+
+    def verify(self, path: str) -> None:
+        if not self.enabled:
+            return
+        try:
+            st = os.stat(path)
+            key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None
+        if key is not None and key in self._checked:
+            return
+        verify(self.root, path)
+        if key is not None:
+            self._checked.add(key)
+
+    def load(self, path: str, mmap: bool = False):
+        """`path`'s contents (load_file), verified first."""
+        self.verify(path)
+        return load_file(path, mmap)

@@ -15,10 +15,11 @@ write errors (a full disk) that leave the previous checkpoint in place.
   then refuses to start until it is removed (on the same host, a file whose process is
   gone is taken over).
 * **No links followed.** Nothing megaq writes in DIR goes through a symbolic link: the
-  lock, the tracker ``latest_checkpointed_iteration.txt`` (and its temporary) and the
-  save's temporary directory are opened with ``O_NOFOLLOW`` / ``O_EXCL`` and checked
-  with ``lstat`` before anything is removed. A symlinked lock or tracker is refused in
-  one line naming it (a job would otherwise write through it, outside DIR).
+  lock, the tracker ``latest_checkpointed_iteration.txt`` (and its temporary,
+  megaq.checkpoint.paths) and the save's temporary directory are opened with
+  ``O_NOFOLLOW`` / ``O_EXCL`` and checked with ``lstat`` before anything is removed. A
+  symlinked lock or tracker is refused in one line naming it (a job would otherwise
+  write through it, outside DIR).
 * **Stale temporaries.** A save killed halfway leaves ``.iter_XXXXXXX.tmp`` behind. Every
   save and every start removes all of them (:func:`remove_stale_temporaries`): the lock
   guarantees no other job is writing one. A link under such a name is removed itself
@@ -44,10 +45,12 @@ import stat
 import time
 
 from megaq import failure
+from megaq.checkpoint.errors import CheckpointError
+from megaq.checkpoint.paths import (LinkRefused, iteration_dir, latest_iteration, link_refusal,
+                                    open_no_follow, read_tracker_text)
 
 LOCK_NAME = ".megaq_job.lock"
 EXCLUSIVE_LOCK_NAME = ".megaq_job.lock.excl"  # the lock where the filesystem has no flock
-TRACKER_FILE = "latest_checkpointed_iteration.txt"  # as megaq.checkpoint.TRACKER_FILE
 
 # absolute directory -> how this process holds its lock: ("flock", fd) or ("file", path)
 _held: dict[str, tuple] = {}
@@ -56,75 +59,8 @@ _held: dict[str, tuple] = {}
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
-class CheckpointLockError(RuntimeError):
+class CheckpointLockError(CheckpointError):
     """The checkpoint directory belongs to another job that is still running."""
-
-
-class LinkRefused(RuntimeError):
-    """A file megaq writes (or reads to decide what to write) in a checkpoint directory
-    is a symbolic link; the message names it and the fix."""
-
-
-# ----------------------------------------------------------------------- no links
-def link_refusal(path: str, what: str) -> str:
-    """The one line refusing `path` (a symbolic link) as `what` (e.g. "the job lock")."""
-    target = "?"
-    with contextlib.suppress(OSError):
-        target = os.readlink(path)
-    return (f"{path} is a symbolic link (to {target}), not {what}: megaq follows no links in "
-            f"a checkpoint directory (it would read or write through it, outside the "
-            f"directory); replace the link with a regular file, or remove it, and run again")
-
-
-def open_no_follow(path: str, flags: int, what: str, mode: int = 0o644) -> int:
-    """os.open(path, flags | O_NOFOLLOW); a symbolic link at `path` raises LinkRefused."""
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW, mode)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a link
-            raise LinkRefused(link_refusal(path, what)) from None
-        raise
-
-
-def read_tracker_text(root: str) -> str | None:
-    """The text of ``root/latest_checkpointed_iteration.txt`` (its first 4 KiB), None when
-    there is none (or something other than a file stands there); a link raises LinkRefused."""
-    path = os.path.join(root, TRACKER_FILE)
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        raise LinkRefused(link_refusal(path, "the checkpoint tracker"))
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    fd = open_no_follow(path, os.O_RDONLY, "the checkpoint tracker")
-    try:
-        return os.read(fd, 4096).decode("utf-8", "replace")  # never trusted to be text
-    finally:
-        os.close(fd)
-
-
-def check_tracker(root: str) -> None:
-    """Refuse (LinkRefused) a tracker in `root` that is a symbolic link: the job would
-    rewrite `latest` in place of a link someone put there."""
-    read_tracker_text(root)
-
-
-def write_file_no_follow(path: str, data: bytes, what: str) -> None:
-    """Write `data` to a new file at `path` (O_EXCL | O_NOFOLLOW: never through a link,
-    never into an existing file; a leftover at `path` (a file, or a link, which is
-    removed itself) is replaced), flushed and fsynced."""
-    try:
-        fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what)
-    except FileExistsError:  # left by a killed process with the same pid
-        os.unlink(path)
-        fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _WriteFailed(RuntimeError):
@@ -285,14 +221,12 @@ def unlock_all() -> None:
 def claim_save_directory(root: str, topo) -> None:
     """Collective at start: global rank 0 locks `root` and removes stale temporaries;
     every rank raises the same AgreedError when another job holds the lock."""
-    group = topo.world if topo is not None else None
-    rank = topo.rank if topo is not None else 0
-    with failure.agreed(group, catch=(CheckpointLockError, LinkRefused, OSError)):
-        if rank == 0:
+    with failure.agreed(topo.world, catch=(CheckpointLockError, LinkRefused, OSError)):
+        if topo.rank == 0:
             note = lock_directory(root)
             if note:
                 print(note, flush=True)
-            check_tracker(root)  # a linked tracker: refused before anything is written
+            read_tracker_text(root)  # a linked tracker: refused before anything is written
             removed = remove_stale_temporaries(root)
             if removed:
                 print(f" note: removed {len(removed)} unfinished save(s) from {root}: "
@@ -340,14 +274,6 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def latest_iteration(root: str) -> int | None:
-    """The iteration `root`'s tracker names, None when it names none (or is unreadable)."""
-    with contextlib.suppress(OSError, ValueError, LinkRefused):
-        text = read_tracker_text(root)
-        return int(text.strip()) if text is not None else None
-    return None
-
-
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -363,7 +289,7 @@ def describe_write_error(e: OSError, root: str, state=None) -> str:
     latest = latest_iteration(root)
     needed = 0
     if latest is not None:
-        needed = _dir_bytes(os.path.join(root, f"iter_{latest:07d}"))
+        needed = _dir_bytes(iteration_dir(root, latest))
     needed = max(needed, _tensor_bytes(state))
     free = None
     with contextlib.suppress(OSError):
