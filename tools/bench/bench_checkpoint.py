@@ -89,7 +89,7 @@ def _exact_malloc() -> None:
     libc.mallopt(m_trim_threshold, 64 * 1024)
 
 
-def _bench_rank(topo, argv, work):
+def _bench_rank(topo, argv, work, formats=FORMATS):
     import torch
 
     from megaq.arguments import parse_config
@@ -110,7 +110,7 @@ def _bench_rank(topo, argv, work):
     schedule = LRSchedule.from_config(config.optimizer)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     out = {"rank": topo.rank, "params": params, "formats": {}}
-    for fmt in FORMATS:
+    for fmt in formats:
         cp = dataclasses.replace(config.checkpointing,
                                  ckpt_format="torch" if fmt == "torch" else "torch_dist",
                                  async_save=fmt == "async")
@@ -176,7 +176,7 @@ def _time_index(ckpt_dir: str, repeats: int = 25) -> dict:
 
 def summarise(dp: int, ranks: list[dict]) -> list[dict]:
     rows = []
-    for fmt in FORMATS:
+    for fmt in ranks[0]["formats"]:
         per = [r["formats"][fmt] for r in ranks]
         rows.append({
             "dp": dp, "format": fmt, "params": ranks[0]["params"],
@@ -277,6 +277,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="where checkpoints are written (default: a "
                    "temporary directory next to the system's)")
     p.add_argument("--json", default=None)
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS),
+                   help="which to time (the projection needs all three)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no run: print the tables and projection of earlier runs' JSON files "
                         "(e.g. DP 1 2 4 and DP 8 run separately), and write them to --json")
@@ -297,7 +299,8 @@ def main(argv=None) -> int:
             os.makedirs(a.work, exist_ok=True)
         work = tempfile.mkdtemp(prefix="megaq_bench_ckpt_", dir=a.work)
         try:
-            ranks = run_on_ranks(_bench_rank, dp, args=(model, work), timeout=3600)
+            ranks = run_on_ranks(_bench_rank, dp, args=(model, work, tuple(a.formats)),
+                                 timeout=3600)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         rows += summarise(dp, ranks)
@@ -313,7 +316,8 @@ def _report(rows: list[dict], model: list[str], a) -> int:
     if index_table(rows):
         print("\nreading the DCP index (rank 0; fastest of 25 reads each, interleaved):\n")
         print(index_table(rows))
-    proj = project(rows) if 1 in a.dp else []
+    measured = {r["format"] for r in rows}
+    proj = project(rows) if 1 in a.dp and measured == set(FORMATS) else []
     if proj:
         print("\nprojection from this run's per-byte costs at DP=1 (see project()):\n")
         print(projection_table(proj))
