@@ -178,6 +178,18 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
         return n_collectives * (2 * full * (pi.tp - 1) / pi.tp / tp_link
                                 + 2 * (pi.tp - 1) * tp_lat)
 
+    times: dict[tuple, tuple[float, float, float]] = {}
+
+    def unit_times(u) -> tuple[float, float, float]:
+        """(forward gather, later gather, reduction) seconds of a unit; once per size."""
+        key = (u.numel, u.fp8_numel)
+        if key not in times:
+            times[key] = ((traffic.gather_time(u, g, z, elem, cluster, link_eff, False),
+                           traffic.gather_time(u, g, z, elem, cluster, link_eff, True))
+                          if z.stage == 3 else (0.0, 0.0)) + (
+                traffic.reduce_time(u, g, z, 2, cluster, link_eff),)
+        return times[key]
+
     # per stage and chunk: compute, and the exposed gathers / reduces of one micro-batch
     stages = []
     for s in range(pi.pp):
@@ -197,9 +209,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
             exp_first = {"weight_gather_fwd": 0.0}
             quant_s = 0.0
             if z.stage == 3:
-                gf = [traffic.gather_time(u, g, z, elem, cluster, link_eff, False) for u in cu]
-                gb = [traffic.gather_time(u, g, z, elem, cluster, link_eff, True) for u in cu]
-                rd = [traffic.reduce_time(u, g, z, 2, cluster, link_eff) for u in cu]
+                gf = [unit_times(u)[0] for u in cu]
+                gb = [unit_times(u)[1] for u in cu]
+                rd = [unit_times(u)[2] for u in cu]
                 pre = z.prefetch > 0
                 # forward: the first unit's gather is exposed, the others hide behind
                 # the previous unit's compute (prefetch); without prefetch all are exposed
@@ -219,7 +231,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
                     if z.quantized_gradients:
                         quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm
             else:
-                rd = [traffic.reduce_time(u, g, z, 2, cluster, link_eff) for u in cu]
+                rd = [unit_times(u)[2] for u in cu]
                 # stage 0: all-reduces overlap the rest of backward
                 exp["grad_reduce"] = sum(max(0.0, r - per_unit_bwd) for r in rd[1:])
             chunks.append(dict(cc=cc, tp_f=tp_f, tp_b=tp_b, exp=exp, exp_first=exp_first,
@@ -288,11 +300,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
     cross = sum(v[INTER] for v in phase_bytes.values())
 
     # ---- memory on the fullest stage
-    parts_by_stage = [_memory_parts(pi, cal, st["units"], s, g) for s, st in enumerate(stages)]
-    parts = max(parts_by_stage, key=lambda p: sum(p.values()))
-    live = sum(parts.values())
-    parts["allocator_slack"] = live * cal.allocator_slack
-    peak = sum(parts.values())
+    parts, peak = memory_peak(pi, cal, g)
     to_gib = {k: v / memory.GIB for k, v in parts.items()}
     flops = num_flops(cfg, pi.global_batch_size * pi.seq_length, pi.tp)
     tflops = flops / pi.world_size / step / 1e12
@@ -304,11 +312,29 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
     return Prediction(
         step_time_s=step, tokens_per_s=pi.global_batch_size * pi.seq_length / step,
         tflops_per_gpu=tflops, mfu=tflops / peak_tf, memory_gib=peak / memory.GIB,
-        fits=peak / memory.GIB <= gpu.hbm_gib - cal.runtime_reserved_gib,
+        fits=fits_on(peak, gpu, cal),
         compute_s=compute_s, exposed_comm_s=exposed, bubble_s=bubble_s,
         optimizer_s=optimizer_s, other_s=cal.fixed_step_overhead_s,
         memory_parts_gib=to_gib, cross_node_bytes=cross, bytes_per_phase=phase_bytes,
         hbm_gib=gpu.hbm_gib, layout=layout, notes=notes)
+
+
+def fits_on(peak_bytes: float, gpu, cal: Calibration) -> bool:
+    """Whether a peak fits the device beside what the CUDA context and NCCL take."""
+    return peak_bytes / memory.GIB <= gpu.hbm_gib - cal.runtime_reserved_gib
+
+
+def memory_peak(pi: PlanInput, cal: Calibration, g: traffic.DPGroupShape | None = None
+                ) -> tuple[dict[str, float], float]:
+    """(bytes by part, peak bytes) of the fullest pipeline stage, allocator slack included."""
+    g = g or dp_group_shape(pi.world_size, pi.tp, pi.pp, pi.gpus_per_node,
+                            pi.zero.hpz_partition_size, pi.rank_order)
+    by_stage = [_memory_parts(pi, cal, stage_units(pi.model, pi.tp, pi.pp, pi.vp, s,
+                                                   pi.zero.fp8_weights), s, g)
+                for s in range(pi.pp)]
+    parts = max(by_stage, key=lambda p: sum(p.values()))
+    parts["allocator_slack"] = sum(parts.values()) * cal.allocator_slack
+    return parts, sum(parts.values())
 
 
 def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,

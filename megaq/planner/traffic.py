@@ -16,9 +16,9 @@ one latency per step (n - 1 steps), all-to-all hops one per hop.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from megaq.kernels.format import packed_len
 from megaq.parallel.comm import INTER, INTRA
 from megaq.zero.config import ZeroConfig
 from megaq.zero.zeropp import volume
@@ -55,6 +55,7 @@ def fp8_split(u: UnitShape, dp: int, block: int) -> tuple[int, int]:
     return S, max(rest)
 
 
+@functools.lru_cache(maxsize=4096)
 def unit_phase_bytes(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, elem: int, grad_elem: int,
                      *, backward: bool) -> dict[str, dict[str, int]]:
     """One micro-batch's bytes of one unit over one DP group, per phase (summed over the
@@ -89,10 +90,14 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
         for link in (INTRA, INTER):
             d[link] += times * links[link]
 
+    same: dict[UnitShape, int] = {}  # units of equal size move equal bytes: once each
     for u in units:
+        key = UnitShape("", u.numel, u.fp8_numel)
+        same[key] = same.get(key, 0) + 1
+    for u, count in same.items():
         if cfg.stage == 0:
             add("grad_reduce", unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
-                ["grad_reduce"], micro_batches)
+                ["grad_reduce"], micro_batches * count)
             continue
         first = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=False)
         later = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
@@ -100,13 +105,13 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
         # the first forward gather of the step; later forwards gather like backward
         # does under hpZ (the secondary copy), like the first without it
         fwd_phase = "weight_ref_gather" if cfg.weight_deltas else "weight_gather_fwd"
-        add(fwd_phase, first["weight_gather_fwd"])
+        add(fwd_phase, first["weight_gather_fwd"], count)
         fwd_later = later["weight_gather_bwd"] if cfg.hpz else first["weight_gather_fwd"]
-        add(fwd_phase, fwd_later, micro_batches - 1)
-        add("weight_gather_bwd", later["weight_gather_bwd"], micro_batches)
-        add("grad_reduce", later["grad_reduce"], micro_batches)
+        add(fwd_phase, fwd_later, (micro_batches - 1) * count)
+        add("weight_gather_bwd", later["weight_gather_bwd"], micro_batches * count)
+        add("grad_reduce", later["grad_reduce"], micro_batches * count)
         if cfg.weight_deltas:
-            add("weight_delta_gather", volume.weight_deltas(S, g.k, g.m, cfg))
+            add("weight_delta_gather", _weight_deltas(S, g.k, g.m, cfg), count)
     if cfg.stage == 3 and cfg.fp8_weights and fp8_tensors:
         add("weight_gather_fwd", volume.fp8_amax_reduce(fp8_tensors, g.k, g.m))
     return total
@@ -171,10 +176,12 @@ def reduce_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, grad_elem: int,
 def delta_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, cluster: Cluster,
                link_eff: dict) -> float:
     S = u.shard_numel(g.n, cfg.block_size)
-    links = volume.weight_deltas(S, g.k, g.m, cfg)
+    links = _weight_deltas(S, g.k, g.m, cfg)
     return link_time(links, g, cluster, link_eff, cluster.gpus_per_node) + (
         cluster.inter_node_latency_s if g.k > 1 else cluster.intra_node_latency_s)
 
 
-def packed_bytes(numel: int, bits: int, block: int) -> int:
-    return packed_len(numel, bits, block)
+@functools.lru_cache(maxsize=1024)
+def _weight_deltas(S: int, k: int, m: int, cfg: ZeroConfig) -> dict[str, int]:
+    return volume.weight_deltas(S, k, m, cfg)
+
