@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from megaq.flags import flag
+from megaq.flags import add_flags, flag
 
 from .calibration import Calibration, load_calibration
 from .hardware import (DEFAULT_INTER_NODE_GBIT_PER_S, DEFAULT_INTER_NODE_LATENCY_S,
@@ -41,6 +41,16 @@ class HardwareFlags:
         return Cluster(gpu_preset(self.gpu), num_nodes, gpus_per_node,
                        self.inter_node_bandwidth, self.inter_node_latency * 1e-6,
                        self.intra_node_bandwidth, self.intra_node_latency * 1e-6)
+
+
+def add_planning_flags(parser, dry_run: bool = True) -> None:
+    """The hardware flags (and pretrain_gpt.py's --dry-run) as one --help group."""
+    group = add_flags(parser, HardwareFlags)
+    if dry_run:
+        group.add_argument("--dry-run", action="store_true", help=(
+            "parse and check the flags, print the plan of this run on the hardware above "
+            "(step time, throughput, memory per GPU; default --gpu H200, nodes from the "
+            "world size), and exit: 0 when it fits, 2 when not; starts no process group"))
 
 
 def cluster_of_run(run, hw: HardwareFlags) -> Cluster:
