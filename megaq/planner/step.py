@@ -186,7 +186,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
         if key not in times:
             times[key] = (traffic.gather_time(u, g, z, elem, cluster, link_eff, False),
                           traffic.gather_time(u, g, z, elem, cluster, link_eff, True),
-                          traffic.reduce_time(u, g, z, 2, cluster, link_eff))
+                          traffic.reduce_time(u, g, z, elem, cluster, link_eff))
         return times[key]
 
     # a later gather and a reduction in flight together share a communicator (the DP
@@ -313,7 +313,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
     fp8_tensors = 4 * layers_per_chunk * pi.vp if (z.fp8_weights and pi.fp8) else 0
     phase_bytes: dict[str, dict[str, int]] = {}
     for st in stages:
-        for ph, links in traffic.step_phase_bytes(st["units"], g, z, elem, 2, M,
+        for ph, links in traffic.step_phase_bytes(st["units"], g, z, elem, elem, M,
                                                   fp8_tensors).items():
             d = phase_bytes.setdefault(ph, {INTRA: 0, INTER: 0})
             for link in (INTRA, INTER):
