@@ -41,9 +41,10 @@ def plan_parser() -> argparse.ArgumentParser:
     subs = f" Subcommands: {', '.join(sorted(SUBCOMMANDS))} (tools/plan.py NAME --help)." \
         if SUBCOMMANDS else ""
     p = build_parser(prog="tools/plan.py", description=DESCRIPTION + subs, dry_run=False)
-    for action in p._actions:  # a plan needs no learning rate; training-only flags default
-        if action.dest == "lr":
-            action.required, action.default = False, 1e-4
+    for action in p._actions:  # a plan needs no learning rate; --search picks the micro-batch
+        if action.dest in ("lr", "micro_batch_size"):
+            action.required = False
+            action.default = 1e-4 if action.dest == "lr" else 1
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of "
                    "the table (keys step_time_s, tokens_per_s, tflops_per_gpu, mfu, "
