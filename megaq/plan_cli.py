@@ -64,7 +64,7 @@ def _run_config(flags, world: int, ranks_per_node: int) -> RunConfig:
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path",
                  "demo_corpus"):
         setattr(flags, name, None)
-    flags.mock_data = True
+    flags.user_mock_data, flags.mock_data = flags.mock_data, True
     if flags.train_iters is None and flags.train_samples is None:
         flags.train_iters = 1
     try:
@@ -76,7 +76,11 @@ def _run_config(flags, world: int, ranks_per_node: int) -> RunConfig:
 
 
 def _plan_input(run: RunConfig, flags) -> PlanInput:
-    return PlanInput.from_config(run, vocab_size=flags.vocab_size or DEFAULT_VOCAB)
+    """The plan's input; the vocabulary from --vocab-size (or --mock-data's), else assumed."""
+    if flags.vocab_size or flags.user_mock_data:
+        return PlanInput.from_config(run, vocab_size=flags.vocab_size)
+    return dataclasses.replace(PlanInput.from_config(run, vocab_size=DEFAULT_VOCAB),
+                               vocab_assumed=True)
 
 
 def plan_main(argv: list[str] | None = None) -> int:
