@@ -1,6 +1,6 @@
 """Dependencies flow one way: kernels, parallel, model, zero, parallelize, data, config,
-checkpoint, training, CLI. Every import in every module under megaq/ and kernels/ (including the
-ones inside functions) may only point at its own layer or one below it, and no modules import
+checkpoint, planner, training, CLI. Every import in every module under megaq/ and kernels/
+(including the ones inside functions) may only point at its own layer or one below it, and no modules import
 each other in a circle, not even inside one layer.
 
 The walk reads the source (ast), so nothing is imported and an import hidden in a
@@ -30,10 +30,13 @@ LAYERS = [
     # the package: formats, manifest, directory guards, staging; the one allow-listed
     # unpickler every checkpoint reader (and the converters) use
     ("checkpoint", ("megaq.checkpoint",)),
+    # the step-time and memory model: reads the model, layout, ZeRO and run configuration;
+    # training writes its prediction, the CLI prints it
+    ("planner", ("megaq.planner",)),
     # the hang watchdog counts training iterations
     ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
                   "megaq.watchdog")),
-    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt",
+    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt", "megaq.plan_cli",
              # Megatron-LM's flags (parser additions) and the converters (they validate an
              # imported architecture with the parser and write a megaq checkpoint)
              "megaq.megatron_flags", "megaq.interop")),
