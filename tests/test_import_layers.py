@@ -1,5 +1,5 @@
-"""Dependencies flow one way: kernels, parallel, model, zero, parallelize, data, config,
-checkpoint, training, CLI. Every import in every module under megaq/ and kernels/ (including the
+"""Dependencies flow one way: kernels, parallel, runtime, model, zero, parallelize, data,
+config, checkpoint, training, CLI. Every import in every module under megaq/ and kernels/ (including the
 ones inside functions) may only point at its own layer or one below it, and no modules import
 each other in a circle, not even inside one layer.
 
@@ -18,8 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS = [
     ("kernels", ("kernels", "megaq.kernels", "megaq.flags", "megaq")),
-    # megaq.failure: agreeing on an error is a collective over the parallel layer's groups
-    ("parallel", ("megaq.parallel", "megaq.failure")),
+    ("parallel", ("megaq.parallel",)),
+    # failure agreement (a collective over the parallel layer's groups), the roll call, the
+    # hang watchdog, the metrics file and log lines: what a running job reports
+    ("runtime", ("megaq.runtime",)),
     ("model", ("megaq.model",)),
     ("zero", ("megaq.zero",)),
     # applies the parallel layer's pieces and the zero engine to the model, in one order
@@ -30,9 +32,7 @@ LAYERS = [
     # the package: formats, manifest, directory guards, staging; the one allow-listed
     # unpickler every checkpoint reader (and the converters) use
     ("checkpoint", ("megaq.checkpoint",)),
-    # the hang watchdog counts training iterations
-    ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
-                  "megaq.watchdog")),
+    ("training", ("megaq.training", "megaq.lr_schedule")),
     ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt",
              # Megatron-LM's flags (parser additions) and the converters (they validate an
              # imported architecture with the parser and write a megaq checkpoint)

@@ -45,7 +45,7 @@ def error_lines(r):
 def all_failed(r, world):
     """Every rank stopped with the agreed error: exit 2, or SIGTERM from the launcher
     (torchrun's policy) once a peer has exited 2, which can only come after rank 0's
-    line is out: the ranks meet at a barrier after it (megaq.failure.report)."""
+    line is out: the ranks meet at a barrier after it (megaq.runtime.failure.report)."""
     codes = r["codes"]
     return len(codes) == world and 2 in codes and all(c in (2, -signal.SIGTERM) for c in codes)
 

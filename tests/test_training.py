@@ -14,7 +14,7 @@ import sys
 from megaq import pretrain
 from megaq.checkpoint import paths
 from megaq.training import Trainer, TrainingDiverged
-from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
+from megaq.runtime.logging_utils import TensorBoard, training_log_line, validation_log_line
 from megaq.parallel.launch import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,7 +204,7 @@ def test_signal_on_one_rank_stops_all_after_a_save(tmp_path):
 
 def test_plot_metrics_writes_png(tmp_path):
     import importlib.util
-    from megaq.metrics import MetricsWriter
+    from megaq.runtime.metrics import MetricsWriter
     paths = []
     for run in range(2):  # two files -> two curves per panel
         w = MetricsWriter(str(tmp_path / f"m{run}.jsonl"))

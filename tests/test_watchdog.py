@@ -1,4 +1,4 @@
-"""The hang watchdog's bound and its abort (megaq.watchdog); the end-to-end case, a
+"""The hang watchdog's bound and its abort (megaq.runtime.watchdog); the end-to-end case, a
 SIGSTOPped rank ending the job, is in tests/test_reliability.py."""
 
 import os
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megaq import failure, watchdog
+from megaq.runtime import failure, watchdog
 from megaq.parallel.launch import run_cli_on_ranks
 
 

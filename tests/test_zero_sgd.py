@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import zero_harness as H  # noqa: E402
 
-from megaq.failure import AgreedError  # noqa: E402
+from megaq.runtime.failure import AgreedError  # noqa: E402
 from megaq.parallel.launch import run_on_ranks  # noqa: E402
 from megaq.zero import ZeroConfig, ZeroConfigError  # noqa: E402
 

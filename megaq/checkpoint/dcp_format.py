@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from megaq import failure
+from megaq.runtime import failure
 from megaq.checkpoint import integrity, safe_unpickle, staging
 from megaq.checkpoint.atomic import AtomicSave
 from megaq.checkpoint.dcp_chunks import ChunkedTensor, Piece, dcp_name, local_state

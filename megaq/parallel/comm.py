@@ -39,7 +39,7 @@ backend fails the collective on the others with its own text ("Connection closed
 peer [addr]", a timeout). Every collective here translates that failure, where it is
 issued and where its handle is waited on, into :class:`CollectiveFailed`, which
 carries the phase tag and the group (its name: tp, dp, intra, inter, hpz, pp,
-embedding, world) so that the failure layer (megaq.failure, megaq.parallel.peers) can
+embedding, world) so that the failure layer (megaq.runtime.failure, megaq.runtime.peers) can
 say in one line which rank was lost, where and when. Errors that are not the
 transport's (a wrong shape, a wrong dtype: bugs) pass through unchanged.
 """
@@ -86,7 +86,7 @@ class CommStats:
 
 
 STATS = CommStats()  # this process's counters (one process = one rank)
-LAST_ENTERED: list = [None, 0.0]  # [what, time.time()] of the last collective issued (megaq.watchdog)
+LAST_ENTERED: list = [None, 0.0]  # [what, time.time()] of the last collective issued (megaq.runtime.watchdog)
 
 
 class CollectiveFailed(RuntimeError):
