@@ -5,7 +5,7 @@
 parse flags -> RunConfig -> init torch.distributed -> topology -> data -> model chunks
 and their ZeRO engine (megaq.parallelize) -> checkpoint load -> Trainer.train().
 ``main(argv, topo=None)`` is callable in-process (tests and tools pass the topology
-``megaq.parallel.launch.run_on_ranks`` built); ``build_trainer(config, topo)`` stops
+``megaq.testing.ranks.run_on_ranks`` built); ``build_trainer(config, topo)`` stops
 before training, for callers that drive the loop themselves.
 """
 
@@ -32,7 +32,7 @@ def seed_everything(seed: int, topo) -> None:
 
 
 def _init_distributed(parallel):
-    from megaq.parallel.launch import init_from_env
+    from megaq.parallel.launch import group_timeout, init_from_env
     from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
     from megaq.runtime import peers
     rank, world = init_from_env(parallel.distributed_backend,
@@ -41,7 +41,7 @@ def _init_distributed(parallel):
     layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
                     hpz_size=parallel.hpz_size, order=parallel.rank_order)
     peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.runtime.failure)
-    return build_topology(layout, rank)
+    return build_topology(layout, rank, group_timeout(parallel.distributed_timeout_minutes))
 
 
 def _check_topology_matches(parallel, topo) -> None:

@@ -26,7 +26,7 @@ from megaq.checkpoint import dcp_chunks, dcp_format, staging
 from megaq.checkpoint.errors import CheckpointError
 from megaq.checkpoint.paths import common_file, error_feedback_file, iteration_dir, read_tracker
 from megaq.checkpoint.save import save_checkpoint
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from tests.test_checkpoint_resume import copy_checkpoint, model_argv
 
 ARCH = ["--num-layers", "4", "--swiglu", "--group-query-attention", "--num-query-groups", "2"]

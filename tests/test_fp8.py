@@ -29,7 +29,7 @@ from megaq import pretrain
 from megaq.model import GPTConfig
 from megaq.parallel import fp8, fp8_delayed
 from megaq.parallel.fp8 import FP8Recipe, quantize
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, single_rank_group
 from megaq.parallel.topology import Layout, build_topology
 from megaq.parallelize import apply_fp8, compile_blocks, parallelize

@@ -1,5 +1,5 @@
 """Dependencies flow one way: kernels, parallel, runtime, model, zero, parallelize, data,
-config, checkpoint, training, CLI. Every import in every module under megaq/ and kernels/ (including the
+config, checkpoint, training, CLI, testing. Every import in every module under megaq/ and kernels/ (including the
 ones inside functions) may only point at its own layer or one below it, and no modules import
 each other in a circle, not even inside one layer.
 
@@ -37,6 +37,9 @@ LAYERS = [
              # Megatron-LM's flags (parser additions) and the converters (they validate an
              # imported architecture with the parser and write a megaq checkpoint)
              "megaq.megatron_flags", "megaq.interop")),
+    # local gloo ranks for tests and tools (run_on_ranks, run_cli_on_ranks): the top, so
+    # no library module can lean on a test seam
+    ("testing", ("megaq.testing",)),
 ]
 
 
@@ -148,22 +151,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-# Circles known today and owned elsewhere, each with what removes it. The test fails on
-# any other circle, and on a listed one that is gone (delete its entry then).
-KNOWN_CYCLES = [
-    # run_on_ranks (the test launcher) lives in parallel/launch.py and imports topology,
-    # which imports comm, which imports launch for the process-group timeout: moving the
-    # launcher to megaq/testing/ and passing the timeout in (issue 39) ends it
-    ["megaq.parallel.comm", "megaq.parallel.launch", "megaq.parallel.topology"],
-]
-
-
 def test_no_import_cycle():
     cycles = import_cycles(import_graph())
-    new = [c for c in cycles if c not in KNOWN_CYCLES]
-    gone = [c for c in KNOWN_CYCLES if c not in cycles]
-    assert not new, "modules importing each other in a circle:\n" + "\n".join(map(str, new))
-    assert not gone, f"listed circles no longer there: delete them from KNOWN_CYCLES: {gone}"
+    assert not cycles, "modules importing each other in a circle:\n" + "\n".join(map(str, cycles))
 
 
 def test_the_walk_sees_a_circle_through_function_local_imports(tmp_path, monkeypatch):

@@ -241,7 +241,7 @@ def test_convert_writes_a_megaq_checkpoint_that_trains(tmp_path, mcore_model):
     """convert_to_megaq (tools/convert_checkpoint.py --from megatron) -> a megaq checkpoint
     that pretrain_gpt.py loads at TP 2 (resharded) and trains from; the loss at the first
     step is the imported model's, not a fresh one's (ln 128 = 4.85)."""
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     sd, args, _, _ = mcore_model
     src = save_megatron(str(tmp_path / "mlm"), megatron_shards(sd, 2, 2), args)

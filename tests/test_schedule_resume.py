@@ -20,7 +20,7 @@ from megaq.checkpoint import paths
 from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.lr_schedule import LRSchedule, ScheduleMismatchError
 from megaq.runtime.metrics import drop_records_after
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GBS = 4

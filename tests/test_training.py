@@ -15,7 +15,7 @@ from megaq import pretrain
 from megaq.checkpoint import paths
 from megaq.training import Trainer, TrainingDiverged
 from megaq.runtime.logging_utils import TensorBoard, training_log_line, validation_log_line
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

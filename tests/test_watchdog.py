@@ -7,7 +7,7 @@ import time
 import pytest
 
 from megaq.runtime import failure, watchdog
-from megaq.parallel.launch import run_cli_on_ranks
+from megaq.testing.ranks import run_cli_on_ranks
 
 
 def test_default_bound_adapts_to_the_slowest_iteration_with_a_floor():

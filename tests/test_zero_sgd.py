@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import zero_harness as H  # noqa: E402
 
 from megaq.runtime.failure import AgreedError  # noqa: E402
-from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.testing.ranks import run_on_ranks  # noqa: E402
 from megaq.zero import ZeroConfig, ZeroConfigError  # noqa: E402
 
 SGD = {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 0.3, "block_size": 8}

@@ -26,7 +26,7 @@ import torch
 from megaq.kernels.format import QMAX
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallelize import parallelize
 from megaq.zero import ZeroConfig, ZeroConfigError

@@ -75,7 +75,7 @@ def _capture_rank(topo, argv, out_dir, steps):
 
 
 def capture(o):
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     a = cv.parse(["--iters", str(o.iters)])
     os.makedirs(o.dir, exist_ok=True)

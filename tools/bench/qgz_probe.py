@@ -162,7 +162,7 @@ def main(argv=None):
         print("cached", out)
         return
     os.makedirs(o.cache_dir, exist_ok=True)
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     metrics = os.path.join(o.cache_dir, f"{key}.metrics.jsonl")
     t0 = time.time()
