@@ -33,7 +33,7 @@ LAYERS = [
     # unpickler every checkpoint reader (and the converters) use
     ("checkpoint", ("megaq.checkpoint",)),
     ("training", ("megaq.training", "megaq.lr_schedule")),
-    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt",
+    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt", "megaq.cli",
              # Megatron-LM's flags (parser additions) and the converters (they validate an
              # imported architecture with the parser and write a megaq checkpoint)
              "megaq.megatron_flags", "megaq.interop")),
