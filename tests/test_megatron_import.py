@@ -174,6 +174,7 @@ def megatron_shards(sd, tp, pp, vp=1, num_layers=4):
     return out
 
 
+@pytest.mark.slow  # 12-30 s: megatron-core builds its model in this process
 @pytest.mark.parametrize("tp", [1, 2])
 def test_imported_weights_reproduce_megatron_core_logits(tmp_path, request, tp):
     """megatron-core's own checkpoint (TP 1, or TP 2 with each rank's own shard) ->

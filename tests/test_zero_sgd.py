@@ -76,6 +76,7 @@ def _argv(tmp_path, iters, extra=()):
             "--attention-dropout", "0", "--data-cache-path", str(tmp_path / "cache"), *extra]
 
 
+@pytest.mark.slow  # three short pretrain runs
 def test_pretrain_sgd_resumes_exactly_and_refuses_adam_state(tmp_path):
     from megaq.parallel.topology import Layout, build_topology
     from megaq.pretrain import main
