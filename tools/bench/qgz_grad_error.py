@@ -46,7 +46,6 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root
-sys.path.insert(0, HERE)
 
 import convergence as cv  # noqa: E402
 
