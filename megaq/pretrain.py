@@ -41,7 +41,7 @@ def _init_distributed(parallel):
     layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
                     hpz_size=parallel.hpz_size, order=parallel.rank_order)
     peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.runtime.failure)
-    return build_topology(layout, rank, group_timeout(parallel.distributed_timeout_minutes))
+    return build_topology(layout, rank, timeout=group_timeout(parallel.distributed_timeout_minutes))
 
 
 def _check_topology_matches(parallel, topo) -> None:

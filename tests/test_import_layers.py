@@ -1,7 +1,7 @@
 """Dependencies flow one way: kernels, parallel, runtime, model, zero, parallelize, data,
-config, checkpoint, training, CLI, testing. Every import in every module under megaq/ and kernels/ (including the
-ones inside functions) may only point at its own layer or one below it, and no modules import
-each other in a circle, not even inside one layer.
+config, checkpoint, training, CLI, testing. Every import in every module under megaq/ and
+kernels/ (including the ones inside functions) may only point at its own layer or one below
+it, and no modules import each other in a circle, not even inside one layer.
 
 The walk reads the source (ast), so nothing is imported and an import hidden in a
 function body counts like one at the top.
@@ -151,9 +151,17 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+# Circles known today and owned elsewhere, each with what removes it. The test fails on
+# any other circle, and on a listed one that is gone (delete its entry then).
+KNOWN_CYCLES: list[list[str]] = []
+
+
 def test_no_import_cycle():
     cycles = import_cycles(import_graph())
-    assert not cycles, "modules importing each other in a circle:\n" + "\n".join(map(str, cycles))
+    new = [c for c in cycles if c not in KNOWN_CYCLES]
+    gone = [c for c in KNOWN_CYCLES if c not in cycles]
+    assert not new, "modules importing each other in a circle:\n" + "\n".join(map(str, new))
+    assert not gone, f"listed circles no longer there: delete them from KNOWN_CYCLES: {gone}"
 
 
 def test_the_walk_sees_a_circle_through_function_local_imports(tmp_path, monkeypatch):

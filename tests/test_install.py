@@ -12,7 +12,7 @@ there, among them an editable install of megaq, never take effect:
   checkout on PYTHONPATH (as Megatron users run it);
 - wheel: `pip wheel` of the copy, installed non-editable; the checkout's megaq/ shadows
   the installed one when run from the repository root (its kernels/ must follow);
-  the `megaq-*` commands run from another directory;
+  the `megaq-*` commands load (and one runs) from another directory;
 - editable: `pip install -e` of the copy; its `megaq-*` commands too;
 - sdist: the source distribution of the copy, installed by pip (which builds a wheel
   from it); the import check, and that the `megaq-*` commands are installed (they run
@@ -188,12 +188,20 @@ def test_install_matrix(install, checkout):
         jobs.append((f"import megaq.kernels from the {where}", [python, "-c", PROBE], cwd,
                      probe_env, expect))
     bindir = os.path.join(env_dir, "bin")
-    for command in _commands(repo) if install != "checkout" else ():
-        script = os.path.join(bindir, command)
-        assert os.path.isfile(script), f"{install}: {command} is not installed in {bindir}"
-        if install != "sdist":
-            jobs.append((f"{command} --help from another directory", [script, "--help"],
-                         elsewhere, env, None))
+    commands = _commands(repo) if install != "checkout" else []
+    for command in commands:
+        assert os.path.isfile(os.path.join(bindir, command)), f"{install}: {command} is not in {bindir}"
+    if commands and install != "sdist":
+        # every command's function loads (one process: one `import torch`), and one script
+        # runs; by the scratch env's python: pip ran under this interpreter (--prefix), so
+        # the scripts' #! names it, and it does not see the scratch env
+        load = ("from importlib.metadata import entry_points; "
+                f"got = [ep.load() for ep in entry_points(group='console_scripts') if ep.name in {commands!r}]; "
+                f"assert len(got) == {len(commands)}, got; "
+                "print('usage: every megaq-* command loads')")  # the check below wants 'usage:'
+        jobs.append(("the megaq-* commands load", [python, "-c", load], elsewhere, env, None))
+        jobs.append(("megaq-plot --help from another directory",
+                     [python, os.path.join(bindir, "megaq-plot"), "--help"], elsewhere, env, None))
 
     def run(job):
         what, cmd, cwd, job_env, expect = job

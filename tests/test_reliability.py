@@ -337,19 +337,19 @@ def test_sigstopped_rank_ends_job_within_hang_bound_with_diagnosis(tmp_path):
 
 
 def test_process_group_timeout_reaches_new_groups():
-    """--distributed-timeout-minutes 0.02 (1.2 s): a collective on a group the trainer's
-    start-up created after init (the DP group of build_topology) that a peer never joins
+    """--distributed-timeout-minutes 0.02 (1.2 s): a collective on a group the topology
+    created after init (build_topology -> comm.Group.create) that a peer never joins
     fails in seconds, not torch's 30 min."""
     def entry(argv):
+        from datetime import timedelta
         from megaq.parallel import comm
-        from megaq.parallel.config import ParallelConfig
-        from megaq.pretrain import _init_distributed
+        from megaq.parallel.launch import group_timeout, init_from_env
+        from megaq.parallel.topology import Layout, build_topology
         import torch
-        parallel = ParallelConfig(distributed_backend="gloo", distributed_timeout_minutes=0.02,
-                                  world_size=2, ranks_per_node=2)
-        topo = _init_distributed(parallel)
-        rank, group = topo.rank, topo.dp
-        assert group.ranks == [0, 1] and group.pg is not None
+        rank, world = init_from_env("gloo", timeout_minutes=0.02)
+        topo = build_topology(Layout(world), rank, timeout=group_timeout(0.02))
+        assert topo.timeout == timedelta(seconds=1.2)
+        group = topo.dp
         if rank == 1:
             time.sleep(15)
             return 0

@@ -202,7 +202,7 @@ def checkpoint_group(topo) -> comm.Group:
     if key not in _GROUP:
         pg = None
         if world.size > 1:
-            pg = dist.new_group(list(world.ranks), backend="gloo", timeout=topo.group_timeout)
+            pg = dist.new_group(list(world.ranks), backend="gloo", timeout=topo.timeout)
         _GROUP[key] = comm.Group(ranks=list(world.ranks), nodes=list(world.nodes), pg=pg,
                                  rank_index=world.rank_index)
     return _GROUP[key]

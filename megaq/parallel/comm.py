@@ -178,8 +178,8 @@ class Group:
     @classmethod
     def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False,
                name: str = "", timeout: timedelta | None = None) -> "Group":
-        """`timeout`: the process-group timeout (--distributed-timeout-minutes); None is
-        torch's default for a new group (30 min for gloo), not the world group's."""
+        """timeout: the process-group timeout (--distributed-timeout-minutes, passed down
+        by build_topology; None: torch's default for the backend)."""
         pg = None
         if world:
             pg = dist.group.WORLD

@@ -4,9 +4,9 @@ Local gloo ranks for tests and tools: megaq.testing.ranks.
 Two reliability guarantees start here:
 
 * **The process-group timeout** (``--distributed-timeout-minutes``, default 10) is
-  given to the world group; the caller passes the same value to ``build_topology``
-  (:func:`group_timeout`), so every group megaq creates gets it: a collective waiting
-  that long for a peer fails instead of hanging.
+  given to the world group here, and passed to ``build_topology``, which gives it to
+  every group it creates and keeps it on the Topology (``topo.timeout``) for groups
+  made later: a collective waiting that long for a peer fails instead of hanging.
 * **Ranks never outlive their launcher** (:func:`die_with_parent`): a rank started by
   torchrun or srun asks the kernel for SIGKILL when its parent dies
   (``PR_SET_PDEATHSIG``; a parent-pid watch thread where that is unavailable), so a
@@ -36,9 +36,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def group_timeout(minutes: float) -> timedelta:
-    """--distributed-timeout-minutes as torch's process-group timeout: the world group's
-    (init_from_env) and every later group's (build_topology), which torch would otherwise
-    give its own default."""
+    """--distributed-timeout-minutes as the timeout torch's process groups take."""
     return timedelta(seconds=float(minutes) * 60.0)
 
 

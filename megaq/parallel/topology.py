@@ -193,9 +193,9 @@ class Topology:
     inter: Group   # DP ranks of my DP group with my local index, one per node
     hpz: Group     # hpZ partition (a slice of intra)
     world: Group
-    # --distributed-timeout-minutes: every group above was created with it, and a group
-    # made later over this topology (the checkpoint's) takes it too
-    group_timeout: timedelta | None = None
+    # the process-group timeout every group here got (--distributed-timeout-minutes);
+    # groups made later for this topology (DCP's checkpoint group) take it too
+    timeout: timedelta | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -242,4 +242,4 @@ def build_topology(layout: Layout, rank: int, timeout: timedelta | None = None) 
         make("inter", layout.inter_groups(dp_group))
         make("hpz", layout.hpz_groups(dp_group))
     world = Group.create(list(range(layout.world_size)), layout.node_of, world=True)
-    return Topology(layout=layout, rank=rank, world=world, group_timeout=timeout, **mine)
+    return Topology(layout=layout, rank=rank, world=world, timeout=timeout, **mine)

@@ -50,7 +50,7 @@ def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=RANK_GROUP_TIMEOUT)
-        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, RANK_GROUP_TIMEOUT)
+        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, timeout=RANK_GROUP_TIMEOUT)
         comm.STATS.reset()
         result = fn(topo, *args)
         queue.put((rank, True, _dumps(result)))

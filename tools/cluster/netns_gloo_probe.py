@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = init_from_env("gloo")
     layout = Layout(world_size=world, ranks_per_node=ranks_per_node_from_env(world, rank))
-    topo = build_topology(layout, rank, group_timeout(DEFAULT_TIMEOUT_MINUTES))
+    topo = build_topology(layout, rank, timeout=group_timeout(DEFAULT_TIMEOUT_MINUTES))
     n = topo.world.size
     numel = -(-args.numel // n) * n          # equal shards
     shard = torch.full((numel // n,), float(rank))
