@@ -5,7 +5,7 @@
 parse flags -> RunConfig -> init torch.distributed -> topology -> data -> model chunks
 and their ZeRO engine (megaq.parallelize) -> checkpoint load -> Trainer.train().
 ``main(argv, topo=None)`` is callable in-process (tests and tools pass the topology
-``megaq.parallel.launch.run_on_ranks`` built); ``build_trainer(config, topo)`` stops
+``megaq.testing.ranks.run_on_ranks`` built); ``build_trainer(config, topo)`` stops
 before training, for callers that drive the loop themselves.
 """
 
@@ -32,16 +32,16 @@ def seed_everything(seed: int, topo) -> None:
 
 
 def _init_distributed(parallel):
-    from megaq.parallel.launch import init_from_env
+    from megaq.parallel.launch import group_timeout, init_from_env
     from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
-    from megaq.parallel import peers
+    from megaq.runtime import peers
     rank, world = init_from_env(parallel.distributed_backend,
                                 parallel.distributed_timeout_minutes, parallel.device)
     rpn = ranks_per_node_from_env(world, rank, parallel.gpus_per_node)
     layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
                     hpz_size=parallel.hpz_size, order=parallel.rank_order)
-    peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.failure)
-    return build_topology(layout, rank)
+    peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.runtime.failure)
+    return build_topology(layout, rank, timeout=group_timeout(parallel.distributed_timeout_minutes))
 
 
 def _check_topology_matches(parallel, topo) -> None:
@@ -103,7 +103,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
     perf_counter() the setup time printed counts from (default: now); `hardware` the
     machine of the plan written into the metrics file (megaq.planner.run.HardwareFlags;
     default: the H200 preset)."""
-    from megaq import failure
+    from megaq.runtime import failure
     from megaq.checkpoint import guard
     from megaq.checkpoint.errors import CheckpointError
     from megaq.checkpoint.load import load_checkpoint
@@ -137,7 +137,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
         guard.claim_save_directory(save, topo)
     source, finetune = checkpoint_source(config.checkpointing)
     if source:
-        # every rank reads its own files; all agree before anyone exits (megaq.failure).
+        # every rank reads its own files; all agree before anyone exits (megaq.runtime.failure).
         # --finetune: weights only; iteration, samples, moments, schedule, RNG start fresh.
         with failure.agreed(topo.world):
             loaded = load_checkpoint(
@@ -221,7 +221,7 @@ def checkpoint_source(checkpointing) -> tuple[str | None, bool]:
 def _truncate_metrics(path: str | None, iteration: int) -> None:
     """A resumed run repeats the iterations after its checkpoint: drop their lines, left
     by the run that stopped, so the file (and its plots) keep one history."""
-    from megaq.metrics import drop_records_after
+    from megaq.runtime.metrics import drop_records_after
     if path and os.path.isfile(path):
         dropped = drop_records_after(path, iteration)
         if dropped:
@@ -320,13 +320,13 @@ def _print_banner(config, topo) -> None:
 
 
 def cli(argv=None) -> int:
-    from megaq import failure
+    from megaq.runtime import failure
     from megaq.arguments import ArgumentsError
     from megaq.checkpoint import guard
     from megaq.checkpoint.errors import CheckpointError
     from megaq.data.errors import DataError
     from megaq.interop.common import InteropError
-    from megaq.parallel import peers
+    from megaq.runtime import peers
     from megaq.parallel.comm import CollectiveFailed
     from megaq.parallel.pipeline import PipelineConfigError
     from megaq.parallel.topology import LayoutError

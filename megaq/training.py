@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megaq import failure, watchdog
+from megaq.runtime import failure, watchdog
 from megaq.checkpoint import staging
 from megaq.checkpoint.save import save_checkpoint
-from megaq.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
+from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
                                  training_log_line, validation_log_line)
-from megaq.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
+from megaq.runtime.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallel.pipeline.p2p import StepTimer
@@ -264,7 +264,7 @@ class Trainer:
         watchdog.start(self.topo.rank, self.training.hang_timeout_minutes)
         try:
             return self._train_loop()
-        except comm.CollectiveFailed as e:  # a peer vanished: say when (megaq.failure)
+        except comm.CollectiveFailed as e:  # a peer vanished: say when (megaq.runtime.failure)
             e.iteration = self.state.iteration
             raise
         finally:

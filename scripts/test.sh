@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # The test command: sets up the environment, then runs the whole suite on the CPU
 # (gloo ranks posing as several nodes; Triton kernels under TRITON_INTERPRET=1).
+#   bash scripts/test.sh            everything (CI)
+#   bash scripts/test.sh --quick    the inner loop: -m "not slow", no forked ranks or
+#                                   subprocesses (tests/conftest.py marks them)
+# Other arguments go to pytest (e.g. -x, -k NAME).
 set -euo pipefail
+marks=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  marks=(-m "not slow")
+fi
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$repo/scripts/setup_env.sh"
 cd "$repo"
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 set +e
-python -m pytest -q "$@" tests
+python -m pytest -q ${marks[@]+"${marks[@]}"} "$@" tests
 status=$?
 set -e
 # The interop tests skip when their pinned client is missing: say so, and how to run them.

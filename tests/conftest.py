@@ -1,7 +1,10 @@
-"""Shared pytest setup: CPU-only, deterministic, Triton kernels in interpreter mode."""
+"""Shared pytest setup: CPU-only, deterministic, Triton kernels in interpreter mode; the
+`slow` and `multirank` markers (scripts/test.sh --quick runs -m "not slow")."""
 
 import os
 import re
+import subprocess
+import types
 
 import pytest
 
@@ -81,3 +84,61 @@ def _restore_triton_language_core():
     for name, value in _TL_CORE.items():
         if _tl_core.__dict__.get(name) is not value:
             setattr(_tl_core, name, value)
+
+
+# ---------------------------------------------------------------------------- markers
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than about 5 s on an idle 2-core machine "
+                            "(every multirank test, and the single-process ones marked so); "
+                            "scripts/test.sh --quick leaves them out")
+    config.addinivalue_line("markers", "multirank: starts other processes (forked gloo ranks, "
+                            "torchrun, a tool or pip in a subprocess); set by this file")
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _spawns(fn, seen: set) -> bool:
+    """Does `fn` (or a helper it names that lives in tests/, through any depth) name the rank
+    launchers, the subprocess module, sys.executable or a fork? Read from the code objects,
+    so a new test that starts ranks is marked without anyone remembering to."""
+    from megaq.testing import ranks
+
+    launchers = (ranks.run_on_ranks, ranks.run_cli_on_ranks, subprocess)
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    stack, names = [code], set()
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    # names (a function-local `from ... import run_on_ranks` leaves only the name)
+    if names & {"run_on_ranks", "run_cli_on_ranks", "subprocess", "executable", "fork",
+                "in_forked_children"}:
+        return True
+    scope = getattr(fn, "__globals__", {})
+    for name in names:
+        obj = scope.get(name)
+        if any(obj is x for x in launchers):
+            return True
+        if isinstance(obj, types.FunctionType) and os.path.dirname(
+                os.path.abspath(obj.__code__.co_filename)) == TESTS_DIR and _spawns(obj, seen):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """multirank: the test or one of its fixtures starts processes; slow: every multirank
+    test (a forked job costs seconds of interpreter start-up and rendezvous on 2 cores)."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        fns = [getattr(item, "function", None)]
+        for defs in (info.name2fixturedefs.values() if info else ()):
+            fns.extend(d.func for d in defs if os.path.dirname(os.path.abspath(
+                getattr(getattr(d.func, "__code__", None), "co_filename", ""))) == TESTS_DIR)
+        seen: set = set()
+        if any(_spawns(f, seen) for f in fns if f is not None):
+            item.add_marker("multirank")
+            item.add_marker("slow")

@@ -48,9 +48,18 @@ def in_forked_children(fn, n: int = 3, timeout: float = 60) -> list:
     return results
 
 
+USER_CLIS = ("preprocess_data", "train_tokenizer", "build_corpus", "generate",
+             "convert_checkpoint", "plot_metrics")
+
+
 def tool(name):
-    """Import tools/<name>.py as a module (tools/ is not a package)."""
+    """A user command's module (megaq.cli.<name>, behind tools/<name>.py), or another tool
+    imported from tools/<name>.py (tools/ is not a package)."""
+    import importlib
     import importlib.util
+
+    if name in USER_CLIS:
+        return importlib.import_module(f"megaq.cli.{name}")
 
     spec = importlib.util.spec_from_file_location(f"megaq_tool_{name}",
                                                   os.path.join(REPO, "tools", f"{name}.py"))

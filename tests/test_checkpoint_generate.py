@@ -15,7 +15,7 @@ from megaq.checkpoint import dcp_format, formats, integrity, paths
 from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.interop.ckpt_format import convert_format
 from megaq.data.gpt_dataset import MockGPTDataset
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

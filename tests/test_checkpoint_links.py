@@ -18,7 +18,7 @@ import pytest
 from megaq import pretrain
 from megaq.checkpoint import guard, paths
 from megaq.checkpoint.errors import CheckpointError
-from megaq.parallel.launch import run_cli_on_ranks
+from megaq.testing.ranks import run_cli_on_ranks
 
 PRECIOUS = b"someone else's file\n"
 

@@ -25,7 +25,7 @@ import pytest
 from megaq import pretrain
 from megaq.checkpoint import guard, integrity, paths
 from megaq.checkpoint.consolidate import load_consolidated_model
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

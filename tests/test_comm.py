@@ -10,7 +10,7 @@ import torch
 
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 
 N_ELEM = 96  # divisible by every group size used; fp32 -> S = 384 bytes
 

@@ -96,7 +96,7 @@ def _rank_reads(topo, prefix, cache):
 
 def test_ranks_build_once_and_together_read_the_single_process_batches(tmp_path, tiny_dataset):
     from megaq.data.gpt_dataset import build_train_valid_test_datasets
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     cache = str(tmp_path / "cache")
     per_rank = run_on_ranks(_rank_reads, 2, args=(tiny_dataset, cache))
@@ -136,7 +136,7 @@ def test_pretrain_reports_an_id_outside_the_vocab_as_one_error_line(tmp_path):
     """Through the real entry point: `error:` + exit 2, not `index out of range in self`."""
     from megaq import pretrain
     from megaq.data.indexed import IndexedDatasetWriter
-    from megaq.parallel.launch import run_cli_on_ranks
+    from megaq.testing.ranks import run_cli_on_ranks
 
     prefix = str(tmp_path / "big_ids")
     w = IndexedDatasetWriter(prefix, np.uint16)

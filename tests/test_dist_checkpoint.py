@@ -26,7 +26,7 @@ from megaq.checkpoint import dcp_chunks, dcp_format, staging
 from megaq.checkpoint.errors import CheckpointError
 from megaq.checkpoint.paths import common_file, error_feedback_file, iteration_dir, read_tracker
 from megaq.checkpoint.save import save_checkpoint
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from tests.test_checkpoint_resume import copy_checkpoint, model_argv
 
 ARCH = ["--num-layers", "4", "--swiglu", "--group-query-attention", "--num-query-groups", "2"]
@@ -179,7 +179,7 @@ def _load_variants(topo, argv, ck, ck_no_optim):
     """Engines built by pretrain.build_trainer from a torch_dist checkpoint: in full,
     with --no-load-optim / --no-load-rng, and the refusals."""
     from megaq.arguments import parse_config
-    from megaq.failure import AgreedError
+    from megaq.runtime.failure import AgreedError
     from megaq.pretrain import build_trainer
 
     def trainer(*extra):

@@ -38,6 +38,8 @@ def _ours(pid: int) -> list[str]:
     return [ns for ns in netns_link.list_namespaces() if ns.startswith(mine)]
 
 
+@pytest.mark.multirank  # ranks in two network namespaces, started by tools/cluster (not seen by conftest)
+@pytest.mark.slow
 def test_two_steps_cross_the_limited_link(tmp_path):
     metrics = str(tmp_path / "metrics.jsonl")
     # 50 Mbit/s, not faster: the window's ends are the moments the sampler sees a metrics

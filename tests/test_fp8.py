@@ -29,7 +29,7 @@ from megaq import pretrain
 from megaq.model import GPTConfig
 from megaq.parallel import fp8, fp8_delayed
 from megaq.parallel.fp8 import FP8Recipe, quantize
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, single_rank_group
 from megaq.parallel.topology import Layout, build_topology
 from megaq.parallelize import apply_fp8, compile_blocks, parallelize
@@ -306,6 +306,7 @@ def test_fp8_training_resumes_exactly_from_a_checkpoint(tmp_path):
 
 
 # ----------------------------------------------------------- compiled blocks
+@pytest.mark.slow  # torch.compile on the CPU
 @pytest.mark.parametrize("recipe", [("hybrid", "tensorwise"), ("e4m3", "rowwise")])
 def test_fp8_compiled_blocks_match_eager(recipe):
     """compile_blocks traces the FP8 autograd function (casts, emulated GEMM) and gives
@@ -428,6 +429,7 @@ def test_delayed_scaling_starts_as_tensorwise_then_casts_with_the_history():
     assert torch.equal(dl.gemm.amax.history, before) and not dl.gemm.amax.now.any()
 
 
+@pytest.mark.slow  # torch.compile on the CPU
 def test_delayed_cast_compiled_gives_the_same_fp8_bytes_and_amax_as_eager():
     """The fused (inductor) delayed cast writes the same FP8 bytes and the same amax as
     the eager ops, and the same bytes as the tensorwise cast with that scale (fp8.cast)."""

@@ -23,7 +23,7 @@ import torch
 
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.fp8 import fp8_gemm_layers
 from megaq.parallel.pipeline import get_forward_backward_func, masked_mean_loss, pipeline_tensor_shape
 from megaq.parallelize import parallelize

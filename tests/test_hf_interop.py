@@ -26,7 +26,7 @@ transformers.utils.logging.disable_progress_bar()
 from megaq.checkpoint import paths, record  # noqa: E402
 from megaq.checkpoint.consolidate import load_consolidated_model  # noqa: E402
 from megaq.data.gpt_dataset import MockGPTDataset  # noqa: E402
-from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.testing.ranks import run_on_ranks  # noqa: E402
 from megaq.pretrain import main as pretrain_main  # noqa: E402
 
 SEQ = 48  # >= prompt (8) + 32 generated tokens: generate.py never truncates the context

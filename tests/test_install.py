@@ -1,6 +1,6 @@
 """The install matrix: `megaq.kernels` imports, and `pretrain_gpt.py --help` and every
-user CLI's `--help` (tools/*.py) work, however megaq is installed and wherever it is
-run from.
+user CLI's `--help` (tools/*.py, and installed, the `megaq-*` commands of
+[project.scripts]) work, however megaq is installed and wherever it is run from.
 
 A copy of the checkout (megaq/ with its megaq/kernels link to the top-level kernels/,
 kernels/, tools/, the top-level scripts and build files) stands for "the repository".
@@ -12,9 +12,11 @@ there, among them an editable install of megaq, never take effect:
   checkout on PYTHONPATH (as Megatron users run it);
 - wheel: `pip wheel` of the copy, installed non-editable; the checkout's megaq/ shadows
   the installed one when run from the repository root (its kernels/ must follow);
-- editable: `pip install -e` of the copy;
+  the `megaq-*` commands load (and one runs) from another directory;
+- editable: `pip install -e` of the copy; its `megaq-*` commands too;
 - sdist: the source distribution of the copy, installed by pip (which builds a wheel
-  from it); the import check only (the CLIs are the wheel case's).
+  from it); the import check, and that the `megaq-*` commands are installed (they run
+  in the wheel case).
 
 Each is run from the repository root and from another directory. Budget ~45 s on
 2 cores (mostly `import torch` in the CLIs that need it).
@@ -131,9 +133,22 @@ def checkout(tmp_path_factory) -> dict:
     return {"root": str(root), "repo": repo, "elsewhere": elsewhere, "wheel": wheels[0], "sdist": sdists[0]}
 
 
+def _commands(repo: str) -> list[str]:
+    """The console scripts pyproject.toml declares (megaq-pretrain, megaq-preprocess, ...)."""
+    # read as text: tomllib is Python 3.11+, and the project supports 3.10
+    text = open(os.path.join(repo, "pyproject.toml"), encoding="utf-8").read()
+    section = text.split("[project.scripts]\n", 1)[1].split("\n[", 1)[0]
+    scripts = [line.split("=")[0].strip() for line in section.splitlines()
+               if "=" in line and not line.lstrip().startswith("#")]
+    assert {"megaq-pretrain", "megaq-preprocess", "megaq-convert", "megaq-generate",
+            "megaq-train-tokenizer", "megaq-plot", "megaq-build-corpus"} <= set(scripts)
+    return sorted(scripts)
+
+
 def _clis(repo: str) -> list[str]:
     clis = ["pretrain_gpt.py"] + sorted(os.path.relpath(p, repo)
-                                        for p in glob.glob(os.path.join(repo, "tools", "*.py")))
+                                        for p in glob.glob(os.path.join(repo, "tools", "*.py"))
+                                        if not os.path.basename(p).startswith("_"))
     # the user CLIs the README and docs/DATA.md name must be among them
     for name in ("preprocess_data", "train_tokenizer", "generate", "plot_metrics", "build_corpus"):
         assert os.path.join("tools", f"{name}.py") in clis
@@ -172,6 +187,21 @@ def test_install_matrix(install, checkout):
         expect = installed_megaq if (install in ("wheel", "sdist") and cwd == elsewhere) else repo
         jobs.append((f"import megaq.kernels from the {where}", [python, "-c", PROBE], cwd,
                      probe_env, expect))
+    bindir = os.path.join(env_dir, "bin")
+    commands = _commands(repo) if install != "checkout" else []
+    for command in commands:
+        assert os.path.isfile(os.path.join(bindir, command)), f"{install}: {command} is not in {bindir}"
+    if commands and install != "sdist":
+        # every command's function loads (one process: one `import torch`), and one script
+        # runs; by the scratch env's python: pip ran under this interpreter (--prefix), so
+        # the scripts' #! names it, and it does not see the scratch env
+        load = ("from importlib.metadata import entry_points; "
+                f"got = [ep.load() for ep in entry_points(group='console_scripts') if ep.name in {commands!r}]; "
+                f"assert len(got) == {len(commands)}, got; "
+                "print('usage: every megaq-* command loads')")  # the check below wants 'usage:'
+        jobs.append(("the megaq-* commands load", [python, "-c", load], elsewhere, env, None))
+        jobs.append(("megaq-plot --help from another directory",
+                     [python, os.path.join(bindir, "megaq-plot"), "--help"], elsewhere, env, None))
 
     def run(job):
         what, cmd, cwd, job_env, expect = job

@@ -13,7 +13,7 @@ import pytest
 
 from megaq import pretrain
 from megaq.checkpoint import integrity
-from megaq.parallel.launch import run_cli_on_ranks
+from megaq.testing.ranks import run_cli_on_ranks
 
 
 def tiny_argv(iters, *extra):

@@ -668,6 +668,7 @@ def _bits_equal(a, b):
 
 # a power of two, and a padded tile (192 -> 256 lanes); int4 float output in the 32-bit-word
 # kernel (the default) and in the byte kernel
+@pytest.mark.slow  # 7-17 s each in Triton's interpreter
 @pytest.mark.parametrize("block, words", [(64, True), (192, True), (64, False)])
 def test_hadamard_triton_bit_identical(tq, block, words):
     """The transform, alone and fused into reorder_quantize (with and without a residual)

@@ -59,7 +59,7 @@ def _banner(topo, argv):
 
 
 def test_banner_names_device_backend_world_and_layout(tmp_path, capfd):
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
     argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",

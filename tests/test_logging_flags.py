@@ -16,10 +16,10 @@ import types
 import pytest
 import torch
 
-from megaq import logging_utils
+from megaq.runtime import logging_utils
 from megaq.arguments import ArgumentsError, parse_config
-from megaq.logging_utils import timers_block
-from megaq.parallel.launch import run_on_ranks
+from megaq.runtime.logging_utils import timers_block
+from megaq.testing.ranks import run_on_ranks
 
 LINE = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +\d+ \|")
 

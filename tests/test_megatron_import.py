@@ -174,6 +174,7 @@ def megatron_shards(sd, tp, pp, vp=1, num_layers=4):
     return out
 
 
+@pytest.mark.slow  # 12-30 s: megatron-core builds its model in this process
 @pytest.mark.parametrize("tp", [1, 2])
 def test_imported_weights_reproduce_megatron_core_logits(tmp_path, request, tp):
     """megatron-core's own checkpoint (TP 1, or TP 2 with each rank's own shard) ->
@@ -241,7 +242,7 @@ def test_convert_writes_a_megaq_checkpoint_that_trains(tmp_path, mcore_model):
     """convert_to_megaq (tools/convert_checkpoint.py --from megatron) -> a megaq checkpoint
     that pretrain_gpt.py loads at TP 2 (resharded) and trains from; the loss at the first
     step is the imported model's, not a fresh one's (ln 128 = 4.85)."""
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     sd, args, _, _ = mcore_model
     src = save_megatron(str(tmp_path / "mlm"), megatron_shards(sd, 2, 2), args)

@@ -137,7 +137,7 @@ def _train(topo, argv):
 def test_megatron_launch_flags_parse_note_once_and_train(tmp_path, capfd, monkeypatch):
     """Megatron-LM's launch flags, unchanged: parsed, each accepted-and-ignored flag noted
     once (by rank 0 only), 2 iterations trained at TP 2 with a checkpoint at the end."""
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     argv = megatron_launch_flags(tmp_path)
     given = {w for w in argv if w.startswith("--")}

@@ -23,7 +23,7 @@ import torch._dynamo  # noqa: F401
 from megaq.model import GPTConfig, GPTModel, ModelConfigError
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.tensor_parallel import (gather_from_tp_region, model_parallel_manual_seed,
                                             shard_of, single_rank_group)
 from megaq.parallel.topology import Layout, LayoutError, build_topology

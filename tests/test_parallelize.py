@@ -9,6 +9,7 @@ the order of the fp32 sums in the grad norm may move (measured: losses equal, no
 3e-4 and a grad norm 2e-3 away from the FP8 model's (measured).
 """
 
+import pytest
 import torch
 
 from megaq.model import GPTConfig, GPTModel
@@ -39,6 +40,7 @@ def _loss_and_norm(model, ids, engine=None):
     return loss.detach(), engine.grad_norm()
 
 
+@pytest.mark.slow  # compiles the blocks
 def test_parallelize_applies_the_config_to_a_plain_model_in_order(monkeypatch):
     compiled = []
     real_compile = torch.compile

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import (PipelineConfigError, PipelineP2P,
                                      check_num_microbatches, chunk_layer_range,
                                      forward_backward_no_pipelining, get_forward_backward_func,

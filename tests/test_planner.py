@@ -26,7 +26,7 @@ from megaq.model.config import GPTConfig
 from megaq.model.flops import num_flops
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import (get_forward_backward_func, masked_mean_loss,
                                      pipeline_tensor_shape)
 from megaq.parallel.pipeline import interleaved as interleaved_mod

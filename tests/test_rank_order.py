@@ -10,7 +10,7 @@ import json
 import os
 
 from megaq import pretrain
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 
 
 def _argv(tmp, order_flag):

@@ -1,7 +1,7 @@
 """The README's sample demo output has the lines, format and phase names the demo prints.
 
 The sample is checked against the code that prints those lines, never against a copy
-of itself: Megatron's iteration line comes from `megaq.logging_utils`, the summary lines
+of itself: Megatron's iteration line comes from `megaq.runtime.logging_utils`, the summary lines
 from the Python program inside scripts/demo.sh (run here on a small metrics file), and
 the other lines from demo.sh's `echo`s. Numbers may differ (they are a sample); the
 README may elide with `...`.
@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 
-from megaq.logging_utils import training_log_line
+from megaq.runtime.logging_utils import training_log_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?([eE][-+]?\d+)?")

@@ -1,7 +1,7 @@
 """Failures are loud on every rank, hangs end, nothing unhealthy or half-written is kept.
 
 Every test runs the real program (megaq.pretrain.cli) on forked CPU gloo ranks through
-megaq.parallel.launch.run_cli_on_ranks, which gives each rank torchrun's environment
+megaq.testing.ranks.run_cli_on_ranks, which gives each rank torchrun's environment
 and applies torchrun's failure policy (a rank exiting non-zero gets the others
 SIGTERMed). Faults are real: flipped and truncated files, signals (SIGINT, SIGSTOP,
 SIGKILL), a file-size limit standing in for a full disk, a learning rate that
@@ -21,7 +21,7 @@ import pytest
 
 from megaq import pretrain
 from megaq.checkpoint import paths
-from megaq.parallel.launch import run_cli_on_ranks
+from megaq.testing.ranks import run_cli_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ def error_lines(r):
 def all_failed(r, world):
     """Every rank stopped with the agreed error: exit 2, or SIGTERM from the launcher
     (torchrun's policy) once a peer has exited 2, which can only come after rank 0's
-    line is out: the ranks meet at a barrier after it (megaq.failure.report)."""
+    line is out: the ranks meet at a barrier after it (megaq.runtime.failure.report)."""
     codes = r["codes"]
     return len(codes) == world and 2 in codes and all(c in (2, -signal.SIGTERM) for c in codes)
 
@@ -337,16 +337,19 @@ def test_sigstopped_rank_ends_job_within_hang_bound_with_diagnosis(tmp_path):
 
 
 def test_process_group_timeout_reaches_new_groups():
-    """--distributed-timeout-minutes 0.02 (1.2 s): a collective on a group created after
-    init (comm.Group.create) that a peer never joins fails in seconds, not torch's 30 min."""
+    """--distributed-timeout-minutes 0.02 (1.2 s): a collective on a group the topology
+    created after init (build_topology -> comm.Group.create) that a peer never joins
+    fails in seconds, not torch's 30 min."""
     def entry(argv):
         from datetime import timedelta
         from megaq.parallel import comm
-        from megaq.parallel.launch import init_from_env, process_group_timeout
+        from megaq.parallel.launch import group_timeout, init_from_env
+        from megaq.parallel.topology import Layout, build_topology
         import torch
         rank, world = init_from_env("gloo", timeout_minutes=0.02)
-        assert process_group_timeout() == timedelta(seconds=1.2)
-        group = comm.Group.create([0, 1], node_of=lambda r: 0)
+        topo = build_topology(Layout(world), rank, timeout=group_timeout(0.02))
+        assert topo.timeout == timedelta(seconds=1.2)
+        group = topo.dp
         if rank == 1:
             time.sleep(15)
             return 0

@@ -7,7 +7,7 @@ import pytest
 from megaq import pretrain
 from data_fixtures import run_tool
 from megaq.data.indexed import IndexedDatasetWriter
-from megaq.parallel.launch import run_cli_on_ranks
+from megaq.testing.ranks import run_cli_on_ranks
 
 
 def train_argv(tmp_path, data_path, *extra):

@@ -29,7 +29,7 @@ from data_fixtures import tool
 from megaq import export_files, pretrain
 from megaq.checkpoint import dcp_format, integrity, paths, safe_unpickle
 from megaq.checkpoint.errors import CheckpointError
-from megaq.parallel.launch import run_cli_on_ranks
+from megaq.testing.ranks import run_cli_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRIALS = tool("cluster/fault_trials")  # RunsCommand, plant_in_dcp_index, rehash: one home
@@ -199,10 +199,10 @@ def _unpickling_calls(path):
 
 def test_nothing_else_unpickles():
     """Every unpickling in megaq, its tools and pretrain_gpt.py is megaq.checkpoint.safe_unpickle's,
-    except launch.run_on_ranks's (a forked child's return value over a pipe: not a
+    except megaq.testing.ranks.run_on_ranks's (a forked child's return value over a pipe: not a
     file, not untrusted; the reason is at the call)."""
     allowed = {os.path.join("megaq", "checkpoint", "safe_unpickle.py"): 1,
-               os.path.join("megaq", "parallel", "launch.py"): 1,
+               os.path.join("megaq", "testing", "ranks.py"): 1,
                # the fault trials plant a hostile index: they read megaq's own first
                os.path.join("tools", "cluster", "fault_trials.py"): 1}
     found = {}

@@ -19,8 +19,8 @@ from megaq.arguments import ArgumentsError, parse_config
 from megaq.checkpoint import paths
 from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.lr_schedule import LRSchedule, ScheduleMismatchError
-from megaq.metrics import drop_records_after
-from megaq.parallel.launch import run_on_ranks
+from megaq.runtime.metrics import drop_records_after
+from megaq.testing.ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GBS = 4
@@ -243,16 +243,12 @@ def test_sample_based_resume_is_exact_and_truncates_the_metrics_file(runs, tmp_p
 
 
 def test_drop_records_after_and_plot_one_history(tmp_path):
-    import importlib.util
     path = tmp_path / "m.jsonl"
     rows = ([{"type": "train", "iteration": i, "lm_loss": 9.0 - i} for i in (1, 2, 3, 4)]
             + [{"type": "validation", "iteration": 4, "val_loss": 1.0}]
             + [{"type": "train", "iteration": i, "lm_loss": 5.0 - i} for i in (3, 4, 5)])
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = importlib.util.spec_from_file_location("plot_metrics",
-                                                  os.path.join(REPO, "tools", "plot_metrics.py"))
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
+    from megaq.cli import plot_metrics as plot
     # an old file, resumed at 2 without truncation: the resumed run's 3..5 win
     assert plot.series(rows, "lm_loss") == ([1, 2, 3, 4, 5], [8.0, 7.0, 2.0, 1.0, 0.0])
     assert plot.series(rows, "val_loss", "validation") == ([4], [1.0])

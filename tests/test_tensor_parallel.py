@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megaq.model import GPTConfig, GPTModel
 from megaq.model.attention import core_attention
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.tensor_parallel import (TPDropout, copy_to_tp_region, gather_from_sequence_parallel_region,
                                             gather_from_tp_region, get_rng_tracker, model_parallel_manual_seed,
                                             reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,

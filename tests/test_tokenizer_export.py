@@ -29,7 +29,7 @@ from megaq.checkpoint.paths import iteration_dir, read_tracker  # noqa: E402
 from megaq import export_files  # noqa: E402
 from megaq.data.indexed import IndexedDataset  # noqa: E402
 from megaq.data.tokenizer import build_tokenizer  # noqa: E402
-from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.testing.ranks import run_on_ranks  # noqa: E402
 from megaq.pretrain import main as pretrain_main  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.topology import (Layout, LayoutError, check_model_fits_tp,
                                      ranks_per_node_from_env)
 

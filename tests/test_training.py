@@ -14,8 +14,8 @@ import sys
 from megaq import pretrain
 from megaq.checkpoint import paths
 from megaq.training import Trainer, TrainingDiverged
-from megaq.logging_utils import TensorBoard, training_log_line, validation_log_line
-from megaq.parallel.launch import run_on_ranks
+from megaq.runtime.logging_utils import TensorBoard, training_log_line, validation_log_line
+from megaq.testing.ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -206,8 +206,7 @@ def test_signal_on_one_rank_stops_all_after_a_save(tmp_path):
 
 
 def test_plot_metrics_writes_png(tmp_path):
-    import importlib.util
-    from megaq.metrics import MetricsWriter
+    from megaq.runtime.metrics import MetricsWriter
     paths = []
     for run in range(2):  # two files -> two curves per panel
         w = MetricsWriter(str(tmp_path / f"m{run}.jsonl"))
@@ -218,10 +217,7 @@ def test_plot_metrics_writes_png(tmp_path):
         w.write({"type": "validation", "iteration": 3, "val_loss": 2.5, "val_ppl": 12.2})
         w.close()
         paths.append(str(tmp_path / f"m{run}.jsonl"))
-    spec = importlib.util.spec_from_file_location("plot_metrics",
-                                                  os.path.join(REPO, "tools", "plot_metrics.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from megaq.cli import plot_metrics as mod
     out = tmp_path / "curves.png"
     assert mod.main(paths + ["--output", str(out), "--labels", "a", "b"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""The hang watchdog's bound and its abort (megaq.watchdog); the end-to-end case, a
+"""The hang watchdog's bound and its abort (megaq.runtime.watchdog); the end-to-end case, a
 SIGSTOPped rank ending the job, is in tests/test_reliability.py."""
 
 import os
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from megaq import failure, watchdog
-from megaq.parallel.launch import run_cli_on_ranks
+from megaq.runtime import failure, watchdog
+from megaq.testing.ranks import run_cli_on_ranks
 
 
 def test_default_bound_adapts_to_the_slowest_iteration_with_a_floor():

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import masked_mean_loss
 from megaq.parallelize import parallelize
 from megaq.zero import ZeroConfig

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import zero_harness as H  # noqa: E402
 
 from megaq.parallel.comm import INTER, INTRA  # noqa: E402
-from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.testing.ranks import run_on_ranks  # noqa: E402
 
 WORLD, PER_NODE = 8, 4
 BLOCK = 8  # small quantization block so tiny test units are not mostly padding

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import zero_harness as H  # noqa: E402
 
-from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.testing.ranks import run_on_ranks  # noqa: E402
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape  # noqa: E402
 from megaq.parallelize import parallelize  # noqa: E402
 from megaq.zero import ZeroConfig  # noqa: E402

@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import zero_harness as H  # noqa: E402
 
-from megaq.failure import AgreedError  # noqa: E402
-from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.runtime.failure import AgreedError  # noqa: E402
+from megaq.testing.ranks import run_on_ranks  # noqa: E402
 from megaq.zero import ZeroConfig, ZeroConfigError  # noqa: E402
 
 SGD = {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 0.3, "block_size": 8}
@@ -76,6 +76,7 @@ def _argv(tmp_path, iters, extra=()):
             "--attention-dropout", "0", "--data-cache-path", str(tmp_path / "cache"), *extra]
 
 
+@pytest.mark.slow  # three short pretrain runs
 def test_pretrain_sgd_resumes_exactly_and_refuses_adam_state(tmp_path):
     from megaq.parallel.topology import Layout, build_topology
     from megaq.pretrain import main

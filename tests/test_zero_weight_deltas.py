@@ -26,12 +26,12 @@ import torch
 from megaq.kernels.format import QMAX
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallelize import parallelize
 from megaq.zero import ZeroConfig, ZeroConfigError
 from megaq.zero.zeropp import volume
-from megaq.zero.zeropp.deltas import ExactDeltas, QuantizedDeltas, apply_delta
+from megaq.zero.zeropp.deltas import QuantizedDeltas, apply_delta
 
 from zero_harness import BETAS, EPS, MBS, SEQ, WD, model_config
 from test_zeropp_training import _mean_loss, _microbatches
@@ -43,6 +43,21 @@ MODEL = dict(params_dtype=torch.bfloat16, hidden_size=32, num_attention_heads=4,
 BASE = dict(block_size=BLOCK, gather_dtype=torch.bfloat16)
 U_BF16 = 2.0 ** -8
 SLACK = 1e-5  # relative: fp32 rounding of the 20-bit scales and of ref + d
+
+
+class ExactDeltas:
+    """A codec with QuantizedDeltas's interface that puts fp32 differences on the wire, no
+    rounding: swapped in for it (engine.gatherer.codec), weight deltas train exactly as
+    hpZ does."""
+
+    def nbytes(self, n: int) -> int:
+        return 4 * n
+
+    def encode(self, diff: torch.Tensor) -> torch.Tensor:
+        return diff.float().contiguous().view(torch.uint8).clone()
+
+    def decode(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return packed.view(torch.float32)
 
 
 def _train(topo, zero_kw, steps, exact=False, n_micro=1, save_at=None, reload=False,

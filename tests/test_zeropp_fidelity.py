@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megaq.kernels.format import max_error_over_absmax
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.zero import ZeroConfig
 from megaq.zero.zeropp import QuantizedGradReducer, rails_of
 

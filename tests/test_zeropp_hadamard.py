@@ -31,7 +31,7 @@ from megaq.kernels import ops
 from megaq.kernels.format import HADAMARD_SIZE
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.zero import ZeroConfig
 from megaq.zero.zeropp import QuantizedGradReducer, padded, rails_of
 

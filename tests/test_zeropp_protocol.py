@@ -36,7 +36,7 @@ import torch
 from megaq.kernels.format import QMAX, max_error_over_absmax
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER, INTRA, Group
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.zero import ZeroConfig, ZeroConfigError
 from megaq.zero.collectives import GradReducer, make_gatherer, make_reducer
 from megaq.zero.zeropp import (QuantizedGradReducer, RailOrderError, ZeroPPWeightGatherer,

@@ -15,7 +15,7 @@ import torch
 
 from megaq.parallel import comm
 from megaq.parallel.comm import INTER
-from megaq.parallel.launch import run_on_ranks
+from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallelize import parallelize
 from megaq.zero import ZeroConfig

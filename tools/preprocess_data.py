@@ -1,78 +1,11 @@
 #!/usr/bin/env python
 """Tokenize jsonl into Megatron-LM's indexed dataset (.bin/.idx), Megatron's CLI.
 
-  python tools/preprocess_data.py --input corpus.jsonl[.gz] --json-keys text \
-      --output-prefix out/corpus --tokenizer-type SentencePieceTokenizer \
-      --tokenizer-model tok.model --append-eod --workers 8
-
-  (or --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file
-   gpt2-merges.txt, or --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, or
-   --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model: <s> before each
-   document)
-
-Writes out/corpus_text_document.bin/.idx (readable by Megatron-LM's IndexedDataset);
-train with --data-path out/corpus_text_document. See docs/DATA.md.
+The `megaq-preprocess` command (megaq.cli.preprocess_data), kept here for Megatron-LM's habit:
+`python tools/preprocess_data.py --help`, from a checkout with or without megaq installed.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megaq.data.errors import ArgumentParser, DataError, run_cli  # noqa: E402
-from megaq.data.preprocess import preprocess  # noqa: E402
-from megaq.data.tokenizer import (  # noqa: E402
-    DEFAULT_TYPE, SUPPORTED_TYPES, check_tokenizer_flags, infer_tokenizer_type, inferred_type_note)
-
-
-def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    g = p.add_argument_group("input data")
-    g.add_argument("--input", required=True, help="jsonl file, one JSON object per line (.gz ok)")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize")
-    g.add_argument("--split-sentences", action="store_true", help="not supported (Megatron flag)")
-    g.add_argument("--keep-newlines", action="store_true", help="accepted; newlines are always kept")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default=None, choices=SUPPORTED_TYPES,
-                   help=f"Megatron's tokenizer types (default {DEFAULT_TYPE}, or GPT2BPETokenizer "
-                        "when --vocab-file and --merge-file are given: inferred, with a note)")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece .model file, or a local HuggingFace tokenizer directory "
-                        "(HuggingFaceTokenizer)")
-    g.add_argument("--vocab-file", default=None,
-                   help="GPT2BPETokenizer: GPT-2's vocab (encoder.json: token -> id)")
-    g.add_argument("--merge-file", default=None,
-                   help="GPT2BPETokenizer: GPT-2's merges (vocab.bpe)")
-    g.add_argument("--append-eod", action="store_true",
-                   help="append the end-of-document id (<EOD>, </s> or <|endoftext|>: the "
-                        "tokenizer's) to each document")
-    g.add_argument("--dtype", default="auto", choices=["auto", "uint16", "int32", "int64"],
-                   help="token dtype in .bin; auto = uint16 below 65,500 ids else int32 (Megatron)")
-    g = p.add_argument_group("output data")
-    g.add_argument("--output-prefix", required=True,
-                   help="writes PREFIX_{key}_document.bin/.idx")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    g.add_argument("--partitions", type=int, default=1,
-                   help="encode the input in this many contiguous parts and merge them")
-    g.add_argument("--log-interval", type=int, default=1000, help="progress every N documents")
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    a = parse_args(argv)
-    if a.split_sentences:
-        raise DataError("--split-sentences is not supported (documents are kept whole); drop it")
-    given = (a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file)
-    a.tokenizer_type = infer_tokenizer_type(*given)
-    note = inferred_type_note(*given)
-    if note:
-        print(note, file=sys.stderr, flush=True)
-    check_tokenizer_flags(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file)
-    preprocess(a.input, a.output_prefix, a.tokenizer_model, a.json_keys, a.tokenizer_type,
-               a.append_eod, a.workers, a.partitions, a.log_interval, a.dtype,
-               vocab_file=a.vocab_file, merge_file=a.merge_file)
-
+import _checkout
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    _checkout.run("preprocess_data")

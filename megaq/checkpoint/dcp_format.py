@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from megaq import failure
+from megaq.runtime import failure
 from megaq.checkpoint import integrity, safe_unpickle, staging
 from megaq.checkpoint.atomic import AtomicSave
 from megaq.checkpoint.dcp_chunks import ChunkedTensor, Piece, dcp_name, local_state
@@ -202,8 +202,7 @@ def checkpoint_group(topo) -> comm.Group:
     if key not in _GROUP:
         pg = None
         if world.size > 1:
-            from megaq.parallel.launch import process_group_timeout
-            pg = dist.new_group(list(world.ranks), backend="gloo", timeout=process_group_timeout())
+            pg = dist.new_group(list(world.ranks), backend="gloo", timeout=topo.timeout)
         _GROUP[key] = comm.Group(ranks=list(world.ranks), nodes=list(world.nodes), pg=pg,
                                  rank_index=world.rank_index)
     return _GROUP[key]

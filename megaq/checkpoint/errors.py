@@ -13,6 +13,6 @@ class CheckpointError(RuntimeError):
 
 class NonFiniteWeights(CheckpointError):
     """A save refused because the weights hold inf or nan. Every rank raises it together
-    (it follows from an all-reduce), so rank 0 prints the one line (megaq.failure)."""
+    (it follows from an all-reduce), so rank 0 prints the one line (megaq.runtime.failure)."""
 
     agreed = True

@@ -44,7 +44,7 @@ import socket
 import stat
 import time
 
-from megaq import failure
+from megaq.runtime import failure
 from megaq.checkpoint.errors import CheckpointError
 from megaq.checkpoint.paths import (LinkRefused, iteration_dir, latest_iteration, link_refusal,
                                     open_no_follow, read_tracker_text)

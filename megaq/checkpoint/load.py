@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from megaq import failure
+from megaq.runtime import failure
 from megaq.checkpoint import formats
 from megaq.checkpoint.errors import CheckpointError
 from megaq.checkpoint.integrity import Verifier

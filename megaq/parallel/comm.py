@@ -39,7 +39,7 @@ backend fails the collective on the others with its own text ("Connection closed
 peer [addr]", a timeout). Every collective here translates that failure, where it is
 issued and where its handle is waited on, into :class:`CollectiveFailed`, which
 carries the phase tag and the group (its name: tp, dp, intra, inter, hpz, pp,
-embedding, world) so that the failure layer (megaq.failure, megaq.parallel.peers) can
+embedding, world) so that the failure layer (megaq.runtime.failure, megaq.runtime.peers) can
 say in one line which rank was lost, where and when. Errors that are not the
 transport's (a wrong shape, a wrong dtype: bugs) pass through unchanged.
 """
@@ -50,6 +50,7 @@ import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -86,7 +87,7 @@ class CommStats:
 
 
 STATS = CommStats()  # this process's counters (one process = one rank)
-LAST_ENTERED: list = [None, 0.0]  # [what, time.time()] of the last collective issued (megaq.watchdog)
+LAST_ENTERED: list = [None, 0.0]  # [what, time.time()] of the last collective issued (megaq.runtime.watchdog)
 
 
 class CollectiveFailed(RuntimeError):
@@ -176,13 +177,14 @@ class Group:
 
     @classmethod
     def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False,
-               name: str = "") -> "Group":
+               name: str = "", timeout: timedelta | None = None) -> "Group":
+        """timeout: the process-group timeout (--distributed-timeout-minutes, passed down
+        by build_topology; None: torch's default for the backend)."""
         pg = None
         if world:
             pg = dist.group.WORLD
-        elif len(ranks) > 1:  # collective: every rank calls it for every group; the world's timeout
-            from megaq.parallel.launch import process_group_timeout
-            pg = dist.new_group(ranks, timeout=process_group_timeout())
+        elif len(ranks) > 1:  # collective: every rank calls it for every group
+            pg = dist.new_group(ranks, timeout=timeout)
         me = dist.get_rank() if dist.is_initialized() else 0
         idx = ranks.index(me) if me in ranks else -1
         return cls(ranks=list(ranks), nodes=[node_of(r) for r in ranks], pg=pg, rank_index=idx,

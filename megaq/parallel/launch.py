@@ -1,16 +1,12 @@
-"""Starting ranks: from a launcher's environment, or N local processes on gloo.
-
-`run_on_ranks` is the one helper every multi-rank test (and CPU benchmark) uses:
-it forks N processes posing as `world_size / ranks_per_node` nodes, sets up any
-TP x PP x DP layout, runs `fn(topo, *args)` on every rank and returns the results
-in rank order (re-raising the first failure with the rank's traceback).
+"""Starting a rank from a launcher's environment (torchrun, srun, or one plain process).
+Local gloo ranks for tests and tools: megaq.testing.ranks.
 
 Two reliability guarantees start here:
 
 * **The process-group timeout** (``--distributed-timeout-minutes``, default 10) is
-  given to the world group and remembered (:func:`process_group_timeout`), so every
-  group megaq creates later (``comm.Group.create``) gets the same one: a collective
-  waiting that long for a peer fails instead of hanging.
+  given to the world group here, and passed to ``build_topology``, which gives it to
+  every group it creates and keeps it on the Topology (``topo.timeout``) for groups
+  made later: a collective waiting that long for a peer fails instead of hanging.
 * **Ranks never outlive their launcher** (:func:`die_with_parent`): a rank started by
   torchrun or srun asks the kernel for SIGKILL when its parent dies
   (``PR_SET_PDEATHSIG``; a parent-pid watch thread where that is unavailable), so a
@@ -19,42 +15,29 @@ Two reliability guarantees start here:
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import io
-import multiprocessing as mp
 import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from megaq.parallel.topology import Layout, LayoutError, Topology, build_topology
+from megaq.parallel.topology import LayoutError
 
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron's --distributed-timeout-minutes default
-_group_timeout: timedelta | None = None  # set when this process initialises its world group
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def process_group_timeout() -> timedelta | None:
-    """The timeout this process gave its world group (None before init): comm.Group.create
-    passes it to every new group, which torch would otherwise give its own default."""
-    return _group_timeout
-
-
-def _set_group_timeout(minutes: float) -> timedelta:
-    global _group_timeout
-    _group_timeout = timedelta(seconds=float(minutes) * 60.0)
-    return _group_timeout
+def group_timeout(minutes: float) -> timedelta:
+    """--distributed-timeout-minutes as the timeout torch's process groups take."""
+    return timedelta(seconds=float(minutes) * 60.0)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> str:
@@ -84,79 +67,10 @@ def die_with_parent(sig: int = signal.SIGKILL) -> str:
     return "thread"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _dumps(obj) -> bytes:
-    # Serialise ourselves rather than let torch share tensor storage through fds,
-    # which breaks when the child exits before the parent unpickles.
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
-    try:
-        # Forked children share the parent's OpenMP pool state; one thread each avoids
-        # oversubscribing CI's 2 cores and the classic fork-after-OpenMP hang.
-        torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=_set_group_timeout(2.0))
-        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank)
-        from megaq.parallel import comm
-        comm.STATS.reset()
-        result = fn(topo, *args)
-        queue.put((rank, True, _dumps(result)))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - report anything to the parent
-        queue.put((rank, False, traceback.format_exc()))
-
-
-def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
-                 ranks_per_node: int | None = None, hpz_size: int = 1, order: str = "tp-dp-pp",
-                 args: tuple = (),
-                 timeout: float = 300.0) -> list:
-    """Run fn(topo, *args) on `world_size` gloo ranks; return per-rank results.
-
-    fn and its results must be picklable only when the start method is not fork.
-    """
-    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, hpz_size=hpz_size, order=order)
-    Layout(world_size=world_size, **layout_kw)  # validate before forking
-    # torch.optim, checkpointing and custom autograd Functions import torch._dynamo lazily
-    # (seconds of CPU); importing it once here lets every forked rank inherit it.
-    import torch._dynamo  # noqa: F401
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, layout_kw, init_file, fn, args, queue))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        results: dict[int, object] = {}
-        try:
-            for _ in range(world_size):
-                rank, ok, value = queue.get(timeout=timeout)
-                if not ok:
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                # Not untrusted input, so not megaq.checkpoint.safe_unpickle's: these bytes come over a
-                # pipe from a child this process forked a moment ago, running this
-                # process's own code (fn's return value, any picklable object); no file and
-                # no other user is in between. Every file megaq reads goes through
-                # safe_unpickle (tests/test_safe_unpickle.py checks that no other code does).
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    return [results[r] for r in range(world_size)]
 
 
 def rank_env_from_slurm() -> None:
@@ -167,96 +81,6 @@ def rank_env_from_slurm() -> None:
         env.setdefault("RANK", env["SLURM_PROCID"])
         env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
         env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
-
-
-def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | None = None,
-                     timeout: float = 300.0, grace: float = 5.0, before=None,
-                     on_start=None) -> dict:
-    """Run a whole command-line program on `world_size` forked ranks, as torchrun would.
-
-    Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT), a session of its own, stdout/stderr in files, and runs
-    ``os._exit(entry(argv))``. As torchrun's agent does, the launcher hosts the job's
-    rendezvous store (TORCHELASTIC_USE_AGENT_STORE), so it outlives any rank. The
-    launcher's failure policy is torchrun's: when a rank
-    exits non-zero, the others get SIGTERM, then SIGKILL after `grace` seconds. Forking
-    from a process that already imported torch and megaq makes a run take about a
-    second, so tests can repeat races many times. `before()` runs in each rank before
-    the program (e.g. a resource limit); `on_start(pids, outdir)` runs in the launcher
-    once all ranks are started (fault injection; rank r writes outdir/r.out, r.err).
-    Returns {"codes": [...], "stdout": str,
-    "stderr": str, "seconds": float}, the outputs concatenated in rank order."""
-    import torch._dynamo  # noqa: F401 - imported once here, inherited by every rank
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        pids = []
-        for r in range(world_size):
-            out, err = (os.path.join(tmp, f"{r}.{k}") for k in ("out", "err"))
-            pid = os.fork()
-            if pid == 0:  # the rank
-                code = 1
-                try:
-                    os.setsid()
-                    for fd, path in ((1, out), (2, err)):
-                        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                        os.dup2(f, fd)
-                        os.close(f)
-                    sys.stdout = open(1, "w", closefd=False)
-                    sys.stderr = open(2, "w", closefd=False)
-                    os.environ.update({"RANK": str(r), "WORLD_SIZE": str(world_size),
-                                       "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
-                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                       "TORCHELASTIC_USE_AGENT_STORE": "True",
-                                       "TORCHELASTIC_RESTART_COUNT": "0",
-                                       "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
-                    torch.set_num_threads(1)
-                    if before is not None:
-                        before()
-                    code = entry(argv)
-                except BaseException:  # noqa: BLE001 - a crash is reported as the traceback
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code if isinstance(code, int) else 1)
-            pids.append(pid)
-        # the agent's store (after the forks: no child inherits its server); the ranks'
-        # clients retry until it listens
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
-                              wait_for_workers=False)
-        if on_start is not None:
-            on_start(list(pids), tmp)
-        t0 = time.monotonic()
-        codes: dict[int, int] = {}
-        killed_at = None
-        while len(codes) < world_size:
-            for r, pid in enumerate(pids):
-                if r in codes:
-                    continue
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[r] = os.waitstatus_to_exitcode(status)
-                    if codes[r] != 0 and killed_at is None:  # torchrun's policy
-                        killed_at = time.monotonic()
-                        for q, other in enumerate(pids):
-                            if q not in codes:
-                                with contextlib.suppress(ProcessLookupError):
-                                    os.kill(other, signal.SIGTERM)
-            now = time.monotonic()
-            if (killed_at is not None and now - killed_at > grace) or now - t0 > timeout:
-                for q, other in enumerate(pids):
-                    if q not in codes:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(other, signal.SIGKILL)
-            time.sleep(0.02)
-        seconds = time.monotonic() - t0
-        del store
-
-        def read(k):
-            return "".join(open(os.path.join(tmp, f"{r}.{k}"), errors="replace").read()
-                           for r in range(world_size))
-        return {"codes": [codes[r] for r in range(world_size)], "stdout": read("out"),
-                "stderr": read("err"), "seconds": seconds}
 
 
 def _gpu_of_local_rank(local_rank: int) -> int:
@@ -288,7 +112,7 @@ def init_from_env(backend: str | None = None,
     rank_env_from_slurm()
     if "RANK" not in env:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
+                   MASTER_PORT=str(free_port()))
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if backend is None:  # --device cpu on a GPU host: CPU ranks, so gloo
         backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
@@ -300,7 +124,7 @@ def init_from_env(backend: str | None = None,
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=_set_group_timeout(timeout_minutes))
+                                timeout=group_timeout(timeout_minutes))
     return rank, world
 
 
@@ -311,5 +135,5 @@ def require_cuda() -> None:
         raise LayoutError("--device cuda: this node shows no CUDA device; leave --device out to train on the CPU")
 
 
-__all__ = ["run_on_ranks", "require_cuda", "run_cli_on_ranks", "init_from_env", "die_with_parent", "process_group_timeout",
-           "Topology"]
+__all__ = ["require_cuda", "init_from_env", "die_with_parent", "group_timeout", "rank_env_from_slurm",
+           "free_port"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 from megaq.parallel.comm import Group
 
@@ -192,6 +193,9 @@ class Topology:
     inter: Group   # DP ranks of my DP group with my local index, one per node
     hpz: Group     # hpZ partition (a slice of intra)
     world: Group
+    # the process-group timeout every group here got (--distributed-timeout-minutes);
+    # groups made later for this topology (DCP's checkpoint group) take it too
+    timeout: timedelta | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -214,16 +218,18 @@ class Topology:
         return self.pp_rank == self.layout.pp - 1
 
 
-def build_topology(layout: Layout, rank: int) -> Topology:
+def build_topology(layout: Layout, rank: int, timeout: timedelta | None = None) -> Topology:
     """Create every process group (collectively) and keep the ones holding `rank`.
 
-    torch.distributed must already be initialised with `layout.world_size` ranks.
+    torch.distributed must already be initialised with `layout.world_size` ranks. `timeout`
+    is the process-group timeout (the world group's, --distributed-timeout-minutes);
+    None leaves torch's default for new groups.
     """
     mine: dict[str, Group] = {}
 
     def make(kind: str, groups: list[list[int]]):
         for ranks in groups:
-            g = Group.create(ranks, layout.node_of, name=kind)
+            g = Group.create(ranks, layout.node_of, name=kind, timeout=timeout)
             if rank in ranks:
                 mine[kind] = g
 
@@ -236,4 +242,4 @@ def build_topology(layout: Layout, rank: int) -> Topology:
         make("inter", layout.inter_groups(dp_group))
         make("hpz", layout.hpz_groups(dp_group))
     world = Group.create(list(range(layout.world_size)), layout.node_of, world=True)
-    return Topology(layout=layout, rank=rank, world=world, **mine)
+    return Topology(layout=layout, rank=rank, world=world, timeout=timeout, **mine)

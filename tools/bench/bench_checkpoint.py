@@ -288,7 +288,7 @@ def main(argv=None) -> int:
         rows = sorted((r for run in runs for r in run["rows"]), key=lambda r: r["dp"])
         a.dp = sorted({r["dp"] for r in rows})
         return _report(rows, runs[0]["argv"], a)
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
     model = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
              "--num-attention-heads", str(a.heads), "--seq-length", "128",
              "--max-position-embeddings", "128", "--vocab-size", str(a.vocab), "--mock-data",

@@ -54,7 +54,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 from megaq.parallel import comm  # noqa: E402
-from megaq.parallel.launch import run_on_ranks  # noqa: E402
+from megaq.testing.ranks import run_on_ranks  # noqa: E402
 from megaq.parallel.pipeline import StepTimer, build_stage_chunks, get_forward_backward_func  # noqa: E402
 
 SEQ, MBS, HIDDEN = 8, 1, 16

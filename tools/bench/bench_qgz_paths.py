@@ -28,7 +28,6 @@ import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 K_NODES, M_RANKS = 2, 4
 PATHS = {  # name -> (error_feedback, grad_exact_own_rows)

@@ -75,7 +75,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda:0", help="cpu: a quick dry run of the script itself")
     args = p.parse_args(argv)
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     report = {"steps": args.steps, "results": {}}
     runs = [("hybrid", "tensorwise", False), ("hybrid", "tensorwise", True), ("e4m3", "rowwise", False)]

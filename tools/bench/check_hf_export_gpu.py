@@ -44,7 +44,6 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)  # the sibling bench scripts
 
 import bench_convert  # noqa: E402  (measure: a converter process's time and peak memory)
 import bench_train  # noqa: E402  (the 1.3B preset, its optimizer settings)

@@ -199,7 +199,7 @@ def _bytes_per_iter(metrics: str) -> dict:
 def run_one(argv: list[str], a, label: str) -> dict | None:
     """Train once (or read the cached result of the same argv; None with --cached-only
     when there is none)."""
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     key = hashlib.sha256(json.dumps([argv, a.world, CACHE_EPOCH]).encode()).hexdigest()[:16]
     cache = os.path.join(a.cache_dir, f"{key}.json")

@@ -184,8 +184,7 @@ def main(argv=None) -> int:
         print("[fp8-conv] matplotlib missing: no PNG (tools/plot_metrics.py can draw it from "
               "the metrics files)")
         return 0
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import plot_metrics
+    from megaq.cli import plot_metrics
 
     return plot_metrics.main([os.path.join(a.out, f"metrics_{v}.jsonl") for v in done]
                              + ["--output", os.path.join(a.out, "fp8_convergence.png"),

@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from corpus_jsonl import write_text_jsonl  # noqa: E402
 
 

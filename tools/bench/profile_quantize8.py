@@ -20,7 +20,6 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root
-sys.path.insert(0, HERE)
 
 
 def main(argv=None):

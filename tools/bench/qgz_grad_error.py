@@ -46,7 +46,6 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root
-sys.path.insert(0, HERE)
 
 import convergence as cv  # noqa: E402
 
@@ -75,7 +74,7 @@ def _capture_rank(topo, argv, out_dir, steps):
 
 
 def capture(o):
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     a = cv.parse(["--iters", str(o.iters)])
     os.makedirs(o.dir, exist_ok=True)

@@ -35,7 +35,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root
-sys.path.insert(0, HERE)
 
 import convergence as cv  # noqa: E402
 
@@ -162,7 +161,7 @@ def main(argv=None):
         print("cached", out)
         return
     os.makedirs(o.cache_dir, exist_ok=True)
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     metrics = os.path.join(o.cache_dir, f"{key}.metrics.jsonl")
     t0 = time.time()

@@ -27,7 +27,6 @@ import functools
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import K_NODES, M_RANKS, Timer, _fmt_size, write_json  # noqa: E402
 
 DEFAULT_SIZES = [16 << 20, 64 << 20, 256 << 20, 1 << 30]

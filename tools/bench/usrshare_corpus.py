@@ -21,7 +21,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from corpus_jsonl import write_text_jsonl  # noqa: E402
 
 

@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netns_link import EmulatedLink, NetnsError, sweep_stale, why_unavailable  # noqa: E402
 from netns_measure import IterationSampler, Segment, plan_segments, whole_run, window  # noqa: E402
 

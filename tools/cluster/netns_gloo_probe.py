@@ -3,7 +3,7 @@
 Launched by torchrun on each emulated node: every iteration it all-gathers and
 reduce-scatters a flat fp32 buffer over the whole world through megaq's collective
 layer (so megaq's byte accounting is charged exactly as in training), then writes
-one JSON line per iteration in the trainer's metrics-file shape (megaq.metrics):
+one JSON line per iteration in the trainer's metrics-file shape (megaq.runtime.metrics):
 
     {"type": "train", "iteration": i, "elapsed_ms": t, "nodes": k,
      "comm": {phase: {"intra_node": B, "inter_node": B}}}   # B: bytes sent per node
@@ -22,9 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
-from megaq.metrics import MetricsWriter, comm_per_node_per_iteration  # noqa: E402
+from megaq.runtime.metrics import MetricsWriter, comm_per_node_per_iteration  # noqa: E402
 from megaq.parallel import comm  # noqa: E402
-from megaq.parallel.launch import init_from_env  # noqa: E402
+from megaq.parallel.launch import DEFAULT_TIMEOUT_MINUTES, group_timeout, init_from_env  # noqa: E402
 from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = init_from_env("gloo")
     layout = Layout(world_size=world, ranks_per_node=ranks_per_node_from_env(world, rank))
-    topo = build_topology(layout, rank)
+    topo = build_topology(layout, rank, timeout=group_timeout(DEFAULT_TIMEOUT_MINUTES))
     n = topo.world.size
     numel = -(-args.numel // n) * n          # equal shards
     shard = torch.full((numel // n,), float(rank))

@@ -1,7 +1,7 @@
 """Reading an emulated-cluster run: link counters per training iteration vs megaq's
 own byte accounting, and step times, optionally over a schedule of link rates.
 
-The trainer's metrics file (megaq.metrics) has one JSON line per iteration (with
+The trainer's metrics file (megaq.runtime.metrics) has one JSON line per iteration (with
 --log-interval 1) holding ``elapsed_ms``, ``nodes`` and ``comm`` = {phase:
 {intra_node, inter_node}} bytes sent per node (averaged over nodes). The sampler
 reads the veth counters the moment each line appears, so counter differences between

@@ -24,7 +24,6 @@ import pstats
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulate_cluster as emu  # noqa: E402
 import netns_zero_bench as bench  # noqa: E402
 from netns_link import rate_to_bits, why_unavailable  # noqa: E402

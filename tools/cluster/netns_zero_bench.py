@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulate_cluster as emu  # noqa: E402
 from netns_link import rate_to_bits, why_unavailable  # noqa: E402
 

@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if sys.version_info < (3, 11):
         sys.exit("error: this tool names functions by code.co_qualname: run it on Python 3.11 or later")
-    from megaq.parallel.launch import run_on_ranks
+    from megaq.testing.ranks import run_on_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         train = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -78,20 +78,6 @@ class QuantizedDeltas:
         return ops.dequantize(packed, n, self.bits, self.block, torch.float32, code="linear")
 
 
-class ExactDeltas:
-    """fp32 differences on the wire, no rounding: with it weight deltas train exactly
-    as hpZ does (the exactness tests swap it in for QuantizedDeltas)."""
-
-    def nbytes(self, n: int) -> int:
-        return 4 * n
-
-    def encode(self, diff: torch.Tensor) -> torch.Tensor:
-        return diff.float().contiguous().view(torch.uint8).clone()
-
-    def decode(self, packed: torch.Tensor, n: int) -> torch.Tensor:
-        return packed.view(torch.float32)
-
-
 def apply_delta(ref: torch.Tensor, delta: torch.Tensor) -> None:
     """ref <- dtype(ref + delta), in fp32: the one expression every holder of a
     reference runs, so all copies stay bit-identical."""

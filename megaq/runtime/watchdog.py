@@ -90,7 +90,7 @@ class Watchdog:
             print(self.diagnosis(waited, bound), file=err, flush=True)
             faulthandler.dump_traceback(file=err, all_threads=True)
             err.flush()
-            from megaq.parallel import peers
+            from megaq.runtime import peers
             peers.mark_left(EXIT_CODE)  # the peers' roll call: this rank left on purpose
         finally:
             os._exit(EXIT_CODE)

@@ -20,7 +20,7 @@ Two kinds of failure, two ways of reporting:
 * **A peer that vanished** (:func:`report_collective_failure`): a collective fails on
   the survivors (megaq.parallel.comm.CollectiveFailed). Every surviving rank prints one
   line naming the lost rank(s) with their node and host (a roll call over the job's
-  store: megaq.parallel.peers), the phase and group of the collective and the last
+  store: megaq.runtime.peers), the phase and group of the collective and the last
   completed iteration, and exits with :data:`PEER_LOST_EXIT`. The backend's traceback
   goes to a per-rank log file whose path the line gives (:func:`log_path`), not to the
   terminal. When the peer left on purpose (it printed its own error line first), the
@@ -44,7 +44,7 @@ import threading
 import traceback
 
 PEER_LOST_EXIT = 1             # a survivor of a lost peer (not a user mistake: 2 is those)
-SIGTERM_GRACE_SECONDS = 4.0    # > the roll call (megaq.parallel.peers.ROLL_CALL_SECONDS)
+SIGTERM_GRACE_SECONDS = 4.0    # > the roll call (megaq.runtime.peers.ROLL_CALL_SECONDS)
 _reporting = threading.Event()  # this rank is reporting a lost peer: SIGTERM must wait
 
 
@@ -152,11 +152,11 @@ def agreed(group, catch: tuple = (Exception,), on_failure=None):
 def exit_now(code: int, line: str | None = None) -> None:
     """Print `line` (if any) to stderr, flush both streams and leave at once (no
     interpreter finalisation: other threads may be blocked in a collective). The peers
-    learn that this rank left on purpose (megaq.parallel.peers.mark_left)."""
+    learn that this rank left on purpose (megaq.runtime.peers.mark_left)."""
     if line:
         print(line, file=sys.stderr, flush=True)
     with contextlib.suppress(Exception):
-        from megaq.parallel import peers
+        from megaq.runtime import peers
         peers.mark_left(code)
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -180,7 +180,7 @@ def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal API
         return  # this rank is naming a lost peer; it exits right after
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
     with contextlib.suppress(Exception):
-        from megaq.parallel import peers
+        from megaq.runtime import peers
         peers.mark_left(128 + signal.SIGTERM)
 
     def end():
@@ -254,7 +254,7 @@ def report_collective_failure(e, rank: int) -> int:
     _reporting.set()
     with contextlib.suppress(Exception):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from megaq.parallel import peers
+    from megaq.runtime import peers
     verdict = peers.roll_call()
     log = None
     with contextlib.suppress(OSError):

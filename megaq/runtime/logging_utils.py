@@ -81,11 +81,6 @@ def validation_log_line(iteration: int, loss: float, where: str = "") -> str:
             f"lm loss PPL: {perplexity(loss):.6E} |")
 
 
-def print_rank0(msg: str, rank: int = 0) -> None:
-    if rank == 0:
-        print(msg, flush=True)
-
-
 class TensorBoard:
     """SummaryWriter when --tensorboard-dir is given and tensorboard imports; else no-op
     (with one warning, so a missing package never stops a run)."""

@@ -133,7 +133,3 @@ def drop_records_after(path: str, iteration: int) -> int:
         os.replace(tmp, path)
     return dropped
 
-
-def read_metrics(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

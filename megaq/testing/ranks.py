@@ -1,0 +1,192 @@
+"""Local ranks for tests and tools: N forked gloo processes posing as several nodes.
+
+* :func:`run_on_ranks` is the one helper every multi-rank test (and CPU benchmark) uses:
+  it forks N processes posing as `world_size / ranks_per_node` nodes, sets up any
+  TP x PP x DP layout, runs `fn(topo, *args)` on every rank and returns the results in
+  rank order (re-raising the first failure with the rank's traceback).
+* :func:`run_cli_on_ranks` runs a whole command-line program on forked ranks as torchrun
+  would (its environment, its agent's store, its failure policy): the reliability tests'
+  launcher.
+
+Nothing in the library imports this package (tests/test_import_layers.py: it is the top
+layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from megaq.parallel import comm
+from megaq.parallel.launch import free_port, group_timeout
+from megaq.parallel.topology import Layout, build_topology
+
+RANK_GROUP_TIMEOUT = group_timeout(2.0)  # every group of a run_on_ranks job: a hung test fails
+
+
+def _dumps(obj) -> bytes:
+    # Serialise ourselves rather than let torch share tensor storage through fds,
+    # which breaks when the child exits before the parent unpickles.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
+    try:
+        # Forked children share the parent's OpenMP pool state; one thread each avoids
+        # oversubscribing CI's 2 cores and the classic fork-after-OpenMP hang.
+        torch.set_num_threads(1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=RANK_GROUP_TIMEOUT)
+        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, timeout=RANK_GROUP_TIMEOUT)
+        comm.STATS.reset()
+        result = fn(topo, *args)
+        queue.put((rank, True, _dumps(result)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
+                 ranks_per_node: int | None = None, hpz_size: int = 1, order: str = "tp-dp-pp",
+                 args: tuple = (),
+                 timeout: float = 300.0) -> list:
+    """Run fn(topo, *args) on `world_size` gloo ranks; return per-rank results.
+
+    fn and its results must be picklable only when the start method is not fork.
+    """
+    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, hpz_size=hpz_size, order=order)
+    Layout(world_size=world_size, **layout_kw)  # validate before forking
+    # torch.optim, checkpointing and custom autograd Functions import torch._dynamo lazily
+    # (seconds of CPU); importing it once here lets every forked rank inherit it.
+    import torch._dynamo  # noqa: F401
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, layout_kw, init_file, fn, args, queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results: dict[int, object] = {}
+        try:
+            for _ in range(world_size):
+                rank, ok, value = queue.get(timeout=timeout)
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                # Not untrusted input, so not megaq.checkpoint.safe_unpickle's: these bytes come over a
+                # pipe from a child this process forked a moment ago, running this
+                # process's own code (fn's return value, any picklable object); no file and
+                # no other user is in between. Every file megaq reads goes through
+                # safe_unpickle (tests/test_safe_unpickle.py checks that no other code does).
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    return [results[r] for r in range(world_size)]
+
+
+def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | None = None,
+                     timeout: float = 300.0, grace: float = 5.0, before=None,
+                     on_start=None) -> dict:
+    """Run a whole command-line program on `world_size` forked ranks, as torchrun would.
+
+    Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT), a session of its own, stdout/stderr in files, and runs
+    ``os._exit(entry(argv))``. As torchrun's agent does, the launcher hosts the job's
+    rendezvous store (TORCHELASTIC_USE_AGENT_STORE), so it outlives any rank. The
+    launcher's failure policy is torchrun's: when a rank
+    exits non-zero, the others get SIGTERM, then SIGKILL after `grace` seconds. Forking
+    from a process that already imported torch and megaq makes a run take about a
+    second, so tests can repeat races many times. `before()` runs in each rank before
+    the program (e.g. a resource limit); `on_start(pids, outdir)` runs in the launcher
+    once all ranks are started (fault injection; rank r writes outdir/r.out, r.err).
+    Returns {"codes": [...], "stdout": str,
+    "stderr": str, "seconds": float}, the outputs concatenated in rank order."""
+    import torch._dynamo  # noqa: F401 - imported once here, inherited by every rank
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        pids = []
+        for r in range(world_size):
+            out, err = (os.path.join(tmp, f"{r}.{k}") for k in ("out", "err"))
+            pid = os.fork()
+            if pid == 0:  # the rank
+                code = 1
+                try:
+                    os.setsid()
+                    for fd, path in ((1, out), (2, err)):
+                        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                        os.dup2(f, fd)
+                        os.close(f)
+                    sys.stdout = open(1, "w", closefd=False)
+                    sys.stderr = open(2, "w", closefd=False)
+                    os.environ.update({"RANK": str(r), "WORLD_SIZE": str(world_size),
+                                       "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                       "TORCHELASTIC_RESTART_COUNT": "0",
+                                       "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
+                    torch.set_num_threads(1)
+                    if before is not None:
+                        before()
+                    code = entry(argv)
+                except BaseException:  # noqa: BLE001 - a crash is reported as the traceback
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code if isinstance(code, int) else 1)
+            pids.append(pid)
+        # the agent's store (after the forks: no child inherits its server); the ranks'
+        # clients retry until it listens
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                              wait_for_workers=False)
+        if on_start is not None:
+            on_start(list(pids), tmp)
+        t0 = time.monotonic()
+        codes: dict[int, int] = {}
+        killed_at = None
+        while len(codes) < world_size:
+            for r, pid in enumerate(pids):
+                if r in codes:
+                    continue
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[r] = os.waitstatus_to_exitcode(status)
+                    if codes[r] != 0 and killed_at is None:  # torchrun's policy
+                        killed_at = time.monotonic()
+                        for q, other in enumerate(pids):
+                            if q not in codes:
+                                with contextlib.suppress(ProcessLookupError):
+                                    os.kill(other, signal.SIGTERM)
+            now = time.monotonic()
+            if (killed_at is not None and now - killed_at > grace) or now - t0 > timeout:
+                for q, other in enumerate(pids):
+                    if q not in codes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(other, signal.SIGKILL)
+            time.sleep(0.02)
+        seconds = time.monotonic() - t0
+        del store
+
+        def read(k):
+            return "".join(open(os.path.join(tmp, f"{r}.{k}"), errors="replace").read()
+                           for r in range(world_size))
+        return {"codes": [codes[r] for r in range(world_size)], "stdout": read("out"),
+                "stderr": read("err"), "seconds": seconds}
