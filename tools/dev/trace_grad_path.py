@@ -45,6 +45,9 @@ class Tracer:
         path = frame.f_code.co_filename
         if path.startswith(self.repo):
             rel = path[len(self.repo):]
+            served = os.path.join("megaq", "kernels") + os.sep  # the link to kernels/
+            if rel.startswith(served):
+                rel = rel[len("megaq" + os.sep):]
             if rel.startswith(("megaq" + os.sep, "kernels" + os.sep)):
                 return rel
         return None
