@@ -11,8 +11,10 @@
     python tools/convert_checkpoint.py --from hf --to megaq --input HF_DIR --output CKPT \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
-    # Megatron-LM (megatron-core) checkpoint -> megaq checkpoint for a layout
-    python tools/convert_checkpoint.py --from megatron --to megaq --input MEGATRON_CKPT --output CKPT
+    # Megatron-LM (megatron-core) checkpoint, torch_dist or torch format -> megaq checkpoint
+    # for a layout (torch_dist: with the optimizer state, LR schedule and position)
+    python tools/convert_checkpoint.py --from megatron --to megaq --input MEGATRON_CKPT --output CKPT \\
+        --tensor-model-parallel-size 2
 
 The import writes CKPT/megaq_args.txt: the architecture and layout flags to give
 pretrain_gpt.py together with `--load CKPT --no-load-rng`. docs/INTEROP.md has the
@@ -155,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("--from megaq --to megaq")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="format to write (the input is in the other one; layout unchanged)")
+    g = p.add_argument_group("--from megatron")
+    g.add_argument("--no-optimizer", action="store_true",
+                   help="torch_dist input: import the weights only (fresh AdamW moments, "
+                        "iteration 0); by default the distributed optimizer's state, the LR "
+                        "schedule, the iteration and the consumed samples are imported")
     g = p.add_argument_group("--to megaq")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
