@@ -176,7 +176,7 @@ _ARG_TYPES = {**{n: int for n in ("num_layers", "hidden_size", "num_attention_he
                                   "make_vocab_size_divisible_by", "padded_vocab_size",
                                   "vocab_size")},
               **{n: float for n in ("rotary_percent", "rotary_base", "norm_epsilon",
-                                    "layernorm_epsilon")},
+                                    "layernorm_epsilon", "hidden_dropout", "attention_dropout")},
               "position_embedding_type": str, "normalization": str}
 
 
@@ -250,6 +250,8 @@ def architecture_from_args(a, path: str) -> dict:
         "make_vocab_size_divisible_by": arg("make_vocab_size_divisible_by", 128) or 128,
         "padded_vocab_size": padded,
         "vocab_size": arg("vocab_size"),  # None when Megatron took it from the tokenizer
+        # the run's dropout, so that a continued run trains as it did (None: megaq's default)
+        "hidden_dropout": arg("hidden_dropout"), "attention_dropout": arg("attention_dropout"),
     }
 
 
@@ -269,6 +271,9 @@ def architecture_flags(arch: dict) -> list[str]:
         f += ["--group-query-attention", "--num-query-groups", arch["num_query_groups"]]
     if arch["position_embedding_type"] == "rope":
         f += ["--rotary-base", arch["rotary_base"]]
+    for name in ("hidden_dropout", "attention_dropout"):
+        if arch.get(name) is not None:
+            f += [f"--{name.replace('_', '-')}", arch[name]]
     if arch["swiglu"]:
         f.append("--swiglu")
     if not arch["add_bias_linear"]:
@@ -561,11 +566,12 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     params = dict(weights)  # reads every shard; the embedding fixes vocab_rows
     rows = config["vocab_rows"]
     vocab = vocab_size or config.get("vocab_size") or rows
-    flags = (config["flags"] + ["--vocab-size", str(vocab)]
-             + megaq_layout_flags(tp, pp, vp, config["num_layers"]))
     if vocab > rows:
         raise MegatronImportError(f"vocab size {vocab} exceeds the checkpoint's {rows} embedding "
                                   "rows; pass the tokenizer's vocab size")
+    divisor = _vocab_divisor(config["make_vocab_size_divisible_by"], vocab, rows, tp)
+    flags = (_with_flag(config["flags"], "--make-vocab-size-divisible-by", str(divisor))
+             + ["--vocab-size", str(vocab)] + megaq_layout_flags(tp, pp, vp, config["num_layers"]))
     try:
         run = megaq_run_config(flags, tp, pp)
     except InteropError as e:
@@ -603,6 +609,26 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
         raise
     return {"dir": out_dir, "flags": flags, "tensors": len(params),
             "load_flags": ["--load", out_dir, "--no-load-rng"]}
+
+
+def _vocab_divisor(megatron_divisor: int, vocab: int, rows: int, tp: int) -> int:
+    """--make-vocab-size-divisible-by that keeps the checkpoint's `rows` output rows at
+    TP `tp`: padding rows take part in the softmax (their logits are not masked), so
+    adding zero rows would change the model's loss. Megatron's own divisor when it
+    still gives `rows`, else rows / tp; a TP not dividing `rows` is refused."""
+    from megaq.parallel.tensor_parallel import pad_vocab_size
+    for m in (megatron_divisor, megatron_divisor // tp, rows // tp):
+        if m >= 1 and pad_vocab_size(vocab, m, tp) == rows:
+            return m
+    raise MegatronImportError(f"the checkpoint's {rows} vocabulary rows cannot be split over TP "
+                              f"{tp} without adding rows, which would change the model's output; "
+                              f"choose a --tensor-model-parallel-size dividing {rows}")
+
+
+def _with_flag(flags: list[str], flag: str, value: str) -> list[str]:
+    out = list(flags)
+    out[out.index(flag) + 1] = value
+    return out
 
 
 def convert_to_megaq(a) -> str:
