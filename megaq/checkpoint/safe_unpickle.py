@@ -41,6 +41,7 @@ import argparse
 import collections
 import functools
 import io
+import os
 import pathlib
 import pickle
 import re
@@ -200,26 +201,26 @@ def load(path: str, fmt: Format = TENSORS, *, mmap: bool = False):
         names = _dcp_index_names() if fmt is DCP_INDEX else fmt.names
         with open(path, "rb") as f:
             return _RestrictedUnpickler(f, str(path), fmt, names).load()
-    extra = [(obj, name) for name, obj in fmt.names.items()]
-    with torch.serialization.safe_globals(extra):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except pickle.UnpicklingError as e:
-            name = _forbidden_name(path, e)
-            if name is None:
-                raise
-            raise UnpicklingRefused(path, name, fmt) from None
+    return _torch_load(path, str(path), fmt, mmap)
 
 
 def load_bytes(data: bytes, where: str, fmt: Format = TENSORS):
     """load() for a torch.save stream held in memory (a chunk of a DCP data file, read
     at the offset its index gives); `where` names its file in a refusal."""
+    return _torch_load(io.BytesIO(data), where, fmt, False)
+
+
+def _torch_load(source, where: str, fmt: Format, mmap: bool):
+    """torch's weights_only unpickler over `source` (a path or a file object), `fmt`'s
+    extra names allowed for the call only."""
     extra = [(obj, name) for name, obj in fmt.names.items()]
     with torch.serialization.safe_globals(extra):
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as e:
-            name = _forbidden_name(io.BytesIO(data), e)
+            if not isinstance(source, str | bytes | os.PathLike):
+                source.seek(0)
+            name = _forbidden_name(source, e)
             if name is None:
                 raise
             raise UnpicklingRefused(where, name, fmt) from None

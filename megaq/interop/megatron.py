@@ -1,4 +1,5 @@
-"""Import Megatron-LM checkpoints (the `torch` format, megatron-core GPT names) into megaq.
+"""Import Megatron-LM checkpoints (the `torch` and `torch_dist` formats, megatron-core
+GPT names) into megaq. The torch_dist reading is megaq.interop.megatron_dist's.
 
 Megatron-LM's `--ckpt-format torch` layout::
 
@@ -25,14 +26,17 @@ before it. TP shards are concatenated along Megatron's partition dimension (rows
 column-parallel weights and the vocabulary, columns for row-parallel ones; fc1 with
 SwiGLU holds [gate_r; up_r] per rank).
 
-The optimizer state is not imported: Megatron stores AdamW moments by its own flat
-parameter buckets (distrib_optim.pt) or by position in its param groups, not by name,
-so there is no faithful mapping onto megaq's moments; asking for it is refused.
+Optimizer state: from torch_dist, the distributed optimizer's `dp_reshardable` buckets
+are cut into parameters (megatron_dist.optimizer_state) and imported with the step, the
+LR schedule, the iteration and the consumed samples. The torch format's is not: it keeps
+AdamW moments by param-group position (or in distrib_optim.pt buckets without the
+sizes that place them), so asking for it is refused.
 
 Public API:
     is_megatron_checkpoint(path) -> str | None         one-line description, or None
     load_megatron_checkpoint(path) -> (config, weights) megaq flags/values + full tensors
-    write_megaq_checkpoint(config, weights, out_dir)    iteration-0 megaq checkpoint
+    write_megaq_checkpoint(config, weights, out_dir)    megaq checkpoint at a layout (with the
+                                                        run's state when config has "training")
     convert_to_megaq(a) -> str                          tools/convert_checkpoint.py --from megatron
 """
 
@@ -49,18 +53,15 @@ import torch
 from megaq.checkpoint import safe_unpickle
 from megaq.checkpoint.integrity import MANIFEST_NAME
 from megaq.checkpoint.reshard import concat_tp_shards, fit_rows
+from megaq.interop import megatron_dist
 from megaq.interop.common import InteropError, progress
+from megaq.interop.megatron_dist import MegatronImportError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"        # Megatron-LM's; megaq writes model_optim.pt
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 CONVERT_HINT = ("python tools/convert_checkpoint.py --from megatron --to megaq "
                 "--input {src} --output MEGAQ_DIR")
-
-
-class MegatronImportError(InteropError):
-    """A checkpoint that cannot be imported as asked; one line naming why and the fix.
-    An InteropError, so tools/convert_checkpoint.py prints it as its one `error:` line."""
 
 
 # ------------------------------------------------------------------------ discovery
@@ -445,7 +446,6 @@ def _load_torch_dist(path: str, iter_dir: str, it: str, optimizer: bool):
     the same (config, weights), plus config["training"] when `optimizer` is asked and
     the checkpoint holds the distributed optimizer's state: megatron_dist.optimizer_state's
     dict with "iteration", "consumed_samples", "scheduler" and "optimizer_flags"."""
-    from megaq.interop import megatron_dist
     from megaq.parallel.tensor_parallel import shard_of
     ck = megatron_dist.DistCheckpoint(iter_dir)
     common_path = os.path.join(iter_dir, megatron_dist.COMMON)
@@ -474,7 +474,7 @@ def _load_torch_dist(path: str, iter_dir: str, it: str, optimizer: bool):
     if optimizer and has_optim:
         stride = lambda g: 2 if arch["swiglu"] and ".linear_fc1." in g else 1  # noqa: E731
         dims = {}
-        for mname in megatron_dist._mcore_order(arch, te=False):
+        for mname in megatron_dist.mcore_order(arch, te=False):
             gname, dim = name_of(mname)
             dims[gname] = dim
 

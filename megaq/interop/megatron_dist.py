@@ -32,7 +32,6 @@ regular `__*.distcp` file of the directory (no path, no symlink).
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -51,8 +50,10 @@ _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
 SUPPORTED_OPTIM = "dp_reshardable"
 
 
-class DistImportError(InteropError):
-    """A torch_dist checkpoint that cannot be read as asked; one line (why, and the fix)."""
+class MegatronImportError(InteropError):
+    """A Megatron-LM checkpoint (either format) that cannot be imported as asked; one line
+    naming why and the fix. An InteropError, so tools/convert_checkpoint.py prints it as
+    its one `error:` line. (Here, the lower of the two Megatron modules.)"""
 
 
 class DistCheckpoint:
@@ -64,18 +65,18 @@ class DistCheckpoint:
             with open(os.path.join(iter_dir, METADATA_JSON), "rb") as f:
                 meta = json.loads(f.read(1 << 16).decode("utf-8"))
         except (OSError, ValueError) as e:
-            raise DistImportError(f"{iter_dir}/{METADATA_JSON} cannot be read ({e}); the "
+            raise MegatronImportError(f"{iter_dir}/{METADATA_JSON} cannot be read ({e}); the "
                                   f"checkpoint is incomplete") from None
         if not isinstance(meta, dict) or meta.get("sharded_backend") != "torch_dist":
-            raise DistImportError(f"{iter_dir} uses the sharded backend "
+            raise MegatronImportError(f"{iter_dir} uses the sharded backend "
                                   f"{meta.get('sharded_backend') if isinstance(meta, dict) else meta!r}, "
                                   "not torch_dist; re-save it with --ckpt-format torch_dist")
         self.index = self._unpickle(os.path.join(iter_dir, INDEX), safe_unpickle.DCP_INDEX)
         if not hasattr(self.index, "state_dict_metadata") or not hasattr(self.index, "storage_data"):
-            raise DistImportError(f"{iter_dir}/{INDEX} is not a DCP index; the checkpoint is damaged")
+            raise MegatronImportError(f"{iter_dir}/{INDEX} is not a DCP index; the checkpoint is damaged")
         self.common = self._unpickle(os.path.join(iter_dir, COMMON), safe_unpickle.MEGATRON)
         if not isinstance(self.common, dict):
-            raise DistImportError(f"{iter_dir}/{COMMON} holds a {type(self.common).__name__}, not "
+            raise MegatronImportError(f"{iter_dir}/{COMMON} holds a {type(self.common).__name__}, not "
                                   "the dict megatron-core saves; it is not a Megatron-LM checkpoint")
         self._sizes = {}
 
@@ -85,9 +86,9 @@ class DistCheckpoint:
                 return safe_unpickle.load(path, fmt)
             return safe_unpickle.load_bytes(data, path, fmt)
         except safe_unpickle.UnpicklingRefused as e:
-            raise DistImportError(str(e)) from None
+            raise MegatronImportError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a damaged or foreign file
-            raise DistImportError(f"{path} cannot be read ({type(e).__name__}: "
+            raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
                                   "damaged or incomplete") from None
 
@@ -98,26 +99,26 @@ class DistCheckpoint:
     def _bytes(self, key) -> tuple[bytes, str]:
         info = self.index.storage_data.get(key)
         if info is None:
-            raise DistImportError(f"{self.dir}/{INDEX} lists {key.fqn} without its storage; the "
+            raise MegatronImportError(f"{self.dir}/{INDEX} lists {key.fqn} without its storage; the "
                                   "checkpoint is damaged")
         name, off, length = info.relative_path, info.offset, info.length
         where = f"{self.dir}/{name}"
         if not (isinstance(name, str) and _DATA_FILE.fullmatch(name)):
-            raise DistImportError(f"{self.dir}/{INDEX} points {key.fqn} at {name!r}, not a "
+            raise MegatronImportError(f"{self.dir}/{INDEX} points {key.fqn} at {name!r}, not a "
                                   "__N_M.distcp file of the directory; refused (the index was altered)")
         if getattr(info, "transform_descriptors", None):
-            raise DistImportError(f"{where}: {key.fqn} is stored transformed "
+            raise MegatronImportError(f"{where}: {key.fqn} is stored transformed "
                                   f"({info.transform_descriptors}); only plain torch_dist files import")
         path = os.path.join(self.dir, name)
         if name not in self._sizes:
             st = os.lstat(path) if os.path.lexists(path) else None
             if st is None or not stat.S_ISREG(st.st_mode):
-                raise DistImportError(f"{where} is missing or not a regular file; the checkpoint "
+                raise MegatronImportError(f"{where} is missing or not a regular file; the checkpoint "
                                       "is incomplete")
             self._sizes[name] = st.st_size
         if not (isinstance(off, int) and isinstance(length, int) and 0 <= off
                 and 0 < length and off + length <= self._sizes[name]):
-            raise DistImportError(f"{self.dir}/{INDEX} places {key.fqn} outside {where}; the "
+            raise MegatronImportError(f"{self.dir}/{INDEX} places {key.fqn} outside {where}; the "
                                   "checkpoint is damaged")
         with open(path, "rb") as f:
             f.seek(off)
@@ -128,7 +129,7 @@ class DistCheckpoint:
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
         md = self.index.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
-            raise DistImportError(f"{self.dir} holds no tensor {fqn}; the checkpoint is incomplete "
+            raise MegatronImportError(f"{self.dir} holds no tensor {fqn}; the checkpoint is incomplete "
                                   "or not of the model its args describe")
         full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         covered = 0
@@ -137,12 +138,12 @@ class DistCheckpoint:
             part = self._unpickle(where, safe_unpickle.TENSORS, data)
             if (not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes)
                     or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, md.size))):
-                raise DistImportError(f"{where}: a chunk of {fqn} does not have the shape the "
+                raise MegatronImportError(f"{where}: a chunk of {fqn} does not have the shape the "
                                       "index gives; the checkpoint is damaged")
             full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = part
             covered += part.numel()
         if covered != full.numel():
-            raise DistImportError(f"{self.dir}: the chunks of {fqn} cover {covered} of its "
+            raise MegatronImportError(f"{self.dir}: the chunks of {fqn} cover {covered} of its "
                                   f"{full.numel()} elements; the checkpoint is incomplete")
         return full
 
@@ -151,7 +152,7 @@ class DistCheckpoint:
         from torch.distributed.checkpoint.metadata import MetadataIndex
         name = fqn if fqn in self.index.state_dict_metadata else f"{fqn}/shard_0_1"
         if name not in self.index.state_dict_metadata:
-            raise DistImportError(f"{self.dir} holds no {fqn}; the checkpoint is incomplete")
+            raise MegatronImportError(f"{self.dir} holds no {fqn}; the checkpoint is incomplete")
         data, where = self._bytes(MetadataIndex(name))
         value = self._unpickle(where, safe_unpickle.MEGATRON, data)
         return value[0] if isinstance(value, list) and len(value) == 1 else value
@@ -169,7 +170,7 @@ def model_tensors(ck: DistCheckpoint, arch: dict, name_of) -> dict:
         if fqn.startswith("decoder.layers."):
             t = ck.tensor(fqn)
             if t.shape[0] != layers:
-                raise DistImportError(f"{ck.dir}: {fqn} stacks {t.shape[0]} layers, args say "
+                raise MegatronImportError(f"{ck.dir}: {fqn} stacks {t.shape[0]} layers, args say "
                                       f"--num-layers {layers}; the checkpoint is inconsistent")
             for i in range(layers):
                 mapped = name_of(fqn.replace("decoder.layers.", f"decoder.layers.{i}.", 1))
@@ -183,7 +184,7 @@ def model_tensors(ck: DistCheckpoint, arch: dict, name_of) -> dict:
 
 
 # ------------------------------------------------- the distributed optimizer's state
-def _mcore_order(arch: dict, te: bool) -> list[str]:
+def mcore_order(arch: dict, te: bool) -> list[str]:
     """megatron-core GPTModel's parameters in model.parameters() order (checkpoint names).
     te: Transformer Engine specs, whose norms live inside the next linear (after
     linear_proj); the local spec registers input_layernorm first."""
@@ -236,21 +237,21 @@ def optimizer_state(ck: DistCheckpoint, arch: dict, tp: int, pp: int, full_weigh
     kind = (ck.common.get("optimizer") or {}).get("param_state_sharding_type") \
         if isinstance(ck.common.get("optimizer"), dict) else None
     if kind is None:
-        raise DistImportError(f"{ck.dir} holds no optimizer state (saved with --no-save-optim?); "
+        raise MegatronImportError(f"{ck.dir} holds no optimizer state (saved with --no-save-optim?); "
                               "import it with --no-optimizer (weights only)")
     if kind != SUPPORTED_OPTIM:
-        raise DistImportError(f"{ck.dir} keeps the distributed optimizer's state in the {kind!r} "
+        raise MegatronImportError(f"{ck.dir} keeps the distributed optimizer's state in the {kind!r} "
                               f"layout; megaq imports {SUPPORTED_OPTIM!r} (megatron-core's default: "
                               "re-save without --dist-ckpt-optim-fully-reshardable) or import "
                               "with --no-optimizer")
     if pp > 1:
-        raise DistImportError(f"{ck.dir} was saved at pipeline size {pp}; the distributed "
+        raise MegatronImportError(f"{ck.dir} was saved at pipeline size {pp}; the distributed "
                               "optimizer's state imports from pipeline size 1 only (import with "
                               "--no-optimizer for the weights)")
     groups = ck.obj("optimizer.distributed.dp_group_idx_0.optimizer").get("param_groups")
     steps = {int(g.get("step", 0)) for g in groups} if isinstance(groups, list) else set()
     if len(steps) != 1:
-        raise DistImportError(f"{ck.dir}: the optimizer's param groups hold steps {sorted(steps)}, "
+        raise MegatronImportError(f"{ck.dir}: the optimizer's param groups hold steps {sorted(steps)}, "
                               "not one; the checkpoint is damaged")
     shards = {}  # megaq name -> [per TP rank {"param", "exp_avg", "exp_avg_sq"}]
     for rank in range(tp):
@@ -259,7 +260,7 @@ def optimizer_state(ck: DistCheckpoint, arch: dict, tp: int, pp: int, full_weigh
         unpadded = ck.obj(f"{pre}.per_bucket_numel_unpadded")
         if not (isinstance(numel, list) and len(numel) == 1 and isinstance(numel[0], dict)
                 and len(numel[0]) == 1):
-            raise DistImportError(f"{ck.dir}: TP rank {rank}'s optimizer has "
+            raise MegatronImportError(f"{ck.dir}: TP rank {rank}'s optimizer has "
                                   f"{len(numel) if isinstance(numel, list) else '?'} gradient "
                                   "buffers; megaq imports one (a dense model, one dtype)")
         (dtype_key, numel), = numel[0].items()
@@ -268,12 +269,12 @@ def optimizer_state(ck: DistCheckpoint, arch: dict, tp: int, pp: int, full_weigh
         buckets = [{k: ck.tensor(f"{prefix}.bucket_idx_{b}.{k}").float()
                     for k in ("param", "exp_avg", "exp_avg_sq")} for b in range(len(numel))]
         local = {}  # mcore name -> (megaq name, local weight)
-        for mname in _mcore_order(arch, te=False):
+        for mname in mcore_order(arch, te=False):
             gname = name_of(mname)[0]
             local[mname] = (gname, tp_split(gname, full_weights[gname], rank))
         picked = None
         for te in (False, True):
-            order = [(m, local[m][1].numel()) for m in _mcore_order(arch, te)]
+            order = [(m, local[m][1].numel()) for m in mcore_order(arch, te)]
             places = _bucket_places(order, numel, unpadded)
             if places is None:
                 continue
@@ -282,7 +283,7 @@ def optimizer_state(ck: DistCheckpoint, arch: dict, tp: int, pp: int, full_weigh
                 picked = places
                 break
         if picked is None:
-            raise DistImportError(f"{ck.dir}: TP rank {rank}'s optimizer buckets do not line up "
+            raise MegatronImportError(f"{ck.dir}: TP rank {rank}'s optimizer buckets do not line up "
                                   "with the model's parameters (megatron-core's local or "
                                   "Transformer Engine layer order); the checkpoint was written by "
                                   "an unsupported megatron-core version or is damaged")
