@@ -173,7 +173,7 @@ class _Boom:
         return (os.system, ("touch PWNED",))
 
 
-def _cli(*args, cwd):
+def _cli(*args, cwd, route=("megatron", "megaq")):
     """tools/convert_checkpoint.py's main() in this process (the subprocess form is
     tests/test_megatron_import.py's); returns (exit code, stderr)."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -186,7 +186,7 @@ def _cli(*args, cwd):
     os.chdir(cwd)  # a crafted os.system("touch PWNED") would land here
     try:
         with contextlib.redirect_stderr(err):
-            rc = convert_checkpoint.main(["--from", "megatron", "--to", "megaq", *args])
+            rc = convert_checkpoint.main(["--from", route[0], "--to", route[1], *args])
     finally:
         os.chdir(old)
     return subprocess.CompletedProcess(args, rc, "", err.getvalue())
@@ -249,3 +249,89 @@ def test_layout_flags_are_honoured_or_refused(tmp_path, imported_tp2):
              "3", cwd=str(tmp_path))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "TP 3" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "o3")
+
+
+# megatron-core loads a checkpoint megaq wrote (--to megatron) into the fixture's model,
+# DDP and distributed optimizer (generate.py's build_megatron, one gloo rank: DP 1), and
+# reports its logits on a probe batch, its own view of the Adam moments, and the losses
+# of its next 3 training steps.
+LOADER = r'''
+import os, sys, torch, torch.distributed as dist, warnings
+warnings.filterwarnings("ignore")
+fixture, ckpt, out, port = sys.argv[1:5]
+sys.path.insert(0, fixture)
+import generate as g
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+g._shim_cuda()
+from megatron.core import dist_checkpointing
+model, opt, sched = g.build_megatron()
+# megatron-core's torch-Adam fallback (no TE / apex on a CPU) needs the optimizer state to
+# exist before a load: its own dummy initialisation, replaced in place by the load
+for o in getattr(opt, "chained_optimizers", [opt]):
+    o._init_optimizer_states_with_dummy_values()
+state = {"model": model.module.sharded_state_dict()}
+state["optimizer"] = opt.sharded_state_dict(
+    state["model"], is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+loaded = dist_checkpointing.load(state, ckpt)
+model.module.load_state_dict(loaded["model"])
+with torch.no_grad():  # fp32 params: the main params are views of the (leaf) weights
+    opt.load_state_dict(loaded["optimizer"])
+# megatron-core's torch-Adam fallback keeps the per-parameter step of the dummy state on a
+# dp_reshardable load (TE's FusedAdam, on a GPU, reads the param groups' step instead);
+# set it from the loaded param groups, as Megatron saved it (a load of Megatron's own
+# fixture checkpoint needs the same)
+for o in getattr(opt, "chained_optimizers", [opt]):
+    for group in o.optimizer.param_groups:
+        for p in group["params"]:
+            o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+sched.load_state_dict(loaded["opt_param_scheduler"])
+data = g.batches(g.TRAIN_STEPS + g.NEXT_STEPS)
+pos = torch.arange(g.ARCH["seq_length"]).unsqueeze(0)
+with torch.no_grad():
+    logits = model.module(data[5, :, :-1], pos, None)
+moments = g._moment_digests(model, opt, 0)
+lrs = []
+step = g.make_train_step(model, opt, sched, data, lrs)
+losses = [step(s) for s in range(g.TRAIN_STEPS, g.TRAIN_STEPS + g.NEXT_STEPS)]
+torch.save({"logits": logits, "moments": moments, "losses": losses, "lrs": lrs,
+            "iteration": loaded["iteration"],
+            "consumed": loaded["args"].consumed_train_samples}, out)
+'''
+
+
+def test_to_megatron_loads_in_megatron_core(tmp_path, imported_tp2):
+    """--to megatron: megatron-core 0.16.1 loads megaq's checkpoint (the fixture imported at
+    TP 2, written back) with its distributed optimizer: the logits on a probe batch equal
+    megaq's (fp32, same weights: summation order only, 1e-5), its Adam moments are the
+    ones Megatron saved in the first place (the round trip is exact), and its next
+    three steps give the losses of the original Megatron run (1e-5, as above)."""
+    import socket
+    from megaq.checkpoint.consolidate import load_consolidated_model
+    out = str(tmp_path / "mlm")
+    back = ("megaq", "megatron")
+    r = _cli("--input", imported_tp2[0], "--output", out, "--megatron-transformer-impl", "local",
+             cwd=str(tmp_path), route=back)
+    assert r.returncode == 0, r.stderr
+    r = _cli("--input", imported_tp2[0], "--output", out, cwd=str(tmp_path), route=back)
+    assert r.returncode == 2 and "exists" in r.stderr and r.stderr.count("\n") == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    result = str(tmp_path / "result.pt")
+    p = subprocess.run([sys.executable, "-c", LOADER, FIXTURE, os.path.join(out, "iter_0000005"),
+                        result, port], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(result, weights_only=False)  # our own subprocess's output
+    assert (got["iteration"], got["consumed"]) == (5, 20)
+    model, _ = load_consolidated_model(os.path.join(imported_tp2[0], "iter_0000005"))
+    model.eval()
+    probe = torch.tensor(RECORD["tokens"])[5, :, :-1]
+    with torch.no_grad():
+        mine = model(probe)[..., :RECORD["architecture"]["vocab_size"]]
+    torch.testing.assert_close(got["logits"], mine, rtol=0, atol=1e-5)
+    assert got["moments"] == RECORD["moments"]
+    assert got["losses"] == pytest.approx(RECORD["next_losses"], abs=1e-5)
+    assert got["lrs"] == RECORD["lrs"][5:]

@@ -162,7 +162,7 @@ def megaq_run_config(flags: list[str], tp: int, pp: int):
     placeholders = ["--micro-batch-size", "1", "--global-batch-size", str(pp), "--train-iters", "1",
                     "--lr", "0", "--mock-data"]
     try:
-        config = parse_config(flags + placeholders, world_size=tp * pp)
+        config = parse_config(placeholders + flags, world_size=tp * pp)  # the flags win
     except ArgumentsError as e:
         raise InteropError(f"the model does not fit TP={tp} x PP={pp}: {e}") from None
     if config.data.vocab_size is None:

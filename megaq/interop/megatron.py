@@ -572,6 +572,9 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     divisor = _vocab_divisor(config["make_vocab_size_divisible_by"], vocab, rows, tp)
     flags = (_with_flag(config["flags"], "--make-vocab-size-divisible-by", str(divisor))
              + ["--vocab-size", str(vocab)] + megaq_layout_flags(tp, pp, vp, config["num_layers"]))
+    state = config.get("training")
+    if state:  # the run's optimizer settings, recorded with the configuration
+        flags = flags + state["optimizer_flags"]
     try:
         run = megaq_run_config(flags, tp, pp)
     except InteropError as e:
@@ -586,7 +589,6 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     def full_tensor(info) -> torch.Tensor:
         return padded(info.name, params[info.name])
 
-    state = config.get("training")
     training = None
     if state:
         def moments(info):
@@ -594,7 +596,6 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
             return padded(info.name, sd["exp_avg"]), padded(info.name, sd["exp_avg_sq"])
         training = ImportedTraining(state["iteration"], state["consumed_samples"], state["step"],
                                     state["scheduler"], moments)
-        flags = flags + state["optimizer_flags"]
     tmp = temp_dir_for(out_dir)
     try:
         write_checkpoint(tmp, run, megaq_layout(run.model, tp, pp, vp), full_tensor,
