@@ -67,9 +67,9 @@ def _continue(topo, argv):
     return state.iteration, state.consumed_samples, dict(state.losses)
 
 
-@pytest.mark.parametrize("tp", [2, 1])
-def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp):
-    """megaq resumes Megatron's iteration 5 at TP 2 (or TP 1 x DP 2) with Megatron's
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)])
+def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp, pp):
+    """megaq resumes Megatron's iteration 5 at TP 2, TP 1 x DP 2 or PP 2 with Megatron's
     moments, step, LR and position, and its next 3 losses are Megatron's.
 
     Tolerance 1e-5 absolute on losses near 4: both runs are fp32 and differ only in
@@ -78,9 +78,9 @@ def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp):
     step count (bias correction) or LR changes them by more than 1e-2 (checked below
     with fresh moments)."""
     from megaq.parallel.launch import run_on_ranks
-    out = imported_tp2[0] if tp == 2 else str(tmp_path / "tp1")
+    out = imported_tp2[0] if tp == 2 else str(tmp_path / "layout")
     if tp == 1:
-        _convert(out, tp=1)
+        _convert(out, tp=1, pipeline_model_parallel_size=pp)
     flags = open(os.path.join(out, "megaq_args.txt")).read().split()
     train = RECORD["training"]
     argv = flags + ["--micro-batch-size", str(train["micro_batch_size"]),
@@ -88,7 +88,7 @@ def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp):
                     "--mock-data", "--log-interval", "1", "--eval-iters", "0",
                     "--seed", str(train["seed"]), "--load", out, "--no-load-rng",
                     "--data-cache-path", str(tmp_path / "cache")]
-    it, consumed, losses = run_on_ranks(_continue, 2, tp=tp, args=(argv,))[0]
+    it, consumed, losses = run_on_ranks(_continue, 2, tp=tp, pp=pp, args=(argv,))[-1]
     assert it == 8 and consumed == 32
     got = [losses[i] for i in (6, 7, 8)]
     assert got == pytest.approx(RECORD["next_losses"], abs=1e-5), (got, RECORD["next_losses"])
