@@ -447,9 +447,11 @@ def _read_one(reader: VerifiedReader, fqn: str) -> torch.Tensor:
     return full
 
 
-def save_full_tensors(tensors: dict[str, torch.Tensor], ckpt_dir: str) -> None:
+def save_full_tensors(tensors: dict, ckpt_dir: str) -> None:
     """Write {fqn: full tensor} as DCP files in `ckpt_dir` from one process (the format
-    converter): each tensor one chunk, loadable by any layout like a training save."""
+    converters): each tensor one chunk, loadable by any layout like a training save; a
+    value that is not a tensor is written as DCP's bytes item (a torch.save stream: the
+    Megatron export's objects)."""
     writer = dcp.FileSystemWriter(ckpt_dir, single_file_per_rank=True, sync_files=True)
     _run_dcp(dcp.save, tensors, None, storage_writer=writer, planner=_SavePlanner())
 

@@ -18,7 +18,9 @@ line naming the file and the class (:class:`UnpicklingRefused`):
   reader loads with ``weights_only=True`` (torch's allow-list: tensors only);
 - DCP's ``.metadata`` index, a plain pickle stream: a ``pickle.Unpickler`` whose
   ``find_class`` gives exactly the names of :data:`DCP_INDEX` (the metadata dataclasses
-  torch 2.11 to 2.13 write, ``torch.Size``, dtypes, layouts, paths).
+  torch 2.11 to 2.13 write, the save-plan dataclasses megatron-core's torch_dist index
+  keeps, ``torch.Size``, dtypes, layouts, paths). The chunks of a DCP data file are
+  torch.save streams: :func:`load_bytes` reads one from memory like a file.
 
 Megatron-LM's files pickle an ``argparse.Namespace`` of its flags, which holds some of
 Megatron's enums (``--attention-backend``, the model type, CUDA graph scopes), a
@@ -39,6 +41,7 @@ import argparse
 import collections
 import functools
 import io
+import os
 import pathlib
 import pickle
 import re
@@ -153,6 +156,10 @@ def _dcp_index_names() -> dict:
                        "BytesStorageMetadata", "TensorProperties", "MetadataIndex",
                        "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(metadata, n)}
     names["torch.distributed.checkpoint.filesystem._StorageInfo"] = filesystem._StorageInfo
+    # megatron-core's torch_dist index also keeps every rank's save plan (all_local_plans)
+    from torch.distributed.checkpoint import planner
+    names.update({f"torch.distributed.checkpoint.planner.{n}": getattr(planner, n)
+                  for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")})
     names.update({f"torch.{n}": v for n, v in vars(torch).items()
                   if isinstance(v, (torch.dtype, torch.layout, torch.memory_format))})
     names.update({"torch.Size": torch.Size, "torch.device": torch.device,
@@ -194,18 +201,32 @@ def load(path: str, fmt: Format = TENSORS, *, mmap: bool = False):
         names = _dcp_index_names() if fmt is DCP_INDEX else fmt.names
         with open(path, "rb") as f:
             return _RestrictedUnpickler(f, str(path), fmt, names).load()
+    return _torch_load(path, str(path), fmt, mmap)
+
+
+def load_bytes(data: bytes, where: str, fmt: Format = TENSORS):
+    """load() for a torch.save stream held in memory (a chunk of a DCP data file, read
+    at the offset its index gives); `where` names its file in a refusal."""
+    return _torch_load(io.BytesIO(data), where, fmt, False)
+
+
+def _torch_load(source, where: str, fmt: Format, mmap: bool):
+    """torch's weights_only unpickler over `source` (a path or a file object), `fmt`'s
+    extra names allowed for the call only."""
     extra = [(obj, name) for name, obj in fmt.names.items()]
     with torch.serialization.safe_globals(extra):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as e:
-            name = _forbidden_name(path, e)
+            if not isinstance(source, str | bytes | os.PathLike):
+                source.seek(0)
+            name = _forbidden_name(source, e)
             if name is None:
                 raise
-            raise UnpicklingRefused(path, name, fmt) from None
+            raise UnpicklingRefused(where, name, fmt) from None
 
 
-def _forbidden_name(path: str, error: Exception) -> str | None:
+def _forbidden_name(path, error: Exception) -> str | None:
     """The first name in file `path` outside torch's allow-list and the one in effect
     (read from the pickle's opcodes without running them), or failing that the one
     torch's error names."""

@@ -10,8 +10,14 @@
     python tools/convert_checkpoint.py --from hf --to megaq --input HF_DIR --output CKPT \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
-    # Megatron-LM (megatron-core) checkpoint -> megaq checkpoint for a layout
-    python tools/convert_checkpoint.py --from megatron --to megaq --input MEGATRON_CKPT --output CKPT
+    # megaq checkpoint -> Megatron-LM torch_dist checkpoint with the distributed optimizer's state
+    python tools/convert_checkpoint.py --from megaq --to megatron --input CKPT --output MEGATRON_DIR \\
+        [--megatron-transformer-impl local]
+
+    # Megatron-LM (megatron-core) checkpoint, torch_dist or torch format -> megaq checkpoint
+    # for a layout (torch_dist: with the optimizer state, LR schedule and position)
+    python tools/convert_checkpoint.py --from megatron --to megaq --input MEGATRON_CKPT --output CKPT \\
+        --tensor-model-parallel-size 2
 
 The import writes CKPT/megaq_args.txt: the architecture and layout flags to give
 pretrain_gpt.py together with `--load CKPT --no-load-rng`. docs/INTEROP.md has the
@@ -27,7 +33,7 @@ import sys
 import time
 
 SOURCES = ("megaq", "hf", "megatron")
-TARGETS = ("megaq", "hf")
+TARGETS = ("megaq", "hf", "megatron")
 
 
 def _parse_size(text: str) -> int:
@@ -105,9 +111,22 @@ def megatron_to_megaq(a) -> str:
     return megatron.convert_to_megaq(a)
 
 
+def megaq_to_megatron(a) -> str:
+    from megaq.interop.megatron_export import export_to_megatron
+    t0 = time.perf_counter()
+    out = export_to_megatron(a.input, a.output, impl=a.megatron_transformer_impl)
+    return (f"[convert] {a.input} -> {out['dir']}: Megatron-LM torch_dist, iteration "
+            f"{out['iteration']}, {out['params']} parameters with the distributed optimizer's "
+            f"state (dp_reshardable, TP 1 x PP 1, any DP), {a.megatron_transformer_impl} layer "
+            f"order; {time.perf_counter() - t0:.1f} s\n"
+            f"[convert] load it in Megatron-LM with: --load {out['dir']} --ckpt-format torch_dist "
+            f"--use-distributed-optimizer --transformer-impl {a.megatron_transformer_impl} "
+            f"--no-load-rng and the run's architecture flags")
+
+
 ROUTES = {("megaq", "hf"): megaq_to_hf, ("hf", "megaq"): hf_to_megaq,
           ("megaq", "megaq"): megaq_format,
-          ("megatron", "megaq"): megatron_to_megaq}
+          ("megatron", "megaq"): megatron_to_megaq, ("megaq", "megatron"): megaq_to_megatron}
 
 
 class _RouteMissing(RuntimeError):
@@ -152,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("--from megaq --to megaq")
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="format to write (the input is in the other one; layout unchanged)")
+    g = p.add_argument_group("--to megatron")
+    g.add_argument("--megatron-transformer-impl", choices=["transformer_engine", "local"],
+                   default="transformer_engine",
+                   help="the layer spec of the Megatron-LM run that loads the output (its "
+                        "--transformer-impl): it fixes the order of the optimizer's buckets")
+    g = p.add_argument_group("--from megatron")
+    g.add_argument("--no-optimizer", action="store_true",
+                   help="torch_dist input: import the weights only (fresh AdamW moments, "
+                        "iteration 0); by default the distributed optimizer's state, the LR "
+                        "schedule, the iteration and the consumed samples are imported")
     g = p.add_argument_group("--to megaq")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)

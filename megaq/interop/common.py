@@ -162,7 +162,7 @@ def megaq_run_config(flags: list[str], tp: int, pp: int):
     placeholders = ["--micro-batch-size", "1", "--global-batch-size", str(pp), "--train-iters", "1",
                     "--lr", "0", "--mock-data"]
     try:
-        config = parse_config(flags + placeholders, world_size=tp * pp)
+        config = parse_config(placeholders + flags, world_size=tp * pp)  # the flags win
     except ArgumentsError as e:
         raise InteropError(f"the model does not fit TP={tp} x PP={pp}: {e}") from None
     if config.data.vocab_size is None:
@@ -170,41 +170,64 @@ def megaq_run_config(flags: list[str], tp: int, pp: int):
     return config.resolved(config.data, config.data.vocab_size)
 
 
+@dataclasses.dataclass
+class ImportedTraining:
+    """A run's position and optimizer state carried into a converted checkpoint:
+    `moments(info)` gives the full (exp_avg, exp_avg_sq) of a parameter (fp32, padded
+    like its weight), `step` the optimizer's step count, `lr_scheduler` a
+    megaq.lr_schedule.LRSchedule.state_dict()."""
+    iteration: int
+    consumed_samples: int
+    step: int
+    lr_scheduler: dict
+    moments: Callable[[ParamInfo], tuple[torch.Tensor, torch.Tensor]]
+
+
 def write_megaq_checkpoint(root: str, config, layout: list[ParamInfo],
                            full_tensor: Callable[[ParamInfo], torch.Tensor],
-                           extra: dict | None = None) -> None:
-    """Iteration 0 of a megaq checkpoint under `root` (a temporary directory the caller
-    renames) for `config` (a RunConfig, megaq_run_config's): `full_tensor(info)` gives
-    each full parameter (fp32, padded vocabulary), split here for every TP rank and
-    written stage by stage (memory: one stage). Each file holds what save_checkpoint
-    writes (checkpoint.model_file_record). The AdamW moments are zero and the step 0,
-    so `--load` starts a fresh optimizer."""
+                           extra: dict | None = None,
+                           training: ImportedTraining | None = None) -> None:
+    """A megaq checkpoint under `root` (a temporary directory the caller renames) for
+    `config` (a RunConfig, megaq_run_config's): `full_tensor(info)` gives each full
+    parameter (fp32, padded vocabulary), split here for every TP rank and written stage
+    by stage (memory: one stage). Each file holds what save_checkpoint writes
+    (checkpoint.model_file_record). Without `training`: iteration 0, zero AdamW moments
+    and step 0, so `--load` starts a fresh optimizer; with it, its iteration, moments,
+    step and LR schedule, so `--load` continues the run."""
     from megaq.parallel.tensor_parallel import shard_of
     tp, pp = config.parallel.tp, config.parallel.pp
     # the position only: an imported model has no LR schedule of its own, so the run
     # that loads it keeps its flags' (megaq.lr_schedule.LRSchedule.load_state_dict)
-    lr_scheduler = {"num_steps": 0, "num_samples": 0}
+    lr_scheduler = training.lr_scheduler if training else {"num_steps": 0, "num_samples": 0}
+    iteration = training.iteration if training else 0
     zero = torch.zeros(1)
     bar = progress(layout, "writing the megaq checkpoint")
     for stage in range(pp):
         shards = [{} for _ in range(tp)]
         for info in (i for i in layout if i.stage == stage):
             full = full_tensor(info).float()
+            moments = [m.float() for m in training.moments(info)] if training else None
+            split = (lambda t, r: t) if info.dim < 0 else (  # noqa: E731
+                lambda t, r: shard_of(t, info.dim, r, tp, info.stride))
             for r in range(tp):
-                part = full if info.dim < 0 else shard_of(full, info.dim, r, tp, info.stride)
-                # zero moments: one element expanded to the shape (takes no disk space)
-                z = zero.expand_as(part)
+                part = split(full, r)
                 # clone: a view would make torch.save write the whole full tensor
-                shards[r][info.key] = {"param": part.clone(), "exp_avg": z, "exp_avg_sq": z}
+                if moments:
+                    m, v = (split(t, r).clone() for t in moments)
+                else:  # zero moments: one element expanded to the shape (takes no disk space)
+                    m = v = zero.expand_as(part)
+                shards[r][info.key] = {"param": part.clone(), "exp_avg": m, "exp_avg_sq": v}
             bar.update()
         for r in range(tp):
-            record = model_file_record(0, 0, config, config.parallel.layout, lr_scheduler,
-                                            {"step": 0, "params": shards[r]}, extra)
-            save_file(record, model_file(iteration_dir(root, 0), r, stage))
+            record = model_file_record(iteration, training.consumed_samples if training else 0,
+                                       config, config.parallel.layout, lr_scheduler,
+                                       {"step": training.step if training else 0,
+                                        "params": shards[r]}, extra)
+            save_file(record, model_file(iteration_dir(root, iteration), r, stage))
         del shards
     bar.close()
-    integrity.write_manifest(iteration_dir(root, 0))  # as a save: loads verify it
-    write_tracker(root, 0)
+    integrity.write_manifest(iteration_dir(root, iteration))  # as a save: loads verify it
+    write_tracker(root, iteration)
 
 
 def write_megaq_args(root: str, out_dir: str, flags: list[str], info: dict) -> None:

@@ -1,4 +1,5 @@
-"""Import Megatron-LM checkpoints (the `torch` format, megatron-core GPT names) into megaq.
+"""Import Megatron-LM checkpoints (the `torch` and `torch_dist` formats, megatron-core
+GPT names) into megaq. The torch_dist reading is megaq.interop.megatron_dist's.
 
 Megatron-LM's `--ckpt-format torch` layout::
 
@@ -25,14 +26,17 @@ before it. TP shards are concatenated along Megatron's partition dimension (rows
 column-parallel weights and the vocabulary, columns for row-parallel ones; fc1 with
 SwiGLU holds [gate_r; up_r] per rank).
 
-The optimizer state is not imported: Megatron stores AdamW moments by its own flat
-parameter buckets (distrib_optim.pt) or by position in its param groups, not by name,
-so there is no faithful mapping onto megaq's moments; asking for it is refused.
+Optimizer state: from torch_dist, the distributed optimizer's `dp_reshardable` buckets
+are cut into parameters (megatron_dist.optimizer_state) and imported with the step, the
+LR schedule, the iteration and the consumed samples. The torch format's is not: it keeps
+AdamW moments by param-group position (or in distrib_optim.pt buckets without the
+sizes that place them), so asking for it is refused.
 
 Public API:
     is_megatron_checkpoint(path) -> str | None         one-line description, or None
     load_megatron_checkpoint(path) -> (config, weights) megaq flags/values + full tensors
-    write_megaq_checkpoint(config, weights, out_dir)    iteration-0 megaq checkpoint
+    write_megaq_checkpoint(config, weights, out_dir)    megaq checkpoint at a layout (with the
+                                                        run's state when config has "training")
     convert_to_megaq(a) -> str                          tools/convert_checkpoint.py --from megatron
 """
 
@@ -49,18 +53,15 @@ import torch
 from megaq.checkpoint import safe_unpickle
 from megaq.checkpoint.integrity import MANIFEST_NAME
 from megaq.checkpoint.reshard import concat_tp_shards, fit_rows
+from megaq.interop import megatron_dist
 from megaq.interop.common import InteropError, progress
+from megaq.interop.megatron_dist import MegatronImportError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"        # Megatron-LM's; megaq writes model_optim.pt
 _MP_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 CONVERT_HINT = ("python tools/convert_checkpoint.py --from megatron --to megaq "
                 "--input {src} --output MEGAQ_DIR")
-
-
-class MegatronImportError(InteropError):
-    """A checkpoint that cannot be imported as asked; one line naming why and the fix.
-    An InteropError, so tools/convert_checkpoint.py prints it as its one `error:` line."""
 
 
 # ------------------------------------------------------------------------ discovery
@@ -176,7 +177,7 @@ _ARG_TYPES = {**{n: int for n in ("num_layers", "hidden_size", "num_attention_he
                                   "make_vocab_size_divisible_by", "padded_vocab_size",
                                   "vocab_size")},
               **{n: float for n in ("rotary_percent", "rotary_base", "norm_epsilon",
-                                    "layernorm_epsilon")},
+                                    "layernorm_epsilon", "hidden_dropout", "attention_dropout")},
               "position_embedding_type": str, "normalization": str}
 
 
@@ -250,6 +251,8 @@ def architecture_from_args(a, path: str) -> dict:
         "make_vocab_size_divisible_by": arg("make_vocab_size_divisible_by", 128) or 128,
         "padded_vocab_size": padded,
         "vocab_size": arg("vocab_size"),  # None when Megatron took it from the tokenizer
+        # the run's dropout, so that a continued run trains as it did (None: megaq's default)
+        "hidden_dropout": arg("hidden_dropout"), "attention_dropout": arg("attention_dropout"),
     }
 
 
@@ -269,6 +272,9 @@ def architecture_flags(arch: dict) -> list[str]:
         f += ["--group-query-attention", "--num-query-groups", arch["num_query_groups"]]
     if arch["position_embedding_type"] == "rope":
         f += ["--rotary-base", arch["rotary_base"]]
+    for name in ("hidden_dropout", "attention_dropout"):
+        if arch.get(name) is not None:
+            f += [f"--{name.replace('_', '-')}", arch[name]]
     if arch["swiglu"]:
         f.append("--swiglu")
     if not arch["add_bias_linear"]:
@@ -345,9 +351,7 @@ def load_megatron_checkpoint(path: str, *, optimizer: bool = False) -> tuple[dic
                                   "of the Megatron-LM run")
     iter_dir, it = found
     if _is_torch_dist(iter_dir):
-        raise MegatronImportError(f"{iter_dir} is in Megatron-LM's torch_dist format; re-save it in "
-                                  "the torch format with Megatron-LM (--load it with --ckpt-convert-"
-                                  "format torch --ckpt-convert-save OUT_DIR) and import OUT_DIR")
+        return _load_torch_dist(path, iter_dir, it, optimizer)
     mp = _mp_dirs(iter_dir)
     if not mp:
         raise MegatronImportError(f"{iter_dir} holds no mp_rank_*/{MODEL_FILE}; the checkpoint is "
@@ -437,18 +441,124 @@ def _tensor(chunks: list[dict], v: int, name: str, path: str) -> torch.Tensor:
     return t
 
 
+def _load_torch_dist(path: str, iter_dir: str, it: str, optimizer: bool):
+    """load_megatron_checkpoint for the torch_dist format (megaq.interop.megatron_dist):
+    the same (config, weights), plus config["training"] when `optimizer` is asked and
+    the checkpoint holds the distributed optimizer's state: megatron_dist.optimizer_state's
+    dict with "iteration", "consumed_samples", "scheduler" and "optimizer_flags"."""
+    from megaq.parallel.tensor_parallel import shard_of
+    ck = megatron_dist.DistCheckpoint(iter_dir)
+    common_path = os.path.join(iter_dir, megatron_dist.COMMON)
+    a = ck.common.get("args")
+    arch = architecture_from_args(a, common_path)
+    tp = _arg(a, "tensor_model_parallel_size", 1, common_path) or 1
+    pp = _arg(a, "pipeline_model_parallel_size", 1, common_path) or 1
+    if not (isinstance(tp, int) and isinstance(pp, int) and tp >= 1 and pp >= 1):
+        raise MegatronImportError(f"{common_path}: args hold TP {tp!r} x PP {pp!r}; the file is "
+                                  "damaged")
+
+    def name_of(name):
+        return _megaq_name(name, 0, common_path)
+    weights = megatron_dist.model_tensors(ck, arch, name_of)
+    if not arch["untie_embeddings_and_output_weights"]:
+        weights.pop("output_layer.weight", None)
+    emb = weights.get("embedding.word_embeddings.weight")
+    if emb is None:
+        raise MegatronImportError(f"{iter_dir} holds no embedding.word_embeddings.weight; the "
+                                  "checkpoint is incomplete")
+    optim = ck.common.get("optimizer")
+    has_optim = isinstance(optim, dict) and "param_state_sharding_type" in optim
+    config = dict(arch, flags=architecture_flags(arch), iteration=it, source=os.path.abspath(path),
+                  megatron_layout={"tp": tp, "pp": pp, "vp": 1}, has_optimizer=has_optim,
+                  vocab_rows=emb.shape[0], format="torch_dist")
+    if optimizer and has_optim:
+        stride = lambda g: 2 if arch["swiglu"] and ".linear_fc1." in g else 1  # noqa: E731
+        dims = {}
+        for mname in megatron_dist.mcore_order(arch, te=False):
+            gname, dim = name_of(mname)
+            dims[gname] = dim
+
+        def tp_split(gname, full, rank):
+            d = dims[gname]
+            return full if d < 0 or tp == 1 else shard_of(full, d, rank, tp, stride(gname))
+        state = megatron_dist.optimizer_state(ck, arch, tp, pp, weights, name_of, tp_split)
+        full = {}
+        for gname, parts in state.pop("shards").items():
+            d = dims[gname]
+            full[gname] = {k: parts[0][k] if d < 0 or tp == 1 else
+                           concat_tp_shards([p[k] for p in parts], d, stride(gname), name=gname)
+                           for k in parts[0]}
+        missing = sorted(set(weights) - set(full))
+        if missing:
+            raise MegatronImportError(f"{iter_dir}: the optimizer holds no state for {missing[0]} "
+                                      f"({len(missing)} parameters); the checkpoint is inconsistent")
+        state["params"] = full
+        state.update(_run_position(ck.common, a, common_path))
+        config["training"] = state
+    return config, iter(weights.items())
+
+
+def _run_position(common: dict, a, path: str) -> dict:
+    """Iteration, consumed samples, and the LR schedule (megaq's LRSchedule state) and
+    optimizer flags of a Megatron-LM run, from its common.pt."""
+    def number(value, what, kind=int):
+        if not isinstance(value, kind) or isinstance(value, bool) or value < 0:
+            raise MegatronImportError(f"{path}: {what} is {value!r}, not a non-negative "
+                                      f"{kind.__name__}; the file is damaged")
+        return value
+    iteration = number(common.get("iteration"), "the iteration")
+    gbs = number(getattr(a, "global_batch_size", None), "args.global_batch_size")
+    consumed = number(getattr(a, "consumed_train_samples", iteration * gbs),
+                      "args.consumed_train_samples")
+    s = common.get("opt_param_scheduler")
+    if not isinstance(s, dict):
+        raise MegatronImportError(f"{path} holds no opt_param_scheduler; the checkpoint is "
+                                  "incomplete (or import it with --no-optimizer)")
+    style = s.get("lr_decay_style")
+    if style not in ("constant", "linear", "cosine"):
+        raise MegatronImportError(f"{path}: the run's LR decay style is {style!r}; megaq "
+                                  "implements constant, linear and cosine (import with "
+                                  "--no-optimizer and choose a schedule)")
+    pos = number(s.get("num_steps"), "opt_param_scheduler.num_steps")
+    warm = number(s.get("lr_warmup_steps"), "opt_param_scheduler.lr_warmup_steps")
+    decay = number(s.get("lr_decay_steps"), "opt_param_scheduler.lr_decay_steps")
+    max_lr = number(s.get("max_lr"), "opt_param_scheduler.max_lr", float)
+    min_lr = number(s.get("min_lr"), "opt_param_scheduler.min_lr", float)
+    # Megatron counts the schedule in samples; iterations when every count is whole steps
+    iters = all(v % gbs == 0 for v in (pos, warm, decay))
+    unit = "iterations" if iters else "samples"
+    per = gbs if iters else 1
+    sched = {"max_lr": max_lr, "min_lr": min_lr, "warmup_steps": warm // per,
+             "decay_steps": decay // per, "decay_style": style, "num_steps": pos // gbs,
+             "unit": unit, "samples_per_step": gbs, "num_samples": pos}
+    span = "iters" if iters else "samples"
+    flags = ["--lr", repr(max_lr), "--min-lr", repr(min_lr), "--lr-decay-style", style,
+             f"--lr-warmup-{span}", str(warm // per), f"--lr-decay-{span}", str(decay // per),
+             "--global-batch-size", str(gbs)]
+    for flag, name in (("--weight-decay", "weight_decay"), ("--adam-beta1", "adam_beta1"),
+                       ("--adam-beta2", "adam_beta2"), ("--adam-eps", "adam_eps"),
+                       ("--clip-grad", "clip_grad")):
+        value = getattr(a, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            flags += [flag, repr(float(value))]
+    return {"iteration": iteration, "consumed_samples": consumed, "scheduler": sched,
+            "optimizer_flags": flags}
+
+
 # ------------------------------------------------------------------------ writing
 def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bool = False,
-                           vocab_size: int | None = None) -> dict:
+                           vocab_size: int | None = None, tp: int = 1, pp: int = 1,
+                           vp: int = 1) -> dict:
     """A megaq checkpoint at iteration 0 (TP 1, PP 1: megaq reshards on load to any
     TP x PP x DP) with fresh AdamW moments, plus megaq_args.txt / .json: the architecture
     flags. Written by the shared interop writer (megaq.interop.common), so it is the
     same form as a training save and as the Hugging Face import. The vocabulary rows are
     megaq's padding of `vocab_size` (default: the checkpoint's true vocab when its args
     name one, else every embedding row). Returns {"dir", "flags", "load_flags", "tensors"}."""
-    from megaq.interop.common import (check_output, megaq_layout, megaq_run_config,
-                                      replace_dir, temp_dir_for, write_megaq_args,
-                                      write_megaq_checkpoint as write_iteration_zero)
+    from megaq.interop.common import (ImportedTraining, check_output, megaq_layout,
+                                      megaq_layout_flags, megaq_run_config, replace_dir,
+                                      temp_dir_for, write_megaq_args,
+                                      write_megaq_checkpoint as write_checkpoint)
 
     if os.path.exists(out_dir) and not overwrite:
         raise MegatronImportError(f"{out_dir} exists; choose a new --output or pass --overwrite")
@@ -456,27 +566,43 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     params = dict(weights)  # reads every shard; the embedding fixes vocab_rows
     rows = config["vocab_rows"]
     vocab = vocab_size or config.get("vocab_size") or rows
-    flags = config["flags"] + ["--vocab-size", str(vocab)]
     if vocab > rows:
         raise MegatronImportError(f"vocab size {vocab} exceeds the checkpoint's {rows} embedding "
                                   "rows; pass the tokenizer's vocab size")
+    divisor = _vocab_divisor(config["make_vocab_size_divisible_by"], vocab, rows, tp)
+    flags = (_with_flag(config["flags"], "--make-vocab-size-divisible-by", str(divisor))
+             + ["--vocab-size", str(vocab)] + megaq_layout_flags(tp, pp, vp, config["num_layers"]))
+    state = config.get("training")
+    if state:  # the run's optimizer settings, recorded with the configuration
+        flags = flags + state["optimizer_flags"]
     try:
-        run = megaq_run_config(flags, 1, 1)
+        run = megaq_run_config(flags, tp, pp)
     except InteropError as e:
-        raise MegatronImportError(f"the imported architecture does not validate in megaq: {e}") from None
+        raise MegatronImportError(f"the imported model does not fit megaq at TP {tp} x PP {pp}"
+                                  f"{f' x VP {vp}' if vp > 1 else ''}: {e}") from None
 
-    def full_tensor(info) -> torch.Tensor:
-        t = params[info.name]
-        if info.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t = fit_rows(t, 0, run.padded_vocab_size, info.name)
+    def padded(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = fit_rows(t, 0, run.padded_vocab_size, name)
         return t
 
+    def full_tensor(info) -> torch.Tensor:
+        return padded(info.name, params[info.name])
+
+    training = None
+    if state:
+        def moments(info):
+            sd = state["params"][info.name]
+            return padded(info.name, sd["exp_avg"]), padded(info.name, sd["exp_avg_sq"])
+        training = ImportedTraining(state["iteration"], state["consumed_samples"], state["step"],
+                                    state["scheduler"], moments)
     tmp = temp_dir_for(out_dir)
     try:
-        write_iteration_zero(tmp, run, megaq_layout(run.model, 1, 1), full_tensor,
-                             extra={"imported_from": config["source"],
-                                    "megatron_iteration": config["iteration"],
-                                    "megatron_layout": config["megatron_layout"]})
+        write_checkpoint(tmp, run, megaq_layout(run.model, tp, pp, vp), full_tensor,
+                         extra={"imported_from": config["source"],
+                                "megatron_iteration": config["iteration"],
+                                "megatron_layout": config["megatron_layout"]},
+                         training=training)
         write_megaq_args(tmp, out_dir, flags, {"source": config["source"]})
         replace_dir(tmp, out_dir)
     except BaseException:
@@ -486,15 +612,56 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
             "load_flags": ["--load", out_dir, "--no-load-rng"]}
 
 
+def _vocab_divisor(megatron_divisor: int, vocab: int, rows: int, tp: int) -> int:
+    """--make-vocab-size-divisible-by that keeps the checkpoint's `rows` output rows at
+    TP `tp`: padding rows take part in the softmax (their logits are not masked), so
+    adding zero rows would change the model's loss. Megatron's own divisor when it
+    still gives `rows`, else rows / tp; a TP not dividing `rows` is refused."""
+    from megaq.parallel.tensor_parallel import pad_vocab_size
+    for m in (megatron_divisor, megatron_divisor // tp, rows // tp):
+        if m >= 1 and pad_vocab_size(vocab, m, tp) == rows:
+            return m
+    raise MegatronImportError(f"the checkpoint's {rows} vocabulary rows cannot be split over TP "
+                              f"{tp} without adding rows, which would change the model's output; "
+                              f"choose a --tensor-model-parallel-size dividing {rows}")
+
+
+def _with_flag(flags: list[str], flag: str, value: str) -> list[str]:
+    out = list(flags)
+    out[out.index(flag) + 1] = value
+    return out
+
+
 def convert_to_megaq(a) -> str:
     """tools/convert_checkpoint.py --from megatron --to megaq: `a.input` (a Megatron-LM
     --save directory) -> `a.output` (megaq checkpoint); returns the report lines."""
-    config, weights = load_megatron_checkpoint(a.input)
-    out = write_megaq_checkpoint(config, weights, a.output, overwrite=getattr(a, "overwrite", False))
+    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
+    pp = getattr(a, "pipeline_model_parallel_size", 1) or 1
+    vp = getattr(a, "virtual_pipeline_size", 1) or 1
+    if min(tp, pp, vp) < 1:
+        raise MegatronImportError(f"--tensor-model-parallel-size {tp}, --pipeline-model-parallel-"
+                                  f"size {pp} and --virtual-pipeline-size {vp} must be at least 1")
+    if getattr(a, "seq_length", None) is not None or \
+            (getattr(a, "make_vocab_size_divisible_by", 1) or 1) != 1:
+        raise MegatronImportError("--seq-length and --make-vocab-size-divisible-by are read from "
+                                  "the Megatron-LM checkpoint's args; drop them for --from megatron")
+    found = _iteration_dir(a.input) if os.path.isdir(a.input) else None
+    # the optimizer state imports from torch_dist (the torch format's has no by-name mapping)
+    optimizer = bool(found and _is_torch_dist(found[0]) and not getattr(a, "no_optimizer", False))
+    config, weights = load_megatron_checkpoint(a.input, optimizer=optimizer)
+    out = write_megaq_checkpoint(config, weights, a.output, overwrite=getattr(a, "overwrite", False),
+                                 tp=tp, pp=pp, vp=vp)
     lay = config["megatron_layout"]
-    note = ("; Megatron's optimizer state was not imported (fresh AdamW moments)"
-            if config["has_optimizer"] else "")
-    return (f"[convert] {a.input} (Megatron-LM iteration {config['iteration']}, TP {lay['tp']} x PP "
-            f"{lay['pp']}) -> {out['dir']}: {out['tensors']} tensors{note}\n"
+    state = config.get("training")
+    if state:
+        note = (f"; optimizer state imported: AdamW moments, step {state['step']}, LR schedule, "
+                f"iteration {state['iteration']}, {state['consumed_samples']} consumed samples")
+    elif config["has_optimizer"]:
+        note = "; Megatron's optimizer state was not imported (fresh AdamW moments)"
+    else:
+        note = ""
+    return (f"[convert] {a.input} (Megatron-LM {config.get('format', 'torch')} iteration "
+            f"{config['iteration']}, TP {lay['tp']} x PP {lay['pp']}) -> {out['dir']} at TP {tp} x "
+            f"PP {pp}{f' x VP {vp}' if vp > 1 else ''}: {out['tensors']} tensors{note}\n"
             f"[convert] train from it with: python pretrain_gpt.py {' '.join(out['flags'])} "
             f"{' '.join(out['load_flags'])} <data and training flags>")

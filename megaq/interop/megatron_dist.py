@@ -1,0 +1,294 @@
+"""Read Megatron-LM's `torch_dist` checkpoints (megatron-core's dist_checkpointing, the
+default --ckpt-format) without Megatron installed.
+
+An iteration directory holds::
+
+    metadata.json        {"sharded_backend": "torch_dist", ...}   (JSON)
+    .metadata            torch.distributed.checkpoint's index: every global tensor, its
+                         chunks and where each chunk's bytes are; megatron-core adds the
+                         save plans (planner classes), all read by safe_unpickle.DCP_INDEX
+    __{rank}_{n}.distcp  the chunks, each a torch.save stream at (offset, length)
+    common.pt            rank 0: args (argparse.Namespace), iteration, checkpoint_version,
+                         opt_param_scheduler, the optimizer's sharding type
+
+Model tensors are global (full) tensors, the layers stacked on a leading axis:
+``decoder.layers.self_attention.linear_qkv.weight`` is [num_layers, ...]. The
+distributed optimizer's state in the `dp_reshardable` layout (megatron-core 0.16's
+default) is one flat tensor per gradient bucket and model-parallel rank::
+
+    optimizer.distributed.dp_group_idx_{mp}.gbuf_idx_{g}.dtype_{(param, grad)}.bucket_idx_{b}.{param,exp_avg,exp_avg_sq}
+    optimizer.distributed.dp_group_idx_{mp}.per_bucket_numel[_unpadded]   (objects)
+    optimizer.distributed.dp_group_idx_{mp}.optimizer                      (param groups, step)
+
+where a bucket holds the rank's parameters in reverse model order, each starting on a
+multiple of 64 elements (megatron-core's _ParamAndGradBuffer). The order of parameters
+inside a layer depends on the layer spec (local or Transformer Engine), which the
+checkpoint does not record: both are tried and the one whose `param` slices equal the
+model's weights (the fp32 main params round to them) is taken; none matching is refused.
+
+Every byte is read through megaq.checkpoint.safe_unpickle; a chunk must lie inside a
+regular `__*.distcp` file of the directory (no path, no symlink).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+
+import torch
+
+from megaq.checkpoint import safe_unpickle
+from megaq.interop.common import InteropError
+
+METADATA_JSON = "metadata.json"
+INDEX = ".metadata"
+COMMON = "common.pt"
+_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
+SUPPORTED_OPTIM = "dp_reshardable"
+
+
+class MegatronImportError(InteropError):
+    """A Megatron-LM checkpoint (either format) that cannot be imported as asked; one line
+    naming why and the fix. An InteropError, so tools/convert_checkpoint.py prints it as
+    its one `error:` line. (Here, the lower of the two Megatron modules.)"""
+
+
+class DistCheckpoint:
+    """One Megatron-LM torch_dist iteration directory, read lazily and safely."""
+
+    def __init__(self, iter_dir: str):
+        self.dir = iter_dir
+        try:
+            with open(os.path.join(iter_dir, METADATA_JSON), "rb") as f:
+                meta = json.loads(f.read(1 << 16).decode("utf-8"))
+        except (OSError, ValueError) as e:
+            raise MegatronImportError(f"{iter_dir}/{METADATA_JSON} cannot be read ({e}); the "
+                                  f"checkpoint is incomplete") from None
+        if not isinstance(meta, dict) or meta.get("sharded_backend") != "torch_dist":
+            raise MegatronImportError(f"{iter_dir} uses the sharded backend "
+                                  f"{meta.get('sharded_backend') if isinstance(meta, dict) else meta!r}, "
+                                  "not torch_dist; re-save it with --ckpt-format torch_dist")
+        self.index = self._unpickle(os.path.join(iter_dir, INDEX), safe_unpickle.DCP_INDEX)
+        if not hasattr(self.index, "state_dict_metadata") or not hasattr(self.index, "storage_data"):
+            raise MegatronImportError(f"{iter_dir}/{INDEX} is not a DCP index; the checkpoint is damaged")
+        self.common = self._unpickle(os.path.join(iter_dir, COMMON), safe_unpickle.MEGATRON)
+        if not isinstance(self.common, dict):
+            raise MegatronImportError(f"{iter_dir}/{COMMON} holds a {type(self.common).__name__}, not "
+                                  "the dict megatron-core saves; it is not a Megatron-LM checkpoint")
+        self._sizes = {}
+
+    def _unpickle(self, path: str, fmt, data: bytes | None = None):
+        try:
+            if data is None:
+                return safe_unpickle.load(path, fmt)
+            return safe_unpickle.load_bytes(data, path, fmt)
+        except safe_unpickle.UnpicklingRefused as e:
+            raise MegatronImportError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign file
+            raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
+                                  "damaged or incomplete") from None
+
+    # ---------------------------------------------------------------- raw items
+    def names(self) -> list[str]:
+        return list(self.index.state_dict_metadata)
+
+    def _bytes(self, key) -> tuple[bytes, str]:
+        info = self.index.storage_data.get(key)
+        if info is None:
+            raise MegatronImportError(f"{self.dir}/{INDEX} lists {key.fqn} without its storage; the "
+                                  "checkpoint is damaged")
+        name, off, length = info.relative_path, info.offset, info.length
+        where = f"{self.dir}/{name}"
+        if not (isinstance(name, str) and _DATA_FILE.fullmatch(name)):
+            raise MegatronImportError(f"{self.dir}/{INDEX} points {key.fqn} at {name!r}, not a "
+                                  "__N_M.distcp file of the directory; refused (the index was altered)")
+        if getattr(info, "transform_descriptors", None):
+            raise MegatronImportError(f"{where}: {key.fqn} is stored transformed "
+                                  f"({info.transform_descriptors}); only plain torch_dist files import")
+        path = os.path.join(self.dir, name)
+        if name not in self._sizes:
+            st = os.lstat(path) if os.path.lexists(path) else None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise MegatronImportError(f"{where} is missing or not a regular file; the checkpoint "
+                                      "is incomplete")
+            self._sizes[name] = st.st_size
+        if not (isinstance(off, int) and isinstance(length, int) and 0 <= off
+                and 0 < length and off + length <= self._sizes[name]):
+            raise MegatronImportError(f"{self.dir}/{INDEX} places {key.fqn} outside {where}; the "
+                                  "checkpoint is damaged")
+        with open(path, "rb") as f:
+            f.seek(off)
+            return f.read(length), where
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        """The global tensor `fqn`, assembled from its chunks (each checked to lie inside it)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+        md = self.index.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise MegatronImportError(f"{self.dir} holds no tensor {fqn}; the checkpoint is incomplete "
+                                  "or not of the model its args describe")
+        full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        covered = 0
+        for chunk in md.chunks:
+            data, where = self._bytes(MetadataIndex(fqn, chunk.offsets))
+            part = self._unpickle(where, safe_unpickle.TENSORS, data)
+            if (not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes)
+                    or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, md.size))):
+                raise MegatronImportError(f"{where}: a chunk of {fqn} does not have the shape the "
+                                      "index gives; the checkpoint is damaged")
+            full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = part
+            covered += part.numel()
+        if covered != full.numel():
+            raise MegatronImportError(f"{self.dir}: the chunks of {fqn} cover {covered} of its "
+                                  f"{full.numel()} elements; the checkpoint is incomplete")
+        return full
+
+    def obj(self, fqn: str):
+        """A ShardedObject's value (megatron-core names it `<key>/shard_0_1`)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        name = fqn if fqn in self.index.state_dict_metadata else f"{fqn}/shard_0_1"
+        if name not in self.index.state_dict_metadata:
+            raise MegatronImportError(f"{self.dir} holds no {fqn}; the checkpoint is incomplete")
+        data, where = self._bytes(MetadataIndex(name))
+        value = self._unpickle(where, safe_unpickle.MEGATRON, data)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+# --------------------------------------------------------------- the model's weights
+def model_tensors(ck: DistCheckpoint, arch: dict, name_of) -> dict:
+    """{megaq global name: full tensor} of the model; `name_of(mcore name, layer)` maps a
+    megatron-core per-layer name to megaq's (megatron._megaq_name's rule)."""
+    out = {}
+    layers = arch["num_layers"]
+    for fqn in ck.names():
+        if fqn.startswith("optimizer.") or "_extra_state" in fqn or fqn.startswith("rng_state"):
+            continue
+        if fqn.startswith("decoder.layers."):
+            t = ck.tensor(fqn)
+            if t.shape[0] != layers:
+                raise MegatronImportError(f"{ck.dir}: {fqn} stacks {t.shape[0]} layers, args say "
+                                      f"--num-layers {layers}; the checkpoint is inconsistent")
+            for i in range(layers):
+                mapped = name_of(fqn.replace("decoder.layers.", f"decoder.layers.{i}.", 1))
+                if mapped is not None:
+                    out[mapped[0]] = t[i].clone()
+        else:
+            mapped = name_of(fqn)
+            if mapped is not None:
+                out[mapped[0]] = ck.tensor(fqn)
+    return out
+
+
+# ------------------------------------------------- the distributed optimizer's state
+def mcore_order(arch: dict, te: bool) -> list[str]:
+    """megatron-core GPTModel's parameters in model.parameters() order (checkpoint names).
+    te: Transformer Engine specs, whose norms live inside the next linear (after
+    linear_proj); the local spec registers input_layernorm first."""
+    bias = arch["add_bias_linear"]
+    norm = ["weight"] + (["bias"] if arch["normalization"] == "LayerNorm" else [])
+    lin = lambda m: [f"{m}.weight"] + ([f"{m}.bias"] if bias else [])  # noqa: E731
+    names = ["embedding.word_embeddings.weight"]
+    if arch["position_embedding_type"] == "learned_absolute":
+        names.append("embedding.position_embeddings.weight")
+    for i in range(arch["num_layers"]):
+        p = f"decoder.layers.{i}."
+        in_ln = [f"{p}self_attention.linear_qkv.layer_norm_{k}" for k in norm]
+        mlp_ln = [f"{p}mlp.linear_fc1.layer_norm_{k}" for k in norm]
+        attn = lin(f"{p}self_attention.linear_proj")
+        qkv = lin(f"{p}self_attention.linear_qkv")
+        names += (attn + in_ln + qkv) if te else (in_ln + attn + qkv)
+        names += mlp_ln + lin(f"{p}mlp.linear_fc1") + lin(f"{p}mlp.linear_fc2")
+    names += [f"decoder.final_layernorm.{k}" for k in norm]
+    if arch["untie_embeddings_and_output_weights"]:
+        names.append("output_layer.weight")
+    return names
+
+
+def _bucket_places(order: list[tuple[str, int]], numel: list[int], unpadded: list[int]):
+    """{name: (bucket, start, end)} of each parameter in its bucket's checkpoint tensor,
+    laid out as megatron-core's _ParamAndGradBuffer does (reverse order, starts padded
+    to 64 elements), the bucket ends read from the checkpoint; None when they disagree."""
+    places, b, bucket_start, start, in_bucket = {}, 0, 0, 0, 0
+    for name, n in reversed(order):
+        start = math.ceil(start / 64) * 64
+        if in_bucket and b < len(unpadded) and start - bucket_start >= unpadded[b]:
+            bucket_start += numel[b]   # the bucket closed before this parameter
+            b, start, in_bucket = b + 1, bucket_start, 0
+        if b >= len(numel):
+            return None
+        places[name] = (b, start - bucket_start, start - bucket_start + n)
+        start, in_bucket = start + n, in_bucket + 1
+        if start - bucket_start == unpadded[b]:
+            bucket_start += numel[b]
+            b, start, in_bucket = b + 1, bucket_start, 0
+    return places if b == len(numel) else None
+
+
+def optimizer_state(ck: DistCheckpoint, arch: dict, tp: int, pp: int, full_weights: dict,
+                    name_of, tp_split) -> dict:
+    """{"step", "moments": {megaq name: (exp_avg, exp_avg_sq) full fp32},
+    "main_params": {megaq name: full fp32}}. `tp_split(megaq name, full, rank)` is the
+    TP shard megatron-core holds on `rank`; `full_weights` the model's (to place and
+    check the bucket slices)."""
+    kind = (ck.common.get("optimizer") or {}).get("param_state_sharding_type") \
+        if isinstance(ck.common.get("optimizer"), dict) else None
+    if kind is None:
+        raise MegatronImportError(f"{ck.dir} holds no optimizer state (saved with --no-save-optim?); "
+                              "import it with --no-optimizer (weights only)")
+    if kind != SUPPORTED_OPTIM:
+        raise MegatronImportError(f"{ck.dir} keeps the distributed optimizer's state in the {kind!r} "
+                              f"layout; megaq imports {SUPPORTED_OPTIM!r} (megatron-core's default: "
+                              "re-save without --dist-ckpt-optim-fully-reshardable) or import "
+                              "with --no-optimizer")
+    if pp > 1:
+        raise MegatronImportError(f"{ck.dir} was saved at pipeline size {pp}; the distributed "
+                              "optimizer's state imports from pipeline size 1 only (import with "
+                              "--no-optimizer for the weights)")
+    groups = ck.obj("optimizer.distributed.dp_group_idx_0.optimizer").get("param_groups")
+    steps = {int(g.get("step", 0)) for g in groups} if isinstance(groups, list) else set()
+    if len(steps) != 1:
+        raise MegatronImportError(f"{ck.dir}: the optimizer's param groups hold steps {sorted(steps)}, "
+                              "not one; the checkpoint is damaged")
+    shards = {}  # megaq name -> [per TP rank {"param", "exp_avg", "exp_avg_sq"}]
+    for rank in range(tp):
+        pre = f"optimizer.distributed.dp_group_idx_{rank}"
+        numel = ck.obj(f"{pre}.per_bucket_numel")
+        unpadded = ck.obj(f"{pre}.per_bucket_numel_unpadded")
+        if not (isinstance(numel, list) and len(numel) == 1 and isinstance(numel[0], dict)
+                and len(numel[0]) == 1):
+            raise MegatronImportError(f"{ck.dir}: TP rank {rank}'s optimizer has "
+                                  f"{len(numel) if isinstance(numel, list) else '?'} gradient "
+                                  "buffers; megaq imports one (a dense model, one dtype)")
+        (dtype_key, numel), = numel[0].items()
+        unpadded = unpadded[0][dtype_key]
+        prefix = f"{pre}.gbuf_idx_0.dtype_{dtype_key}"
+        buckets = [{k: ck.tensor(f"{prefix}.bucket_idx_{b}.{k}").float()
+                    for k in ("param", "exp_avg", "exp_avg_sq")} for b in range(len(numel))]
+        local = {}  # mcore name -> (megaq name, local weight)
+        for mname in mcore_order(arch, te=False):
+            gname = name_of(mname)[0]
+            local[mname] = (gname, tp_split(gname, full_weights[gname], rank))
+        picked = None
+        for te in (False, True):
+            order = [(m, local[m][1].numel()) for m in mcore_order(arch, te)]
+            places = _bucket_places(order, numel, unpadded)
+            if places is None:
+                continue
+            if all(buckets[b]["param"][s:e].view_as(local[m][1]).to(local[m][1].dtype)
+                   .equal(local[m][1]) for m, (b, s, e) in places.items()):
+                picked = places
+                break
+        if picked is None:
+            raise MegatronImportError(f"{ck.dir}: TP rank {rank}'s optimizer buckets do not line up "
+                                  "with the model's parameters (megatron-core's local or "
+                                  "Transformer Engine layer order); the checkpoint was written by "
+                                  "an unsupported megatron-core version or is damaged")
+        for m, (b, s, e) in picked.items():
+            gname, w = local[m]
+            shards.setdefault(gname, []).append(
+                {k: buckets[b][k][s:e].view_as(w).clone() for k in buckets[b]})
+    return {"step": steps.pop(), "shards": shards}

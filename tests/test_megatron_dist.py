@@ -1,0 +1,333 @@
+"""A live Megatron-LM run moves to megaq: the torch_dist import (megaq/interop/megatron_dist.py).
+
+The fixture (tests/fixtures/megatron_torch_dist, made by its generate.py) is written by
+megatron-core 0.16.1 itself: a 2-layer GPT trained 5 steps on two gloo ranks (DP 2) with
+the distributed optimizer, saved in torch_dist (dp_reshardable optimizer state), then
+3 more steps whose losses, and Megatron's own digests of its Adam moments at the save,
+are in continuation.json. megaq imports it at another layout (TP 2; TP 1 x DP 2) and
+must continue with Megatron's losses; the imported moments must be Megatron's.
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megaq.interop import megatron as mi
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "megatron_torch_dist")
+SOURCE = os.path.join(FIXTURE, "megatron")
+RECORD = json.load(open(os.path.join(FIXTURE, "continuation.json")))
+
+
+def _convert(out: str, tp: int = 1, **kw) -> str:
+    a = argparse.Namespace(input=SOURCE, output=out, overwrite=False, tensor_model_parallel_size=tp,
+                           pipeline_model_parallel_size=1, virtual_pipeline_size=1,
+                           seq_length=None, make_vocab_size_divisible_by=1, no_optimizer=False)
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return mi.convert_to_megaq(a)
+
+
+@pytest.fixture(scope="module")
+def imported_tp2(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mq") / "tp2")
+    msg = _convert(out, tp=2)
+    return out, msg
+
+
+def _fixed_batches(topo, config):
+    """The fixture's token stream as megaq's batch iterator (Megatron's sampler order)."""
+    from megaq.data.iterator import BatchIterator
+    tokens = torch.tensor(RECORD["tokens"]).flatten(0, 1)
+    dataset = [{"tokens": row.numpy()} for row in tokens]
+    t = config.training
+    return lambda consumed: BatchIterator(dataset, t.global_batch_size, t.micro_batch_size,
+                                          topo.dp_rank, topo.layout.dp, consumed_samples=consumed,
+                                          vocab_size=config.model.vocab_size)
+
+
+def _continue(topo, argv):
+    from megaq.arguments import parse_config
+    from megaq.pretrain import build_trainer
+    config = parse_config(argv, world_size=topo.layout.world_size,
+                          ranks_per_node=topo.layout.ranks_per_node, print_notes=False)
+    trainer = build_trainer(config, topo)
+    trainer.p.train_batches = _fixed_batches(topo, trainer.config)
+    state = trainer.train()
+    return state.iteration, state.consumed_samples, dict(state.losses)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)])
+def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp, pp):
+    """megaq resumes Megatron's iteration 5 at TP 2, TP 1 x DP 2 or PP 2 with Megatron's
+    moments, step, LR and position, and its next 3 losses are Megatron's.
+
+    Tolerance 1e-5 absolute on losses near 4: both runs are fp32 and differ only in
+    summation order (TP all-reduce vs one matmul, the DP gradient reduction), a few
+    float32 ulps of the loss (observed: at most 5e-7 over the 3 steps); a lost moment,
+    step count (bias correction) or LR changes them by more than 1e-2 (checked below
+    with fresh moments)."""
+    from megaq.testing.ranks import run_on_ranks
+    out = imported_tp2[0] if tp == 2 else str(tmp_path / "layout")
+    if tp == 1:
+        _convert(out, tp=1, pipeline_model_parallel_size=pp)
+    flags = open(os.path.join(out, "megaq_args.txt")).read().split()
+    train = RECORD["training"]
+    argv = flags + ["--micro-batch-size", str(train["micro_batch_size"]),
+                    "--train-iters", str(RECORD["iteration"] + len(RECORD["next_losses"])),
+                    "--mock-data", "--log-interval", "1", "--eval-iters", "0",
+                    "--seed", str(train["seed"]), "--load", out, "--no-load-rng",
+                    "--data-cache-path", str(tmp_path / "cache")]
+    it, consumed, losses = run_on_ranks(_continue, 2, tp=tp, pp=pp, args=(argv,))[-1]
+    assert it == 8 and consumed == 32
+    got = [losses[i] for i in (6, 7, 8)]
+    assert got == pytest.approx(RECORD["next_losses"], abs=1e-5), (got, RECORD["next_losses"])
+    if tp == 1:
+        return
+    # the same weights with fresh moments (--no-load-optim, step 0) continue differently:
+    # the comparison above can tell a lost optimizer state
+    fresh = run_on_ranks(_continue, 2, tp=tp, args=(argv + ["--no-load-optim"],))[0][2]
+    assert max(abs(fresh[i] - m) for i, m in zip((6, 7, 8), RECORD["next_losses"])) > 1e-2
+
+
+def _megaq_full_state(ckpt: str) -> dict:
+    """{megaq name: {param, exp_avg, exp_avg_sq}} full tensors of a megaq torch checkpoint."""
+    from megaq.checkpoint import torch_format
+    from megaq.checkpoint.integrity import Verifier
+    from megaq.checkpoint.reshard import concat_tp_shards
+    from megaq.interop.common import megaq_layout, resolve_checkpoint_dir
+    from megaq.model import GPTConfig
+    d = resolve_checkpoint_dir(ckpt)
+    files = Verifier(d)
+    tp, pp = torch_format.layout(d, files)
+    saved, state = torch_format.read_all_stages(d, tp, pp, files=files)
+    out = {}
+    for info in megaq_layout(GPTConfig.from_dict(saved["model"]), tp, pp):
+        parts = state["params"][info.name]
+        out[info.name] = {k: parts[0][k] if info.dim < 0 or tp == 1 else
+                          concat_tp_shards([p[k] for p in parts], info.dim, info.stride)
+                          for k in ("param", "exp_avg", "exp_avg_sq")}
+    return out, saved, state
+
+
+def test_imported_moments_are_megatrons(imported_tp2):
+    """Every parameter's exp_avg / exp_avg_sq after the import (at TP 2, resharded) equals
+    what Megatron's optimizer held at the save (continuation.json's digests, taken from
+    megatron-core's own per-parameter ranges, not from the checkpoint's buckets): exact
+    values at five positions, sums to float64 rounding. The step and position too."""
+    out, msg = imported_tp2
+    assert "optimizer state imported" in msg and "step 5" in msg and "TP 2" in msg
+    full, saved, state = _megaq_full_state(out)
+    assert state["step"] == 5
+    assert len(RECORD["moments"]) == len(full) == 15
+    for mname, digest in RECORD["moments"].items():
+        gname = mi._megaq_name(mname, 0, "fixture")[0]
+        for key, d in digest.items():
+            t = full[gname][key]
+            if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                t = t[:RECORD["architecture"]["vocab_size"]]  # megaq's vocab padding rows
+            flat = t.flatten().double()
+            assert [float(flat[i]) for i in d["at"]] == d["values"], (gname, key)
+            assert float(flat.sum()) == pytest.approx(d["sum"], rel=1e-9, abs=1e-12)
+            assert float((flat * flat).sum()) == pytest.approx(d["sum_sq"], rel=1e-9)
+
+
+def test_record_carries_the_run_position(imported_tp2):
+    """The iteration, consumed samples and LR schedule are Megatron's (in iterations)."""
+    from megaq.checkpoint import safe_unpickle
+    out = imported_tp2[0]
+    sd = safe_unpickle.load(os.path.join(out, "iter_0000005", "mp_rank_01_000", "model_optim.pt"))
+    assert (sd["iteration"], sd["consumed_samples"]) == (5, 20)
+    assert sd["layout"]["tp"] == 2
+    lr = sd["lr_scheduler"]
+    assert (lr["num_steps"], lr["num_samples"], lr["warmup_steps"], lr["decay_steps"],
+            lr["unit"], lr["decay_style"], lr["max_lr"]) == (5, 20, 2, 20, "iterations",
+                                                             "constant", 0.003)
+
+
+def test_no_optimizer_imports_weights_only(tmp_path):
+    msg = _convert(str(tmp_path / "w"), tp=1, no_optimizer=True)
+    assert "not imported" in msg
+    full, saved, state = _megaq_full_state(str(tmp_path / "w"))
+    assert state["step"] == 0 and os.path.isdir(tmp_path / "w" / "iter_0000000")
+
+
+def _copy_fixture(tmp_path) -> str:
+    dst = str(tmp_path / "mlm")
+    shutil.copytree(SOURCE, dst)
+    return dst
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def _cli(*args, cwd, route=("megatron", "megaq")):
+    """tools/convert_checkpoint.py's main() (megaq.cli.convert_checkpoint) in this process
+    (the subprocess form is tests/test_megatron_import.py's); returns (exit code, stderr)."""
+    from megaq.cli import convert_checkpoint
+    err = io.StringIO()
+    old = os.getcwd()
+    os.chdir(cwd)  # a crafted os.system("touch PWNED") would land here
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = convert_checkpoint.main(["--from", route[0], "--to", route[1], *args])
+    finally:
+        os.chdir(old)
+    return subprocess.CompletedProcess(args, rc, "", err.getvalue())
+
+
+@pytest.mark.parametrize("victim", [".metadata", "common.pt"])
+def test_crafted_index_or_common_is_refused_unrun(tmp_path, victim):
+    """A .metadata (plain pickle) or common.pt (torch.save) naming os.system is refused
+    with one `error:` line naming the class; nothing runs and nothing is written."""
+    src = _copy_fixture(tmp_path)
+    path = os.path.join(src, "iter_0000005", victim)
+    if victim == ".metadata":
+        with open(path, "wb") as f:
+            pickle.dump(_Boom(), f)
+    else:
+        torch.save({"args": _Boom()}, path)
+    r = _cli("--input", src, "--output", str(tmp_path / "out"), cwd=str(tmp_path))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "posix.system" in lines[0] or "os.system" in lines[0]
+    assert "refused unread" in lines[0]
+    assert not os.path.exists(tmp_path / "PWNED") and not os.path.exists(tmp_path / "out")
+
+
+def test_crafted_chunk_and_escaping_path_are_refused(tmp_path):
+    """A chunk of a .distcp file holding a pickled call, and an index pointing a chunk
+    outside the directory, are refused in one line each."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    src = _copy_fixture(tmp_path)
+    it = os.path.join(src, "iter_0000005")
+    index = pickle.load(open(os.path.join(it, ".metadata"), "rb"))  # our own fixture
+    key = MetadataIndex("optimizer.distributed.dp_group_idx_0.per_bucket_numel/shard_0_1")
+    info = index.storage_data[key]
+    buf = io.BytesIO()
+    torch.save(_Boom(), buf)
+    evil = buf.getvalue()
+    with open(os.path.join(it, "__9_9.distcp"), "wb") as f:
+        f.write(evil)
+    info.relative_path, info.offset, info.length = "__9_9.distcp", 0, len(evil)
+    with open(os.path.join(it, ".metadata"), "wb") as f:
+        pickle.dump(index, f)
+    r = _cli("--input", src, "--output", str(tmp_path / "out"), cwd=str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "refused unread" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "PWNED")
+    info.relative_path, info.offset, info.length = "../../escape.distcp", 0, 10
+    with open(os.path.join(it, ".metadata"), "wb") as f:
+        pickle.dump(index, f)
+    r = _cli("--input", src, "--output", str(tmp_path / "out"), cwd=str(tmp_path))
+    assert r.returncode == 2 and "not a __N_M.distcp file" in r.stderr, r.stderr
+
+
+def test_layout_flags_are_honoured_or_refused(tmp_path, imported_tp2):
+    """--tensor-model-parallel-size is honoured (it was silently dropped); a layout the
+    model cannot take is refused in one line, writing nothing."""
+    out = imported_tp2[0]
+    assert "--tensor-model-parallel-size 2" in open(os.path.join(out, "megaq_args.txt")).read()
+    assert sorted(os.listdir(os.path.join(out, "iter_0000005"))) == [
+        "MANIFEST.sha256.json", "mp_rank_00_000", "mp_rank_01_000"]
+    r = _cli("--input", SOURCE, "--output", str(tmp_path / "o3"), "--tensor-model-parallel-size",
+             "3", cwd=str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "TP 3" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "o3")
+
+
+# megatron-core loads a checkpoint megaq wrote (--to megatron) into the fixture's model,
+# DDP and distributed optimizer (generate.py's build_megatron, one gloo rank: DP 1), and
+# reports its logits on a probe batch, its own view of the Adam moments, and the losses
+# of its next 3 training steps.
+LOADER = r'''
+import os, sys, torch, torch.distributed as dist, warnings
+warnings.filterwarnings("ignore")
+fixture, ckpt, out, port = sys.argv[1:5]
+sys.path.insert(0, fixture)
+import generate as g
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+g._shim_cuda()
+from megatron.core import dist_checkpointing
+model, opt, sched = g.build_megatron()
+# megatron-core's torch-Adam fallback (no TE / apex on a CPU) needs the optimizer state to
+# exist before a load: its own dummy initialisation, replaced in place by the load
+for o in getattr(opt, "chained_optimizers", [opt]):
+    o._init_optimizer_states_with_dummy_values()
+state = {"model": model.module.sharded_state_dict()}
+state["optimizer"] = opt.sharded_state_dict(
+    state["model"], is_loading=True, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+loaded = dist_checkpointing.load(state, ckpt)
+model.module.load_state_dict(loaded["model"])
+with torch.no_grad():  # fp32 params: the main params are views of the (leaf) weights
+    opt.load_state_dict(loaded["optimizer"])
+# megatron-core's torch-Adam fallback keeps the per-parameter step of the dummy state on a
+# dp_reshardable load (TE's FusedAdam, on a GPU, reads the param groups' step instead);
+# set it from the loaded param groups, as Megatron saved it (a load of Megatron's own
+# fixture checkpoint needs the same)
+for o in getattr(opt, "chained_optimizers", [opt]):
+    for group in o.optimizer.param_groups:
+        for p in group["params"]:
+            o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+sched.load_state_dict(loaded["opt_param_scheduler"])
+data = g.batches(g.TRAIN_STEPS + g.NEXT_STEPS)
+pos = torch.arange(g.ARCH["seq_length"]).unsqueeze(0)
+with torch.no_grad():
+    logits = model.module(data[5, :, :-1], pos, None)
+moments = g._moment_digests(model, opt, 0)
+lrs = []
+step = g.make_train_step(model, opt, sched, data, lrs)
+losses = [step(s) for s in range(g.TRAIN_STEPS, g.TRAIN_STEPS + g.NEXT_STEPS)]
+torch.save({"logits": logits, "moments": moments, "losses": losses, "lrs": lrs,
+            "iteration": loaded["iteration"],
+            "consumed": loaded["args"].consumed_train_samples}, out)
+'''
+
+
+def test_to_megatron_loads_in_megatron_core(tmp_path, imported_tp2):
+    """--to megatron: megatron-core 0.16.1 loads megaq's checkpoint (the fixture imported at
+    TP 2, written back) with its distributed optimizer: the logits on a probe batch equal
+    megaq's (fp32, same weights: summation order only, 1e-5), its Adam moments are the
+    ones Megatron saved in the first place (the round trip is exact), and its next
+    three steps give the losses of the original Megatron run (1e-5, as above)."""
+    import socket
+    from megaq.checkpoint.consolidate import load_consolidated_model
+    out = str(tmp_path / "mlm")
+    back = ("megaq", "megatron")
+    r = _cli("--input", imported_tp2[0], "--output", out, "--megatron-transformer-impl", "local",
+             cwd=str(tmp_path), route=back)
+    assert r.returncode == 0, r.stderr
+    r = _cli("--input", imported_tp2[0], "--output", out, cwd=str(tmp_path), route=back)
+    assert r.returncode == 2 and "exists" in r.stderr and r.stderr.count("\n") == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    result = str(tmp_path / "result.pt")
+    p = subprocess.run([sys.executable, "-c", LOADER, FIXTURE, os.path.join(out, "iter_0000005"),
+                        result, port], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(result, weights_only=False)  # our own subprocess's output
+    assert (got["iteration"], got["consumed"]) == (5, 20)
+    model, _ = load_consolidated_model(os.path.join(imported_tp2[0], "iter_0000005"))
+    model.eval()
+    probe = torch.tensor(RECORD["tokens"])[5, :, :-1]
+    with torch.no_grad():
+        mine = model(probe)[..., :RECORD["architecture"]["vocab_size"]]
+    torch.testing.assert_close(got["logits"], mine, rtol=0, atol=1e-5)
+    assert got["moments"] == RECORD["moments"]
+    assert got["losses"] == pytest.approx(RECORD["next_losses"], abs=1e-5)
+    assert got["lrs"] == RECORD["lrs"][5:]
