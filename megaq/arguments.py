@@ -30,6 +30,7 @@ from megaq.megatron_flags import add_megatron_flags, check_megatron_flags, print
 from megaq.model import ModelConfigError
 from megaq.parallel.pipeline import PipelineConfigError
 from megaq.parallel.topology import LayoutError
+from megaq.planner.run import add_planning_flags
 from megaq.zero import ZeroConfigError
 
 # What building a RunConfig may raise for a bad flag (each class checks its own values).
@@ -57,13 +58,18 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", formatter_class=_HelpFormatter,
-                description="Pretrain a GPT / Llama-style model with TP, PP and ZeRO-3 / ZeRO++ "
-                            "data parallelism (Megatron-LM compatible flags).")
+def build_parser(prog: str = "pretrain_gpt.py", description: str | None = None, *,
+                 dry_run: bool = True) -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser (tools/plan.py's with its own prog and description and
+    no --dry-run)."""
+    p = _Parser(prog=prog, formatter_class=_HelpFormatter,
+                description=description or "Pretrain a GPT / Llama-style model with TP, PP and "
+                                           "ZeRO-3 / ZeRO++ data parallelism (Megatron-LM "
+                                           "compatible flags).")
     for cls in FLAG_CLASSES:
         add_flags(p, cls)
     add_megatron_flags(p)  # the Megatron-LM flags megaq accepts with a note, or refuses
+    add_planning_flags(p, dry_run)  # the machine of --dry-run's plan (megaq.planner)
     return p
 
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, topo=None):
     if config.checkpointing.save_hf:  # refuse an architecture transformers lacks before training
         from megaq.interop.hf import model_family
         model_family(config.model)
-    state = build_trainer(config, topo, t_start).train()
+    state = build_trainer(config, topo, t_start, hardware=_hardware_flags(argv)).train()
     if config.checkpointing.save_hf:
         save_hf(config.checkpointing, topo)
     return state
@@ -97,10 +97,12 @@ def save_hf(checkpointing, topo) -> None:
     comm.barrier(topo.world)
 
 
-def build_trainer(config, topo, t_start: float | None = None):
+def build_trainer(config, topo, t_start: float | None = None, hardware=None):
     """Everything up to the first iteration: data, model, engine, checkpoint load.
     `config` is a megaq.config.RunConfig; `topo` this rank's Topology; `t_start` the
-    perf_counter() the setup time printed counts from (default: now)."""
+    perf_counter() the setup time printed counts from (default: now); `hardware` the
+    machine of the plan written into the metrics file (megaq.planner.run.HardwareFlags;
+    default: the H200 preset)."""
     from megaq import failure
     from megaq.checkpoint import guard
     from megaq.checkpoint.errors import CheckpointError
@@ -173,7 +175,8 @@ def build_trainer(config, topo, t_start: float | None = None):
                           lr_schedule=schedule, train_batches=data.train,
                           valid_batches=data.valid,
                           flops_per_iteration=flops_per_iteration(config),
-                          zero_model_bytes=int(_zero_model_bytes(engine)))
+                          zero_model_bytes=int(_zero_model_bytes(engine)),
+                          plan=_plan_record(config, hardware) if rank0 else None)
     trainer = Trainer(parts, state)
     if rank0:
         print(f" setup (process groups, data, model, engine, checkpoint) took "
@@ -224,6 +227,42 @@ def _truncate_metrics(path: str | None, iteration: int) -> None:
         if dropped:
             print(f" metrics file {path}: removed {dropped} line(s) after iteration {iteration}, "
                   f"logged by the run that stopped before saving them", flush=True)
+
+
+def _hardware_flags(argv):
+    """The hardware flags of the command line (the plan's machine)."""
+    from megaq.arguments import build_parser
+    from megaq.flags import from_flags
+    from megaq.planner.run import HardwareFlags
+    return from_flags(HardwareFlags, build_parser().parse_args(argv))
+
+
+def _plan_record(config, hardware) -> dict:
+    from megaq.planner.run import HardwareFlags, plan_record
+    return plan_record(config, hardware or HardwareFlags())
+
+
+def dry_run(argv) -> int | None:
+    """--dry-run: parse and check the flags, print this run's plan, and return the exit
+    code (0: it fits; 2: it does not) without starting a process group; None without
+    --dry-run. The world is --num-nodes x --gpus-per-node when given, else the
+    launcher's."""
+    from megaq.arguments import build_parser, parse_config
+    from megaq.parallel.topology import ranks_per_node_from_env
+    from megaq.plan_cli import dry_run as print_plan
+    from megaq.planner.hardware import gpu_preset
+    flags = build_parser().parse_args(argv)
+    if not flags.dry_run:
+        return None
+    if flags.num_nodes is not None:
+        per_node = flags.gpus_per_node or gpu_preset(flags.gpu).gpus_per_node
+        world = flags.num_nodes * per_node
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        per_node = ranks_per_node_from_env(world, int(os.environ.get("RANK", "0")),
+                                           flags.gpus_per_node)
+    config = parse_config(argv, world_size=world, ranks_per_node=per_node, print_notes=True)
+    return print_plan(config, flags)
 
 
 def flops_per_iteration(config) -> float:
@@ -291,19 +330,23 @@ def cli(argv=None) -> int:
     from megaq.parallel.comm import CollectiveFailed
     from megaq.parallel.pipeline import PipelineConfigError
     from megaq.parallel.topology import LayoutError
+    from megaq.planner.hardware import HardwareError
     from megaq.training import TrainingDiverged
     from megaq.zero import ZeroConfigError
     failure.install_sigterm_grace()  # a rank stopped by the launcher first names a lost peer
     code = 1  # an uncaught exception: its traceback, exit 1
     try:
-        main(argv)
-        code = 0
+        dry = dry_run(argv)
+        if dry is None:
+            main(argv)
+        code = dry or 0
     except CollectiveFailed as e:  # a peer vanished: one line per survivor, no teardown
         code = failure.report_collective_failure(e, failure.current_rank_and_world()[0])
         guard.unlock_all()
         failure.exit_now(code)
     except (ArgumentsError, CheckpointError, DataError, LayoutError, PipelineConfigError,
-            TrainingDiverged, ZeroConfigError, InteropError, failure.AgreedError) as e:
+            TrainingDiverged, ZeroConfigError, InteropError, failure.AgreedError,
+            HardwareError) as e:
         code = 2
         failure.report(e, *failure.current_rank_and_world())  # every rank, at once (see there)
     except KeyboardInterrupt:

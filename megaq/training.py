@@ -36,6 +36,7 @@ from megaq.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_no
 from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallel.pipeline.p2p import StepTimer
+from megaq.planner.run import comparison_line
 
 
 class TrainingDiverged(RuntimeError):
@@ -72,6 +73,9 @@ class TrainingParts:
     valid_batches: object = None
     flops_per_iteration: float = 0.0  # model FLOPs of one global batch (no recompute)
     zero_model_bytes: int = 0
+    # the planner's prediction for this run ({"type": "plan", ...}: megaq.planner.run),
+    # written first into the metrics file and compared with the measured step at the end
+    plan: dict | None = None
 
 
 class Trainer:
@@ -91,6 +95,9 @@ class Trainer:
         # rank 0 opens the file; a path it cannot write stops every rank with its line
         with failure.agreed(self.topo.world, catch=(MetricsFileError,)):
             self.metrics = MetricsWriter(c.logging.metrics_file, enabled=self.rank0)
+        if parts.plan:
+            self.metrics.write(parts.plan)
+        self.measured_step_s: float | None = None  # the last logged interval's step time
         self.tb = TensorBoard(c.logging.tensorboard_dir, enabled=self.rank0)
         log = c.logging
         self.wandb = WandB(log.wandb_project, log.wandb_exp_name,
@@ -342,6 +349,9 @@ class Trainer:
         self.metrics.close()
         self.tb.close()
         self.wandb.close()
+        if self.rank0 and self.p.plan:
+            peak = memory_stats(self.device)["peak"] if self.device.type == "cuda" else None
+            print(comparison_line(self.p.plan, self.measured_step_s, peak), flush=True)
         return s
 
     def _exit_reason(self) -> str | None:
@@ -374,6 +384,7 @@ class Trainer:
         tflops = self.p.flops_per_iteration / (elapsed_ms / 1000.0) / topo.layout.world_size / 1e12
         tokens_per_s = t.global_batch_size * self.config.model.seq_length * iters / elapsed
         loss = interval["loss"] / interval["counted"] if interval["counted"] else float("nan")
+        self.measured_step_s = elapsed_ms / 1000.0
         if not self.rank0:
             return
         print(training_log_line(

@@ -186,9 +186,12 @@ def test_zero_flags_reach_the_engine_config():
 
 def test_every_flag_is_one_config_field():
     """The parser is generated from the configuration classes: every flag is exactly one
-    field, no flag is declared twice, and every documented default is the field's."""
+    field, no flag is declared twice, and every documented default is the field's (the
+    hardware flags of the plan are fields of megaq.planner.run.HardwareFlags)."""
+    from megaq.planner.run import HardwareFlags
+    classes = FLAG_CLASSES + (HardwareFlags,)
     seen = {}
-    for cls in FLAG_CLASSES:
+    for cls in classes:
         for f in flag_fields(cls):
             assert f.metadata["flag"] not in seen, f.metadata["flag"]
             seen[f.metadata["flag"]] = cls
@@ -197,10 +200,10 @@ def test_every_flag_is_one_config_field():
                and a.option_strings[0] != "-h"}
     assert set(seen) <= set(actions)
     # the rest are Megatron-LM's flags that megaq accepts with a note or refuses
-    # (megaq.megatron_flags), nothing else
-    compat = {f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED}
+    # (megaq.megatron_flags), and --dry-run (an action, not a setting), nothing else
+    compat = {f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED} | {"--dry-run"}
     assert set(actions) - set(seen) <= compat, set(actions) - set(seen) - compat
-    for cls in FLAG_CLASSES:
+    for cls in classes:
         for f in flag_fields(cls):
             a = actions[f.metadata["flag"]]
             assert a.dest == dest(f)

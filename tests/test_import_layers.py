@@ -36,7 +36,7 @@ LAYERS = [
     # the hang watchdog counts training iterations
     ("training", ("megaq.training", "megaq.lr_schedule", "megaq.metrics", "megaq.logging_utils",
                   "megaq.watchdog")),
-    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt",
+    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt", "megaq.plan_cli",
              # Megatron-LM's flags (parser additions) and the converters (they validate an
              # imported architecture with the parser and write a megaq checkpoint)
              "megaq.megatron_flags", "megaq.interop")),

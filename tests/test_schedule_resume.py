@@ -73,7 +73,8 @@ def setup(argv):
 
 
 def metrics(path):
-    return [json.loads(x) for x in open(path)]
+    """The iteration records (each run's first record, the plan, left out)."""
+    return [r for r in map(json.loads, open(path)) if r.get("type") != "plan"]
 
 
 def saved_params(root, iteration):

@@ -104,6 +104,9 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     assert r["skipped"] == 1 and r["nan"] == 1
     assert math.isnan(r["losses"][2]) and all(math.isfinite(r["losses"][i]) for i in (1, 3, 4))
     rows = [json.loads(x) for x in open(metrics)]
+    # first the planner's prediction for the run (megaq.planner.run.plan_record)
+    assert rows[0]["type"] == "plan" and rows[0]["step_time_s"] > 0 and "memory_gib" in rows[0]
+    rows = rows[1:]
     assert rows[1]["iteration"] == 2 and rows[1]["lm_loss"] is None
     assert rows[1]["nan_iterations"] == 1 and rows[2]["nan_iterations"] == 0
     # the skipped update did not advance the LR schedule: iteration 3 uses step 2's lr
@@ -242,7 +245,7 @@ def test_log_comm_time_reports_phases_and_keeps_losses(tmp_path, capfd):
         extra = zpp + ["--metrics-file", m] + (["--log-comm-time"] if timed else [])
         losses = run_on_ranks(_train_with_metrics, 4, ranks_per_node=2, hpz_size=2,
                               args=(argv(str(tmp_path), 2, extra),))[0]
-        rows[timed] = ([json.loads(x) for x in open(m)], losses)
+        rows[timed] = ([r for r in map(json.loads, open(m)) if r["type"] != "plan"], losses)
     (plain, plain_losses), (timed, timed_losses) = rows[False], rows[True]
     assert timed_losses == plain_losses
     for a, b in zip(plain, timed):

@@ -11,6 +11,7 @@ or gradient has arrived. The idle slots of each stage are the bubble.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -50,39 +51,60 @@ class PipelineTimes:
     idle_s: tuple[float, ...]     # per stage: makespan - busy (the bubble)
 
 
-def simulate(pp: int, vp: int, m: int, fwd_s, bwd_s, p2p_s: float = 0.0) -> PipelineTimes:
-    """Play the schedules; fwd_s(stage, chunk) / bwd_s(stage, chunk) give a pass's time,
-    p2p_s the time an activation or gradient takes to reach the neighbouring stage."""
+@functools.lru_cache(maxsize=64)
+def _play_order(pp: int, vp: int, m: int) -> tuple:
+    """The passes of every stage in an order that respects their dependencies, each as
+    (stage, chunk, forward?, index of the stage's previous pass or -1, index of the pass
+    it waits for or -1, whether that wait includes a transfer). Computed once per shape."""
     orders = stage_orders(pp, vp, m)
-    done: dict[tuple, float] = {}
+    index: dict[tuple, int] = {}
+    played = []
     pos = [0] * pp
-    free = [0.0] * pp
-    busy = [0.0] * pp
+    last = [-1] * pp
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for s in range(pp):
             while pos[s] < len(orders[s]):
                 kind, mb, c = orders[s][pos[s]]
-                # the virtual stage this pass runs at: chunk c of stage s is c*pp + s
-                v = c * pp + s
+                v = c * pp + s  # the virtual stage: chunk c of stage s
                 if kind == "F":
                     dep = None if v == 0 else ("F", mb, v - 1)
                 else:
                     dep = ("F", mb, v) if v == pp * vp - 1 else ("B", mb, v + 1)
-                if dep is not None and dep not in done:
+                if dep is not None and dep not in index:
                     break
-                last_v = kind == "B" and v == pp * vp - 1  # after its own forward
-                ready = 0.0 if dep is None else done[dep] + (0.0 if last_v else p2p_s)
-                length = fwd_s(s, c) if kind == "F" else bwd_s(s, c)
-                start = max(free[s], ready)
-                free[s] = start + length
-                busy[s] += length
-                done[(kind, mb, v)] = free[s]
+                transfer = not (kind == "B" and v == pp * vp - 1)  # after its own forward
+                index[(kind, mb, v)] = len(played)
+                played.append((s, c, kind == "F", last[s],
+                               -1 if dep is None else index[dep], transfer))
+                last[s] = len(played) - 1
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked: the stage orders do not pair up")
-    makespan = max(free)
+    return tuple(played)
+
+
+def simulate(pp: int, vp: int, m: int, fwd_s, bwd_s, p2p_s: float = 0.0) -> PipelineTimes:
+    """Play the schedules: a pass starts when its stage has finished its previous pass and
+    the pass it needs has finished (plus `p2p_s` when its input crosses stages).
+    fwd_s(stage, chunk) / bwd_s(stage, chunk) give a pass's seconds."""
+    fwd = {(s, c): fwd_s(s, c) for s in range(pp) for c in range(vp)}
+    bwd = {(s, c): bwd_s(s, c) for s in range(pp) for c in range(vp)}
+    if pp == 1:  # one stage: its passes back to back, nothing to wait for
+        busy1 = m * sum(fwd[0, c] + bwd[0, c] for c in range(vp))
+        return PipelineTimes(busy1, (busy1,), (0.0,))
+    end = []
+    busy = [0.0] * pp
+    for s, c, forward, prev, dep, transfer in _play_order(pp, vp, m):
+        start = end[prev] if prev >= 0 else 0.0
+        if dep >= 0:
+            ready = end[dep] + (p2p_s if transfer else 0.0)
+            start = ready if ready > start else start
+        length = fwd[s, c] if forward else bwd[s, c]
+        end.append(start + length)
+        busy[s] += length
+    makespan = max(end)
     return PipelineTimes(makespan, tuple(busy), tuple(makespan - b for b in busy))

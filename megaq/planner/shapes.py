@@ -9,6 +9,7 @@ column/row-parallel splits), so they are exact without building a model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megaq.model.config import GPTConfig
@@ -54,8 +55,9 @@ def embedding_params(cfg: GPTConfig, tp: int) -> tuple[int, int]:
     return word, pos
 
 
+@functools.lru_cache(maxsize=512)
 def stage_units(cfg: GPTConfig, tp: int, pp: int, vp: int, stage: int,
-                fp8_gathers: bool = False) -> list[UnitShape]:
+                fp8_gathers: bool = False) -> tuple[UnitShape, ...]:
     """The units of pipeline stage `stage` on one TP rank, in forward order per chunk."""
     per_layer, fp8 = layer_params(cfg, tp)
     fp8 = fp8 if fp8_gathers else 0
@@ -82,7 +84,7 @@ def stage_units(cfg: GPTConfig, tp: int, pp: int, vp: int, stage: int,
                 units.append(UnitShape(prefix + "shared_embedding", word))
             else:
                 units.append(UnitShape(prefix + "head", head + (0 if tied else word)))
-    return units
+    return tuple(units)
 
 
 def total_params(cfg: GPTConfig) -> int:

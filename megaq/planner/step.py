@@ -178,6 +178,22 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
         return n_collectives * (2 * full * (pi.tp - 1) / pi.tp / tp_link
                                 + 2 * (pi.tp - 1) * tp_lat)
 
+    times: dict[tuple, tuple] = {}
+
+    def unit_times(u) -> tuple[traffic.LinkTime, traffic.LinkTime, traffic.LinkTime]:
+        """(forward gather, later gather, reduction) of a unit; once per size."""
+        key = (u.numel, u.fp8_numel)
+        if key not in times:
+            times[key] = (traffic.gather_time(u, g, z, elem, cluster, link_eff, False),
+                          traffic.gather_time(u, g, z, elem, cluster, link_eff, True),
+                          traffic.reduce_time(u, g, z, elem, cluster, link_eff))
+        return times[key]
+
+    # a later gather and a reduction in flight together share a communicator (the DP
+    # group's) unless the gather runs over hpZ's in-node group or the reduction over
+    # qgZ's two hop groups
+    same_group = not (z.hpz or z.weight_deltas or z.quantized_gradients)
+
     # per stage and chunk: compute, and the exposed gathers / reduces of one micro-batch
     stages = []
     for s in range(pi.pp):
@@ -197,9 +213,8 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
             exp_first = {"weight_gather_fwd": 0.0}
             quant_s = 0.0
             if z.stage == 3:
-                gf = [traffic.gather_time(u, g, z, elem, cluster, link_eff, False) for u in cu]
-                gb = [traffic.gather_time(u, g, z, elem, cluster, link_eff, True) for u in cu]
-                rd = [traffic.reduce_time(u, g, z, 2, cluster, link_eff) for u in cu]
+                gf = [unit_times(u)[0].total for u in cu]
+                gb = [unit_times(u)[1].total for u in cu]
                 pre = z.prefetch > 0
                 # forward: the first unit's gather is exposed, the others hide behind
                 # the previous unit's compute (prefetch); without prefetch all are exposed
@@ -208,10 +223,21 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
                     if z.hpz else first_fwd
                 exp_first["weight_gather_fwd"] = first_fwd
                 exp["weight_gather_fwd"] = later_fwd
-                # backward: gathers and the async reductions share the links
-                bwd_exposed = gb[-1] + sum(max(0.0, gb[i] + rd[i + 1] - per_unit_bwd)
-                                           if pre else gb[i] for i in range(len(cu) - 1))
-                exp["weight_gather_bwd"] = bwd_exposed
+                # backward, units in reverse: the next unit's gather (prefetched) and this
+                # unit's reduction (async) run under the next unit's backward
+                rev = list(reversed(cu))
+                exp["weight_gather_bwd"] = unit_times(rev[0])[1].total
+                for i in range(len(rev) - 1):
+                    gt, rt = unit_times(rev[i + 1])[1], unit_times(rev[i])[2]
+                    if not pre:
+                        exp["weight_gather_bwd"] += gt.total
+                        exp["grad_reduce"] += max(0.0, rt.total - per_unit_bwd)
+                        continue
+                    over = max(0.0, traffic.overlapped(gt, rt, same_group) - per_unit_bwd)
+                    share = gt.total / max(gt.total + rt.total, 1e-30)
+                    exp["weight_gather_bwd"] += over * share
+                    exp["grad_reduce"] += over * (1 - share)
+                rd = [unit_times(u)[2].total for u in rev]
                 if z.quantized_weights or z.quantized_gradients:
                     n_full = sum(u.padded_numel(g.n, z.block_size) for u in cu)
                     if z.quantized_weights:
@@ -219,11 +245,11 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
                     if z.quantized_gradients:
                         quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm
             else:
-                rd = [traffic.reduce_time(u, g, z, 2, cluster, link_eff) for u in cu]
+                rd = [unit_times(u)[2].total for u in reversed(cu)]
                 # stage 0: all-reduces overlap the rest of backward
-                exp["grad_reduce"] = sum(max(0.0, r - per_unit_bwd) for r in rd[1:])
+                exp["grad_reduce"] = sum(max(0.0, r - per_unit_bwd) for r in rd[:-1])
             chunks.append(dict(cc=cc, tp_f=tp_f, tp_b=tp_b, exp=exp, exp_first=exp_first,
-                               quant=quant_s, tail=rd[0] if rd else 0.0, units=cu))
+                               quant=quant_s, tail=rd[-1] if rd else 0.0, units=cu))
         stages.append(dict(units=units, chunks=chunks))
 
     def fwd_s(s, c):
@@ -237,25 +263,32 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
 
     p2p = 0.0
     if pi.pp > 1:
+        # blocking sends of one micro-batch's activation (gradient) to the next stage;
+        # neighbouring stages are world/PP ranks apart (TP apart with tp-pp-dp order)
         act = tokens * cfg.hidden_size * elem / (pi.tp if pi.sequence_parallel else 1)
-        crosses = pi.world_size // pi.pp >= pi.gpus_per_node or pi.gpus_per_node < pi.world_size
-        p2p = (act / (cluster.inter_node_bytes_per_s * link_eff[INTER] / pi.gpus_per_node)
-               + cluster.inter_node_latency_s) if crosses else (
-            act / (cluster.intra_node_bytes_per_s * link_eff[INTRA])
-            + cluster.intra_node_latency_s)
+        stride = pi.world_size // pi.pp if pi.rank_order == "tp-dp-pp" else pi.tp
+        if stride >= pi.gpus_per_node:  # every GPU of a node sends through its NICs
+            p2p = (act / (cluster.inter_node_bytes_per_s * link_eff[INTER] / pi.gpus_per_node)
+                   + cluster.inter_node_latency_s)
+        else:
+            p2p = (act / (cluster.intra_node_bytes_per_s * link_eff[INTRA])
+                   + cluster.intra_node_latency_s)
     sim = bubble_mod.simulate(pi.pp, pi.vp, M, fwd_s, bwd_s, p2p)
+    # the bubble proper: the schedule's idle slots with instant transfers
+    idle = bubble_mod.simulate(pi.pp, pi.vp, M, fwd_s, bwd_s, 0.0).idle_s if p2p else sim.idle_s
     # the step's first forward gathers cross nodes under hpZ: extra time, once per chunk
     first_extra = max(sum(ch["exp_first"]["weight_gather_fwd"] - ch["exp"]["weight_gather_fwd"]
                           for ch in st["chunks"]) for st in stages) if z.stage == 3 else 0.0
-    tail = max(st["chunks"][0]["tail"] for st in stages)  # the last reduction (finish)
+    # the last reduction (the first unit's, after backward's end: finish_grad_sync waits)
+    tail = max(st["chunks"][0]["tail"] for st in stages)
     # optimizer: the fused AdamW over this rank's shard
     shard_params = max(sum(u.shard_numel(g.n, z.block_size) if z.stage == 3 else u.numel
                            for u in st["units"]) for st in stages)
     optimizer_s = shard_params * cal.optimizer_bytes_per_param / hbm
     deltas_s = 0.0
     if z.weight_deltas:
-        deltas_s = max(sum(traffic.delta_time(u, g, z, cluster, link_eff) for u in st["units"])
-                       for st in stages)
+        deltas_s = max(sum(traffic.delta_time(u, g, z, cluster, link_eff).total
+                           for u in st["units"]) for st in stages)
     step = sim.makespan_s + max(first_extra, 0.0) + tail + optimizer_s + deltas_s \
         + cal.fixed_step_overhead_s
 
@@ -270,17 +303,17 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
         "weight_delta_gather": deltas_s,
         "grad_reduce": sum(M * ch["exp"]["grad_reduce"] for ch in stages[crit]["chunks"]) + tail,
         "tp": sum(M * (ch["tp_f"] + ch["tp_b"]) for ch in stages[crit]["chunks"]),
-        # the stage's activation / gradient transfers (part of its idle time)
-        "pp": min(2 * M * pi.vp * p2p, sim.idle_s[crit]) if pi.pp > 1 else 0.0,
+        # the waits the stage's activation / gradient transfers add to its idle time
+        "pp": max(sim.idle_s[crit] - idle[crit], 0.0),
     }
-    bubble_s = max(sim.idle_s[crit] - exposed["pp"], 0.0)
+    bubble_s = idle[crit]
 
     # ---- bytes (per DP group, every group of the world)
     groups_per_stage = pi.world_size // pi.pp // g.n
     fp8_tensors = 4 * layers_per_chunk * pi.vp if (z.fp8_weights and pi.fp8) else 0
     phase_bytes: dict[str, dict[str, int]] = {}
     for st in stages:
-        for ph, links in traffic.step_phase_bytes(st["units"], g, z, elem, 2, M,
+        for ph, links in traffic.step_phase_bytes(st["units"], g, z, elem, elem, M,
                                                   fp8_tensors).items():
             d = phase_bytes.setdefault(ph, {INTRA: 0, INTER: 0})
             for link in (INTRA, INTER):
@@ -288,11 +321,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
     cross = sum(v[INTER] for v in phase_bytes.values())
 
     # ---- memory on the fullest stage
-    parts_by_stage = [_memory_parts(pi, cal, st["units"], s, g) for s, st in enumerate(stages)]
-    parts = max(parts_by_stage, key=lambda p: sum(p.values()))
-    live = sum(parts.values())
-    parts["allocator_slack"] = live * cal.allocator_slack
-    peak = sum(parts.values())
+    parts, peak = memory_peak(pi, cal, g)
     to_gib = {k: v / memory.GIB for k, v in parts.items()}
     flops = num_flops(cfg, pi.global_batch_size * pi.seq_length, pi.tp)
     tflops = flops / pi.world_size / step / 1e12
@@ -304,11 +333,29 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
     return Prediction(
         step_time_s=step, tokens_per_s=pi.global_batch_size * pi.seq_length / step,
         tflops_per_gpu=tflops, mfu=tflops / peak_tf, memory_gib=peak / memory.GIB,
-        fits=peak / memory.GIB <= gpu.hbm_gib - cal.runtime_reserved_gib,
+        fits=fits_on(peak, gpu, cal),
         compute_s=compute_s, exposed_comm_s=exposed, bubble_s=bubble_s,
         optimizer_s=optimizer_s, other_s=cal.fixed_step_overhead_s,
         memory_parts_gib=to_gib, cross_node_bytes=cross, bytes_per_phase=phase_bytes,
         hbm_gib=gpu.hbm_gib, layout=layout, notes=notes)
+
+
+def fits_on(peak_bytes: float, gpu, cal: Calibration) -> bool:
+    """Whether a peak fits the device beside what the CUDA context and NCCL take."""
+    return peak_bytes / memory.GIB <= gpu.hbm_gib - cal.runtime_reserved_gib
+
+
+def memory_peak(pi: PlanInput, cal: Calibration, g: traffic.DPGroupShape | None = None
+                ) -> tuple[dict[str, float], float]:
+    """(bytes by part, peak bytes) of the fullest pipeline stage, allocator slack included."""
+    g = g or dp_group_shape(pi.world_size, pi.tp, pi.pp, pi.gpus_per_node,
+                            pi.zero.hpz_partition_size, pi.rank_order)
+    by_stage = [_memory_parts(pi, cal, stage_units(pi.model, pi.tp, pi.pp, pi.vp, s,
+                                                   pi.zero.fp8_weights), s, g)
+                for s in range(pi.pp)]
+    parts = max(by_stage, key=lambda p: sum(p.values()))
+    parts["allocator_slack"] = sum(parts.values()) * cal.allocator_slack
+    return parts, sum(parts.values())
 
 
 def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,

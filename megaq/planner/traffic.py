@@ -16,9 +16,9 @@ one latency per step (n - 1 steps), all-to-all hops one per hop.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from megaq.kernels.format import packed_len
 from megaq.parallel.comm import INTER, INTRA
 from megaq.zero.config import ZeroConfig
 from megaq.zero.zeropp import volume
@@ -55,6 +55,7 @@ def fp8_split(u: UnitShape, dp: int, block: int) -> tuple[int, int]:
     return S, max(rest)
 
 
+@functools.lru_cache(maxsize=4096)
 def unit_phase_bytes(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, elem: int, grad_elem: int,
                      *, backward: bool) -> dict[str, dict[str, int]]:
     """One micro-batch's bytes of one unit over one DP group, per phase (summed over the
@@ -89,10 +90,14 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
         for link in (INTRA, INTER):
             d[link] += times * links[link]
 
+    same: dict[UnitShape, int] = {}  # units of equal size move equal bytes: once each
     for u in units:
+        key = UnitShape("", u.numel, u.fp8_numel)
+        same[key] = same.get(key, 0) + 1
+    for u, count in same.items():
         if cfg.stage == 0:
             add("grad_reduce", unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
-                ["grad_reduce"], micro_batches)
+                ["grad_reduce"], micro_batches * count)
             continue
         first = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=False)
         later = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
@@ -100,22 +105,46 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
         # the first forward gather of the step; later forwards gather like backward
         # does under hpZ (the secondary copy), like the first without it
         fwd_phase = "weight_ref_gather" if cfg.weight_deltas else "weight_gather_fwd"
-        add(fwd_phase, first["weight_gather_fwd"])
+        add(fwd_phase, first["weight_gather_fwd"], count)
         fwd_later = later["weight_gather_bwd"] if cfg.hpz else first["weight_gather_fwd"]
-        add(fwd_phase, fwd_later, micro_batches - 1)
-        add("weight_gather_bwd", later["weight_gather_bwd"], micro_batches)
-        add("grad_reduce", later["grad_reduce"], micro_batches)
+        add(fwd_phase, fwd_later, (micro_batches - 1) * count)
+        add("weight_gather_bwd", later["weight_gather_bwd"], micro_batches * count)
+        add("grad_reduce", later["grad_reduce"], micro_batches * count)
         if cfg.weight_deltas:
-            add("weight_delta_gather", volume.weight_deltas(S, g.k, g.m, cfg))
+            add("weight_delta_gather", _weight_deltas(S, g.k, g.m, cfg), count)
     if cfg.stage == 3 and cfg.fp8_weights and fp8_tensors:
         add("weight_gather_fwd", volume.fp8_amax_reduce(fp8_tensors, g.k, g.m))
     return total
 
 
 # --------------------------------------------------------------------------- time
-def link_time(links: dict[str, int], g: DPGroupShape, cluster: Cluster, link_eff: dict,
-              gpus_per_node: int) -> float:
-    """Seconds for bytes summed over one DP group's members, every DP group at once."""
+@dataclass(frozen=True)
+class LinkTime:
+    """Seconds a collective keeps each link busy, and its fixed latency."""
+    intra: float = 0.0
+    inter: float = 0.0
+    latency: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return max(self.intra, self.inter) + self.latency
+
+    def __add__(self, other: "LinkTime") -> "LinkTime":
+        return LinkTime(self.intra + other.intra, self.inter + other.inter,
+                        self.latency + other.latency)
+
+
+def overlapped(a: LinkTime, b: LinkTime, same_group: bool) -> float:
+    """Two collectives in flight together: on one communicator they run one after the
+    other; on two, each link carries both at once."""
+    if same_group:
+        return a.total + b.total
+    return (a + b).total
+
+
+def link_seconds(links: dict[str, int], g: DPGroupShape, cluster: Cluster, link_eff: dict,
+                 latency: float = 0.0) -> LinkTime:
+    """Bytes summed over one DP group's members, every DP group at once, as link time."""
     intra_senders = max(g.n - (g.k if g.k > 1 else 0), 1)
     t_intra = links[INTRA] / intra_senders / (cluster.intra_node_bytes_per_s
                                               * link_eff[INTRA])
@@ -123,7 +152,7 @@ def link_time(links: dict[str, int], g: DPGroupShape, cluster: Cluster, link_eff
     if links[INTER]:
         per_node = links[INTER] / g.k * g.groups_per_node
         t_inter = per_node / (cluster.inter_node_bytes_per_s * link_eff[INTER])
-    return max(t_intra, t_inter)
+    return LinkTime(t_intra, t_inter, latency)
 
 
 def ring_latency(n: int, crosses_nodes: bool, cluster: Cluster) -> float:
@@ -134,47 +163,48 @@ def ring_latency(n: int, crosses_nodes: bool, cluster: Cluster) -> float:
 
 
 def gather_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, elem: int, cluster: Cluster,
-                link_eff: dict, backward: bool) -> float:
-    """One gather of one unit (bandwidth + latency)."""
+                link_eff: dict, backward: bool) -> LinkTime:
+    """One gather of one unit: a ring over the DP group, or over the in-node hpZ group
+    for hpZ's later gathers and every gather with weight deltas (two rings for FP8
+    weight gathers: E4M3 and the rest)."""
+    if cfg.stage == 0:
+        return LinkTime()
     links = unit_phase_bytes(u, g, cfg, elem, 2, backward=backward)
     phase = "weight_gather_bwd" if backward else "weight_gather_fwd"
-    if cfg.stage == 0:
-        return 0.0
-    inter = backward and (cfg.hpz or cfg.weight_deltas) or cfg.weight_deltas
-    n = cfg.hpz_partition_size if inter else g.n
+    in_node = backward and cfg.hpz or cfg.weight_deltas
+    n = cfg.hpz_partition_size if in_node else g.n
     passes = 2 if (cfg.fp8_weights and u.fp8_numel) else 1
-    return (link_time(links[phase], g, cluster, link_eff, cluster.gpus_per_node)
-            + passes * ring_latency(n, g.k > 1 and not inter, cluster))
+    return link_seconds(links[phase], g, cluster, link_eff,
+                        passes * ring_latency(n, g.k > 1 and not in_node, cluster))
 
 
 def reduce_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, grad_elem: int,
-                cluster: Cluster, link_eff: dict) -> float:
+                cluster: Cluster, link_eff: dict) -> LinkTime:
     """One gradient reduction of one unit: a ring (reduce-scatter, or all-reduce under
     stage 0), or qgZ's two all-to-all hops per chunk, where chunk i's cross-node hop
-    overlaps chunk i+1's in-node hop."""
+    overlaps chunk i+1's in-node hop (each hop's link carries its bytes; the chunks add
+    one chunk's shorter hop and a latency per hop)."""
     links = unit_phase_bytes(u, g, cfg, 2, grad_elem, backward=True)["grad_reduce"]
-    if cfg.stage == 0:
-        return (link_time(links, g, cluster, link_eff, cluster.gpus_per_node)
-                + 2 * ring_latency(g.n, g.k > 1, cluster))
     if not cfg.quantized_gradients:
-        return (link_time(links, g, cluster, link_eff, cluster.gpus_per_node)
-                + ring_latency(g.n, g.k > 1, cluster))
+        passes = 2 if cfg.stage == 0 else 1
+        return link_seconds(links, g, cluster, link_eff,
+                            passes * ring_latency(g.n, g.k > 1, cluster))
     S = u.shard_numel(g.n, cfg.block_size)
     chunks = len(chunk_bounds(S, cfg.block_size, cfg.grad_chunk))
-    t1 = link_time({INTRA: links[INTRA], INTER: 0}, g, cluster, link_eff, cluster.gpus_per_node)
-    t2 = link_time({INTRA: 0, INTER: links[INTER]}, g, cluster, link_eff, cluster.gpus_per_node)
+    t = link_seconds(links, g, cluster, link_eff)
     lat = (cluster.intra_node_latency_s if g.m > 1 else 0.0) + (
         cluster.inter_node_latency_s if g.k > 1 else 0.0)
-    return max(t1, t2) + min(t1, t2) / chunks + chunks * lat
+    return LinkTime(t.intra, t.inter, min(t.intra, t.inter) / chunks + chunks * lat)
 
 
 def delta_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, cluster: Cluster,
-               link_eff: dict) -> float:
+               link_eff: dict) -> LinkTime:
+    """Weight deltas: each shard's packed difference to the members of every hpZ group."""
     S = u.shard_numel(g.n, cfg.block_size)
-    links = volume.weight_deltas(S, g.k, g.m, cfg)
-    return link_time(links, g, cluster, link_eff, cluster.gpus_per_node) + (
-        cluster.inter_node_latency_s if g.k > 1 else cluster.intra_node_latency_s)
+    return link_seconds(_weight_deltas(S, g.k, g.m, cfg), g, cluster, link_eff,
+                        cluster.inter_node_latency_s if g.k > 1 else cluster.intra_node_latency_s)
 
 
-def packed_bytes(numel: int, bits: int, block: int) -> int:
-    return packed_len(numel, bits, block)
+@functools.lru_cache(maxsize=1024)
+def _weight_deltas(S: int, k: int, m: int, cfg: ZeroConfig) -> dict[str, int]:
+    return volume.weight_deltas(S, k, m, cfg)

@@ -1,0 +1,347 @@
+"""The planner (megaq.planner) against megaq itself.
+
+* bytes: the step's bytes per ZeRO phase and link equal what megaq.parallel.comm counts
+  on gloo ranks posing as 2 nodes x 4, for ZeRO-3, qwZ + hpZ + qgZ, weight deltas,
+  stage 0, and TP x PP (interleaved) layouts, over a step of two micro-batches;
+* memory: the engine's allocations (memory_report) equal the memory model's, per kind;
+* FLOPs: the model's FLOP terms add up to megaq.model.flops.num_flops;
+* bubble: the pass order equals the one megaq's schedules issue (recorded by running
+  them on stand-in runners), and its idle slots are Megatron's (p-1)(F+B)/v;
+* search: every plan it prints parses with pretrain_gpt.py's parser unchanged, is the
+  same run, and fits; the CLI's errors are one line; --json has the promised keys;
+  pretrain_gpt.py --dry-run prints the plan without starting a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megaq.flags import flag_fields
+from megaq.model.config import GPTConfig
+from megaq.model.flops import num_flops
+from megaq.parallel import comm
+from megaq.parallel.comm import INTER
+from megaq.parallel.launch import run_on_ranks
+from megaq.parallel.pipeline import (get_forward_backward_func, masked_mean_loss,
+                                     pipeline_tensor_shape)
+from megaq.parallel.pipeline import interleaved as interleaved_mod
+from megaq.parallel.pipeline import schedules as schedules_mod
+from megaq.parallelize import parallelize
+from megaq.planner import bubble, compute, memory
+from megaq.planner.calibration import load_calibration
+from megaq.planner.hardware import Cluster, HardwareError, gpu_preset
+from megaq.planner.search import search
+from megaq.planner.shapes import stage_units
+from megaq.planner.step import PlanInput, predict
+from megaq.planner.traffic import PHASES
+from megaq.zero import ZeroConfig
+
+from zero_harness import MBS, SEQ, microbatches, model_config, world_totals
+
+PER_NODE = 4
+N_MICRO = 2
+MODEL = dict(params_dtype=torch.bfloat16, hidden_size=32, num_attention_heads=4,
+             untie_embeddings_and_output_weights=True)
+Z3 = dict(block_size=64, gather_dtype=torch.bfloat16)
+# DP 8 over 2 nodes x 4 (TP 1, PP 1)
+DP_CASES = {
+    "zero3": dict(Z3),
+    "zeropp": dict(Z3, quantized_weights=True, hpz_partition_size=PER_NODE,
+                   quantized_gradients=True, grad_chunk=128),
+    "deltas": dict(Z3, hpz_partition_size=PER_NODE, weight_deltas=True,
+                   quantized_gradients=True, grad_chunk=128),
+    "stage0": dict(Z3, stage=0),
+}
+# TP 2 x PP 2 (2 virtual chunks) x DP 2, DP groups across the nodes (rank order tp-pp-dp)
+GRID_MODEL = dict(MODEL, num_layers=4, sequence_parallel=True)
+GRID_CASES = {"grid_zero3_qwz_qgz": dict(Z3, quantized_weights=True, quantized_gradients=True,
+                                         grad_chunk=128),
+              "grid_stage0": dict(Z3, stage=0)}
+STEPS = 2  # bytes and memory from the second step (weight deltas' steady state)
+CAL = load_calibration()
+
+
+def _step(topo, chunks, engine, step, fb, shape, cfg):
+    engine.zero_grad()
+    mbs = microbatches(step, topo.dp_rank, topo.dp.size, N_MICRO, cfg.vocab_size)
+    fb(chunks, mbs, N_MICRO, topo, tensor_shape=shape, dtype=cfg.params_dtype)
+    engine.finish_grad_sync()
+    engine.step(1e-3)
+
+
+def _one_case(topo, model_kw, zero_kw, vp=1):
+    """Counted bytes of the last step, and the engine's memory right after its first
+    forward (hpZ's slices and qwZ's packed shards alive, nothing gathered but the
+    units still in use)."""
+    cfg = model_config(**model_kw)
+    torch.manual_seed(0)
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(**zero_kw), vp_size=vp)
+    fb = get_forward_backward_func(topo.layout.pp, vp)
+    shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
+    for step in range(STEPS - 1):
+        _step(topo, chunks, engine, step, fb, shape, cfg)
+    comm.STATS.reset()
+    mem = None
+    if topo.layout.pp == 1:  # by hand, to look at the engine between forward and backward
+        engine.zero_grad()
+        for mb in microbatches(STEPS - 1, topo.dp_rank, topo.dp.size, N_MICRO, cfg.vocab_size):
+            loss = masked_mean_loss(chunks[0](input_ids=mb["tokens"], labels=mb["labels"]),
+                                    mb["loss_mask"]) / N_MICRO
+            if mem is None:
+                mem = engine.memory_report()
+            loss.backward()
+        engine.finish_grad_sync()
+        engine.step(1e-3)
+    else:
+        _step(topo, chunks, engine, STEPS - 1, fb, shape, cfg)
+    return {"bytes": comm.per_node_totals(topo.world), "mem": mem}
+
+
+def _dp_cases(topo):
+    return {name: _one_case(topo, MODEL, kw) for name, kw in DP_CASES.items()}
+
+
+def _grid_cases(topo):
+    return {name: _one_case(topo, GRID_MODEL, kw, vp=2) for name, kw in GRID_CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    out = {}
+    for ranks in (run_on_ranks(_dp_cases, 8, ranks_per_node=PER_NODE, hpz_size=PER_NODE),
+                  run_on_ranks(_grid_cases, 8, tp=2, pp=2, ranks_per_node=PER_NODE,
+                               order="tp-pp-dp")):
+        for name in ranks[0]:
+            out[name] = {"bytes": world_totals(ranks[0][name]["bytes"]),
+                         "mem": [r[name]["mem"] for r in ranks]}
+    return out
+
+
+def _plan_input(name: str) -> PlanInput:
+    grid = name.startswith("grid")
+    kw = (GRID_CASES if grid else DP_CASES)[name]
+    cfg = model_config(**(GRID_MODEL if grid else MODEL))
+    tp, pp, vp = (2, 2, 2) if grid else (1, 1, 1)
+    dp = 8 // (tp * pp)
+    return PlanInput(model=cfg, zero=ZeroConfig(**kw), tp=tp, pp=pp, vp=vp, dp=dp,
+                     sequence_parallel=grid, micro_batch_size=MBS,
+                     global_batch_size=MBS * dp * N_MICRO, bf16=True, gpus_per_node=PER_NODE,
+                     rank_order="tp-pp-dp" if grid else "tp-dp-pp")
+
+
+CLUSTER = Cluster(gpu_preset("H200"), num_nodes=2, gpus_per_node=PER_NODE)
+
+
+@pytest.mark.parametrize("name", list(DP_CASES) + list(GRID_CASES))
+def test_byte_terms_equal_the_counted_bytes(measured, name):
+    pred = predict(_plan_input(name), CLUSTER, CAL)
+    counted = {p: v for p, v in measured[name]["bytes"].items() if p in PHASES}
+    assert counted, measured[name]["bytes"]
+    assert pred.bytes_per_phase == counted, (name, pred.bytes_per_phase, counted)
+    assert pred.cross_node_bytes == sum(v[INTER] for v in counted.values())
+
+
+@pytest.mark.parametrize("name", list(DP_CASES))
+def test_memory_terms_equal_the_engine_allocations(measured, name):
+    pi = _plan_input(name)
+    units = stage_units(pi.model, pi.tp, pi.pp, pi.vp, 0, pi.zero.fp8_weights)
+    model = memory.engine_bytes(units, pi.dp, pi.zero, pi.elem)
+    for rep in measured[name]["mem"]:
+        assert rep["params"] - rep["gathered"] == model.params, (name, rep)
+        assert rep["grads"] == model.grads, (name, rep)
+        assert rep["optimizer"] == model.optimizer, (name, rep)
+        engine_zeropp = {k: v for k, v in rep.items() if k not in (
+            "params", "gathered", "grads", "optimizer", "zeropp", "total") and v}
+        assert engine_zeropp == {k: v for k, v in model.zeropp.items() if v}, (name, rep)
+
+
+@pytest.mark.parametrize("kw,tp", [(dict(), 1), (dict(swiglu=True, num_query_groups=2,
+                                                     group_query_attention=True), 2)])
+def test_flop_terms_add_up_to_flops_py(kw, tp):
+    cfg = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000,
+                    seq_length=128, **kw)
+    split = compute.flop_split(cfg, 4096, tp)
+    assert split.total == pytest.approx(num_flops(cfg, 4096, tp), rel=1e-12)
+    # per GPU, over every stage, chunk and micro-batch: the whole step's count
+    pp, vp, dp, mb, m = 2, 2, 2, 2, 4
+    per_gpu = 0.0
+    for s in range(pp):
+        for c in range(vp):
+            cc = compute.chunk_compute(cfg, gpu_preset("H200"), CAL, layers=1, tp=tp, sp=False,
+                                       micro_batch=mb, has_head=s == pp - 1 and c == vp - 1,
+                                       fp8=False, compiled=True)
+            per_gpu += m * (cc.flops_fwd + cc.flops_bwd)
+    total = per_gpu * tp * dp
+    assert total == pytest.approx(num_flops(cfg, dp * m * mb * cfg.seq_length, tp), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- bubble
+class _Recorder:
+    """Stands in for the schedules' runner and p2p: records each pass per chunk."""
+
+    def __init__(self, pp_rank, pp, vp):
+        self.pp_rank, self.pp, self.vp = pp_rank, pp, vp
+        self.order, self.count = [], {}
+        self.losses = []
+
+    def _note(self, kind, c):
+        i = self.count.get((kind, c), 0)
+        self.count[(kind, c)] = i + 1
+        self.order.append((kind, i, c))
+
+    def forward(self, c, inp):
+        self._note("F", c)
+        return "out"
+
+    def backward(self, c, inp, out, grad):
+        self._note("B", c)
+        return "grad"
+
+    def is_first(self, c):
+        return self.pp_rank == 0 and c == 0
+
+    def is_last(self, c):
+        return self.pp_rank == self.pp - 1 and c == self.vp - 1
+
+    def __getattr__(self, name):  # p2p: every send / receive hands back a stand-in
+        if name.startswith(("send", "recv", "communicate")):
+            return lambda *a, **k: ("x", "x") if name == "communicate" else "x"
+        raise AttributeError(name)
+
+
+def _recorded_orders(pp, vp, m, monkeypatch):
+    orders = []
+    for rank in range(pp):
+        rec = _Recorder(rank, pp, vp)
+        fake = lambda *a, **k: (rec, rec, rank, pp)  # noqa: E731
+        monkeypatch.setattr(schedules_mod, "_setup", fake)
+        monkeypatch.setattr(interleaved_mod, "_setup", fake)
+        topo = type("T", (), {"layout": type("L", (), {"pp": pp})()})()
+        get_forward_backward_func(pp, vp)([None] * vp, None, m, topo, tensor_shape=None)
+        orders.append(rec.order)
+    return orders
+
+
+@pytest.mark.parametrize("pp,vp,m", [(2, 1, 3), (4, 1, 8), (4, 1, 2), (2, 2, 4), (4, 2, 8),
+                                     (4, 2, 4), (3, 3, 6)])
+def test_bubble_is_the_schedules_idle_slots(pp, vp, m, monkeypatch):
+    # the pass order megaq's schedules issue, rank by rank
+    assert bubble.stage_orders(pp, vp, m) == _recorded_orders(pp, vp, m, monkeypatch)
+    # equal passes: Megatron's bubble, (p-1)(F+B) for 1F1B, / v interleaved
+    f, b = 1.0 / vp, 2.0 / vp
+    t = bubble.simulate(pp, vp, m, lambda s, c: f, lambda s, c: b)
+    assert t.makespan_s == pytest.approx(m * vp * (f + b) + (pp - 1) * (f + b))
+    assert all(i == pytest.approx((pp - 1) * (f + b)) for i in t.idle_s)
+
+
+# ----------------------------------------------------------------------------- search
+def _parse(parser, flags, world, per_node):
+    from megaq.config import RunConfig
+    ns = parser.parse_args(flags + ["--lr", "1e-4", "--train-iters", "1", "--mock-data",
+                                    "--vocab-size", "32000"])
+    return RunConfig.from_flags(ns, world, per_node)
+
+
+@pytest.mark.parametrize("layers,hidden,heads,gpu,nodes,gbs", [
+    (24, 1024, 16, "H100-SXM", 1, 32),       # 350M on one node
+    (24, 2048, 16, "A100-40GB", 2, 64),      # 1.3B on 16 A100s
+    (40, 5120, 40, "H200", 4, 64),           # 13B on 32 H200s
+])
+def test_every_searched_plan_parses_unchanged_and_fits(layers, hidden, heads, gpu, nodes, gbs):
+    from megaq.arguments import build_parser
+    cfg = GPTConfig.llama(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                          vocab_size=32000, seq_length=2048, params_dtype=torch.bfloat16)
+    cluster = Cluster(gpu_preset(gpu), nodes, 8)
+    plans = search(cfg, gbs, 2048, cluster, CAL)
+    assert plans
+    parser = build_parser()
+    seen = set()
+    for plan in plans:
+        run = _parse(parser, plan.flags, cluster.world_size, 8)
+        again = PlanInput.from_config(run)
+        # the same run: model, layout, batch, and every ZeRO setting the plan reads (the
+        # optimizer's hyper-parameters, which come from other flags, aside)
+        zero_kw = {f.name: getattr(plan.input.zero, f.name)
+                   for f in flag_fields(ZeroConfig)} | {"fp8_weights": plan.input.zero.fp8_weights}
+        assert again == dataclasses.replace(
+            plan.input, zero=dataclasses.replace(again.zero, **zero_kw),
+            model=dataclasses.replace(plan.input.model,
+                                      recompute_activations=again.model.recompute_activations)), \
+            plan.name
+        assert plan.prediction.fits and predict(again, cluster, CAL).fits, plan.name
+        seen.add((plan.input.tp, plan.input.pp, plan.input.zero.stage))
+    assert len(seen) > 2  # the search ranges over layouts, not one
+    rates = [p.prediction.tokens_per_s for p in plans]
+    assert rates == sorted(rates, reverse=True)
+
+
+# ----------------------------------------------------------------------------- CLI
+LLAMA = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 --swiglu "
+         "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+         "--untie-embeddings-and-output-weights --bf16 --micro-batch-size 2").split()
+
+
+def _plan_cli(argv, capsys):
+    from megaq.plan_cli import plan_main
+    code = plan_main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_has_the_keys(capsys):
+    code, out, err = _plan_cli(LLAMA + ["--json", "--gpu", "H100-SXM", "--num-nodes", "2",
+                                        "--zero-hpz-partition-size", "8"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib", "fits"):
+        assert key in d
+    assert d["fits"] is True and d["step_time_s"] > 0
+    assert {"compute", "exposed_comm", "bubble", "optimizer"} <= set(d["breakdown_s"])
+    assert {"weight_gather_fwd", "weight_gather_bwd", "grad_reduce", "pp", "tp"} <= set(
+        d["breakdown_s"]["exposed_comm"])
+    assert d["cross_node_bytes_per_iteration"] > 0 and "weights" in d["memory_parts_gib"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--gpu", "B300"], "not a known preset"),
+    (["--tensor-model-parallel-size", "3"], "not divisible by TP"),
+    (["--inter-node-bandwidth", "0"], "--inter-node-bandwidth"),
+    (["--fp8-format", "e4m3", "--gpu", "A100-80GB"], "FP8"),
+    (["--search", "--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+      "--gpu", "V100-32GB", "--gpus-per-node", "1"], "fits on"),
+])
+def test_cli_errors_are_one_line(argv, words, capsys):
+    code, out, err = _plan_cli(LLAMA + argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
+
+
+def test_a_plan_that_does_not_fit_exits_2(capsys):
+    code, out, err = _plan_cli(LLAMA + ["--micro-batch-size", "512", "--gpu", "V100-32GB",
+                                        "--gpus-per-node", "1", "--zero-stage", "0"], capsys)
+    assert code == 2 and "DOES NOT FIT" in out and err.startswith("error: ")
+
+
+def test_pretrain_dry_run_prints_the_plan_without_ranks(capsys):
+    from megaq.pretrain import cli
+    argv = LLAMA + ["--lr", "1e-4", "--train-iters", "5", "--mock-data", "--dry-run",
+                    "--num-nodes", "2", "--gpus-per-node", "8", "--gpu", "H100-SXM",
+                    "--zero-quantized-gradients"]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "step time" in out and "memory per GPU" in out and "qgZ" in out
+    assert not dist.is_initialized()
+
+
+def test_hardware_presets():
+    assert gpu_preset("h100-sxm").name == "H100-SXM"
+    with pytest.raises(HardwareError, match="V100-32GB, A100-40GB"):
+        gpu_preset("TPU")
+    for g in ("V100-32GB", "A100-40GB", "A100-80GB", "H100-SXM", "H800", "H200"):
+        gpu_preset(g)
