@@ -30,7 +30,9 @@ PLAN_ERRORS = CONFIG_ERRORS + (ArgumentsError, HardwareError, PlanError, Calibra
 
 # `tools/plan.py NAME ...` runs main(argv) of the module named here (the calibration
 # fitter and the validation against measured runs live in their own modules).
-SUBCOMMANDS: dict[str, str] = {}
+# the commands that fit and check the model (megaq.planner.tasks), by module
+SUBCOMMANDS: dict[str, str] = {name: f"megaq.planner.{name}"
+                               for name in ("calibrate", "validate", "published", "scale")}
 
 DESCRIPTION = ("Predict megaq's step time, throughput and memory per GPU for a run on a "
                "cluster, from pretrain_gpt.py's own flags and a hardware description; "

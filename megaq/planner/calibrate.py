@@ -384,3 +384,9 @@ def write_atomic(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    """`tools/plan.py calibrate ...` (megaq.plan_cli dispatches here)."""
+    from megaq.planner.tasks import main as run_task
+    return run_task("calibrate", argv)

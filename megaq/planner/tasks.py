@@ -102,8 +102,8 @@ def run(name: str, argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """`argv[0]` is the subcommand. Errors: one line on stderr, status 2."""
+def main(name: str, argv: list[str]) -> int:
+    """Run subcommand `name` with its flags. Errors: one line on stderr, status 2."""
     from megaq.arguments import ArgumentsError
     from megaq.planner.bench_rows import BenchFileError
     from megaq.planner.calibrate import CalibrateError
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     from megaq.planner.hardware import HardwareError
     from megaq.planner.published import PublishedError
     try:
-        return run(argv[0], argv[1:])
+        return run(name, argv)
     except (TaskError, BenchFileError, CalibrateError, CalibrationError, HardwareError,
             PublishedError, ArgumentsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
