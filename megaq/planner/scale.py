@@ -3,7 +3,8 @@
 A Llama-3-70B-shaped model (80 layers, hidden 8192, GQA 8, sequence 4096, full
 recompute) on H100 nodes of 8, every node's cross-node bandwidth limited to 10, 25, 50
 or 100 Gbit/s (a site-to-site share), with 400 Gbit/s (one datacenter NIC) as the
-reference. Weak scaling: every GPU keeps the same tokens per step (8,192), so a perfect
+reference. Weak scaling: every GPU keeps the same tokens per step (16,384, micro-batches
+of 4 sequences), so a perfect
 system holds its per-GPU throughput as GPUs are added.
 
 For each configuration and link the study reports model FLOP utilisation by GPU count,
@@ -23,7 +24,8 @@ GPU = "H100-SXM"
 GPUS_PER_NODE = 8
 GPU_COUNTS = (1024, 2048, 4096, 8192, 16384)
 LINKS_GBIT = (10, 25, 50, 100, 400)
-TOKENS_PER_GPU = 8192
+TOKENS_PER_GPU = 16384
+MICRO_BATCH = 4  # sequences of 4096: 16K tokens per micro-batch, full recompute
 STOPS_BELOW = 0.8
 MODEL = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
          "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "28672",
@@ -31,7 +33,7 @@ MODEL = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads",
          "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16",
          "--recompute-granularity", "full", "--recompute-method", "uniform",
-         "--recompute-num-layers", "1", "--micro-batch-size", "1",
+         "--recompute-num-layers", "1", "--micro-batch-size", str(MICRO_BATCH),
          "--lr", "1e-4", "--train-iters", "10", "--mock-data"]
 # name -> (TP, PP, layout / switch flags). Weight deltas are left out: the byte model's
 # count of their routes (megaq.zero.zeropp.volume.weight_deltas) walks every pair of
@@ -55,10 +57,10 @@ TERMS = {"weight_gather_fwd": "cross-node weight gathers (forward)",
 def config_argv(name: str, gpus: int) -> list[str]:
     tp, pp, flags = CONFIGS[name]
     dp = gpus // (tp * pp)
-    micro_batches = TOKENS_PER_GPU * tp * pp // 4096
+    micro_batches = TOKENS_PER_GPU * tp * pp // (4096 * MICRO_BATCH)
     return MODEL + ["--tensor-model-parallel-size", str(tp),
                     "--pipeline-model-parallel-size", str(pp),
-                    "--global-batch-size", str(dp * micro_batches), *flags]
+                    "--global-batch-size", str(dp * micro_batches * MICRO_BATCH), *flags]
 
 
 def point(name: str, gpus: int, gbit: float, calibration) -> dict:
@@ -100,7 +102,7 @@ def study(calibration=None) -> dict:
                 "bottleneck_share": (stop or worst)["largest_other_share"]})
     return {"what": "megaq's step on paper at 1,024-16,384 H100s, 10-400 Gbit/s per node "
                     "(tools/plan.py scale)",
-            "model": "Llama-3-70B shape, seq 4096, full recompute, micro-batch 1",
+            "model": "Llama-3-70B shape, seq 4096, full recompute, micro-batch 4",
             "gpu": GPU, "gpus_per_node": GPUS_PER_NODE, "tokens_per_gpu_per_step": TOKENS_PER_GPU,
             "stops_scaling_below": STOPS_BELOW, "calibration": cal.source,
             "points": points, "verdicts": verdicts}
@@ -137,7 +139,7 @@ def plot(doc: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("predicted MFU, %")
     axes[-1].legend(fontsize=8)
-    fig.suptitle("megaq on paper: 70B, 8K tokens per GPU per step (tools/plan.py scale)")
+    fig.suptitle("megaq on paper: 70B, 16K tokens per GPU per step (tools/plan.py scale)")
     fig.tight_layout()
     tmp = f"{path}.tmp{os.getpid()}.png"
     fig.savefig(tmp, dpi=110)
