@@ -250,7 +250,7 @@ def _parse(parser, flags, world, per_node):
 @pytest.mark.parametrize("layers,hidden,heads,gpu,nodes,gbs", [
     (24, 1024, 16, "H100-SXM", 1, 32),       # 350M on one node
     (24, 2048, 16, "A100-40GB", 2, 64),      # 1.3B on 16 A100s
-    (40, 5120, 40, "H200", 4, 64),           # 13B on 32 H200s
+    (32, 4096, 32, "H200", 4, 64),           # 7B on 32 H200s
 ])
 def test_every_searched_plan_parses_unchanged_and_fits(layers, hidden, heads, gpu, nodes, gbs):
     from megaq.arguments import build_parser
@@ -261,7 +261,8 @@ def test_every_searched_plan_parses_unchanged_and_fits(layers, hidden, heads, gp
     assert plans
     parser = build_parser()
     seen = set()
-    for plan in plans:
+    assert all(p.prediction.fits for p in plans)  # never one that does not fit
+    for plan in plans[:40]:  # what --search prints (its --top), and more
         run = _parse(parser, plan.flags, cluster.world_size, 8)
         again = PlanInput.from_config(run)
         # the same run: model, layout, batch, and every ZeRO setting the plan reads (the

@@ -18,6 +18,7 @@ from megaq.model.flops import num_flops
 
 from .calibration import Calibration
 from .hardware import GPU
+from .shapes import layer_params, norm_params
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,14 @@ def flop_split(cfg: GPTConfig, tokens: int, tp: int = 1) -> FlopSplit:
     attention = 3.0 * cfg.num_layers * 2 * (2 * cfg.seq_length * q) * tokens
     head = 3.0 * 2 * cfg.hidden_size * cfg.padded_vocab_size(tp) * tokens
     return FlopSplit(total - attention - head, attention, head)
+
+
+def model_flops_per_token(cfg: GPTConfig) -> float:
+    """6 N + 12 L h s, N the non-embedding parameters: the count bench_train.py (and the
+    planner's TFLOP/s per GPU and MFU) use."""
+    per_layer, _ = layer_params(cfg, 1)
+    n = cfg.num_layers * per_layer + norm_params(cfg)
+    return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
 
 
 def recompute_fraction(cfg: GPTConfig, layers_in_chunk: int) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from megaq.flags import flag_fields
 from megaq.model.config import GPTConfig
 from megaq.parallel.topology import LayoutError
-from megaq.zero.config import ZeroConfig, ZeroConfigError
+from megaq.zero.config import ZeroConfig, ZeroConfigError, check_fp8_weight_gathers
 
 from .calibration import Calibration
 from .hardware import Cluster
@@ -54,11 +54,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def zero_variants(base: ZeroConfig, dp_per_node: int, fp8: bool) -> list[ZeroConfig]:
-    """ZeRO-3 with each useful combination of the ZeRO++ switches, and stage 0."""
+def zero_variants(base: ZeroConfig, dp_per_node: int, model: GPTConfig) -> list[ZeroConfig]:
+    """ZeRO-3 with each useful combination of the ZeRO++ switches, and stage 0 (FP8 GEMMs:
+    FP8 weight gathers instead of qwZ, where the recipe allows them)."""
     out = [dataclasses.replace(base, stage=0)]
     hpz = dp_per_node if dp_per_node > 1 else 1
-    qw = dict(fp8_weights=True) if fp8 else dict(quantized_weights=True)
+    qw = dict(fp8_weights=True) if model.fp8 else dict(quantized_weights=True)
     plain = dict(stage=3, hpz_partition_size=1, quantized_weights=False, fp8_weights=False,
                  quantized_gradients=False, weight_deltas=False)
     combos = [{}, qw, dict(quantized_gradients=True), dict(qw, quantized_gradients=True)]
@@ -70,9 +71,11 @@ def zero_variants(base: ZeroConfig, dp_per_node: int, fp8: bool) -> list[ZeroCon
                    dict(hpz_partition_size=hpz, weight_deltas=True)]
     for c in combos:
         try:
-            out.append(dataclasses.replace(base, **dict(plain, **c)))
+            z = dataclasses.replace(base, **dict(plain, **c))
+            check_fp8_weight_gathers(model.fp8, z)
         except ZeroConfigError:
             continue
+        out.append(z)
     return out
 
 
@@ -106,7 +109,7 @@ def search(model: GPTConfig, global_batch: int, seq_len: int, cluster: Cluster,
                     m = global_batch // (mb * dp)
                     if vp > 1 and m % pp:
                         continue
-                    found = [p for z in zero_variants(base, g.m, model.fp8_format is not None)
+                    found = [p for z in zero_variants(base, g.m, model)
                              if (p := _best_recompute(model, z, tp, pp, vp, dp, mb, global_batch,
                                                       bf16, gpn, cluster, calibration))]
                     if not found:
@@ -152,8 +155,12 @@ def why_best(plans: list[Plan]) -> str:
                  f"{runner.prediction.tokens_per_s / bp.tokens_per_s:.1%} of it")
     exposed = bp.exposed_comm_s
     biggest = max(exposed, key=exposed.get)
-    parts = {"compute": bp.compute_s, "bubble": bp.bubble_s, biggest: exposed[biggest]}
-    line += f"; its step is {max(parts, key=parts.get)}-bound"
+    comm = sum(exposed.values())
+    line += (f"; its step: compute {bp.compute_s / bp.step_time_s:.0%}, exposed "
+             f"communication {comm / bp.step_time_s:.0%}")
+    if comm > 0:
+        line += f" (most {biggest})"
+    line += f", bubble {bp.bubble_s / bp.step_time_s:.0%}"
     return line
 
 

@@ -17,8 +17,8 @@ import functools
 import json
 from dataclasses import dataclass, field
 
+from megaq.data.config import MOCK_VOCAB_SIZE
 from megaq.model.config import GPTConfig
-from megaq.model.flops import num_flops
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.topology import Layout, validate_layout
 from megaq.zero.config import ZeroConfig
@@ -55,7 +55,8 @@ class PlanInput:
     @classmethod
     def from_config(cls, run, vocab_size: int | None = None) -> "PlanInput":
         """From megaq.config.RunConfig (megaq.arguments.parse_config's result)."""
-        vocab = run.model.vocab_size or vocab_size or run.data.vocab_size or DEFAULT_VOCAB
+        vocab = (run.model.vocab_size or vocab_size or run.data.vocab_size
+                 or (MOCK_VOCAB_SIZE if run.data.mock_data else DEFAULT_VOCAB))
         p = run.parallel
         return cls(model=dataclasses.replace(run.model, vocab_size=vocab), zero=run.zero,
                    tp=p.tp, pp=p.pp, vp=run.virtual_pipeline_size, dp=p.dp,
@@ -100,8 +101,8 @@ def dp_group_shape(world: int, tp: int, pp: int, ranks_per_node: int, hpz: int,
     group = layout.dp_groups()[0]
     per_node = layout.intra_groups(group)
     k, m = len(per_node), len(per_node[0])
-    return traffic.DPGroupShape(k, m, max(ranks_per_node // (m * tp) * tp, 1)
-                                if m * tp <= ranks_per_node else 1)
+    # every rank of a node is in one DP group, which has m members there
+    return traffic.DPGroupShape(k, m, max(ranks_per_node // m, 1))
 
 
 @dataclass
@@ -323,15 +324,16 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
     # ---- memory on the fullest stage
     parts, peak = memory_peak(pi, cal, g)
     to_gib = {k: v / memory.GIB for k, v in parts.items()}
-    flops = num_flops(cfg, pi.global_batch_size * pi.seq_length, pi.tp)
-    tflops = flops / pi.world_size / step / 1e12
+    # bench_train.py's count, 6 N + 12 L h s per token (N: non-embedding parameters)
+    tokens_per_s = pi.global_batch_size * pi.seq_length / step
+    tflops = tokens_per_s * compute.model_flops_per_token(cfg) / pi.world_size / 1e12
     peak_tf = gpu.peak_bf16_tflops
     layout = {"world_size": pi.world_size, "tp": pi.tp, "pp": pi.pp, "vp": pi.vp, "dp": pi.dp,
               "num_micro_batches": M, "dp_group_nodes": g.k, "dp_ranks_per_node": g.m,
               "parameters": total_params(cfg)}
     notes = []
     return Prediction(
-        step_time_s=step, tokens_per_s=pi.global_batch_size * pi.seq_length / step,
+        step_time_s=step, tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops, mfu=tflops / peak_tf, memory_gib=peak / memory.GIB,
         fits=fits_on(peak, gpu, cal),
         compute_s=compute_s, exposed_comm_s=exposed, bubble_s=bubble_s,
