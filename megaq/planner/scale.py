@@ -95,7 +95,7 @@ def study(calibration=None) -> dict:
             worst = row[-1]
             verdicts.append({
                 "config": n, "inter_node_gbit": b,
-                "mfu_at": {p["gpus"]: p["mfu"] for p in row},
+                "mfu_at": {str(p["gpus"]): p["mfu"] for p in row},
                 "fits": all(p["fits"] for p in row),
                 "stops_scaling_at": stop["gpus"] if stop else None,
                 "bottleneck": (stop or worst)["largest_other_term"],
@@ -115,7 +115,7 @@ def table(doc: dict) -> str:
              "|---|---|" + "---|" * len(gpus) + "---|---|"]
     for v in doc["verdicts"]:
         lines.append(f"| {v['config']} | {v['inter_node_gbit']:g} | "
-                     + " | ".join(f"{100 * v['mfu_at'][g]:.0f}%" for g in gpus)
+                     + " | ".join(f"{100 * v['mfu_at'][str(g)]:.0f}%" for g in gpus)
                      + f" | {v['stops_scaling_at'] or 'beyond ' + str(gpus[-1])} | "
                      + f"{v['bottleneck']} ({100 * v['bottleneck_share']:.0f}%)"
                      + ("" if v["fits"] else " (does not fit)") + " |")
