@@ -60,9 +60,34 @@ class CalibrateError(ValueError):
 
 
 # ------------------------------------------------------------------ the model, as fitted
+class RunFlagsError(ValueError):
+    """pretrain_gpt.py flags of a replayed run that its configuration refuses; one line."""
+
+
 def _run_config(argv, world_size=1, ranks_per_node=None):
-    from megaq.arguments import parse_config
-    return parse_config(list(argv), world_size=world_size, ranks_per_node=ranks_per_node)
+    """pretrain_gpt.py's configuration for `argv`, built from the configuration classes'
+    own flags (megaq.config.FLAG_CLASSES; the CLI's parser adds only Megatron-LM's
+    accepted-and-ignored flags and the planning flags, which replayed runs do not use)."""
+    from megaq.config import FLAG_CLASSES, ConfigError, RunConfig
+    from megaq.data.errors import ArgumentParser, DataError
+    from megaq.flags import add_flags
+    from megaq.model import ModelConfigError
+    from megaq.parallel.pipeline import PipelineConfigError
+    from megaq.parallel.topology import LayoutError
+    from megaq.zero import ZeroConfigError
+
+    class Parser(ArgumentParser):
+        error_class = RunFlagsError
+
+    p = Parser(prog="pretrain_gpt.py")
+    for cls in FLAG_CLASSES:
+        add_flags(p, cls)
+    flags = p.parse_args(list(argv))
+    try:
+        return RunConfig.from_flags(flags, world_size, ranks_per_node)
+    except (ConfigError, DataError, LayoutError, ModelConfigError, PipelineConfigError,
+            ZeroConfigError) as e:
+        raise RunFlagsError(str(e)) from None
 
 
 @functools.lru_cache(maxsize=512)
@@ -384,9 +409,3 @@ def write_atomic(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def main(argv: list[str]) -> int:
-    """`tools/plan.py calibrate ...` (megaq.plan_cli dispatches here)."""
-    from megaq.planner.tasks import main as run_task
-    return run_task("calibrate", argv)

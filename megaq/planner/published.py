@@ -172,9 +172,3 @@ def table(doc: dict) -> str:
                      f"{r['ratio']:.2f}{'' if r['within'] else ' (miss)'} | "
                      f"{pub['zero3']:.1f} / {pred['zero3']:.1f} | {pub['zeropp']:.1f} / {pred['zeropp']:.1f} |")
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """`tools/plan.py published ...` (megaq.plan_cli dispatches here)."""
-    from megaq.planner.tasks import main as run_task
-    return run_task("published", argv)

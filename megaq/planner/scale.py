@@ -145,9 +145,3 @@ def plot(doc: dict, path: str) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
-
-
-def main(argv: list[str]) -> int:
-    """`tools/plan.py scale ...` (megaq.plan_cli dispatches here)."""
-    from megaq.planner.tasks import main as run_task
-    return run_task("scale", argv)

@@ -104,15 +104,14 @@ def run(name: str, argv: list[str]) -> int:
 
 def main(name: str, argv: list[str]) -> int:
     """Run subcommand `name` with its flags. Errors: one line on stderr, status 2."""
-    from megaq.arguments import ArgumentsError
     from megaq.planner.bench_rows import BenchFileError
-    from megaq.planner.calibrate import CalibrateError
+    from megaq.planner.calibrate import CalibrateError, RunFlagsError
     from megaq.planner.calibration import CalibrationError
     from megaq.planner.hardware import HardwareError
     from megaq.planner.published import PublishedError
     try:
         return run(name, argv)
     except (TaskError, BenchFileError, CalibrateError, CalibrationError, HardwareError,
-            PublishedError, ArgumentsError, OSError) as e:
+            PublishedError, RunFlagsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -117,9 +117,3 @@ def table(doc: dict) -> str:
                      f"spread {100 * w['pass_spread']:.1f}%), predicted {w['predicted_winner']}: "
                      f"{'right' if w['right'] else 'WRONG'}")
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """`tools/plan.py validate ...` (megaq.plan_cli dispatches here)."""
-    from megaq.planner.tasks import main as run_task
-    return run_task("validate", argv)
