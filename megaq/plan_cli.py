@@ -43,9 +43,10 @@ def plan_parser() -> argparse.ArgumentParser:
     subs = f" Subcommands: {', '.join(sorted(SUBCOMMANDS))} (tools/plan.py NAME --help)." \
         if SUBCOMMANDS else ""
     p = build_parser(prog="tools/plan.py", description=DESCRIPTION + subs, dry_run=False)
-    for action in p._actions:  # a plan needs no learning rate; training-only flags default
-        if action.dest == "lr":
-            action.required, action.default = False, 1e-4
+    for action in p._actions:  # a plan needs no learning rate; --search picks the micro-batch
+        if action.dest in ("lr", "micro_batch_size"):
+            action.required = False
+            action.default = 1e-4 if action.dest == "lr" else 1
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of "
                    "the table (keys step_time_s, tokens_per_s, tflops_per_gpu, mfu, "
@@ -65,7 +66,7 @@ def _run_config(flags, world: int, ranks_per_node: int) -> RunConfig:
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path",
                  "demo_corpus"):
         setattr(flags, name, None)
-    flags.mock_data = True
+    flags.user_mock_data, flags.mock_data = flags.mock_data, True
     if flags.train_iters is None and flags.train_samples is None:
         flags.train_iters = 1
     try:
@@ -77,7 +78,11 @@ def _run_config(flags, world: int, ranks_per_node: int) -> RunConfig:
 
 
 def _plan_input(run: RunConfig, flags) -> PlanInput:
-    return PlanInput.from_config(run, vocab_size=flags.vocab_size or DEFAULT_VOCAB)
+    """The plan's input; the vocabulary from --vocab-size (or --mock-data's), else assumed."""
+    if flags.vocab_size or flags.user_mock_data:
+        return PlanInput.from_config(run, vocab_size=flags.vocab_size)
+    return dataclasses.replace(PlanInput.from_config(run, vocab_size=DEFAULT_VOCAB),
+                               vocab_assumed=True)
 
 
 def plan_main(argv: list[str] | None = None) -> int:

@@ -308,6 +308,22 @@ def test_plan_json_has_the_keys(capsys):
     assert d["cross_node_bytes_per_iteration"] > 0 and "weights" in d["memory_parts_gib"]
 
 
+def test_search_json_plans_parse_unchanged(capsys):
+    """The flags --search prints (here with the parser's default head count, a required
+    flag that must still be written out) are a run pretrain_gpt.py accepts."""
+    from megaq.arguments import build_parser
+    code, out, err = _plan_cli(LLAMA + ["--search", "--json", "--top", "3", "--num-nodes", "2",
+                                        "--global-batch-size", "32"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["reason"] and len(d["plans"]) == 3
+    parser = build_parser()
+    for plan in d["plans"]:
+        run = _parse(parser, plan["flags"], 16, 8)
+        assert run.model.num_attention_heads == 4 and run.training.global_batch_size == 32
+        assert plan["fits"] and plan["step_time_s"] > 0
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--gpu", "B300"], "not a known preset"),
     (["--tensor-model-parallel-size", "3"], "not divisible by TP"),

@@ -23,7 +23,8 @@ class HardwareFlags:
 
     gpu: str = flag("--gpu", f"GPU preset: {', '.join(PRESETS)}", "H200", metavar="NAME")
     num_nodes: int | None = flag(
-        "--num-nodes", "nodes of the cluster (default: world size / --gpus-per-node)", type=int)
+        "--num-nodes", "nodes of the cluster (pretrain_gpt.py: default world size / "
+        "--gpus-per-node; tools/plan.py: default 1)", type=int)
     inter_node_bandwidth: float = flag(
         "--inter-node-bandwidth", "Gbit/s between nodes per node, all NICs together",
         DEFAULT_INTER_NODE_GBIT_PER_S, type=float, metavar="GBIT_S")

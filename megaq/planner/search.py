@@ -174,7 +174,8 @@ def _render(obj, skip=()) -> list[str]:
         if f.metadata["argparse"].get("action") == "store_true" and f.metadata["value"] is None:
             if value:
                 out.append(name)
-        elif f.metadata["value"] is None and value is not None and value != f.default:
+        elif f.metadata["value"] is None and value is not None and (
+                value != f.default or f.metadata["argparse"].get("required")):
             out += [name, str(value)]
     return out
 

@@ -51,14 +51,18 @@ class PlanInput:
     bf16: bool = True
     gpus_per_node: int = 8           # ranks per node of the layout (the node map)
     rank_order: str = "tp-dp-pp"
+    # the vocabulary is DEFAULT_VOCAB because nothing said otherwise (a tokenizer's is
+    # only known once it is loaded): the plan says so
+    vocab_assumed: bool = field(default=False, compare=False)
 
     @classmethod
     def from_config(cls, run, vocab_size: int | None = None) -> "PlanInput":
         """From megaq.config.RunConfig (megaq.arguments.parse_config's result)."""
         vocab = (run.model.vocab_size or vocab_size or run.data.vocab_size
-                 or (MOCK_VOCAB_SIZE if run.data.mock_data else DEFAULT_VOCAB))
+                 or (MOCK_VOCAB_SIZE if run.data.mock_data else None))
         p = run.parallel
-        return cls(model=dataclasses.replace(run.model, vocab_size=vocab), zero=run.zero,
+        return cls(model=dataclasses.replace(run.model, vocab_size=vocab or DEFAULT_VOCAB),
+                   zero=run.zero, vocab_assumed=vocab is None,
                    tp=p.tp, pp=p.pp, vp=run.virtual_pipeline_size, dp=p.dp,
                    sequence_parallel=p.sequence_parallel,
                    micro_batch_size=run.training.micro_batch_size,
@@ -332,6 +336,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
               "num_micro_batches": M, "dp_group_nodes": g.k, "dp_ranks_per_node": g.m,
               "parameters": total_params(cfg)}
     notes = []
+    if pi.vocab_assumed:
+        notes.append(f"vocabulary assumed {DEFAULT_VOCAB} (the tokenizer's is known only once "
+                     f"it is loaded); pass --vocab-size N for another")
     return Prediction(
         step_time_s=step, tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops, mfu=tflops / peak_tf, memory_gib=peak / memory.GIB,
