@@ -96,8 +96,10 @@ def test_published_speedups_keep_their_order_and_tolerance():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["calibrate", "--bench-train", "docs/results/kernels_h200.json", "-o", "{tmp}/c.json"],
-     "--bench-train"),
+    (["calibrate", "--bench-train", "{results}/kernels_h200.json", "-o", "{tmp}/c.json"],
+     "pass it with --bench-kernels"),
+    (["calibrate", "--bench-kernels", "{results}/fp8final_h200_3B.json", "-o", "{tmp}/c.json"],
+     "pass it with --bench-train"),
     (["calibrate", "--bench-kernels", "{tmp}/missing.json", "-o", "{tmp}/c.json"], "missing.json"),
     (["calibrate", "-o", "{tmp}/no/such/dir/c.json"], "does not exist"),
     (["validate", "--calibration", "{tmp}/missing.json"], "missing.json"),
@@ -105,7 +107,7 @@ def test_published_speedups_keep_their_order_and_tolerance():
 ])
 def test_subcommand_errors_are_one_line(tmp_path, capsys, argv, needle):
     from megaq.planner.tasks import main
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{results}", RESULTS) for a in argv]
     assert main(argv[0], argv[1:]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err

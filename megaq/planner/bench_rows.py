@@ -101,7 +101,7 @@ def read_train_rows(path: str) -> list[TrainRow]:
     """The megaq rows of one bench_train.py JSON (failed and reference rows left out)."""
     doc = _load_json(path)
     results = doc.get("results")
-    if not isinstance(results, list) or doc.get("seq", BENCH_SEQ) != BENCH_SEQ:
+    if not isinstance(results, list) or "meta" in doc or doc.get("seq", BENCH_SEQ) != BENCH_SEQ:
         raise BenchFileError(f"{path} is not a bench_train.py result (no 'results' list at seq "
                              f"{BENCH_SEQ}); pass it with --bench-kernels if it is bench_kernels.py's")
     rows = []
