@@ -30,7 +30,9 @@ PLAN_ERRORS = CONFIG_ERRORS + (ArgumentsError, HardwareError, PlanError, Calibra
 
 # `tools/plan.py NAME ...` runs main(argv) of the module named here (the calibration
 # fitter and the validation against measured runs live in their own modules).
-SUBCOMMANDS: dict[str, str] = {}
+# the commands that fit and check the model (megaq.planner.tasks), by module
+SUBCOMMANDS: dict[str, str] = {name: "megaq.planner.tasks"
+                               for name in ("calibrate", "validate", "published", "scale")}
 
 DESCRIPTION = ("Predict megaq's step time, throughput and memory per GPU for a run on a "
                "cluster, from pretrain_gpt.py's own flags and a hardware description; "
@@ -86,7 +88,7 @@ def _plan_input(run: RunConfig, flags) -> PlanInput:
 def plan_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
-        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[0], argv[1:])
     try:
         flags = plan_parser().parse_args(argv)
         hw = from_flags(HardwareFlags, flags)

@@ -1,0 +1,119 @@
+"""Replay the project's own measurements against the step model: predicted / measured.
+
+Three kinds of row, each with the bound docs/PLANNING.md states for it:
+
+- `step`: one H200, bench_train.py's measured step (median of its timed steps), 1.3B
+  and 3B, bf16 and FP8, ZeRO stage 0 and stage 3 at DP 1; within 10%.
+- `memory`: the same runs' peak allocated memory; within 10%.
+- `emulated`: the two-node emulation (docs/CLUSTER_EMULATION.md): GPU-speed ranks, two
+  per "node", over a tc-shaped veth link at 250 Mbit/s and 1 Gbit/s; within 20%, and
+  the fastest configuration at each rate named correctly.
+
+The files the calibration was fitted on (megaq.planner.calibrate.FIT_*) are not
+replayed here, except the emulated ZeRO-3 rows, which are marked `fitted`: the held-out
+rows are the check. Nothing here is tuned per row.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megaq.planner.bench_rows import read_train_rows
+from megaq.planner.calibrate import (EMULATED_FIT_CONFIGS, RESULTS, _allocated_gib, _predict,
+                                     emulated_calibration, emulated_cluster, emulated_rows)
+
+# held-out bench_train.py files: the current step (fp8final*) and the ZeRO-3 / FP8-gather
+# runs at DP 1; no 3B run is in the calibration's files
+VALIDATE_TRAIN_FILES = ("fp8final_h200_1.3B.json", "fp8final_h200_1.3B_recheck.json",
+                        "fp8final_h200_3B.json", "fp8_gather_h200_1.3B.json")
+VALIDATE_EMULATED_FILE = "emulated_cluster_gpu.json"
+BOUNDS = {"step": 0.10, "memory": 0.10, "emulated": 0.20}
+OUT = os.path.join(RESULTS, "planner_validation.json")
+
+
+def _row(kind, label, source, predicted, measured, fitted=False, **extra):
+    ratio = predicted / measured
+    return {"kind": kind, "label": label, "source": source, "predicted": round(predicted, 4),
+            "measured": round(measured, 4), "ratio": round(ratio, 4), "bound": BOUNDS[kind],
+            "within": abs(ratio - 1) <= BOUNDS[kind], "fitted": fitted, **extra}
+
+
+def single_gpu_rows(calibration, files=None) -> list[dict]:
+    out = []
+    for name in files or VALIDATE_TRAIN_FILES:
+        path = name if os.path.isabs(name) else os.path.join(RESULTS, name)
+        for r in read_train_rows(path):
+            if r.fp8 is not None and r.fp8[1] == "rowwise":
+                continue
+            p = _predict(r.argv, calibration)
+            out.append(_row("step", r.label, r.source, p.step_time_s * 1e3, r.step_ms, unit="ms"))
+            out.append(_row("memory", r.label, r.source, _allocated_gib(p), r.peak_mem_gib,
+                            unit="GiB"))
+    return out
+
+
+def emulated_validation(calibration, link: dict, path=None) -> tuple[list[dict], list[dict]]:
+    """The emulated rows and, per link rate, the measured and predicted winner."""
+    path = path or os.path.join(RESULTS, VALIDATE_EMULATED_FILE)
+    rows, by_rate = [], {}
+    for r in emulated_rows(path):
+        p = _predict(r["argv"], emulated_calibration(calibration, link),
+                     emulated_cluster(r["rate_gbit"], link))
+        spread = (max(r["passes_ms"]) - min(r["passes_ms"])) / r["step_ms"]
+        row = _row("emulated", f"{r['rate']} {r['config']}", os.path.basename(path),
+                   p.step_time_s * 1e3, r["step_ms"], fitted=r["config"] in EMULATED_FIT_CONFIGS,
+                   unit="ms", pass_spread=round(spread, 3))
+        rows.append(row)
+        by_rate.setdefault(r["rate"], []).append(row)
+    winners = []
+    for rate, rs in by_rate.items():
+        m = sorted(rs, key=lambda x: x["measured"])
+        pr = min(rs, key=lambda x: x["predicted"])
+        margin = m[1]["measured"] / m[0]["measured"] - 1
+        noise = max(x["pass_spread"] for x in m[:2])
+        winners.append({"rate": rate, "measured_winner": m[0]["label"].split(" ", 1)[1],
+                        "predicted_winner": pr["label"].split(" ", 1)[1],
+                        "runner_up": m[1]["label"].split(" ", 1)[1],
+                        "measured_margin": round(margin, 3), "pass_spread": round(noise, 3),
+                        "right": pr is m[0],
+                        "margin_within_noise": margin <= noise})
+    return rows, winners
+
+
+def validate(calibration=None, link=None) -> dict:
+    from megaq.planner.calibration import DEFAULT_PATH, load_calibration
+    import json
+    cal = calibration or load_calibration()
+    if link is None:
+        with open(DEFAULT_PATH) as f:
+            link = json.load(f).get("emulated_link")
+    rows = single_gpu_rows(cal)
+    winners = []
+    if link:
+        emu, winners = emulated_validation(cal, link)
+        rows += emu
+    held = [r for r in rows if not r["fitted"]]
+    summary = {kind: {"rows": sum(r["kind"] == kind for r in held),
+                      "within": sum(r["kind"] == kind and r["within"] for r in held),
+                      "worst_ratio": max((r["ratio"] for r in held if r["kind"] == kind),
+                                         key=lambda x: abs(x - 1), default=None)}
+               for kind in BOUNDS}
+    return {"what": "the step model's predictions against the project's measured runs "
+                    "(tools/plan.py validate)",
+            "bounds": BOUNDS, "calibration": cal.source, "rows": rows, "winners": winners,
+            "summary": summary}
+
+
+def table(doc: dict) -> str:
+    lines = ["| kind | run | file | predicted | measured | pred / meas | within |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        mark = ("yes" if r["within"] else "**no**") + (" (fitted)" if r["fitted"] else "")
+        lines.append(f"| {r['kind']} | {r['label']} | {r['source']} | {r['predicted']:.4g} {r['unit']} "
+                     f"| {r['measured']:.4g} {r['unit']} | {r['ratio']:.3f} | {mark} |")
+    for w in doc["winners"]:
+        lines.append(f"\nat {w['rate']}: measured fastest {w['measured_winner']} "
+                     f"(then {w['runner_up']}, {100 * w['measured_margin']:.1f}% slower; pass "
+                     f"spread {100 * w['pass_spread']:.1f}%), predicted {w['predicted_winner']}: "
+                     f"{'right' if w['right'] else 'WRONG'}")
+    return "\n".join(lines)
