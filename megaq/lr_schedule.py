@@ -67,7 +67,7 @@ class LRSchedule:
 
     @classmethod
     def from_config(cls, optimizer, global_batch_size: int = 1) -> "LRSchedule":
-        """From a megaq.config.OptimizerConfig (which checked the values) and the run's
+        """From a megaq.config.run.OptimizerConfig (which checked the values) and the run's
         global batch size (what each update adds to the sample count)."""
         samples = optimizer.schedule_unit == "samples"
         return cls(max_lr=optimizer.lr, min_lr=optimizer.min_lr,

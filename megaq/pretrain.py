@@ -45,7 +45,7 @@ def _init_distributed(parallel):
 
 
 def _check_topology_matches(parallel, topo) -> None:
-    from megaq.arguments import ArgumentsError
+    from megaq.config.arguments import ArgumentsError
     lay, want = topo.layout, parallel.layout
     if lay != want:
         raise ArgumentsError(f"the given topology (TP={lay.tp}, PP={lay.pp}, hpZ={lay.hpz_size}, "
@@ -57,7 +57,7 @@ def _check_topology_matches(parallel, topo) -> None:
 def main(argv: list[str] | None = None, topo=None):
     """Train; returns the final TrainState. Raises ArgumentsError / CheckpointError /
     DataError / TrainingDiverged with one-line messages (the CLI prints them)."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
 
     t_start = time.perf_counter()
     if topo is None:
@@ -99,7 +99,7 @@ def save_hf(checkpointing, topo) -> None:
 
 def build_trainer(config, topo, t_start: float | None = None):
     """Everything up to the first iteration: data, model, engine, checkpoint load.
-    `config` is a megaq.config.RunConfig; `topo` this rank's Topology; `t_start` the
+    `config` is a megaq.config.run.RunConfig; `topo` this rank's Topology; `t_start` the
     perf_counter() the setup time printed counts from (default: now)."""
     from megaq import failure
     from megaq.checkpoint import guard
@@ -282,7 +282,7 @@ def _print_banner(config, topo) -> None:
 
 def cli(argv=None) -> int:
     from megaq import failure
-    from megaq.arguments import ArgumentsError
+    from megaq.config.arguments import ArgumentsError
     from megaq.checkpoint import guard
     from megaq.checkpoint.errors import CheckpointError
     from megaq.data.errors import DataError

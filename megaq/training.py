@@ -61,7 +61,7 @@ class TrainState:
 class TrainingParts:
     """What the loop drives; built by megaq.pretrain.build_trainer."""
 
-    config: object  # megaq.config.RunConfig
+    config: object  # megaq.config.run.RunConfig
     topo: object
     model_chunks: list
     engine: object

@@ -11,11 +11,11 @@ import torch
 
 import dataclasses
 
-from megaq.arguments import ArgumentsError, build_parser, parse_config
-from megaq.config import FLAG_CLASSES
-from megaq.flags import dest, flag_fields
+from megaq.config.arguments import ArgumentsError, build_parser, parse_config
+from megaq.config.flags import dest, flag_fields
+from megaq.config.megatron_flags import IMPLEMENTED, MEGATRON_FLAGS
+from megaq.config.run import FLAG_CLASSES
 from megaq.lr_schedule import LRSchedule
-from megaq.megatron_flags import IMPLEMENTED, MEGATRON_FLAGS
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10",
@@ -197,7 +197,7 @@ def test_every_flag_is_one_config_field():
                and a.option_strings[0] != "-h"}
     assert set(seen) <= set(actions)
     # the rest are Megatron-LM's flags that megaq accepts with a note or refuses
-    # (megaq.megatron_flags), nothing else
+    # (megaq.config.megatron_flags), nothing else
     compat = {f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED}
     assert set(actions) - set(seen) <= compat, set(actions) - set(seen) - compat
     for cls in FLAG_CLASSES:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megaq import logging_utils
-from megaq.arguments import ArgumentsError, parse_config
+from megaq.config.arguments import ArgumentsError, parse_config
 from megaq.logging_utils import timers_block
 from megaq.parallel.launch import run_on_ranks
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megaq import pretrain
-from megaq.arguments import ArgumentsError, parse_config
+from megaq.config.arguments import ArgumentsError, parse_config
 from megaq.checkpoint import paths
 from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.lr_schedule import LRSchedule, ScheduleMismatchError

@@ -31,8 +31,8 @@ from megaq.checkpoint.errors import CheckpointError  # noqa: E402
 from megaq.checkpoint.formats import checkpoint_layout  # noqa: E402
 from megaq.checkpoint.integrity import Verifier  # noqa: E402
 from megaq.checkpoint.paths import TRACKER_FILE, iteration_dir, read_tracker  # noqa: E402
-from megaq.config import CheckpointConfig  # noqa: E402
-from megaq.flags import add_flag  # noqa: E402
+from megaq.config.flags import add_flag  # noqa: E402
+from megaq.config.run import CheckpointConfig  # noqa: E402
 from megaq.parallelize import apply_fp8  # noqa: E402
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from megaq.flags import flag, flag_name, set_derived, switch
+from megaq.config.flags import flag, flag_name, set_derived, switch
 from megaq.parallel.fp8 import FP8Recipe
 from megaq.parallel.tensor_parallel import pad_vocab_size
 
@@ -19,7 +19,7 @@ class ModelConfigError(ValueError):
 @dataclass(frozen=True)
 class GPTConfig:
     """The model's hyper-parameters (Megatron's TransformerConfig names); the fields made
-    with flag()/switch() are also pretrain_gpt.py's model flags (megaq.flags)."""
+    with flag()/switch() are also pretrain_gpt.py's model flags (megaq.config.flags)."""
 
     FLAG_GROUP: ClassVar[str] = "model"
 
@@ -200,7 +200,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
-        """Inverse of megaq.flags.to_dict (a checkpoint's stored model configuration)."""
+        """Inverse of megaq.config.flags.to_dict (a checkpoint's stored model configuration)."""
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         if isinstance(kw.get("params_dtype"), str):
             kw["params_dtype"] = getattr(torch, kw["params_dtype"].rsplit(".", 1)[-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from megaq.flags import flag, set_derived, switch
+from megaq.config.flags import flag, set_derived, switch
 from megaq.parallel.topology import Layout, LayoutError
 
 

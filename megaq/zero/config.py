@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from megaq.flags import flag, switch
+from megaq.config.flags import flag, switch
 from megaq.kernels.format import HADAMARD_SIZE, INT4_CODES, QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
@@ -41,7 +41,7 @@ class ZeroConfigError(ValueError):
 @dataclass(frozen=True)
 class ZeroConfig:
     """Fields made with flag()/switch() are pretrain_gpt.py's --zero-* flags (DeepSpeed's
-    names; their --help section is FLAG_GROUP); megaq.config.RunConfig.from_flags fills
+    names; their --help section is FLAG_GROUP); megaq.config.run.RunConfig.from_flags fills
     the rest from the training and optimizer flags."""
 
     FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"

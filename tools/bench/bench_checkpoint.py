@@ -92,7 +92,7 @@ def _exact_malloc() -> None:
 def _bench_rank(topo, argv, work):
     import torch
 
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     from megaq.checkpoint import staging
     from megaq.checkpoint.load import load_checkpoint
     from megaq.checkpoint.paths import iteration_dir

@@ -76,7 +76,7 @@ def model_configs(tiny: bool, with_gpt2: bool, tokenizer_vocab) -> dict:
 def run_config(model, steps: int, micro_batch: int, data_flags: list[str]):
     """The RunConfig a checkpoint records: pretrain_gpt.py's parse of the run's flags, with
     `model` (the GPTConfig actually trained) as its model section."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
              "--num-attention-heads", str(model.num_attention_heads),
              "--seq-length", str(model.seq_length), "--micro-batch-size", str(micro_batch),

@@ -10,12 +10,12 @@
       checkpointing  CheckpointConfig               --save, --load, --save-interval, ...
       logging        LoggingConfig                  --log-interval, --eval-iters, --metrics-file, ...
 
-Each class declares its flags as fields (megaq.flags: name, help, default live on the
+Each class declares its flags as fields (megaq.config.flags: name, help, default live on the
 field) and checks its own values in ``__post_init__``, next to what it guards; checks
 that span two classes (heads vs TP, layers vs pipeline stages, micro-batches vs
 interleaving) live in :meth:`RunConfig.__post_init__`, and call the helper of the layer
 that owns the rule. :meth:`RunConfig.from_flags` is the one builder from parsed flags
-(megaq.arguments.parse_config parses and calls it).
+(megaq.config.arguments.parse_config parses and calls it).
 
 A run's vocabulary is only known once the tokenizer is loaded: the model's
 ``vocab_size`` is None until :meth:`RunConfig.resolved` fills it in with the data setup's
@@ -38,7 +38,7 @@ import torch
 
 from megaq import export_files
 from megaq.data.config import DataConfig
-from megaq.flags import flag, from_flags, set_derived, switch, to_dict
+from megaq.config.flags import flag, from_flags, set_derived, switch, to_dict
 from megaq.model.config import GPTConfig
 from megaq.parallel.config import ParallelConfig
 from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatches_per_step,
@@ -388,7 +388,7 @@ class LoggingConfig:
         _at_least(self, 0, "eval_iters")
 
 
-# The flag groups of --help, in order (megaq.arguments.build_parser).
+# The flag groups of --help, in order (megaq.config.arguments.build_parser).
 FLAG_CLASSES = (GPTConfig, ParallelConfig, ZeroConfig, TrainingConfig, OptimizerConfig,
                 DataConfig, CheckpointConfig, LoggingConfig)
 
