@@ -20,9 +20,9 @@ GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
 OPTIMIZER_NAMES = ("adam", "sgd")  # --optimizer (megaq.zero.optimizer.OPTIMIZERS)
 
 # Elements per quantization block: the ZeRO-3 flat buffers are padded to a multiple
-# of dp_size * block_size, and qwZ / qgZ keep one fp32 scale per block. Training has
-# always used 2048 (--zero-quantization-block-size overrides it); the kernel
-# benchmarks choose their own block explicitly.
+# of dp_size * block_size, and qwZ / qgZ keep one fp32 scale per block. The one default
+# block (--zero-quantization-block-size overrides it): the kernels have none, every call
+# names its block, and the kernel benchmarks pass their own (4096) explicitly.
 DEFAULT_BLOCK_SIZE = 2048
 
 # Elements of each rank's shard per qgZ chunk: big enough that one chunk's collectives
