@@ -31,26 +31,28 @@ def seed_everything(seed: int, topo) -> None:
     model_parallel_manual_seed(seed, topo.tp_rank)
 
 
-def _init_distributed(parallel):
+def _init_distributed(config):
+    """The process groups of the layout the flags gave (config.parallel.layout, built
+    once from the launcher's world size and node map) and of hpZ's size."""
     from megaq.parallel.launch import init_from_env
-    from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
+    from megaq.parallel.topology import build_topology
     from megaq.parallel import peers
+    parallel, layout = config.parallel, config.parallel.layout
     rank, world = init_from_env(parallel.distributed_backend,
                                 parallel.distributed_timeout_minutes, parallel.device)
-    rpn = ranks_per_node_from_env(world, rank, parallel.gpus_per_node)
-    layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
-                    hpz_size=parallel.hpz_size, order=parallel.rank_order)
     peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.failure)
-    return build_topology(layout, rank)
+    return build_topology(layout, rank, hpz_size=config.zero.hpz_partition_size)
 
 
-def _check_topology_matches(parallel, topo) -> None:
+def _check_topology_matches(config, topo) -> None:
+    """main(argv, topo): the caller's topology must be the one the flags describe."""
     from megaq.config.arguments import ArgumentsError
-    lay, want = topo.layout, parallel.layout
-    if lay != want:
-        raise ArgumentsError(f"the given topology (TP={lay.tp}, PP={lay.pp}, hpZ={lay.hpz_size}, "
+    lay, want = topo.layout, config.parallel.layout
+    hpz, want_hpz = topo.hpz.size, config.zero.hpz_partition_size
+    if lay != want or hpz != want_hpz:
+        raise ArgumentsError(f"the given topology (TP={lay.tp}, PP={lay.pp}, hpZ={hpz}, "
                              f"order {lay.order}, {lay.ranks_per_node} ranks per node) does not "
-                             f"match the flags (TP={want.tp}, PP={want.pp}, hpZ={want.hpz_size}, "
+                             f"match the flags (TP={want.tp}, PP={want.pp}, hpZ={want_hpz}, "
                              f"order {want.order}, {want.ranks_per_node} ranks per node)")
 
 
@@ -69,12 +71,12 @@ def main(argv: list[str] | None = None, topo=None):
         config = parse_config(argv, world_size=world,
                               ranks_per_node=ranks_per_node_from_env(world, rank),
                               print_notes=rank == 0)
-        topo = _init_distributed(config.parallel)
+        topo = _init_distributed(config)
     else:
         config = parse_config(argv, world_size=topo.layout.world_size,
                               ranks_per_node=topo.layout.ranks_per_node,
                               print_notes=topo.rank == 0)
-        _check_topology_matches(config.parallel, topo)
+        _check_topology_matches(config, topo)
     if config.checkpointing.save_hf:  # refuse an architecture transformers lacks before training
         from megaq.interop.hf import model_family
         model_family(config.model)

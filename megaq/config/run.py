@@ -43,7 +43,7 @@ from megaq.model.config import GPTConfig
 from megaq.parallel.config import ParallelConfig
 from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatches_per_step,
                                            virtual_pipeline_size)
-from megaq.parallel.topology import check_model_fits_tp
+from megaq.parallel.topology import check_hpz_size, check_model_fits_tp
 from megaq.zero import ZeroConfig, check_fp8_weight_gathers
 from megaq.zero.config import OPTIMIZER_NAMES
 
@@ -407,6 +407,7 @@ class RunConfig:
     def __post_init__(self):
         # Rules that span two classes, each checked by the helper of the layer owning it.
         m, p = self.model, self.parallel
+        check_hpz_size(p.layout, self.zero.hpz_partition_size)  # hpZ's groups vs the nodes
         check_model_fits_tp(p.tp, m.num_attention_heads,
                             m.num_query_groups if m.group_query_attention else None)
         check_num_microbatches(self.training.num_micro_batches, p.pp, self.virtual_pipeline_size)
@@ -425,11 +426,8 @@ class RunConfig:
     def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":
         """The run's configuration from parsed flags (an argparse namespace) and the
         launcher's world size and ranks per node."""
-        # hpZ groups only under ZeRO-3: with stage 0 ZeroConfig's "needs --zero-stage 3" is the
-        # line to give, not a layout complaint about the partition size
-        hpz = flags.zero_hpz_partition_size if flags.zero_stage == 3 else 1
         parallel = from_flags(ParallelConfig, flags, world_size=world_size,
-                              ranks_per_node=ranks_per_node, hpz_size=hpz)
+                              ranks_per_node=ranks_per_node)
         training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
         optimizer = from_flags(OptimizerConfig, flags, train_iters=training.train_iters,
                                train_samples=training.train_samples)

@@ -41,10 +41,9 @@ class ParallelConfig:
     distributed_timeout_minutes: float = flag(
         "--distributed-timeout-minutes", "a collective waiting this long for a peer fails the "
         "job (every process group; fractions allowed)", 10, type=float)
-    # ---- from the launcher and the ZeRO flags, not from these flags ----
+    # ---- from the launcher, not from these flags ----
     world_size: int = 1
     ranks_per_node: int | None = None  # the launcher's; --gpus-per-node overrides it
-    hpz_size: int = 1                  # --zero-hpz-partition-size (the hpZ groups)
     layout: Layout | None = None       # derived: the validated rank grid
 
     def __post_init__(self):
@@ -59,7 +58,7 @@ class ParallelConfig:
         layout = Layout(world_size=self.world_size, tp=self.tensor_model_parallel_size,
                         pp=self.pipeline_model_parallel_size,
                         ranks_per_node=self.gpus_per_node or self.ranks_per_node,
-                        hpz_size=self.hpz_size, order=self.rank_order)
+                        order=self.rank_order)
         # as Megatron: with TP = 1 there is nothing to split the sequence over
         set_derived(self, layout=layout,
                     sequence_parallel=self.sequence_parallel and layout.tp > 1)

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megaq.parallel.topology import Layout, LayoutError, Topology, build_topology
+from megaq.parallel.topology import Layout, LayoutError, Topology, build_topology, check_hpz_size
 
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron's --distributed-timeout-minutes default
@@ -98,7 +98,7 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
-def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
+def _worker(rank, world_size, layout_kw, hpz_size, init_file, fn, args, queue):
     try:
         # Forked children share the parent's OpenMP pool state; one thread each avoids
         # oversubscribing CI's 2 cores and the classic fork-after-OpenMP hang.
@@ -106,7 +106,7 @@ def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=_set_group_timeout(2.0))
-        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank)
+        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, hpz_size)
         from megaq.parallel import comm
         comm.STATS.reset()
         result = fn(topo, *args)
@@ -125,8 +125,8 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
 
     fn and its results must be picklable only when the start method is not fork.
     """
-    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, hpz_size=hpz_size, order=order)
-    Layout(world_size=world_size, **layout_kw)  # validate before forking
+    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, order=order)
+    check_hpz_size(Layout(world_size=world_size, **layout_kw), hpz_size)  # validate before forking
     # torch.optim, checkpointing and custom autograd Functions import torch._dynamo lazily
     # (seconds of CPU); importing it once here lets every forked rank inherit it.
     import torch._dynamo  # noqa: F401
@@ -135,7 +135,7 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, layout_kw, init_file, fn, args, queue))
+                             args=(r, world_size, layout_kw, hpz_size, init_file, fn, args, queue))
                  for r in range(world_size)]
         for p in procs:
             p.start()
