@@ -127,7 +127,7 @@ def build_trainer(config, topo, t_start: float | None = None):
                                    n_evals * log.eval_iters * t.global_batch_size,
                                    0))  # the test split is never read in training: no samples
     config = config.resolved(data.config, data.vocab_size)
-    chunks, engine = parallelize(config.model, topo, config.zero,
+    chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size, device=_device(config.parallel))
     schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size)
     state = TrainState()

@@ -167,13 +167,17 @@ def test_zero_flags_reach_the_engine_config():
     assert z.fp8_weights and not z.quantized_weights
     z = parse(["--zero-quantized-gradients"], world=1).zero
     assert isinstance(z, ZeroConfig) and z.grad_chunk == ZeroConfig().grad_chunk
-    z = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096",
+    c = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096",
                "--zero-quantized-gradients-bits", "8", "--zero-quantization-block-size", "64",
                "--zero-gradient-error-feedback", "--zero-quantized-weights", "--bf16",
-               "--adam-beta2", "0.95", "--weight-decay", "0.1"], world=1).zero
+               "--adam-beta2", "0.95", "--weight-decay", "0.1"], world=1)
+    z, o = c.zero, c.optimizer
     assert (z.grad_chunk, z.grad_bits_intra, z.grad_bits_inter, z.block_size) == (4096, 8, 8, 64)
     assert z.error_feedback and z.quantized_weights and z.gather_dtype == torch.bfloat16
-    assert z.betas == (0.9, 0.95) and z.weight_decay == 0.1 and z.lr == 1e-3
+    # the optimizer's values live in OptimizerConfig only; the engine takes it beside z
+    assert (o.adam_beta1, o.adam_beta2, o.weight_decay, o.lr) == (0.9, 0.95, 0.1, 1e-3)
+    assert not {"lr", "betas", "eps", "weight_decay", "optimizer", "sgd_momentum"} & set(
+        dataclasses.asdict(z))
     z = parse(["--zero-hpz-partition-size", "2", "--zero-weight-deltas",
                "--zero-weight-delta-bits", "8"], world=2).zero
     assert z.weight_deltas and z.weight_delta_bits == 8 and z.hpz_partition_size == 2

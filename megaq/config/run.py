@@ -144,7 +144,9 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer (AdamW or momentum SGD) and the learning-rate schedule
-    (megaq.lr_schedule.LRSchedule.from_config)."""
+    (megaq.lr_schedule.LRSchedule.from_config). The ZeRO engine takes this object itself
+    as its update rule (build_engine(..., optimizer=config.optimizer): the attribute names
+    of megaq.zero.OptimizerSettings), so the values live here only."""
 
     FLAG_GROUP: ClassVar[str] = "optimizer and learning rate"
 
@@ -434,12 +436,9 @@ class RunConfig:
         model = from_flags(GPTConfig, flags, vocab_size=None,
                            sequence_parallel=parallel.sequence_parallel,
                            params_dtype=training.params_dtype, seed=training.seed)
-        zero = from_flags(  # the --zero-* flags, plus the engine settings other flags own
+        zero = from_flags(  # the --zero-* flags (the optimizer's are passed beside them)
             ZeroConfig, flags, fp8_weights=flags.zero_quantized_weights == "fp8",
-            gather_dtype=training.params_dtype, optimizer=optimizer.optimizer,
-            sgd_momentum=optimizer.sgd_momentum, lr=optimizer.lr,
-            betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
-            weight_decay=optimizer.weight_decay)
+            gather_dtype=training.params_dtype)
         return cls(model=model, parallel=parallel, zero=zero,
                    data=from_flags(DataConfig, flags), training=training, optimizer=optimizer,
                    checkpointing=from_flags(CheckpointConfig, flags),

@@ -105,7 +105,7 @@ def _bench_rank(topo, argv, work):
     torch.manual_seed(0)
     config = parse_config(argv, world_size=topo.layout.world_size)
     config = config.resolved(config.data, config.data.vocab_size)
-    chunks, engine = parallelize(config.model, topo, config.zero,
+    chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size)
     schedule = LRSchedule.from_config(config.optimizer)
     params = sum(p.numel() for c in chunks for p in c.parameters())

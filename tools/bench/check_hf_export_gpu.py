@@ -92,12 +92,13 @@ def train_and_save(model_cfg, run, dev, steps: int, micro_batch: int, root: str)
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel.topology import Layout, build_topology
     from megaq.parallelize import parallelize
-    from megaq.zero import ZeroConfig
+    from megaq.zero import OptimizerSettings, ZeroConfig
 
     t0 = time.perf_counter()
     topo = build_topology(Layout(world_size=1), 0)  # CPU init (deterministic), as bench_train.py
-    (model,), engine = parallelize(model_cfg, topo, ZeroConfig(
-        stage=0, gather_dtype=torch.bfloat16, lr=LR, betas=(0.9, 0.95), weight_decay=0.1), device=dev)
+    (model,), engine = parallelize(model_cfg, topo, ZeroConfig(stage=0, gather_dtype=torch.bfloat16),
+                                   optimizer=OptimizerSettings(lr=LR, adam_beta2=0.95,
+                                                               weight_decay=0.1), device=dev)
     g = torch.Generator().manual_seed(1234)
     losses = []
     for _ in range(steps):
