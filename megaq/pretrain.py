@@ -34,14 +34,15 @@ def seed_everything(seed: int, topo) -> None:
 def _init_distributed(config):
     """The process groups of the layout the flags gave (config.parallel.layout, built
     once from the launcher's world size and node map) and of hpZ's size."""
-    from megaq.parallel.launch import init_from_env
+    from megaq.parallel.launch import group_timeout, init_from_env
     from megaq.parallel.topology import build_topology
     from megaq.parallel import peers
     parallel, layout = config.parallel, config.parallel.layout
     rank, world = init_from_env(parallel.distributed_backend,
                                 parallel.distributed_timeout_minutes, parallel.device)
     peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.failure)
-    return build_topology(layout, rank, hpz_size=config.zero.hpz_partition_size)
+    return build_topology(layout, rank, hpz_size=config.zero.hpz_partition_size,
+                          timeout=group_timeout(parallel.distributed_timeout_minutes))
 
 
 def _check_topology_matches(config, topo) -> None:

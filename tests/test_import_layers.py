@@ -153,12 +153,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # Circles known today and owned elsewhere, each with what removes it. The test fails on
 # any other circle, and on a listed one that is gone (delete its entry then).
-KNOWN_CYCLES = [
-    # run_on_ranks (the test launcher) lives in parallel/launch.py and imports topology,
-    # which imports comm, which imports launch for the process-group timeout: moving the
-    # launcher to megaq/testing/ and passing the timeout in (issue 39) ends it
-    ["megaq.parallel.comm", "megaq.parallel.launch", "megaq.parallel.topology"],
-]
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def test_no_import_cycle():

@@ -337,16 +337,19 @@ def test_sigstopped_rank_ends_job_within_hang_bound_with_diagnosis(tmp_path):
 
 
 def test_process_group_timeout_reaches_new_groups():
-    """--distributed-timeout-minutes 0.02 (1.2 s): a collective on a group created after
-    init (comm.Group.create) that a peer never joins fails in seconds, not torch's 30 min."""
+    """--distributed-timeout-minutes 0.02 (1.2 s): a collective on a group the topology
+    created after init (build_topology -> comm.Group.create) that a peer never joins
+    fails in seconds, not torch's 30 min."""
     def entry(argv):
         from datetime import timedelta
         from megaq.parallel import comm
-        from megaq.parallel.launch import init_from_env, process_group_timeout
+        from megaq.parallel.launch import group_timeout, init_from_env
+        from megaq.parallel.topology import Layout, build_topology
         import torch
         rank, world = init_from_env("gloo", timeout_minutes=0.02)
-        assert process_group_timeout() == timedelta(seconds=1.2)
-        group = comm.Group.create([0, 1], node_of=lambda r: 0)
+        topo = build_topology(Layout(world), rank, timeout=group_timeout(0.02))
+        assert topo.timeout == timedelta(seconds=1.2)
+        group = topo.dp
         if rank == 1:
             time.sleep(15)
             return 0

@@ -202,8 +202,7 @@ def checkpoint_group(topo) -> comm.Group:
     if key not in _GROUP:
         pg = None
         if world.size > 1:
-            from megaq.parallel.launch import process_group_timeout
-            pg = dist.new_group(list(world.ranks), backend="gloo", timeout=process_group_timeout())
+            pg = dist.new_group(list(world.ranks), backend="gloo", timeout=topo.timeout)
         _GROUP[key] = comm.Group(ranks=list(world.ranks), nodes=list(world.nodes), pg=pg,
                                  rank_index=world.rank_index)
     return _GROUP[key]

@@ -50,6 +50,7 @@ import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -176,13 +177,14 @@ class Group:
 
     @classmethod
     def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False,
-               name: str = "") -> "Group":
+               name: str = "", timeout: timedelta | None = None) -> "Group":
+        """timeout: the process-group timeout (--distributed-timeout-minutes, passed down
+        by build_topology; None: torch's default for the backend)."""
         pg = None
         if world:
             pg = dist.group.WORLD
-        elif len(ranks) > 1:  # collective: every rank calls it for every group; the world's timeout
-            from megaq.parallel.launch import process_group_timeout
-            pg = dist.new_group(ranks, timeout=process_group_timeout())
+        elif len(ranks) > 1:  # collective: every rank calls it for every group
+            pg = dist.new_group(ranks, timeout=timeout)
         me = dist.get_rank() if dist.is_initialized() else 0
         idx = ranks.index(me) if me in ranks else -1
         return cls(ranks=list(ranks), nodes=[node_of(r) for r in ranks], pg=pg, rank_index=idx,

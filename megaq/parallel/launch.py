@@ -8,9 +8,9 @@ in rank order (re-raising the first failure with the rank's traceback).
 Two reliability guarantees start here:
 
 * **The process-group timeout** (``--distributed-timeout-minutes``, default 10) is
-  given to the world group and remembered (:func:`process_group_timeout`), so every
-  group megaq creates later (``comm.Group.create``) gets the same one: a collective
-  waiting that long for a peer fails instead of hanging.
+  given to the world group here, and passed to ``build_topology``, which gives it to
+  every group it creates and keeps it on the Topology (``topo.timeout``) for groups
+  made later: a collective waiting that long for a peer fails instead of hanging.
 * **Ranks never outlive their launcher** (:func:`die_with_parent`): a rank started by
   torchrun or srun asks the kernel for SIGKILL when its parent dies
   (``PR_SET_PDEATHSIG``; a parent-pid watch thread where that is unavailable), so a
@@ -40,21 +40,13 @@ from megaq.parallel.topology import Layout, LayoutError, Topology, build_topolog
 
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron's --distributed-timeout-minutes default
-_group_timeout: timedelta | None = None  # set when this process initialises its world group
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def process_group_timeout() -> timedelta | None:
-    """The timeout this process gave its world group (None before init): comm.Group.create
-    passes it to every new group, which torch would otherwise give its own default."""
-    return _group_timeout
-
-
-def _set_group_timeout(minutes: float) -> timedelta:
-    global _group_timeout
-    _group_timeout = timedelta(seconds=float(minutes) * 60.0)
-    return _group_timeout
+def group_timeout(minutes: float) -> timedelta:
+    """--distributed-timeout-minutes as the timeout torch's process groups take."""
+    return timedelta(seconds=float(minutes) * 60.0)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> str:
@@ -105,8 +97,9 @@ def _worker(rank, world_size, layout_kw, hpz_size, init_file, fn, args, queue):
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=_set_group_timeout(2.0))
-        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, hpz_size)
+                                world_size=world_size, timeout=group_timeout(2.0))
+        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, hpz_size,
+                              timeout=group_timeout(2.0))
         from megaq.parallel import comm
         comm.STATS.reset()
         result = fn(topo, *args)
@@ -300,7 +293,7 @@ def init_from_env(backend: str | None = None,
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=_set_group_timeout(timeout_minutes))
+                                timeout=group_timeout(timeout_minutes))
     return rank, world
 
 
@@ -311,5 +304,5 @@ def require_cuda() -> None:
         raise LayoutError("--device cuda: this node shows no CUDA device; leave --device out to train on the CPU")
 
 
-__all__ = ["run_on_ranks", "require_cuda", "run_cli_on_ranks", "init_from_env", "die_with_parent", "process_group_timeout",
+__all__ = ["run_on_ranks", "require_cuda", "run_cli_on_ranks", "init_from_env", "die_with_parent", "group_timeout",
            "Topology"]

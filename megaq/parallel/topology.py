@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 from megaq.parallel.comm import Group
 
@@ -199,6 +200,9 @@ class Topology:
     inter: Group   # DP ranks of my DP group with my local index, one per node
     hpz: Group     # hpZ partition (a slice of intra; one rank when hpZ is off)
     world: Group
+    # the process-group timeout every group here got (--distributed-timeout-minutes);
+    # groups made later for this topology (DCP's checkpoint group) take it too
+    timeout: timedelta | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -221,9 +225,11 @@ class Topology:
         return self.pp_rank == self.layout.pp - 1
 
 
-def build_topology(layout: Layout, rank: int, hpz_size: int = 1) -> Topology:
+def build_topology(layout: Layout, rank: int, hpz_size: int = 1,
+                   timeout: timedelta | None = None) -> Topology:
     """Create every process group (collectively) and keep the ones holding `rank`;
-    hpz_size: the hpZ groups' size (ZeroConfig.hpz_partition_size; 1 = hpZ off).
+    hpz_size: the hpZ groups' size (ZeroConfig.hpz_partition_size; 1 = hpZ off);
+    timeout: every group's process-group timeout (launch.group_timeout; None: torch's).
 
     torch.distributed must already be initialised with `layout.world_size` ranks.
     """
@@ -232,7 +238,7 @@ def build_topology(layout: Layout, rank: int, hpz_size: int = 1) -> Topology:
 
     def make(kind: str, groups: list[list[int]]):
         for ranks in groups:
-            g = Group.create(ranks, layout.node_of, name=kind)
+            g = Group.create(ranks, layout.node_of, name=kind, timeout=timeout)
             if rank in ranks:
                 mine[kind] = g
 
@@ -245,4 +251,4 @@ def build_topology(layout: Layout, rank: int, hpz_size: int = 1) -> Topology:
         make("inter", layout.inter_groups(dp_group))
         make("hpz", layout.hpz_groups(dp_group, hpz_size))
     world = Group.create(list(range(layout.world_size)), layout.node_of, world=True)
-    return Topology(layout=layout, rank=rank, world=world, **mine)
+    return Topology(layout=layout, rank=rank, world=world, timeout=timeout, **mine)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 from megaq.metrics import MetricsWriter, comm_per_node_per_iteration  # noqa: E402
 from megaq.parallel import comm  # noqa: E402
-from megaq.parallel.launch import init_from_env  # noqa: E402
+from megaq.parallel.launch import DEFAULT_TIMEOUT_MINUTES, group_timeout, init_from_env  # noqa: E402
 from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = init_from_env("gloo")
     layout = Layout(world_size=world, ranks_per_node=ranks_per_node_from_env(world, rank))
-    topo = build_topology(layout, rank)
+    topo = build_topology(layout, rank, timeout=group_timeout(DEFAULT_TIMEOUT_MINUTES))
     n = topo.world.size
     numel = -(-args.numel // n) * n          # equal shards
     shard = torch.full((numel // n,), float(rank))
