@@ -32,10 +32,10 @@ torch.distributed groups (every rank creates every group, in the same order, as
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
-from megaq.parallel.comm import Group
+from megaq.parallel.comm import CommTiming, Group
 
 
 class LayoutError(ValueError):
@@ -203,6 +203,9 @@ class Topology:
     # the process-group timeout every group here got (--distributed-timeout-minutes);
     # groups made later for this topology (DCP's checkpoint group) take it too
     timeout: timedelta | None = None
+    # --log-comm-time: whether collectives on these groups run synchronously and timed
+    # (every group above holds this object; the training loop switches it for its run)
+    comm_timing: CommTiming = field(default_factory=CommTiming)
 
     @property
     def tp_rank(self) -> int:
@@ -235,10 +238,11 @@ def build_topology(layout: Layout, rank: int, hpz_size: int = 1,
     """
     check_hpz_size(layout, hpz_size)
     mine: dict[str, Group] = {}
+    timing = CommTiming()  # off; shared by every group of this topology
 
     def make(kind: str, groups: list[list[int]]):
         for ranks in groups:
-            g = Group.create(ranks, layout.node_of, name=kind, timeout=timeout)
+            g = Group.create(ranks, layout.node_of, name=kind, timeout=timeout, timing=timing)
             if rank in ranks:
                 mine[kind] = g
 
@@ -250,5 +254,6 @@ def build_topology(layout: Layout, rank: int, hpz_size: int = 1,
         make("intra", layout.intra_groups(dp_group))
         make("inter", layout.inter_groups(dp_group))
         make("hpz", layout.hpz_groups(dp_group, hpz_size))
-    world = Group.create(list(range(layout.world_size)), layout.node_of, world=True)
-    return Topology(layout=layout, rank=rank, world=world, timeout=timeout, **mine)
+    world = Group.create(list(range(layout.world_size)), layout.node_of, world=True, timing=timing)
+    return Topology(layout=layout, rank=rank, world=world, timeout=timeout, comm_timing=timing,
+                    **mine)
