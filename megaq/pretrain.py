@@ -119,9 +119,9 @@ def build_trainer(config, topo, t_start: float | None = None):
     if rank0:
         _print_banner(config, topo)
     t, log = config.training, config.logging
-    seed_everything(t.seed, topo)
+    seed_everything(config.model.seed, topo)
     n_evals = t.train_iters // log.eval_interval + 1 if log.eval_iters else 0
-    data = build_data(config.data, topo, seq_length=config.model.seq_length, seed=t.seed,
+    data = build_data(config.data, topo, seq_length=config.model.seq_length, seed=config.model.seed,
                       global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                       # Megatron's sizes: --train-samples, or the steps' samples
                       num_samples=(t.train_samples or t.train_iters * t.global_batch_size,

@@ -86,7 +86,7 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(self.topo.layout.pp, vp)
         self.tensor_shape = pipeline_tensor_shape(c.model.seq_length, c.training.micro_batch_size,
                                                   c.model.hidden_size, self.topo.layout.tp,
-                                                  c.parallel.sequence_parallel)
+                                                  c.model.sequence_parallel)
         self.rank0 = self.topo.rank == 0
         # rank 0 opens the file; a path it cannot write stops every rank with its line
         with failure.agreed(self.topo.world, catch=(MetricsFileError,)):

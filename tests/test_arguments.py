@@ -47,9 +47,11 @@ def test_derived_values():
     c = parse(["--group-query-attention", "--num-query-groups", "2", "--bf16",
                "--sequence-parallel"], world=1)
     assert c.model.num_query_groups == 2 and c.model.params_dtype == torch.bfloat16
-    assert c.parallel.sequence_parallel is False and c.model.sequence_parallel is False  # TP=1
+    assert c.model.sequence_parallel is False  # TP=1
     c = parse(["--tensor-model-parallel-size", "2", "--sequence-parallel"], world=2)
-    assert c.parallel.sequence_parallel and c.model.sequence_parallel
+    assert c.model.sequence_parallel
+    # one class holds each: the model's sequence_parallel and seed, the run's length
+    assert not hasattr(c.parallel, "sequence_parallel") and not hasattr(c.training, "seed")
     assert c.zero.block_size == c.zero.__class__().block_size  # one default: the engine's
 
 

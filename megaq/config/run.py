@@ -75,7 +75,6 @@ class TrainingConfig:
         "--train-samples", "samples to train for (in total, across resumes), instead of "
         "--train-iters: the run takes train-samples // global-batch-size steps and its LR "
         "schedule counts samples (--lr-warmup-samples, --lr-decay-samples)", type=int)
-    seed: int = flag("--seed", "seed of weights, dropout and data order", GPTConfig.seed, type=int)
     bf16: bool = switch("--bf16", "bf16 weights/activations (fp32 master)")
     fp16: bool = switch("--fp16", "not supported (no loss scaling): use --bf16")
     max_consecutive_skipped_iters: int = flag(
@@ -106,8 +105,6 @@ class TrainingConfig:
             raise ConfigError("--fp16 is not supported (megaq has no loss scaling); use --bf16 or "
                               "fp32 (neither)")
         _at_least(self, 1, "micro_batch_size", "max_consecutive_skipped_iters", "exit_interval")
-        if not 0 <= self.seed < 2**31:  # numpy takes 32-bit seeds; ranks add small offsets
-            raise ConfigError(f"--seed must be between 0 and 2^31 - 1 (got {self.seed})")
         _at_least(self, 0, "train_iters", "train_samples")
         if self.train_iters is not None and self.train_samples is not None:
             raise ConfigError("--train-iters and --train-samples are both set; pass only one "
@@ -433,9 +430,7 @@ class RunConfig:
         training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
         optimizer = from_flags(OptimizerConfig, flags, train_iters=training.train_iters,
                                train_samples=training.train_samples)
-        model = from_flags(GPTConfig, flags, vocab_size=None,
-                           sequence_parallel=parallel.sequence_parallel,
-                           params_dtype=training.params_dtype, seed=training.seed)
+        model = from_flags(GPTConfig, flags, vocab_size=None, params_dtype=training.params_dtype)
         zero = from_flags(  # the --zero-* flags (the optimizer's are passed beside them)
             ZeroConfig, flags, fp8_weights=flags.zero_quantized_weights == "fp8",
             gather_dtype=training.params_dtype)

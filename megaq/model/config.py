@@ -103,11 +103,16 @@ class GPTConfig:
     fp8_amax_compute_algo: str = flag(
         "--fp8-amax-compute-algo", "--fp8-recipe delayed: scale from the history's max or its "
         "most recent step", "max", choices=["max", "most_recent"])
+    # as Megatron: with TP = 1 there is nothing to split the sequence over
+    sequence_parallel: bool = switch(
+        "--sequence-parallel", "split LayerNorm/dropout activations over TP (ignored when TP = 1)",
+        value=lambda ns: ns.sequence_parallel and ns.tensor_model_parallel_size > 1)
+    # the run's one seed: the weights' initialisation here, and (megaq.pretrain) dropout's
+    # RNG streams and the data order
+    seed: int = flag("--seed", "seed of weights, dropout and data order", 1234, type=int)
     # ---- set by the run, not by model flags ----
     vocab_size: int | None = 256  # the tokenizer's (None: not known yet)
-    sequence_parallel: bool = False  # --sequence-parallel (ParallelConfig) with TP > 1
     params_dtype: torch.dtype = field(default=torch.float32)  # --bf16 (TrainingConfig)
-    seed: int = 1234  # --seed (TrainingConfig)
 
     # The settings of a model that recomputes nothing (dataclasses.replace(cfg, **NO_RECOMPUTE)).
     NO_RECOMPUTE: ClassVar[dict] = {"recompute_activations": False, "recompute_granularity": None,
@@ -122,6 +127,8 @@ class GPTConfig:
         "untie_embeddings_and_output_weights", "add_bias_linear", "vocab_size")
 
     def __post_init__(self):
+        if not 0 <= self.seed < 2**31:  # numpy takes 32-bit seeds; ranks add small offsets
+            raise ModelConfigError(f"--seed must be between 0 and 2^31 - 1 (got {self.seed})")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"{flag_name(GPTConfig, name)} must be >= 1 "

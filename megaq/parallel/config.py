@@ -20,8 +20,6 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B: layers per model chunk",
         type=int)
-    sequence_parallel: bool = switch(
-        "--sequence-parallel", "split LayerNorm/dropout activations over TP (ignored when TP = 1)")
     gpus_per_node: int | None = flag(
         "--gpus-per-node", "ranks per node for the node map (default: from torchrun/slurm); a "
         "smaller value makes one machine pose as several nodes", type=int)
@@ -59,9 +57,7 @@ class ParallelConfig:
                         pp=self.pipeline_model_parallel_size,
                         ranks_per_node=self.gpus_per_node or self.ranks_per_node,
                         order=self.rank_order)
-        # as Megatron: with TP = 1 there is nothing to split the sequence over
-        set_derived(self, layout=layout,
-                    sequence_parallel=self.sequence_parallel and layout.tp > 1)
+        set_derived(self, layout=layout)
 
     @property
     def rank_order(self) -> str:
