@@ -130,7 +130,7 @@ def build_trainer(config, topo, t_start: float | None = None):
     config = config.resolved(data.config, data.vocab_size)
     chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size, device=_device(config.parallel))
-    schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size)
+    schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size, t.schedule_unit)
     state = TrainState()
 
     save = config.checkpointing.save

@@ -134,6 +134,11 @@ class TrainingConfig:
         return self.train_samples is not None
 
     @property
+    def schedule_unit(self) -> str:
+        """What the LR schedule counts (megaq.lr_schedule.UNITS)."""
+        return "samples" if self.sample_based else "iterations"
+
+    @property
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
 
@@ -183,12 +188,8 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = switch(
         "--use-checkpoint-opt_param-scheduler", "on resume, take the LR schedule's settings from "
         "the checkpoint, ignoring these flags' (--lr, --min-lr, warm-up, decay)")
-    # ---- derived ----
-    # the run's length (TrainingConfig's, set by RunConfig.from_flags): the decay's default,
-    # and which unit the schedule counts in (samples when --train-samples is given)
-    train_iters: int | None = None
-    train_samples: int | None = None
-    schedule_unit: str = "iterations"  # "iterations" | "samples": megaq.lr_schedule.LRSchedule
+    # (the run's length, the decay's default and the schedule's unit, is TrainingConfig's:
+    # RunConfig.from_flags derives the decay from it, derive_schedule)
 
     def __post_init__(self):
         if self.lr < 0 or self.min_lr < 0:
@@ -200,7 +201,6 @@ class OptimizerConfig:
             raise ConfigError("--override-opt_param-scheduler and "
                               "--use-checkpoint-opt_param-scheduler are both set; pass only one "
                               "(the flags' LR schedule, or the checkpoint's)")
-        self._derive_schedule()
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be >= 0 (0 turns clipping off)")
         if not self.sgd_momentum >= 0:
@@ -211,11 +211,13 @@ class OptimizerConfig:
         if not self.adam_eps >= 0:
             raise ConfigError(f"--adam-eps must be >= 0 (got {self.adam_eps})")
 
-    def _derive_schedule(self) -> None:
+    def derive_schedule(self, training: "TrainingConfig") -> None:
         """Megatron-LM's rules: a run is iteration-based (--train-iters, --lr-decay-iters,
         --lr-warmup-iters) or sample-based (--train-samples, --lr-decay-samples,
-        --lr-warmup-samples), never a mix; the decay defaults to the run's length."""
-        sample_based = self.train_samples is not None
+        --lr-warmup-samples), never a mix; the decay defaults to the run's length
+        (training's; a rule across two classes: RunConfig.from_flags calls it once, after
+        both are built)."""
+        sample_based = training.sample_based
         unit = "samples" if sample_based else "iters"
         other = "iters" if sample_based else "samples"
         for kind in ("decay", "warmup"):
@@ -228,11 +230,10 @@ class OptimizerConfig:
         decay_name, warmup_name = f"lr_decay_{unit}", f"lr_warmup_{unit}"
         decay = getattr(self, decay_name)
         if decay is None:
-            decay = self.train_samples if sample_based else self.train_iters
+            decay = training.train_samples if sample_based else training.train_iters
         if decay is None:
             raise ConfigError(f"--lr-decay-{unit} is not set (it defaults to --train-{unit})")
-        set_derived(self, schedule_unit="samples" if sample_based else "iterations",
-                    **{decay_name: decay})
+        set_derived(self, **{decay_name: decay})
         if self.lr_warmup_fraction is not None:
             if getattr(self, warmup_name):
                 raise ConfigError(f"--lr-warmup-{unit} and --lr-warmup-fraction are both set; "
@@ -428,8 +429,8 @@ class RunConfig:
         parallel = from_flags(ParallelConfig, flags, world_size=world_size,
                               ranks_per_node=ranks_per_node)
         training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
-        optimizer = from_flags(OptimizerConfig, flags, train_iters=training.train_iters,
-                               train_samples=training.train_samples)
+        optimizer = from_flags(OptimizerConfig, flags)
+        optimizer.derive_schedule(training)  # once: the decay defaults to the run's length
         model = from_flags(GPTConfig, flags, vocab_size=None, params_dtype=training.params_dtype)
         zero = from_flags(  # the --zero-* flags (the optimizer's are passed beside them)
             ZeroConfig, flags, fp8_weights=flags.zero_quantized_weights == "fp8",

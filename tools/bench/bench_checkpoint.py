@@ -107,7 +107,7 @@ def _bench_rank(topo, argv, work):
     config = config.resolved(config.data, config.data.vocab_size)
     chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size)
-    schedule = LRSchedule.from_config(config.optimizer)
+    schedule = LRSchedule.from_config(config.optimizer, unit=config.training.schedule_unit)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     out = {"rank": topo.rank, "params": params, "formats": {}}
     for fmt in FORMATS:

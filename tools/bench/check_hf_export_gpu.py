@@ -114,7 +114,7 @@ def train_and_save(model_cfg, run, dev, steps: int, micro_batch: int, root: str)
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     save_checkpoint(root, steps, config=run, topo=topo, engine=engine,
-                    lr_schedule=LRSchedule.from_config(run.optimizer),
+                    lr_schedule=LRSchedule.from_config(run.optimizer, unit=run.training.schedule_unit),
                     consumed_samples=steps * micro_batch)
     save_s = time.perf_counter() - t0
     del engine
