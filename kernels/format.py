@@ -34,7 +34,6 @@ SCALE_DROP = (1 << (24 - SCALE_BITS)) - 1  # the mantissa bits a scale leaves ze
 # resolution of the sum, ~2^-20 * 2^e_max).
 HOP_FLUSH = 2.0 ** -100
 HOP_FLOOR = 2.0 ** -42
-DEFAULT_BLOCK = 4096
 SCALE_BYTES = 4
 # The functions every kernel backend (kernels/quant.py, kernels/reference.py) provides
 # with the same signatures, and kernels/ops.py dispatches to.
@@ -101,7 +100,7 @@ def check_format(L: int, bits: int, block: int) -> None:
     if bits not in QMAX:
         raise ValueError(f"bits={bits} is not supported: use 8 (int8) or 4 (int4)")
     if block <= 0 or block % 2:
-        raise ValueError(f"block={block} must be a positive even number (e.g. {DEFAULT_BLOCK})")
+        raise ValueError(f"block={block} must be a positive even number (e.g. 2048)")
     if L <= 0 or L % block:
         raise ValueError(
             f"length {L} is not a positive multiple of the block size {block}: "

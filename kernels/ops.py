@@ -12,10 +12,10 @@ import torch
 
 from . import fused_adamw, fused_cross_entropy, fused_rmsnorm, fused_rope, fused_swiglu, reference, transpose
 from .dispatch import Op
-from .format import DEFAULT_BLOCK, KERNEL_API
+from .format import KERNEL_API
 from .format import packed_len as _packed_len
 
-__all__ = ["DEFAULT_BLOCK", *KERNEL_API, "OPS"]
+__all__ = [*KERNEL_API, "OPS"]
 packed_len = _packed_len  # part of every backend's API (format.KERNEL_API)
 
 
@@ -49,23 +49,23 @@ OPS = (QUANTIZE, DEQUANTIZE, REORDER_QUANTIZE, DEQUANT_REDUCE_QUANTIZE, DEQUANT_
 # inverse to its result.
 
 
-def quantize(x, bits=8, block=DEFAULT_BLOCK, code="linear", hadamard=False):
+def quantize(x, bits, block, code="linear", hadamard=False):
     return QUANTIZE.pick(x)(x, bits, block, code, hadamard)
 
 
-def dequantize(packed, L, bits=8, block=DEFAULT_BLOCK, dtype=torch.float32, code="linear"):
+def dequantize(packed, L, bits, block, dtype=torch.float32, code="linear"):
     return DEQUANTIZE.pick(packed)(packed, L, bits, block, dtype, code)
 
 
-def reorder_quantize(grad, k, m, bits=4, block=DEFAULT_BLOCK, residual=None, code="linear", hadamard=False):
+def reorder_quantize(grad, k, m, bits, block, residual=None, code="linear", hadamard=False):
     return REORDER_QUANTIZE.pick(grad)(grad, k, m, bits, block, residual, code, hadamard)
 
 
-def dequant_reduce_quantize(recv, k, S, bits_in=4, bits_out=4, block=DEFAULT_BLOCK, code="linear"):
+def dequant_reduce_quantize(recv, k, S, bits_in, bits_out, block, code="linear"):
     return DEQUANT_REDUCE_QUANTIZE.pick(recv)(recv, k, S, bits_in, bits_out, block, code)
 
 
-def dequant_reduce(recv, S, bits=4, block=DEFAULT_BLOCK, scale=1.0, out=None, code="linear", hadamard=False):
+def dequant_reduce(recv, S, bits, block, scale=1.0, out=None, code="linear", hadamard=False):
     return DEQUANT_REDUCE.pick(recv)(recv, S, bits, block, scale, out, code, hadamard)
 
 

@@ -15,7 +15,6 @@ import typing
 import torch
 
 from .format import (
-    DEFAULT_BLOCK,
     HOP_FLOOR,
     HOP_FLUSH,
     QMAX,
@@ -249,7 +248,7 @@ def _quantize_plan(shape, dtype, bits, block, code, hadamard, tuning) -> _Plan:
                       False, tuning)
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear",
+def quantize(x: torch.Tensor, bits: int, block: int, code: str = "linear",
              hadamard: bool = False, *, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
     plan = _quantize_plan(x.shape, x.dtype, bits, block, code, hadamard, tuning)
     x = x.contiguous()
@@ -270,7 +269,7 @@ def _dequantize_plan(shape, packed_dtype, L, bits, block, code, tuning) -> _Plan
 
 
 def dequantize(
-    packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
+    packed: torch.Tensor, L: int, bits: int, block: int, dtype: torch.dtype = torch.float32,
     code: str = "linear", *, tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     plan = _dequantize_plan(packed.shape, packed.dtype, L, bits, block, code, tuning)
@@ -292,7 +291,7 @@ def _reorder_plan(numel, dtype, k, m, bits, block, code, hadamard, has_res, tuni
 
 
 def reorder_quantize(
-    grad: torch.Tensor, k: int, m: int, bits: int = 4, block: int = DEFAULT_BLOCK,
+    grad: torch.Tensor, k: int, m: int, bits: int, block: int,
     residual: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False, *,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
@@ -316,7 +315,7 @@ def _hop_plan(shape, packed_dtype, k, S, bits_in, bits_out, block, code, tuning)
 
 
 def dequant_reduce_quantize(
-    recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK,
+    recv: torch.Tensor, k: int, S: int, bits_in: int, bits_out: int, block: int,
     code: str = "linear", *, tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     plan = _hop_plan(recv.shape, recv.dtype, k, S, bits_in, bits_out, block, code, tuning)
@@ -338,7 +337,7 @@ def _final_reduce_plan(shape, packed_dtype, S, bits, block, scale, accumulate, c
 
 
 def dequant_reduce(
-    recv: torch.Tensor, S: int, bits: int = 4, block: int = DEFAULT_BLOCK, scale: float = 1.0,
+    recv: torch.Tensor, S: int, bits: int, block: int, scale: float = 1.0,
     out: torch.Tensor | None = None, code: str = "linear", hadamard: bool = False, *,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:

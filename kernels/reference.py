@@ -29,7 +29,6 @@ reciprocal(tensor) * qmax, which is not the IEEE quotient.
 import torch
 
 from .format import (
-    DEFAULT_BLOCK,
     HOP_FLOOR,
     HOP_FLUSH,
     QMAX,
@@ -194,7 +193,7 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: str = "linear",
+def quantize(x: torch.Tensor, bits: int, block: int, code: str = "linear",
              hadamard: bool = False) -> torch.Tensor:
     """x [..., L] (bf16/fp16/fp32) -> uint8 [..., packed_len(L, bits, block)].
     code: the int4 code ("linear" or "square"; int8 is always linear). hadamard: quantize
@@ -209,7 +208,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK, code: s
 
 
 def dequantize(
-    packed: torch.Tensor, L: int, bits: int = 8, block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
+    packed: torch.Tensor, L: int, bits: int, block: int, dtype: torch.dtype = torch.float32,
     code: str = "linear",
 ) -> torch.Tensor:
     """uint8 [..., packed_len(L)] -> [..., L] of `dtype` (rounded once from fp32)."""
@@ -221,8 +220,8 @@ def reorder_quantize(
     grad: torch.Tensor,
     k: int,
     m: int,
-    bits: int = 4,
-    block: int = DEFAULT_BLOCK,
+    bits: int,
+    block: int,
     residual: torch.Tensor | None = None,
     code: str = "linear",
     hadamard: bool = False,
@@ -256,7 +255,7 @@ def reorder_quantize(
 
 
 def dequant_reduce_quantize(
-    recv: torch.Tensor, k: int, S: int, bits_in: int = 4, bits_out: int = 4, block: int = DEFAULT_BLOCK,
+    recv: torch.Tensor, k: int, S: int, bits_in: int, bits_out: int, block: int,
     code: str = "linear",
 ) -> torch.Tensor:
     """recv uint8 [m, packed_len(k*S, bits_in)] -> uint8 [k, packed_len(S, bits_out)]:
@@ -303,8 +302,8 @@ def _int4_hop(recv: torch.Tensor, k: int, S: int, bits_out: int, block: int) -> 
 def dequant_reduce(
     recv: torch.Tensor,
     S: int,
-    bits: int = 4,
-    block: int = DEFAULT_BLOCK,
+    bits: int,
+    block: int,
     scale: float = 1.0,
     out: torch.Tensor | None = None,
     code: str = "linear",

@@ -66,14 +66,16 @@ class LRSchedule:
             raise ValueError("override and use_checkpoint are exclusive")
 
     @classmethod
-    def from_config(cls, optimizer, global_batch_size: int = 1) -> "LRSchedule":
-        """From a megaq.config.OptimizerConfig (which checked the values) and the run's
-        global batch size (what each update adds to the sample count)."""
-        samples = optimizer.schedule_unit == "samples"
+    def from_config(cls, optimizer, global_batch_size: int = 1,
+                    unit: str = "iterations") -> "LRSchedule":
+        """From a megaq.config.run.OptimizerConfig (which checked the values), the run's
+        global batch size (what each update adds to the sample count) and the unit its
+        length counts in (TrainingConfig: "samples" with --train-samples)."""
+        samples = unit == "samples"
         return cls(max_lr=optimizer.lr, min_lr=optimizer.min_lr,
                    warmup_steps=optimizer.lr_warmup_samples if samples else optimizer.lr_warmup_iters,
                    decay_steps=optimizer.lr_decay_samples if samples else optimizer.lr_decay_iters,
-                   decay_style=optimizer.lr_decay_style, unit=optimizer.schedule_unit,
+                   decay_style=optimizer.lr_decay_style, unit=unit,
                    samples_per_step=global_batch_size,
                    override=optimizer.override_opt_param_scheduler,
                    use_checkpoint=optimizer.use_checkpoint_opt_param_scheduler)

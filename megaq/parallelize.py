@@ -22,7 +22,7 @@ from megaq.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLine
 from megaq.zero import ZeroConfig, ZeroEngine, build_engine
 
 
-def parallelize(config: GPTConfig, topo, zero: ZeroConfig | None = None, *,
+def parallelize(config: GPTConfig, topo, zero: ZeroConfig | None = None, *, optimizer=None,
                 vp_size: int | None = None, device: torch.device | str | None = None,
                 chunks: list[GPTModel] | None = None) -> tuple[list[GPTModel], ZeroEngine | None]:
     """This rank's GPT model chunks with parallelism applied, and their ZeRO engine.
@@ -53,9 +53,10 @@ def parallelize(config: GPTConfig, topo, zero: ZeroConfig | None = None, *,
     6. Device: the chunks move to ``device`` (construction draws the weights on the
        CPU, deterministically); None leaves them where they are.
     7. ZeRO engine (``zero``): built last, on the finished chunks: it flattens their
-       parameters into partitions and registers its hooks (megaq.zero). ``zero=None``
-       builds none (returned as None), for callers that drive the gradients
-       themselves.
+       parameters into partitions and registers its hooks (megaq.zero); ``optimizer``
+       is its update rule (a run's OptimizerConfig; None: megaq.zero.OptimizerSettings()).
+       ``zero=None`` builds none (returned as None), for callers that drive the
+       gradients themselves.
 
     ``chunks``: this rank's plain chunks when already built (steps 1-2 done;
     tools/bench/bench_train.py initialises one CPU model per size and copies it).
@@ -74,7 +75,7 @@ def parallelize(config: GPTConfig, topo, zero: ZeroConfig | None = None, *,
             compile_blocks(chunk)
         if device is not None:
             chunk.to(device)
-    engine = build_engine(chunks, topo, zero) if zero is not None else None
+    engine = build_engine(chunks, topo, zero, optimizer) if zero is not None else None
     return chunks, engine
 
 

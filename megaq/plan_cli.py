@@ -1,6 +1,6 @@
 """tools/plan.py and pretrain_gpt.py --dry-run: the planner on the command line.
 
-Both read pretrain_gpt.py's own flags (the parser of megaq.arguments, so a flag means
+Both read pretrain_gpt.py's own flags (the parser of megaq.config.arguments, so a flag means
 the same thing in both) plus the hardware flags (megaq.planner.run.HardwareFlags), and
 print the plan of megaq.planner.step.predict as a table or, with --json, one object.
 tools/plan.py --search ranks layouts and switches instead (megaq.planner.search).
@@ -15,10 +15,10 @@ import importlib
 import json
 import sys
 
-from megaq.arguments import CONFIG_ERRORS, ArgumentsError, build_parser
-from megaq.config import RunConfig
-from megaq.flags import from_flags
-from megaq.megatron_flags import check_megatron_flags
+from megaq.config.arguments import CONFIG_ERRORS, ArgumentsError, build_parser
+from megaq.config.run import RunConfig
+from megaq.config.flags import from_flags
+from megaq.config.megatron_flags import check_megatron_flags
 from megaq.planner.calibration import CalibrationError, load_calibration
 from megaq.planner.hardware import HardwareError, gpu_preset
 from megaq.planner.report import render_prediction, render_search

@@ -31,33 +31,36 @@ def seed_everything(seed: int, topo) -> None:
     model_parallel_manual_seed(seed, topo.tp_rank)
 
 
-def _init_distributed(parallel):
+def _init_distributed(config):
+    """The process groups of the layout the flags gave (config.parallel.layout, built
+    once from the launcher's world size and node map) and of hpZ's size."""
     from megaq.parallel.launch import group_timeout, init_from_env
-    from megaq.parallel.topology import Layout, build_topology, ranks_per_node_from_env
+    from megaq.parallel.topology import build_topology
     from megaq.runtime import peers
+    parallel, layout = config.parallel, config.parallel.layout
     rank, world = init_from_env(parallel.distributed_backend,
                                 parallel.distributed_timeout_minutes, parallel.device)
-    rpn = ranks_per_node_from_env(world, rank, parallel.gpus_per_node)
-    layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, ranks_per_node=rpn,
-                    hpz_size=parallel.hpz_size, order=parallel.rank_order)
     peers.start(rank, world, layout.node_of)  # a lost rank can then be named (megaq.runtime.failure)
-    return build_topology(layout, rank, timeout=group_timeout(parallel.distributed_timeout_minutes))
+    return build_topology(layout, rank, hpz_size=config.zero.hpz_partition_size,
+                          timeout=group_timeout(parallel.distributed_timeout_minutes))
 
 
-def _check_topology_matches(parallel, topo) -> None:
-    from megaq.arguments import ArgumentsError
-    lay, want = topo.layout, parallel.layout
-    if lay != want:
-        raise ArgumentsError(f"the given topology (TP={lay.tp}, PP={lay.pp}, hpZ={lay.hpz_size}, "
+def _check_topology_matches(config, topo) -> None:
+    """main(argv, topo): the caller's topology must be the one the flags describe."""
+    from megaq.config.arguments import ArgumentsError
+    lay, want = topo.layout, config.parallel.layout
+    hpz, want_hpz = topo.hpz.size, config.zero.hpz_partition_size
+    if lay != want or hpz != want_hpz:
+        raise ArgumentsError(f"the given topology (TP={lay.tp}, PP={lay.pp}, hpZ={hpz}, "
                              f"order {lay.order}, {lay.ranks_per_node} ranks per node) does not "
-                             f"match the flags (TP={want.tp}, PP={want.pp}, hpZ={want.hpz_size}, "
+                             f"match the flags (TP={want.tp}, PP={want.pp}, hpZ={want_hpz}, "
                              f"order {want.order}, {want.ranks_per_node} ranks per node)")
 
 
 def main(argv: list[str] | None = None, topo=None):
     """Train; returns the final TrainState. Raises ArgumentsError / CheckpointError /
     DataError / TrainingDiverged with one-line messages (the CLI prints them)."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
 
     t_start = time.perf_counter()
     if topo is None:
@@ -69,12 +72,12 @@ def main(argv: list[str] | None = None, topo=None):
         config = parse_config(argv, world_size=world,
                               ranks_per_node=ranks_per_node_from_env(world, rank),
                               print_notes=rank == 0)
-        topo = _init_distributed(config.parallel)
+        topo = _init_distributed(config)
     else:
         config = parse_config(argv, world_size=topo.layout.world_size,
                               ranks_per_node=topo.layout.ranks_per_node,
                               print_notes=topo.rank == 0)
-        _check_topology_matches(config.parallel, topo)
+        _check_topology_matches(config, topo)
     if config.checkpointing.save_hf:  # refuse an architecture transformers lacks before training
         from megaq.interop.hf import model_family
         model_family(config.model)
@@ -99,7 +102,7 @@ def save_hf(checkpointing, topo) -> None:
 
 def build_trainer(config, topo, t_start: float | None = None, hardware=None):
     """Everything up to the first iteration: data, model, engine, checkpoint load.
-    `config` is a megaq.config.RunConfig; `topo` this rank's Topology; `t_start` the
+    `config` is a megaq.config.run.RunConfig; `topo` this rank's Topology; `t_start` the
     perf_counter() the setup time printed counts from (default: now); `hardware` the
     machine of the plan written into the metrics file (megaq.planner.run.HardwareFlags;
     default: the H200 preset)."""
@@ -118,18 +121,18 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
     if rank0:
         _print_banner(config, topo)
     t, log = config.training, config.logging
-    seed_everything(t.seed, topo)
+    seed_everything(config.model.seed, topo)
     n_evals = t.train_iters // log.eval_interval + 1 if log.eval_iters else 0
-    data = build_data(config.data, topo, seq_length=config.model.seq_length, seed=t.seed,
+    data = build_data(config.data, topo, seq_length=config.model.seq_length, seed=config.model.seed,
                       global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                       # Megatron's sizes: --train-samples, or the steps' samples
                       num_samples=(t.train_samples or t.train_iters * t.global_batch_size,
                                    n_evals * log.eval_iters * t.global_batch_size,
                                    0))  # the test split is never read in training: no samples
     config = config.resolved(data.config, data.vocab_size)
-    chunks, engine = parallelize(config.model, topo, config.zero,
+    chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size, device=_device(config.parallel))
-    schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size)
+    schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size, t.schedule_unit)
     state = TrainState()
 
     save = config.checkpointing.save
@@ -231,8 +234,8 @@ def _truncate_metrics(path: str | None, iteration: int) -> None:
 
 def _hardware_flags(argv):
     """The hardware flags of the command line (the plan's machine)."""
-    from megaq.arguments import build_parser
-    from megaq.flags import from_flags
+    from megaq.config.arguments import build_parser
+    from megaq.config.flags import from_flags
     from megaq.planner.run import HardwareFlags
     return from_flags(HardwareFlags, build_parser().parse_args(argv))
 
@@ -247,7 +250,7 @@ def dry_run(argv) -> int | None:
     code (0: it fits; 2: it does not) without starting a process group; None without
     --dry-run. The world is --num-nodes x --gpus-per-node when given, else the
     launcher's."""
-    from megaq.arguments import build_parser, parse_config
+    from megaq.config.arguments import build_parser, parse_config
     from megaq.parallel.topology import ranks_per_node_from_env
     from megaq.plan_cli import dry_run as print_plan
     from megaq.planner.hardware import gpu_preset
@@ -321,7 +324,7 @@ def _print_banner(config, topo) -> None:
 
 def cli(argv=None) -> int:
     from megaq.runtime import failure
-    from megaq.arguments import ArgumentsError
+    from megaq.config.arguments import ArgumentsError
     from megaq.checkpoint import guard
     from megaq.checkpoint.errors import CheckpointError
     from megaq.data.errors import DataError

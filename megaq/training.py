@@ -62,7 +62,7 @@ class TrainState:
 class TrainingParts:
     """What the loop drives; built by megaq.pretrain.build_trainer."""
 
-    config: object  # megaq.config.RunConfig
+    config: object  # megaq.config.run.RunConfig
     topo: object
     model_chunks: list
     engine: object
@@ -90,7 +90,7 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(self.topo.layout.pp, vp)
         self.tensor_shape = pipeline_tensor_shape(c.model.seq_length, c.training.micro_batch_size,
                                                   c.model.hidden_size, self.topo.layout.tp,
-                                                  c.parallel.sequence_parallel)
+                                                  c.model.sequence_parallel)
         self.rank0 = self.topo.rank == 0
         # rank 0 opens the file; a path it cannot write stops every rank with its line
         with failure.agreed(self.topo.world, catch=(MetricsFileError,)):
@@ -260,7 +260,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------- loop
     def train(self) -> TrainState:
-        comm.STATS.timing = self.logging.log_comm_time  # this run's setting, never the next one's
+        self.topo.comm_timing.on = self.logging.log_comm_time  # this run's, never the next one's
         watchdog.start(self.topo.rank, self.training.hang_timeout_minutes)
         try:
             return self._train_loop()
@@ -269,7 +269,7 @@ class Trainer:
             raise
         finally:
             watchdog.stop()
-            comm.STATS.timing = False
+            self.topo.comm_timing.on = False
 
     def _save_if_healthy(self) -> bool:
         """Save unless the last iteration was skipped (non-finite): a save that falls in
@@ -369,7 +369,7 @@ class Trainer:
         elapsed = time.perf_counter() - interval["t0"]
         comm_bytes = comm_per_node_per_iteration(topo.world, iters)  # collective
         comm_ms = None
-        if comm.STATS.timing:
+        if topo.comm_timing.on:
             comm_ms = {p: sec * 1000.0 / iters for p, sec in comm.mean_seconds(topo.world).items()}
         comm.STATS.reset()
         # optional collectives, on every rank: the params norm (one all-reduce), and one

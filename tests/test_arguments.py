@@ -11,11 +11,11 @@ import torch
 
 import dataclasses
 
-from megaq.arguments import ArgumentsError, build_parser, parse_config
-from megaq.config import FLAG_CLASSES
-from megaq.flags import dest, flag_fields
+from megaq.config.arguments import ArgumentsError, build_parser, parse_config
+from megaq.config.flags import dest, flag_fields
+from megaq.config.megatron_flags import IMPLEMENTED, MEGATRON_FLAGS
+from megaq.config.run import FLAG_CLASSES
 from megaq.lr_schedule import LRSchedule
-from megaq.megatron_flags import IMPLEMENTED, MEGATRON_FLAGS
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10",
@@ -47,9 +47,11 @@ def test_derived_values():
     c = parse(["--group-query-attention", "--num-query-groups", "2", "--bf16",
                "--sequence-parallel"], world=1)
     assert c.model.num_query_groups == 2 and c.model.params_dtype == torch.bfloat16
-    assert c.parallel.sequence_parallel is False and c.model.sequence_parallel is False  # TP=1
+    assert c.model.sequence_parallel is False  # TP=1
     c = parse(["--tensor-model-parallel-size", "2", "--sequence-parallel"], world=2)
-    assert c.parallel.sequence_parallel and c.model.sequence_parallel
+    assert c.model.sequence_parallel
+    # one class holds each: the model's sequence_parallel and seed, the run's length
+    assert not hasattr(c.parallel, "sequence_parallel") and not hasattr(c.training, "seed")
     assert c.zero.block_size == c.zero.__class__().block_size  # one default: the engine's
 
 
@@ -167,13 +169,17 @@ def test_zero_flags_reach_the_engine_config():
     assert z.fp8_weights and not z.quantized_weights
     z = parse(["--zero-quantized-gradients"], world=1).zero
     assert isinstance(z, ZeroConfig) and z.grad_chunk == ZeroConfig().grad_chunk
-    z = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096",
+    c = parse(["--zero-quantized-gradients", "--zero-quantized-gradients-chunk", "4096",
                "--zero-quantized-gradients-bits", "8", "--zero-quantization-block-size", "64",
                "--zero-gradient-error-feedback", "--zero-quantized-weights", "--bf16",
-               "--adam-beta2", "0.95", "--weight-decay", "0.1"], world=1).zero
+               "--adam-beta2", "0.95", "--weight-decay", "0.1"], world=1)
+    z, o = c.zero, c.optimizer
     assert (z.grad_chunk, z.grad_bits_intra, z.grad_bits_inter, z.block_size) == (4096, 8, 8, 64)
     assert z.error_feedback and z.quantized_weights and z.gather_dtype == torch.bfloat16
-    assert z.betas == (0.9, 0.95) and z.weight_decay == 0.1 and z.lr == 1e-3
+    # the optimizer's values live in OptimizerConfig only; the engine takes it beside z
+    assert (o.adam_beta1, o.adam_beta2, o.weight_decay, o.lr) == (0.9, 0.95, 0.1, 1e-3)
+    assert not {"lr", "betas", "eps", "weight_decay", "optimizer", "sgd_momentum"} & set(
+        dataclasses.asdict(z))
     z = parse(["--zero-hpz-partition-size", "2", "--zero-weight-deltas",
                "--zero-weight-delta-bits", "8"], world=2).zero
     assert z.weight_deltas and z.weight_delta_bits == 8 and z.hpz_partition_size == 2
@@ -200,7 +206,7 @@ def test_every_flag_is_one_config_field():
                and a.option_strings[0] != "-h"}
     assert set(seen) <= set(actions)
     # the rest are Megatron-LM's flags that megaq accepts with a note or refuses
-    # (megaq.megatron_flags), and --dry-run (an action, not a setting), nothing else
+    # (megaq.config.megatron_flags), and --dry-run (an action, not a setting), nothing else
     compat = {f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED} | {"--dry-run"}
     assert set(actions) - set(seen) <= compat, set(actions) - set(seen) - compat
     for cls in classes:

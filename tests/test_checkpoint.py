@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megaq.arguments import parse_config
+from megaq.config.arguments import parse_config
 from megaq.checkpoint import integrity
 from megaq.checkpoint.errors import CheckpointError
 from megaq.checkpoint.load import load_checkpoint
@@ -148,7 +148,7 @@ def test_reads_checkpoints_saved_before_the_typed_configuration(tmp_path):
     os.remove(tmp_path / "iter_0000001" / integrity.MANIFEST_NAME)
     sd = torch.load(path, weights_only=True)
     del sd["config"]
-    sd["args"] = {  # what megaq.arguments.args_to_dict wrote
+    sd["args"] = {  # what megaq.config.arguments.args_to_dict wrote
         "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 128, "num_attention_heads": 4,
         "group_query_attention": False, "num_query_groups": 4, "kv_channels": 8,
         "seq_length": 16, "max_position_embeddings": 16,

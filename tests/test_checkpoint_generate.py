@@ -47,7 +47,7 @@ def test_tp_pp_checkpoint_consolidates_to_one_process(tmp_path, model_flags):
     assert formats.checkpoint_layout(ckpt_dir) == (2, 2)
     model, saved = load_consolidated_model(ckpt_dir)
     model.eval()
-    valid = MockGPTDataset(4, 16, saved["training"]["seed"], 100, "valid")
+    valid = MockGPTDataset(4, 16, saved["model"]["seed"], 100, "valid")
     tokens = torch.stack([torch.from_numpy(valid[i]["tokens"]) for i in range(4)])
     with torch.no_grad():
         loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).mean().item()

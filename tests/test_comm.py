@@ -122,12 +122,12 @@ def test_single_member_group_is_local_copy():
 
 
 def _timed_ops(topo):
-    """Every kind of collective with STATS.timing on: results and bytes as with it off,
+    """Every kind of collective with the topology's timing on: results and bytes as with it off,
     handles already finished, seconds charged to each op's own phase."""
     results = {}
     for timing in (False, True):
         comm.STATS.reset()
-        comm.STATS.timing = timing
+        topo.comm_timing.on = timing
         try:
             g = topo.world
             full = torch.arange(N_ELEM, dtype=torch.float32) + 1000 * topo.rank
@@ -145,7 +145,7 @@ def _timed_ops(topo):
             comm.batch_p2p([(torch.full((10,), float(r)), (r + 1) % n)], [(recv, (r - 1) % n)], g, "p2p").wait()
             seconds = comm.mean_seconds(g)
         finally:
-            comm.STATS.timing = False
+            topo.comm_timing.on = False
         results[timing] = {"tensors": [gathered, scattered, reduced, swapped, recv],
                            "bytes": comm.STATS.snapshot(), "seconds": seconds}
     return results

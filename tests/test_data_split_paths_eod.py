@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megaq.arguments import ArgumentsError, parse_config
+from megaq.config.arguments import ArgumentsError, parse_config
 from megaq.data.gpt_dataset import build_train_valid_test_datasets
 from megaq.data.indexed import IndexedDataset
 

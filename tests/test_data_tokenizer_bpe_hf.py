@@ -173,7 +173,7 @@ def _train(topo, argv):
 def test_pretrain_gpt_trains_on_gpt2_bpe_data(tmp_path, capsys, tiny_corpus, gpt2_files):
     """pretrain_gpt.py builds the tokenizer from --vocab-file/--merge-file (the model's
     vocab is the BPE's 600 ids) and trains on data preprocessed with it."""
-    from megaq.arguments import ArgumentsError, parse_config
+    from megaq.config.arguments import ArgumentsError, parse_config
     from megaq.testing.ranks import run_on_ranks
 
     _, docs = tiny_corpus

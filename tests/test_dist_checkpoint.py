@@ -178,7 +178,7 @@ def test_reshard_to_interleaved_pipeline(reference, tmp_path):
 def _load_variants(topo, argv, ck, ck_no_optim):
     """Engines built by pretrain.build_trainer from a torch_dist checkpoint: in full,
     with --no-load-optim / --no-load-rng, and the refusals."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     from megaq.runtime.failure import AgreedError
     from megaq.pretrain import build_trainer
 

@@ -27,7 +27,7 @@ from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.fp8 import fp8_gemm_layers
 from megaq.parallel.pipeline import get_forward_backward_func, masked_mean_loss, pipeline_tensor_shape
 from megaq.parallelize import parallelize
-from megaq.zero import ZeroConfig, ZeroConfigError
+from megaq.zero import OptimizerSettings, ZeroConfig, ZeroConfigError
 from megaq.zero.zeropp import rails_of, volume
 from megaq.zero.zeropp.fp8_weights import rest_layout
 
@@ -36,7 +36,8 @@ from zero_harness import MBS, SEQ, learnable_batch, model_config, split_microbat
 FP8 = dict(fp8_format="hybrid", fp8_recipe="tensorwise")
 MODEL = dict(params_dtype=torch.bfloat16, hidden_size=64, num_attention_heads=4,
              untie_embeddings_and_output_weights=True)
-Z3 = dict(block_size=64, gather_dtype=torch.bfloat16, lr=1e-2, weight_decay=0.1)
+Z3 = dict(block_size=64, gather_dtype=torch.bfloat16)
+OPT = OptimizerSettings(lr=1e-2, weight_decay=0.1)
 PHASES = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce")
 
 
@@ -53,7 +54,8 @@ def _bytes(topo):
                                     ("int8", {}, dict(Z3, quantized_weights=True))):
         cfg = model_config(**MODEL, **model_kw)
         torch.manual_seed(0)
-        (model,), engine = parallelize(cfg, topo, ZeroConfig(hpz_partition_size=2, **zero_kw))
+        (model,), engine = parallelize(cfg, topo, ZeroConfig(hpz_partition_size=2, **zero_kw),
+                                       optimizer=OPT)
         data = torch.randint(0, cfg.vocab_size, (MBS, SEQ + 1),
                              generator=torch.Generator().manual_seed(topo.dp_rank))
         engine.zero_grad()
@@ -140,7 +142,7 @@ def _microbatches(step, dp_rank, dp, vocab, n_micro):
 def _train(topo, zero_kw, steps, load_at=None, n_micro=2, recompute=False):
     cfg = model_config(**dict(MODEL, hidden_size=32), **FP8, recompute_activations=recompute)
     torch.manual_seed(0)
-    chunks, engine = parallelize(cfg, topo, ZeroConfig(**zero_kw))
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(**zero_kw), optimizer=OPT)
     fb = get_forward_backward_func(topo.layout.pp, 1)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, norms, snap = [], [], None
@@ -151,7 +153,7 @@ def _train(topo, zero_kw, steps, load_at=None, n_micro=2, recompute=False):
         out = fb(chunks, mbs, n_micro, topo, tensor_shape=shape, dtype=cfg.params_dtype)
         engine.finish_grad_sync()
         norms.append(float(engine.clip_grad_norm(1.0)))
-        engine.step(zero_kw["lr"])
+        engine.step(OPT.lr)
         t = torch.zeros(2)
         if topo.is_last_stage:
             t[0], t[1] = sum(float(x) for x in out) / n_micro, 1.0

@@ -416,7 +416,7 @@ def test_export_refuses_architecture_without_hf_counterpart():
 
 
 def test_save_hf_needs_save():
-    from megaq.arguments import ArgumentsError, parse_config
+    from megaq.config.arguments import ArgumentsError, parse_config
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0",
             "--mock-data", "--save-hf", "/tmp/never_written"]

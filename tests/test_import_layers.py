@@ -1,7 +1,8 @@
-"""Dependencies flow one way: kernels, parallel, runtime, model, zero, parallelize, data,
-config, checkpoint, planner, training, CLI, testing. Every import in every module under megaq/ and
-kernels/ (including the ones inside functions) may only point at its own layer or one below
-it, and no modules import each other in a circle, not even inside one layer.
+"""Dependencies flow one way: kernels (with megaq.config.flags), parallel, runtime, model,
+zero, parallelize, data, config, checkpoint, planner, training, CLI, testing. Every import in every
+module under megaq/ and kernels/ (including the ones inside functions) may only point at its
+own layer or one below it, and no modules import each other in a circle, not even inside one
+layer.
 
 The walk reads the source (ast), so nothing is imported and an import hidden in a
 function body counts like one at the top.
@@ -17,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS = [
-    ("kernels", ("kernels", "megaq.kernels", "megaq.flags", "megaq")),
+    ("kernels", ("kernels", "megaq.kernels", "megaq.config.flags", "megaq")),
     ("parallel", ("megaq.parallel",)),
     # failure agreement (a collective over the parallel layer's groups), the roll call, the
     # hang watchdog, the metrics file and log lines: what a running job reports
@@ -27,7 +28,10 @@ LAYERS = [
     # applies the parallel layer's pieces and the zero engine to the model, in one order
     ("parallelize", ("megaq.parallelize",)),
     ("data", ("megaq.data",)),
-    # what an HF export holds: the --save-hf check and the converters recognise one by it
+    # the configuration package (megaq.config.flags, which imports nothing of megaq, sits
+    # in the bottom layer so every layer's config class can declare its flags): RunConfig,
+    # Megatron-LM's flag table, the parser; what an HF export holds (the --save-hf check
+    # and the converters recognise one by it)
     ("config", ("megaq.config", "megaq.export_files")),
     # the package: formats, manifest, directory guards, staging; the one allow-listed
     # unpickler every checkpoint reader (and the converters) use
@@ -36,10 +40,10 @@ LAYERS = [
     # training writes its prediction, the CLI prints it
     ("planner", ("megaq.planner",)),
     ("training", ("megaq.training", "megaq.lr_schedule")),
-    ("cli", ("megaq.arguments", "megaq.pretrain", "pretrain_gpt", "megaq.cli", "megaq.plan_cli",
-             # Megatron-LM's flags (parser additions) and the converters (they validate an
-             # imported architecture with the parser and write a megaq checkpoint)
-             "megaq.megatron_flags", "megaq.interop")),
+    ("cli", ("megaq.pretrain", "pretrain_gpt", "megaq.cli", "megaq.plan_cli",
+             # the converters (they validate an imported architecture with the parser and
+             # write a megaq checkpoint)
+             "megaq.interop")),
     # local gloo ranks for tests and tools (run_on_ranks, run_cli_on_ranks): the top, so
     # no library module can lean on a test seam
     ("testing", ("megaq.testing",)),

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from megaq.arguments import parse_config
+from megaq.config.arguments import parse_config
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                    "CHOOSING_A_LAYOUT.md")

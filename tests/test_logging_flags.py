@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megaq.runtime import logging_utils
-from megaq.arguments import ArgumentsError, parse_config
+from megaq.config.arguments import ArgumentsError, parse_config
 from megaq.runtime.logging_utils import timers_block
 from megaq.testing.ranks import run_on_ranks
 

@@ -57,7 +57,7 @@ def _fixed_batches(topo, config):
 
 
 def _continue(topo, argv):
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     from megaq.pretrain import build_trainer
     config = parse_config(argv, world_size=topo.layout.world_size,
                           ranks_per_node=topo.layout.ranks_per_node, print_notes=False)

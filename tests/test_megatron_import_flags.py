@@ -1,4 +1,4 @@
-"""megaq/megatron_flags.py: Megatron-LM's dense-GPT flags are classified, the
+"""megaq/config/megatron_flags.py: Megatron-LM's dense-GPT flags are classified, the
 no-meaning ones are accepted with a note printed once, the refused ones stop with one
 line naming the feature, and nothing clashes with megaq's own parser. A Megatron-LM
 launch script's flag set parses through megaq's parser, prints its notes on rank 0
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from megaq import megatron_flags as mf
-from megaq.arguments import ArgumentsError, build_parser, parse_config
+from megaq.config import megatron_flags as mf
+from megaq.config.arguments import ArgumentsError, build_parser, parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,8 +64,8 @@ def test_refused_flags_name_the_feature(extra, line):
 
 
 def config_flags() -> set[str]:
-    from megaq.config import FLAG_CLASSES
-    from megaq.flags import flag_fields
+    from megaq.config.flags import flag_fields
+    from megaq.config.run import FLAG_CLASSES
     return {f.metadata["flag"] for cls in FLAG_CLASSES for f in flag_fields(cls)}
 
 
@@ -184,5 +184,5 @@ def test_refusal_is_one_line_through_the_parser_and_the_cli(tmp_path):
 
 def test_training_doc_lists_every_flag():
     text = open(os.path.join(REPO, "docs", "TRAINING.md")).read()
-    # regenerate it with: python -m megaq.megatron_flags
+    # regenerate it with: python -m megaq.config.megatron_flags
     assert mf.flags_table_markdown(config_flags()) in text

@@ -34,7 +34,7 @@ from megaq.parallel.tensor_parallel import shard_of, single_rank_group
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
 from megaq.parallelize import parallelize
-from megaq.zero import ZeroConfig, wants_weight_decay
+from megaq.zero import OptimizerSettings, ZeroConfig, wants_weight_decay
 
 RTOL = 1e-5
 STEPS, MBS, SEQ = 3, 2, 8
@@ -113,9 +113,10 @@ def _engine_grads(engine) -> dict:
 def _train_on_rank(topo, cfg, vp, batches):
     """The production gradient path: the stage-0 engine at DP=1 sums sequence-parallel
     grads over TP and the tied embedding copies over the first and last stage."""
-    chunks, engine = parallelize(cfg, topo, ZeroConfig(stage=0, lr=ADAM["lr"], betas=ADAM["betas"],
-                                                       eps=ADAM["eps"], weight_decay=ADAM["weight_decay"]),
-                                 vp_size=vp)
+    opt = OptimizerSettings(lr=ADAM["lr"], adam_beta1=ADAM["betas"][0],
+                            adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"],
+                            weight_decay=ADAM["weight_decay"])
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(stage=0), optimizer=opt, vp_size=vp)
     schedule = get_forward_backward_func(topo.layout.pp, vp)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, grads = [], {}

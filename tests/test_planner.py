@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megaq.flags import flag_fields
+from megaq.config.flags import flag_fields
 from megaq.model.config import GPTConfig
 from megaq.model.flops import num_flops
 from megaq.parallel import comm
@@ -241,7 +241,7 @@ def test_bubble_is_the_schedules_idle_slots(pp, vp, m, monkeypatch):
 
 # ----------------------------------------------------------------------------- search
 def _parse(parser, flags, world, per_node):
-    from megaq.config import RunConfig
+    from megaq.config.run import RunConfig
     ns = parser.parse_args(flags + ["--lr", "1e-4", "--train-iters", "1", "--mock-data",
                                     "--vocab-size", "32000"])
     return RunConfig.from_flags(ns, world, per_node)
@@ -253,7 +253,7 @@ def _parse(parser, flags, world, per_node):
     (32, 4096, 32, "H200", 4, 64),           # 7B on 32 H200s
 ])
 def test_every_searched_plan_parses_unchanged_and_fits(layers, hidden, heads, gpu, nodes, gbs):
-    from megaq.arguments import build_parser
+    from megaq.config.arguments import build_parser
     cfg = GPTConfig.llama(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                           vocab_size=32000, seq_length=2048, params_dtype=torch.bfloat16)
     cluster = Cluster(gpu_preset(gpu), nodes, 8)
@@ -311,7 +311,7 @@ def test_plan_json_has_the_keys(capsys):
 def test_search_json_plans_parse_unchanged(capsys):
     """The flags --search prints (here with the parser's default head count, a required
     flag that must still be written out) are a run pretrain_gpt.py accepts."""
-    from megaq.arguments import build_parser
+    from megaq.config.arguments import build_parser
     code, out, err = _plan_cli(LLAMA + ["--search", "--json", "--top", "3", "--num-nodes", "2",
                                         "--global-batch-size", "32"], capsys)
     assert code == 0, err

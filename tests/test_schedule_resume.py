@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megaq import pretrain
-from megaq.arguments import ArgumentsError, parse_config
+from megaq.config.arguments import ArgumentsError, parse_config
 from megaq.checkpoint import paths
 from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.lr_schedule import LRSchedule, ScheduleMismatchError
@@ -160,10 +160,10 @@ def test_sample_based_config_derives_the_step_count(tmp_path):
     # Megatron without ramp-up: train_samples // global batch steps; the decay defaults
     # to the run's samples and the warm-up is a fraction of it, in samples
     assert (c.training.train_iters, c.training.sample_based) == (6, True)
-    assert (c.optimizer.schedule_unit, c.optimizer.lr_decay_samples,
+    assert (c.training.schedule_unit, c.optimizer.lr_decay_samples,
             c.optimizer.lr_warmup_samples, c.optimizer.lr_decay_iters) == ("samples", 26, 6, None)
     c = parse_config(base(tmp_path, "--train-iters", "6"), world_size=1)
-    assert (c.optimizer.schedule_unit, c.optimizer.lr_decay_iters) == ("iterations", 6)
+    assert (c.training.schedule_unit, c.optimizer.lr_decay_iters) == ("iterations", 6)
 
 
 def test_sample_schedule_curve():

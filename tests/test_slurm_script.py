@@ -166,7 +166,7 @@ def sbatch(env, submit, extra_env=(), args=(), wait=True, time_limit="1:00:00"):
 def test_default_command_for_two_8_gpu_nodes_passes_validation(fake_slurm):
     """The exact command the script builds for 2 nodes x 8 GPUs, default model and layout
     (TP 2: hpZ must become the 4 DP ranks per node, not 8), is accepted by megaq."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
 
     env, state, submit, ip = fake_slurm
     out = sbatch(env, submit, {"FAKE_SRUN_RECORD_ONLY": "1", "DATA_PATH": "/data/c_text_document",

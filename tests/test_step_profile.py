@@ -76,7 +76,7 @@ def test_bench_ranks_run_gloo_on_the_device_asked_for():
     """The benchmark's ranks always name gloo (the emulated link carries gloo's TCP; on a
     GPU host the default would be NCCL, which needs a GPU per rank) and the device: the
     argv parses for the benchmark's 2 x 2 world either way."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     for device in ("cpu", "cuda"):
         argv = netns_step_profile.bench.model_args(2, 256, 16, 1, 2, 7, device)
         config = parse_config(argv[1:], world_size=4, ranks_per_node=2)

@@ -250,7 +250,7 @@ def test_llama2_tokenizer_preprocess_train_export(tmp_path, capsys, tiny_tokeniz
 def test_tokenizer_type_inferred_from_vocab_and_merge_files(tmp_path, capsys, gpt2_files):
     """Megatron requires --tokenizer-type GPT2BPETokenizer with --vocab-file/--merge-file;
     megaq infers it, says so in a note, and writes the same data."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     src = write_jsonl(str(tmp_path / "in.jsonl"), EDGE_TEXTS)
     files = ["--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1]]
     for name, extra in (("inferred", []), ("given", ["--tokenizer-type", "GPT2BPETokenizer"])):

@@ -3,7 +3,7 @@
 import pytest
 
 from megaq.testing.ranks import run_on_ranks
-from megaq.parallel.topology import (Layout, LayoutError, check_model_fits_tp,
+from megaq.parallel.topology import (Layout, LayoutError, check_hpz_size, check_model_fits_tp,
                                      ranks_per_node_from_env)
 
 
@@ -25,21 +25,21 @@ def test_megatron_rank_order_tp2_pp2_dp2():
 
 def test_tp2_dp4_two_nodes_has_two_dp_ranks_per_node():
     # 8 ranks = 2 nodes x 4, TP=2: each DP group has 2 ranks on each node.
-    lay = Layout(world_size=8, tp=2, ranks_per_node=4, hpz_size=2)
+    lay = Layout(world_size=8, tp=2, ranks_per_node=4)
     g = lay.dp_groups()[0]
     assert g == [0, 2, 4, 6]
     assert lay.intra_groups(g) == [[0, 2], [4, 6]]
     assert lay.inter_groups(g) == [[0, 4], [2, 6]]
-    assert lay.hpz_groups(g) == [[0, 2], [4, 6]]
+    assert lay.hpz_groups(g, 2) == [[0, 2], [4, 6]]
     assert lay.intra_groups(lay.dp_groups()[1]) == [[1, 3], [5, 7]]
 
 
 def test_dp8_two_nodes_hpz2():
-    lay = Layout(world_size=8, ranks_per_node=4, hpz_size=2)
+    lay = Layout(world_size=8, ranks_per_node=4)
     g = lay.dp_groups()[0]
     assert lay.intra_groups(g) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert lay.inter_groups(g) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert lay.hpz_groups(g) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.hpz_groups(g, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_sixteen_ranks_demo_layout_spans_both_nodes():
@@ -47,7 +47,8 @@ def test_sixteen_ranks_demo_layout_spans_both_nodes():
     lay = Layout(world_size=16, tp=2, pp=2, ranks_per_node=8)
     assert all(len(lay.intra_groups(g)) == 1 for g in lay.dp_groups())
     # ... DP-outermost order spreads every DP group over both nodes, 2 ranks on each.
-    lay = Layout(world_size=16, tp=2, pp=2, ranks_per_node=8, hpz_size=2, order="tp-pp-dp")
+    lay = Layout(world_size=16, tp=2, pp=2, ranks_per_node=8, order="tp-pp-dp")
+    check_hpz_size(lay, 2)
     assert lay.dp_groups()[0] == [0, 4, 8, 12]
     assert lay.pp_groups()[0] == [0, 2]
     for g in lay.dp_groups():
@@ -62,12 +63,21 @@ def test_sixteen_ranks_demo_layout_spans_both_nodes():
     (dict(world_size=8, ranks_per_node=3), "not a multiple of the ranks per node"),
     (dict(world_size=6, tp=2, ranks_per_node=3), "uneven number of ranks per node"),
     (dict(world_size=8, order="dp-tp"), "unknown rank order"),
-    (dict(world_size=8, ranks_per_node=4, hpz_size=3), "does not divide the 4 DP ranks per node"),
-    (dict(world_size=8, tp=2, ranks_per_node=4, hpz_size=4), "does not divide the 2 DP ranks per node"),
 ])
 def test_refusals(kw, needle):
     with pytest.raises(LayoutError, match=needle) as e:
         Layout(**kw)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, hpz, needle", [
+    (dict(world_size=8, ranks_per_node=4), 3, "does not divide the 4 DP ranks per node"),
+    (dict(world_size=8, tp=2, ranks_per_node=4), 4, "does not divide the 2 DP ranks per node"),
+    (dict(world_size=8, ranks_per_node=4), 0, "must be >= 1"),
+])
+def test_hpz_refusals(kw, hpz, needle):
+    with pytest.raises(LayoutError, match=needle) as e:
+        check_hpz_size(Layout(**kw), hpz)
     assert "\n" not in str(e.value)
 
 
@@ -103,7 +113,7 @@ def _membership(topo):
                                                (2, 2, 1, "tp-dp-pp"), (1, 2, 2, "tp-pp-dp"),
                                                (1, 4, 1, "tp-dp-pp")])
 def test_built_groups_match_layout(tp, pp, hpz, order):
-    lay = Layout(world_size=8, tp=tp, pp=pp, ranks_per_node=4, hpz_size=hpz, order=order)
+    lay = Layout(world_size=8, tp=tp, pp=pp, ranks_per_node=4, order=order)
     got = run_on_ranks(_membership, 8, tp=tp, pp=pp, ranks_per_node=4, hpz_size=hpz, order=order)
     for rank, groups in enumerate(got):
         dp = next(g for g in lay.dp_groups() if rank in g)
@@ -114,6 +124,6 @@ def test_built_groups_match_layout(tp, pp, hpz, order):
             "embedding": next(g for g in lay.embedding_groups() if rank in g),
             "intra": next(g for g in lay.intra_groups(dp) if rank in g),
             "inter": next(g for g in lay.inter_groups(dp) if rank in g),
-            "hpz": next(g for g in lay.hpz_groups(dp) if rank in g),
+            "hpz": next(g for g in lay.hpz_groups(dp, hpz) if rank in g),
         }
         assert groups == want, rank

@@ -85,7 +85,7 @@ def _inf_in_loss_mask(bad_steps):
 
 def _train_with(topo, argv, on_step):
     """pretrain.main's setup, then the loop over batches passed through `on_step`."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     config = parse_config(argv, world_size=topo.layout.world_size,
                           ranks_per_node=topo.layout.ranks_per_node)
     trainer = pretrain.build_trainer(config, topo)

@@ -60,9 +60,9 @@ def _train(topo, bucket: int | None):
         bucket = max(p.padded_numel * 4 for p in probe.partitions)  # fp32 grads
         probe.remove_hooks()
     torch.manual_seed(0)
-    chunks, engine = parallelize(cfg, topo, ZeroConfig(block_size=8, reduce_bucket_size=bucket, lr=H.LR,
-                                                       betas=H.BETAS, eps=H.EPS, weight_decay=H.WD,
-                                                       param_persistence_threshold=30))
+    zcfg, opt = H.engine_configs(dict(block_size=8, reduce_bucket_size=bucket,
+                                      param_persistence_threshold=30))
+    chunks, engine = parallelize(cfg, topo, zcfg, optimizer=opt)
     log, inflight = [], {}
     engine.grads.reducer = _Logged(engine.grads.reducer, log, inflight)
     engine.grads.replicated = _Logged(engine.grads.replicated, log, inflight)  # small params

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megaq.parallel.topology import Layout, build_topology
-from megaq.zero import ZeroConfig, ZeroConfigError, build_engine
+from megaq.zero import OptimizerSettings, ZeroConfig, ZeroConfigError, build_engine
 from megaq.zero.collectives import GradReducer, WeightGatherer, make_gatherer, make_reducer
 from megaq.zero.partition import FlatPartition
 from megaq.zero.zeropp import QuantizedGradReducer, ZeroPPWeightGatherer
@@ -130,8 +130,8 @@ def test_single_rank_engine_matches_torch_adamw(stage):
     from megaq.zero.partition import wants_weight_decay
     topo = build_topology(Layout(1), 0)
     ref, model = _Chunk(), _Chunk()
-    engine = build_engine([model], topo, ZeroConfig(stage=stage, block_size=4, weight_decay=0.1,
-                                                    lr=1e-2))
+    engine = build_engine([model], topo, ZeroConfig(stage=stage, block_size=4),
+                          OptimizerSettings(weight_decay=0.1, lr=1e-2))
     # At DP=1 there is nothing to reduce: each grad goes into the fp32 accumulator during
     # backward, as its parameter's grad is ready (never deferred to finish_grad_sync).
     accumulated_in_backward = []
@@ -198,7 +198,8 @@ def test_direct_accumulation_at_dp1_matches_the_reduce_path(stage):
     def train(direct: bool):
         model = _Chunk()
         engine = build_engine([model], build_topology(Layout(1), 0),
-                              ZeroConfig(stage=stage, block_size=4, weight_decay=0.1, lr=1e-2))
+                              ZeroConfig(stage=stage, block_size=4),
+                              OptimizerSettings(weight_decay=0.1, lr=1e-2))
         assert engine.grads.direct
         engine.grads.direct = direct
         norms = []
@@ -248,8 +249,8 @@ def test_fused_adamw_applies_the_clip_factor_in_its_own_pass():
     def run(fused: bool):
         model = _Chunk()
         engine = build_engine([model], build_topology(Layout(1), 0),
-                              ZeroConfig(stage=3, block_size=4, weight_decay=0.1, lr=1e-2,
-                                         fused_adamw=fused))
+                              ZeroConfig(stage=3, block_size=4, fused_adamw=fused),
+                              OptimizerSettings(weight_decay=0.1, lr=1e-2))
         assert engine.optimizer.kind == ("fused" if fused else "foreach")
         g = torch.Generator().manual_seed(0)
         coefs = []
@@ -308,7 +309,8 @@ def test_engine_step_given_the_loss_skips_non_finite_steps_without_a_trace(stage
     def build():
         model = _Chunk()
         return model, build_engine([model], build_topology(Layout(1), 0),
-                                   ZeroConfig(stage=stage, block_size=4, lr=1e-2))
+                                   ZeroConfig(stage=stage, block_size=4),
+                                   OptimizerSettings(lr=1e-2))
 
     def backward(model, engine, scale=1.0):
         engine.zero_grad()

@@ -17,7 +17,7 @@ import zero_harness as H  # noqa: E402
 
 from megaq.runtime.failure import AgreedError  # noqa: E402
 from megaq.testing.ranks import run_on_ranks  # noqa: E402
-from megaq.zero import ZeroConfig, ZeroConfigError  # noqa: E402
+from megaq.zero import OptimizerSettings, ZeroConfig, ZeroConfigError  # noqa: E402
 
 SGD = {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 0.3, "block_size": 8}
 MODEL = {"untie_embeddings_and_output_weights": True}
@@ -59,13 +59,13 @@ def test_adam_state_is_refused_by_sgd_engine():
     def engine(**kw):
         torch.manual_seed(0)
         return build_engine([H.GPTModel(H.model_config())], build_topology(Layout(1), 0),
-                            ZeroConfig(block_size=8, **kw))
+                            ZeroConfig(block_size=8), OptimizerSettings(**kw))
     adam_state = engine().full_state()
     with pytest.raises(OptimizerStateMismatch, match="holds exp_avg, exp_avg_sq for .*, but "
                        "--optimizer sgd keeps momentum_buffer"):
         engine(optimizer="sgd").load_full_state(adam_state)
     with pytest.raises(ZeroConfigError, match="optimizer 'lion'"):
-        ZeroConfig(optimizer="lion")
+        OptimizerSettings(optimizer="lion")
 
 
 def _argv(tmp_path, iters, extra=()):

@@ -29,7 +29,7 @@ from megaq.parallel.comm import INTER, INTRA
 from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallelize import parallelize
-from megaq.zero import ZeroConfig, ZeroConfigError
+from megaq.zero import OptimizerSettings, ZeroConfig, ZeroConfigError
 from megaq.zero.zeropp import volume
 from megaq.zero.zeropp.deltas import QuantizedDeltas, apply_delta
 
@@ -67,8 +67,8 @@ def _train(topo, zero_kw, steps, exact=False, n_micro=1, save_at=None, reload=Fa
     with reload, then take one more step, load the checkpoint and continue from it."""
     cfg = model_config(**MODEL)
     torch.manual_seed(0)
-    chunks, engine = parallelize(cfg, topo, ZeroConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                                       **zero_kw))
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(**zero_kw), optimizer=OptimizerSettings(
+        lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, weight_decay=WD))
     deltas = zero_kw.get("weight_deltas", False)
     if exact:
         engine.gatherer.codec = ExactDeltas()

@@ -131,7 +131,7 @@ def test_harness_configs_reach_the_intended_settings():
     """Each configuration name of tools/bench/convergence.py parses into the ZeRO++
     settings it claims (the decomposition table is only as good as this mapping)."""
     import pytest
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     cv = _harness()
     a = cv.parse(["--iters", "20", "--tail", "5"])
 

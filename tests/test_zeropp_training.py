@@ -18,7 +18,7 @@ from megaq.parallel.comm import INTER
 from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
 from megaq.parallelize import parallelize
-from megaq.zero import ZeroConfig
+from megaq.zero import OptimizerSettings, ZeroConfig
 from megaq.zero.zeropp import rails_of
 
 from zero_harness import (BETAS, EPS, MBS, SEQ, WD, learnable_batch, model_config, modelled_step_bytes,
@@ -44,8 +44,8 @@ def _train(topo, zero_kw, steps, load_at=None, account=False, n_micro=1):
     the snapshot and continue (so the reloaded run must repeat steps s, s+1, ...)."""
     cfg = model_config(**MODEL)
     torch.manual_seed(0)
-    chunks, engine = parallelize(cfg, topo, ZeroConfig(lr=LR, betas=BETAS, eps=EPS,
-                                                       weight_decay=WD, **zero_kw))
+    chunks, engine = parallelize(cfg, topo, ZeroConfig(**zero_kw), optimizer=OptimizerSettings(
+        lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, weight_decay=WD))
     fb = get_forward_backward_func(topo.layout.pp, 1)
     shape = pipeline_tensor_shape(SEQ, MBS, cfg.hidden_size, topo.tp.size, cfg.sequence_parallel)
     losses, traffic, snap, mem = [], None, None, {}

@@ -15,7 +15,7 @@ from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.pipeline import get_forward_backward_func, masked_mean_loss, pipeline_tensor_shape
 from megaq.parallel.tensor_parallel import shard_of
 from megaq.parallelize import parallelize
-from megaq.zero import ZeroConfig, wants_weight_decay
+from megaq.zero import OptimizerSettings, ZeroConfig, wants_weight_decay
 from megaq.zero.zeropp import volume
 
 SEQ, MBS = 8, 2
@@ -129,14 +129,25 @@ def _reference_name(chunk, name: str) -> str:
     return name
 
 
+def engine_configs(zero_kw: dict) -> tuple[ZeroConfig, OptimizerSettings]:
+    """zero_kw: ZeroConfig's settings and the optimizer's (OptimizerSettings' names: lr,
+    optimizer, sgd_momentum, ...) in one dict, split into the two the engine takes;
+    the optimizer's default to the reference's AdamW (LR, BETAS, EPS, WD)."""
+    names = set(OptimizerSettings.__dataclass_fields__)
+    opt = {"lr": LR, "adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_eps": EPS,
+           "weight_decay": WD, **{k: v for k, v in zero_kw.items() if k in names}}
+    return (ZeroConfig(**{k: v for k, v in zero_kw.items() if k not in names}),
+            OptimizerSettings(**opt))
+
+
 def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = STEPS,
                account: bool = False, clip: float = CLIP, start_step: int = 0, load=None,
                vp: int = 1):
     """Runs on every rank; returns what the test compares against the reference."""
     cfg = model_config(**model_kw)
     torch.manual_seed(0)
-    zcfg = ZeroConfig(**{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD, **zero_kw})
-    chunks, engine = parallelize(cfg, topo, zcfg, vp_size=vp)
+    zcfg, opt = engine_configs(zero_kw)
+    chunks, engine = parallelize(cfg, topo, zcfg, optimizer=opt, vp_size=vp)
     invalidations = []
     if engine.gatherer is not None:  # count the seam's invalidation calls
         inner = engine.gatherer.invalidate
@@ -161,7 +172,7 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
         engine.finish_grad_sync()
         norm = engine.clip_grad_norm(clip)
         assert bool(engine.grads_finite())
-        engine.step(zcfg.lr)
+        engine.step(opt.lr)
         if account and step == 0:
             traffic = comm.per_node_totals(topo.world)
         losses.append([float(x) for x in step_losses])

@@ -204,7 +204,7 @@ def checkpoint_group(topo) -> comm.Group:
         if world.size > 1:
             pg = dist.new_group(list(world.ranks), backend="gloo", timeout=topo.timeout)
         _GROUP[key] = comm.Group(ranks=list(world.ranks), nodes=list(world.nodes), pg=pg,
-                                 rank_index=world.rank_index)
+                                 rank_index=world.rank_index, timing=world.timing)
     return _GROUP[key]
 
 

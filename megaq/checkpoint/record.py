@@ -13,8 +13,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from megaq.checkpoint.errors import CheckpointError
-from megaq.config import FLAG_CLASSES, RunConfig
-from megaq.flags import dest, flag_fields, to_dict
+from megaq.config.flags import dest, flag_fields, to_dict
+from megaq.config.run import FLAG_CLASSES, RunConfig
 from megaq.model import GPTConfig
 from megaq.zero import ZeroConfig
 

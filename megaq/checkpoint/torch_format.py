@@ -29,7 +29,7 @@ from megaq.checkpoint.record import model_file_record, saved_config, saved_virtu
 from megaq.checkpoint.reshard import WHOLE_MODEL, Place, local_to_global_name, reshard_full_state
 from megaq.checkpoint.rng import rng_state
 from megaq.data import tokenizer_files
-from megaq.flags import to_dict
+from megaq.config.flags import to_dict
 from megaq.parallel.pipeline.split import stage_layer_ranges
 from megaq.zero.state import OptimizerStateMismatch
 

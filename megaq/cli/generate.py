@@ -28,8 +28,8 @@ from megaq.checkpoint.errors import CheckpointError
 from megaq.checkpoint.formats import checkpoint_layout
 from megaq.checkpoint.integrity import Verifier
 from megaq.checkpoint.paths import TRACKER_FILE, iteration_dir, read_tracker
-from megaq.config import CheckpointConfig
-from megaq.flags import add_flag
+from megaq.config.flags import add_flag
+from megaq.config.run import CheckpointConfig
 from megaq.parallelize import apply_fp8
 
 

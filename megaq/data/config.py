@@ -11,7 +11,7 @@ from megaq.data.errors import DataError
 from megaq.data.gpt_dataset import parse_split
 from megaq.data.tokenizer import (DEFAULT_TYPE, SUPPORTED_TYPES, check_tokenizer_flags,
                                    infer_tokenizer_type)
-from megaq.flags import flag, set_derived, switch
+from megaq.config.flags import flag, set_derived, switch
 
 TOKENIZER_TYPES = SUPPORTED_TYPES + ("NullTokenizer",)
 MOCK_VOCAB_SIZE = 1024  # vocab of --mock-data and of the NullTokenizer without --vocab-size

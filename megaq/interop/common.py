@@ -158,7 +158,7 @@ def megaq_run_config(flags: list[str], tp: int, pp: int):
     vocabulary resolved as the data setup resolves it: what an imported checkpoint
     stores, so that a run given the same flags `--load`s it like one of its own.
     A model that does not fit the layout is an InteropError."""
-    from megaq.arguments import ArgumentsError, parse_config
+    from megaq.config.arguments import ArgumentsError, parse_config
     placeholders = ["--micro-batch-size", "1", "--global-batch-size", str(pp), "--train-iters", "1",
                     "--lr", "0", "--mock-data"]
     try:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from megaq.flags import flag, flag_name, set_derived, switch
+from megaq.config.flags import flag, flag_name, set_derived, switch
 from megaq.parallel.fp8 import FP8Recipe
 from megaq.parallel.tensor_parallel import pad_vocab_size
 
@@ -19,7 +19,7 @@ class ModelConfigError(ValueError):
 @dataclass(frozen=True)
 class GPTConfig:
     """The model's hyper-parameters (Megatron's TransformerConfig names); the fields made
-    with flag()/switch() are also pretrain_gpt.py's model flags (megaq.flags)."""
+    with flag()/switch() are also pretrain_gpt.py's model flags (megaq.config.flags)."""
 
     FLAG_GROUP: ClassVar[str] = "model"
 
@@ -103,11 +103,16 @@ class GPTConfig:
     fp8_amax_compute_algo: str = flag(
         "--fp8-amax-compute-algo", "--fp8-recipe delayed: scale from the history's max or its "
         "most recent step", "max", choices=["max", "most_recent"])
+    # as Megatron: with TP = 1 there is nothing to split the sequence over
+    sequence_parallel: bool = switch(
+        "--sequence-parallel", "split LayerNorm/dropout activations over TP (ignored when TP = 1)",
+        value=lambda ns: ns.sequence_parallel and ns.tensor_model_parallel_size > 1)
+    # the run's one seed: the weights' initialisation here, and (megaq.pretrain) dropout's
+    # RNG streams and the data order
+    seed: int = flag("--seed", "seed of weights, dropout and data order", 1234, type=int)
     # ---- set by the run, not by model flags ----
     vocab_size: int | None = 256  # the tokenizer's (None: not known yet)
-    sequence_parallel: bool = False  # --sequence-parallel (ParallelConfig) with TP > 1
     params_dtype: torch.dtype = field(default=torch.float32)  # --bf16 (TrainingConfig)
-    seed: int = 1234  # --seed (TrainingConfig)
 
     # The settings of a model that recomputes nothing (dataclasses.replace(cfg, **NO_RECOMPUTE)).
     NO_RECOMPUTE: ClassVar[dict] = {"recompute_activations": False, "recompute_granularity": None,
@@ -122,6 +127,8 @@ class GPTConfig:
         "untie_embeddings_and_output_weights", "add_bias_linear", "vocab_size")
 
     def __post_init__(self):
+        if not 0 <= self.seed < 2**31:  # numpy takes 32-bit seeds; ranks add small offsets
+            raise ModelConfigError(f"--seed must be between 0 and 2^31 - 1 (got {self.seed})")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"{flag_name(GPTConfig, name)} must be >= 1 "
@@ -200,7 +207,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
-        """Inverse of megaq.flags.to_dict (a checkpoint's stored model configuration)."""
+        """Inverse of megaq.config.flags.to_dict (a checkpoint's stored model configuration)."""
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         if isinstance(kw.get("params_dtype"), str):
             kw["params_dtype"] = getattr(torch, kw["params_dtype"].rsplit(".", 1)[-1])

@@ -25,7 +25,9 @@ Counters are per rank; :func:`per_node_totals` sums them over each node.
 
 Time per phase (optional)
 -------------------------
-With ``STATS.timing`` on (``pretrain_gpt.py --log-comm-time``) every collective runs
+With a group's timing on (``group.timing.on``: one :class:`CommTiming` per Topology,
+shared by its groups; the training loop switches it for its run when
+``pretrain_gpt.py --log-comm-time`` asks) every collective on the group runs
 synchronously and is timed from a device synchronization before it to one after it,
 so its seconds are charged to its phase without the compute it would otherwise
 overlap. Steps get slower (no overlap), and a collective's time includes waiting for
@@ -59,14 +61,22 @@ import torch.distributed as dist
 INTRA, INTER = "intra_node", "inter_node"
 
 
-class CommStats:
-    """bytes[phase][link] sent by this rank since the last reset, and, while `timing`
-    is on, seconds[phase] spent in synchronous, timed collectives."""
+@dataclass
+class CommTiming:
+    """Whether collectives run synchronously and timed (--log-comm-time). A setting of
+    one Topology, passed to each of its groups (Group.timing) by build_topology; the
+    training loop turns it on for its run and off after."""
 
-    def __init__(self, timing: bool = False):
+    on: bool = False
+
+
+class CommStats:
+    """bytes[phase][link] sent by this rank since the last reset, and seconds[phase]
+    spent in synchronous, timed collectives (groups whose timing is on)."""
+
+    def __init__(self):
         self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: {INTRA: 0, INTER: 0})
         self.seconds: dict[str, float] = defaultdict(float)
-        self.timing = timing
 
     def add(self, phase: str, link: str, nbytes: int) -> None:
         if nbytes:
@@ -174,12 +184,16 @@ class Group:
     rank_index: int = field(default=-1)
     _backend: str | None = field(default=None, repr=False)
     name: str = ""  # what the group is for (tp, dp, intra, ...): failures name it
+    # its topology's collective timing (shared by the topology's groups; off by default)
+    timing: CommTiming = field(default_factory=CommTiming, repr=False, compare=False)
 
     @classmethod
     def create(cls, ranks: list[int], node_of: Callable[[int], int], world: bool = False,
-               name: str = "", timeout: timedelta | None = None) -> "Group":
+               name: str = "", timeout: timedelta | None = None,
+               timing: CommTiming | None = None) -> "Group":
         """timeout: the process-group timeout (--distributed-timeout-minutes, passed down
-        by build_topology; None: torch's default for the backend)."""
+        by build_topology; None: torch's default for the backend); timing: the
+        topology's CommTiming (None: a new one, off)."""
         pg = None
         if world:
             pg = dist.group.WORLD
@@ -188,7 +202,7 @@ class Group:
         me = dist.get_rank() if dist.is_initialized() else 0
         idx = ranks.index(me) if me in ranks else -1
         return cls(ranks=list(ranks), nodes=[node_of(r) for r in ranks], pg=pg, rank_index=idx,
-                   name=name or ("world" if world else ""))
+                   name=name or ("world" if world else ""), timing=timing or CommTiming())
 
     def describe(self) -> str:
         """'the dp group (ranks 0-3)', for error lines."""
@@ -267,10 +281,10 @@ def _sync(t: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _timed(phase: str, t: torch.Tensor):
-    """Charge the block's wall time to `phase` when STATS.timing is on (device
+def _timed(phase: str, t: torch.Tensor, group: Group):
+    """Charge the block's wall time to `phase` when the group's timing is on (device
     synchronized on both sides, so queued compute is not counted)."""
-    if not STATS.timing:
+    if not group.timing.on:
         yield
         return
     _sync(t)
@@ -282,13 +296,13 @@ def _timed(phase: str, t: torch.Tensor):
 
 def _timed_run(phase: str, on: Group, t: torch.Tensor, fn, *args, async_op: bool,
                **kw) -> Handle | None:
-    """_run on group `on`, synchronous and timed while STATS.timing is on (a finished
+    """_run on group `on`, synchronous and timed while its timing is on (a finished
     handle then); a transport failure becomes CollectiveFailed(phase, on)."""
     LAST_ENTERED[:] = [f"{getattr(fn, '__name__', fn)} ({phase}, {tuple(t.shape)})", time.time()]
     what = (phase, on)
-    if not STATS.timing:
+    if not on.timing.on:
         return _run(fn, *args, async_op=async_op, what=what, **kw)
-    with _timed(phase, t):
+    with _timed(phase, t, on):
         _run(fn, *args, async_op=False, what=what, **kw)
     return _done(async_op)
 
@@ -456,8 +470,8 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     def land():
         for dst, host in landing:
             dst.copy_(host)
-    if STATS.timing:
-        with _timed(phase, (sends or recvs)[0][0]), _guarded(phase, group):
+    if group.timing.on:
+        with _timed(phase, (sends or recvs)[0][0], group), _guarded(phase, group):
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
             land()

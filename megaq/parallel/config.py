@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from megaq.flags import flag, set_derived, switch
+from megaq.config.flags import flag, set_derived, switch
 from megaq.parallel.topology import Layout, LayoutError
 
 
@@ -20,8 +20,6 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         "--num-layers-per-virtual-pipeline-stage", "interleaved 1F1B: layers per model chunk",
         type=int)
-    sequence_parallel: bool = switch(
-        "--sequence-parallel", "split LayerNorm/dropout activations over TP (ignored when TP = 1)")
     gpus_per_node: int | None = flag(
         "--gpus-per-node", "ranks per node for the node map (default: from torchrun/slurm); a "
         "smaller value makes one machine pose as several nodes", type=int)
@@ -41,10 +39,9 @@ class ParallelConfig:
     distributed_timeout_minutes: float = flag(
         "--distributed-timeout-minutes", "a collective waiting this long for a peer fails the "
         "job (every process group; fractions allowed)", 10, type=float)
-    # ---- from the launcher and the ZeRO flags, not from these flags ----
+    # ---- from the launcher, not from these flags ----
     world_size: int = 1
     ranks_per_node: int | None = None  # the launcher's; --gpus-per-node overrides it
-    hpz_size: int = 1                  # --zero-hpz-partition-size (the hpZ groups)
     layout: Layout | None = None       # derived: the validated rank grid
 
     def __post_init__(self):
@@ -59,10 +56,8 @@ class ParallelConfig:
         layout = Layout(world_size=self.world_size, tp=self.tensor_model_parallel_size,
                         pp=self.pipeline_model_parallel_size,
                         ranks_per_node=self.gpus_per_node or self.ranks_per_node,
-                        hpz_size=self.hpz_size, order=self.rank_order)
-        # as Megatron: with TP = 1 there is nothing to split the sequence over
-        set_derived(self, layout=layout,
-                    sequence_parallel=self.sequence_parallel and layout.tp > 1)
+                        order=self.rank_order)
+        set_derived(self, layout=layout)
 
     @property
     def rank_order(self) -> str:

@@ -19,7 +19,9 @@ global ranks, which is wrong as soon as TP or PP > 1):
 
 - ``intra``: the members of this DP group that share my node (qgZ hop 1);
 - ``inter``: the members with my local index on every node ("rails", qgZ hop 2);
-- ``hpz``:   consecutive chunks of ``intra`` of size ``hpz_size`` (hpZ secondary shard).
+- ``hpz``:   consecutive chunks of ``intra`` of hpZ's size (hpZ secondary shard). That size
+  is a ZeRO setting (ZeroConfig.hpz_partition_size, its one home): build_topology takes
+  it as an argument, and the Layout does not hold it.
 
 Everything that decides membership is a pure function of a :class:`Layout`, so it
 can be tested without starting any process; :func:`build_topology` then creates the
@@ -30,10 +32,10 @@ torch.distributed groups (every rank creates every group, in the same order, as
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
-from megaq.parallel.comm import Group
+from megaq.parallel.comm import CommTiming, Group
 
 
 class LayoutError(ValueError):
@@ -46,7 +48,6 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ranks_per_node: int | None = None  # None: the whole world is one node
-    hpz_size: int = 1  # 1 = hpZ off
     order: str = "tp-dp-pp"  # or "tp-pp-dp" (Megatron's --use-tp-pp-dp-mapping)
 
     def __post_init__(self):
@@ -110,8 +111,8 @@ class Layout:
         intra = self.intra_groups(dp_group)
         return [[members[i] for members in intra] for i in range(len(intra[0]))]
 
-    def hpz_groups(self, dp_group: list[int]) -> list[list[int]]:
-        h = self.hpz_size
+    def hpz_groups(self, dp_group: list[int], h: int) -> list[list[int]]:
+        """Consecutive chunks of h ranks of each node's part of one DP group."""
         return [m[i:i + h] for m in self.intra_groups(dp_group) for i in range(0, len(m), h)]
 
 
@@ -120,10 +121,9 @@ def validate_layout(layout: Layout) -> None:
     if layout.order not in ("tp-dp-pp", "tp-pp-dp"):
         raise LayoutError(f"unknown rank order {layout.order!r}; use 'tp-dp-pp' (Megatron's "
                           f"default) or 'tp-pp-dp' (--use-tp-pp-dp-mapping)")
-    if min(w, tp, pp, rpn, layout.hpz_size) < 1:
-        raise LayoutError(f"world size, TP, PP, ranks per node and hpZ size must be >= 1 "
-                          f"(got world={w}, tp={tp}, pp={pp}, ranks_per_node={rpn}, "
-                          f"hpz={layout.hpz_size})")
+    if min(w, tp, pp, rpn) < 1:
+        raise LayoutError(f"world size, TP, PP and ranks per node must be >= 1 "
+                          f"(got world={w}, tp={tp}, pp={pp}, ranks_per_node={rpn})")
     if w % (tp * pp):
         raise LayoutError(f"world size {w} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
                           f"choose sizes whose product divides the number of ranks")
@@ -140,10 +140,17 @@ def validate_layout(layout: Layout) -> None:
                 f"TP={tp}, PP={pp} and {rpn} ranks per node, pick --gpus-per-node divisible by "
                 f"TP ({tp}) whose DP groups split evenly over nodes, or change the rank order "
                 f"(--use-tp-pp-dp-mapping)")
-        per_node = counts[0]
-        if per_node % layout.hpz_size:
+
+
+def check_hpz_size(layout: Layout, hpz_size: int) -> None:
+    """hpZ's groups split each node's part of every DP group into chunks of hpz_size."""
+    if hpz_size < 1:
+        raise LayoutError(f"--zero-hpz-partition-size {hpz_size} must be >= 1 (1 = off)")
+    for g in layout.dp_groups():
+        per_node = len(layout.intra_groups(g)[0])  # the same on every node (validate_layout)
+        if per_node % hpz_size:
             raise LayoutError(
-                f"--zero-hpz-partition-size {layout.hpz_size} does not divide the {per_node} DP "
+                f"--zero-hpz-partition-size {hpz_size} does not divide the {per_node} DP "
                 f"ranks per node of DP group {g}; use a divisor of {per_node}")
 
 
@@ -191,11 +198,14 @@ class Topology:
     embedding: Group
     intra: Group   # DP ranks of my DP group on my node
     inter: Group   # DP ranks of my DP group with my local index, one per node
-    hpz: Group     # hpZ partition (a slice of intra)
+    hpz: Group     # hpZ partition (a slice of intra; one rank when hpZ is off)
     world: Group
     # the process-group timeout every group here got (--distributed-timeout-minutes);
     # groups made later for this topology (DCP's checkpoint group) take it too
     timeout: timedelta | None = None
+    # --log-comm-time: whether collectives on these groups run synchronously and timed
+    # (every group above holds this object; the training loop switches it for its run)
+    comm_timing: CommTiming = field(default_factory=CommTiming)
 
     @property
     def tp_rank(self) -> int:
@@ -218,18 +228,23 @@ class Topology:
         return self.pp_rank == self.layout.pp - 1
 
 
-def build_topology(layout: Layout, rank: int, timeout: timedelta | None = None) -> Topology:
-    """Create every process group (collectively) and keep the ones holding `rank`.
+def build_topology(layout: Layout, rank: int, hpz_size: int = 1,
+                   timeout: timedelta | None = None) -> Topology:
+    """Create every process group (collectively) and keep the ones holding `rank`;
+    hpz_size: the hpZ groups' size (ZeroConfig.hpz_partition_size; 1 = hpZ off);
+    timeout: every group's process-group timeout (launch.group_timeout; None: torch's).
 
     torch.distributed must already be initialised with `layout.world_size` ranks. `timeout`
     is the process-group timeout (the world group's, --distributed-timeout-minutes);
     None leaves torch's default for new groups.
     """
+    check_hpz_size(layout, hpz_size)
     mine: dict[str, Group] = {}
+    timing = CommTiming()  # off; shared by every group of this topology
 
     def make(kind: str, groups: list[list[int]]):
         for ranks in groups:
-            g = Group.create(ranks, layout.node_of, name=kind, timeout=timeout)
+            g = Group.create(ranks, layout.node_of, name=kind, timeout=timeout, timing=timing)
             if rank in ranks:
                 mine[kind] = g
 
@@ -240,6 +255,7 @@ def build_topology(layout: Layout, rank: int, timeout: timedelta | None = None) 
     for dp_group in layout.dp_groups():
         make("intra", layout.intra_groups(dp_group))
         make("inter", layout.inter_groups(dp_group))
-        make("hpz", layout.hpz_groups(dp_group))
-    world = Group.create(list(range(layout.world_size)), layout.node_of, world=True)
-    return Topology(layout=layout, rank=rank, world=world, timeout=timeout, **mine)
+        make("hpz", layout.hpz_groups(dp_group, hpz_size))
+    world = Group.create(list(range(layout.world_size)), layout.node_of, world=True, timing=timing)
+    return Topology(layout=layout, rank=rank, world=world, timeout=timeout, comm_timing=timing,
+                    **mine)

@@ -68,9 +68,9 @@ def _run_config(argv, world_size=1, ranks_per_node=None):
     """pretrain_gpt.py's configuration for `argv`, built from the configuration classes'
     own flags (megaq.config.FLAG_CLASSES; the CLI's parser adds only Megatron-LM's
     accepted-and-ignored flags and the planning flags, which replayed runs do not use)."""
-    from megaq.config import FLAG_CLASSES, ConfigError, RunConfig
+    from megaq.config.run import FLAG_CLASSES, ConfigError, RunConfig
     from megaq.data.errors import ArgumentParser, DataError
-    from megaq.flags import add_flags
+    from megaq.config.flags import add_flags
     from megaq.model import ModelConfigError
     from megaq.parallel.pipeline import PipelineConfigError
     from megaq.parallel.topology import LayoutError

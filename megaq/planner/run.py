@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from megaq.flags import add_flags, flag
+from megaq.config.flags import add_flags, flag
 
 from .calibration import Calibration, load_calibration
 from .hardware import (DEFAULT_INTER_NODE_GBIT_PER_S, DEFAULT_INTER_NODE_LATENCY_S,
@@ -55,7 +55,7 @@ def add_planning_flags(parser, dry_run: bool = True) -> None:
 
 
 def cluster_of_run(run, hw: HardwareFlags) -> Cluster:
-    """The cluster a parsed run (megaq.config.RunConfig) lies on: its world size and node
+    """The cluster a parsed run (megaq.config.run.RunConfig) lies on: its world size and node
     map, the hardware flags' GPU and links."""
     layout = run.parallel.layout
     if hw.num_nodes is not None and hw.num_nodes != layout.num_nodes:

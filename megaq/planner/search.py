@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megaq.flags import flag_fields
+from megaq.config.flags import flag_fields
 from megaq.model.config import GPTConfig
 from megaq.parallel.topology import LayoutError
 from megaq.zero.config import ZeroConfig, ZeroConfigError, check_fp8_weight_gathers

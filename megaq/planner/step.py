@@ -57,7 +57,7 @@ class PlanInput:
 
     @classmethod
     def from_config(cls, run, vocab_size: int | None = None) -> "PlanInput":
-        """From megaq.config.RunConfig (megaq.arguments.parse_config's result)."""
+        """From megaq.config.run.RunConfig (megaq.config.arguments.parse_config's result)."""
         vocab = (run.model.vocab_size or vocab_size or run.data.vocab_size
                  or (MOCK_VOCAB_SIZE if run.data.mock_data else None))
         p = run.parallel

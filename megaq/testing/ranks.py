@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megaq.parallel import comm
 from megaq.parallel.launch import free_port, group_timeout
-from megaq.parallel.topology import Layout, build_topology
+from megaq.parallel.topology import Layout, build_topology, check_hpz_size
 
 RANK_GROUP_TIMEOUT = group_timeout(2.0)  # every group of a run_on_ranks job: a hung test fails
 
@@ -42,7 +42,7 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
-def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
+def _worker(rank, world_size, layout_kw, hpz_size, init_file, fn, args, queue):
     try:
         # Forked children share the parent's OpenMP pool state; one thread each avoids
         # oversubscribing CI's 2 cores and the classic fork-after-OpenMP hang.
@@ -50,7 +50,8 @@ def _worker(rank, world_size, layout_kw, init_file, fn, args, queue):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=RANK_GROUP_TIMEOUT)
-        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, timeout=RANK_GROUP_TIMEOUT)
+        topo = build_topology(Layout(world_size=world_size, **layout_kw), rank, hpz_size,
+                              timeout=RANK_GROUP_TIMEOUT)
         comm.STATS.reset()
         result = fn(topo, *args)
         queue.put((rank, True, _dumps(result)))
@@ -68,8 +69,8 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
 
     fn and its results must be picklable only when the start method is not fork.
     """
-    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, hpz_size=hpz_size, order=order)
-    Layout(world_size=world_size, **layout_kw)  # validate before forking
+    layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, order=order)
+    check_hpz_size(Layout(world_size=world_size, **layout_kw), hpz_size)  # validate before forking
     # torch.optim, checkpointing and custom autograd Functions import torch._dynamo lazily
     # (seconds of CPU); importing it once here lets every forked rank inherit it.
     import torch._dynamo  # noqa: F401
@@ -78,7 +79,7 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, layout_kw, init_file, fn, args, queue))
+                             args=(r, world_size, layout_kw, hpz_size, init_file, fn, args, queue))
                  for r in range(world_size)]
         for p in procs:
             p.start()

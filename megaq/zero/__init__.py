@@ -4,9 +4,9 @@ The ZeRO++ protocols plug in through the two seams documented in
 megaq.zero.collectives (weight gathering, gradient reduction).
 """
 
-from megaq.zero.config import ZeroConfig, ZeroConfigError, check_fp8_weight_gathers
+from megaq.zero.config import OptimizerSettings, ZeroConfig, ZeroConfigError, check_fp8_weight_gathers
 from megaq.zero.engine import ZeroEngine, build_engine
 from megaq.zero.partition import wants_weight_decay
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "check_fp8_weight_gathers", "ZeroEngine", "build_engine",
-           "wants_weight_decay"]
+__all__ = ["OptimizerSettings", "ZeroConfig", "ZeroConfigError", "check_fp8_weight_gathers",
+           "ZeroEngine", "build_engine", "wants_weight_decay"]

@@ -1,4 +1,5 @@
-"""ZeroConfig: every setting of the data-parallel engine and its ZeRO++ part, validated once.
+"""ZeroConfig: every setting of the data-parallel engine and its ZeRO++ part, validated once;
+OptimizerSettings: the sharded optimizer's update rule, passed to the engine beside it.
 
 Stage 0 is plain data parallelism (replicated weights, all-reduced gradients);
 stage 3 shards weights, gradients and optimizer state over the DP group. The ZeRO++
@@ -13,16 +14,16 @@ from typing import ClassVar
 
 import torch
 
-from megaq.flags import flag, switch
+from megaq.config.flags import flag, switch
 from megaq.kernels.format import HADAMARD_SIZE, INT4_CODES, QMAX
 
 GRAD_SYNC_MODES = ("per_microbatch", "last_microbatch")
 OPTIMIZER_NAMES = ("adam", "sgd")  # --optimizer (megaq.zero.optimizer.OPTIMIZERS)
 
 # Elements per quantization block: the ZeRO-3 flat buffers are padded to a multiple
-# of dp_size * block_size, and qwZ / qgZ keep one fp32 scale per block. Training has
-# always used 2048 (--zero-quantization-block-size overrides it); the kernel
-# benchmarks choose their own block explicitly.
+# of dp_size * block_size, and qwZ / qgZ keep one fp32 scale per block. The one default
+# block (--zero-quantization-block-size overrides it): the kernels have none, every call
+# names its block, and the kernel benchmarks pass their own (4096) explicitly.
 DEFAULT_BLOCK_SIZE = 2048
 
 # Elements of each rank's shard per qgZ chunk: big enough that one chunk's collectives
@@ -41,8 +42,9 @@ class ZeroConfigError(ValueError):
 @dataclass(frozen=True)
 class ZeroConfig:
     """Fields made with flag()/switch() are pretrain_gpt.py's --zero-* flags (DeepSpeed's
-    names; their --help section is FLAG_GROUP); megaq.config.RunConfig.from_flags fills
-    the rest from the training and optimizer flags."""
+    names; their --help section is FLAG_GROUP); megaq.config.run.RunConfig.from_flags fills
+    gather_dtype from the training flags. The optimizer's values are not here: the
+    engine takes them beside this (build_engine(chunks, topo, zero, optimizer=...))."""
 
     FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"
 
@@ -61,12 +63,6 @@ class ZeroConfig:
     # (fp32 master + AdamW state replicated, grads all-reduced, tag 'dp_misc').
     # 0 = shard everything. Tied / shared embeddings are always sharded.
     param_persistence_threshold: int = 0
-    optimizer: str = "adam"  # "adam" (AdamW) or "sgd" (megaq.zero.optimizer.OPTIMIZERS)
-    sgd_momentum: float = 0.9  # sgd only
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
     # per_microbatch: reduce-scatter each micro-batch's grads into the fp32 shard
     #   accumulator as they become ready (lowest memory; DeepSpeed's behaviour).
     # last_microbatch: keep full fp32 grads across micro-batches and reduce once
@@ -168,11 +164,6 @@ class ZeroConfig:
             raise ZeroConfigError(f"block_size {self.block_size} (--zero-quantization-block-size) must "
                                   f"be a positive even number (int4 packs two values per byte); "
                                   f"e.g. {DEFAULT_BLOCK_SIZE}")
-        if self.optimizer not in OPTIMIZER_NAMES:
-            raise ZeroConfigError(f"optimizer {self.optimizer!r} (--optimizer) is not supported; "
-                                  f"use one of {', '.join(OPTIMIZER_NAMES)}")
-        if not self.sgd_momentum >= 0:
-            raise ZeroConfigError(f"--sgd-momentum {self.sgd_momentum} must be >= 0")
         if self.prefetch < 0:
             raise ZeroConfigError(f"prefetch {self.prefetch} must be >= 0")
         if self.reduce_bucket_size < 1:
@@ -233,6 +224,30 @@ class ZeroConfig:
     @property
     def zeropp_enabled(self) -> bool:
         return self.weights_need_zeropp or self.quantized_gradients
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The sharded optimizer's update rule (megaq.zero.optimizer), passed to the engine
+    beside its ZeroConfig. The attribute names are those of megaq.config.run's
+    OptimizerConfig (the --optimizer, --lr, --weight-decay, --adam-* and --sgd-momentum
+    flags), which a run passes itself, so no value is copied; this class is the engine's
+    own default for library callers, tools and tests (weight decay off)."""
+
+    optimizer: str = "adam"  # "adam" (AdamW) or "sgd" (megaq.zero.optimizer.OPTIMIZERS)
+    lr: float = 1e-4  # the initial learning rate; each step passes its own (engine.step)
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9  # sgd only
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZER_NAMES:
+            raise ZeroConfigError(f"optimizer {self.optimizer!r} (--optimizer) is not supported; "
+                                  f"use one of {', '.join(OPTIMIZER_NAMES)}")
+        if not self.sgd_momentum >= 0:
+            raise ZeroConfigError(f"--sgd-momentum {self.sgd_momentum} must be >= 0")
 
 
 def check_fp8_weight_gathers(fp8_recipe, cfg: ZeroConfig) -> None:

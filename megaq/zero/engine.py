@@ -64,7 +64,7 @@ from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.comm import Handle
 from megaq.zero import state as state_io
 from megaq.zero.collectives import ReplicatedReducer, make_gatherer, make_reducer
-from megaq.zero.config import ZeroConfig
+from megaq.zero.config import OptimizerSettings, ZeroConfig
 from megaq.zero.grads import GradState
 from megaq.zero.optimizer import build_optimizer
 from megaq.zero.partition import FlatPartition
@@ -117,7 +117,7 @@ def _weak_hook(method, *bound):
 
 
 class ZeroEngine:
-    def __init__(self, model_chunks: list[nn.Module], topo, cfg: ZeroConfig):
+    def __init__(self, model_chunks: list[nn.Module], topo, cfg: ZeroConfig, optimizer=None):
         if isinstance(model_chunks, nn.Module):
             model_chunks = [model_chunks]
         check_params(model_chunks, cfg)
@@ -142,7 +142,8 @@ class ZeroEngine:
         # The one owner of gradient state: reduce buckets, fp32 accumulators, staleness.
         replicated = ReplicatedReducer(topo.dp, "dp_misc" if self.stage3 else "grad_reduce")
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
-        self.optimizer = build_optimizer(self.partitions, cfg, topo, self.grads)
+        self.optimizer = build_optimizer(self.partitions, cfg, optimizer or OptimizerSettings(),
+                                         topo, self.grads)
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
         self.zero_model_bytes = sum(p.model_bytes for p in self.partitions if p.sharded)
         self._clip = _Clip()
@@ -436,6 +437,8 @@ class ZeroEngine:
         return rep
 
 
-def build_engine(model_chunks, topo, cfg: ZeroConfig | None = None) -> ZeroEngine:
-    """Wrap the model chunks of this rank in a ZeRO-3 (or stage-0) engine."""
-    return ZeroEngine(model_chunks, topo, cfg or ZeroConfig())
+def build_engine(model_chunks, topo, cfg: ZeroConfig | None = None, optimizer=None) -> ZeroEngine:
+    """Wrap the model chunks of this rank in a ZeRO-3 (or stage-0) engine. `optimizer`:
+    the update rule beside the engine's settings, an OptimizerSettings or a run's
+    megaq.config.run.OptimizerConfig (the same attribute names); None: OptimizerSettings()."""
+    return ZeroEngine(model_chunks, topo, cfg or ZeroConfig(), optimizer)

@@ -1,6 +1,6 @@
 """Sharded fp32 optimizers: master weights and optimizer state for this rank's shards
 only, and the update (clip factor applied). ``build_optimizer`` picks one by
-``ZeroConfig.optimizer``: ``ShardedAdamW`` ("adam", Megatron's default) or
+``OptimizerSettings.optimizer`` (megaq.zero.config): ``ShardedAdamW`` ("adam", Megatron's default) or
 ``ShardedSGD`` ("sgd": momentum SGD, L2 weight decay, as Megatron's --optimizer sgd).
 
 Both share :class:`ShardedOptimizer`, which owns the partition logic. Per partition
@@ -79,8 +79,10 @@ class ShardedOptimizer:
     NAME = ""
     STATE_NAMES: tuple[str, ...] = ()
 
-    def __init__(self, partitions: list[FlatPartition], cfg: ZeroConfig, topo, grads: GradState):
-        self.cfg, self.topo, self.grads = cfg, topo, grads
+    def __init__(self, partitions: list[FlatPartition], cfg: ZeroConfig, opt, topo,
+                 grads: GradState):
+        # opt: the update rule (OptimizerSettings, or a run's megaq.config.run.OptimizerConfig)
+        self.cfg, self.opt, self.topo, self.grads = cfg, opt, topo, grads
         self.states = [PartitionState(p, self.STATE_NAMES) for p in partitions]
         self.step_count = 0
         device = partitions[0].device if partitions else torch.device("cpu")
@@ -92,7 +94,7 @@ class ShardedOptimizer:
                 leaf.grad = grads.accumulator(st.part.name)[a:b]  # a view: GradState writes it
                 groups[decay].append(leaf)
                 self._leaves.append((leaf, st, a, b))
-        param_groups = [{"params": groups[d], "weight_decay": cfg.weight_decay if d else 0.0}
+        param_groups = [{"params": groups[d], "weight_decay": opt.weight_decay if d else 0.0}
                         for d in (True, False) if groups[d]]
         self.kind = "foreach"  # how the step runs (ShardedAdamW: also "fused", "apex", "onepass")
         self.inner = self._build_inner(param_groups, device) if param_groups else None
@@ -188,8 +190,12 @@ class ShardedAdamW(ShardedOptimizer):
     NAME = "adam"
     STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
+    @property
+    def _betas(self) -> tuple[float, float]:
+        return self.opt.adam_beta1, self.opt.adam_beta2
+
     def _build_inner(self, param_groups, device):
-        cfg = self.cfg
+        cfg, opt = self.cfg, self.opt
         on_cuda = device.type == "cuda"
         if cfg.fused_step or (cfg.fused_step is None and on_cuda and not cfg.use_apex):
             self.kind = "onepass"  # no inner optimizer: _update runs megaq's kernel
@@ -202,9 +208,9 @@ class ShardedAdamW(ShardedOptimizer):
         fused = on_cuda if cfg.fused_adamw is None else cfg.fused_adamw
         self.kind = "apex" if fused_adam else ("fused" if fused else "foreach")
         if fused_adam is not None:
-            return fused_adam(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+            return fused_adam(param_groups, lr=opt.lr, betas=self._betas, eps=opt.adam_eps,
                               adam_w_mode=True)
-        return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        return torch.optim.AdamW(param_groups, lr=opt.lr, betas=self._betas, eps=opt.adam_eps,
                                  fused=fused or None, foreach=None if fused else True)
 
     def _applies_grad_scale(self):
@@ -215,9 +221,9 @@ class ShardedAdamW(ShardedOptimizer):
             self.inner.grad_scale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
         if self.kind != "onepass":
             return super()._update(lr, None)
-        cfg = self.cfg
         scale = None if grad_scale is None else grad_scale.to(torch.float32)  # megaq's kernel multiplies
-        scalars = {wd: fused_adamw.step_scalars(lr, wd, cfg.betas, cfg.eps, self.step_count)
+        scalars = {wd: fused_adamw.step_scalars(lr, wd, self._betas, self.opt.adam_eps,
+                                                self.step_count)
                    for wd in set(self._leaf_decay.values())}
         for leaf, st, a, b in self._leaves:
             out = None if st.master is st.part.shard else st.part.shard[a:b]
@@ -243,13 +249,13 @@ class ShardedSGD(ShardedOptimizer):
     NAME = "sgd"
     STATE_NAMES = ("momentum_buffer",)
 
-    def __init__(self, partitions, cfg: ZeroConfig, topo, grads: GradState):
-        if cfg.sgd_momentum == 0:
+    def __init__(self, partitions, cfg: ZeroConfig, opt, topo, grads: GradState):
+        if opt.sgd_momentum == 0:
             self.STATE_NAMES = ()  # plain SGD keeps no state
-        super().__init__(partitions, cfg, topo, grads)
+        super().__init__(partitions, cfg, opt, topo, grads)
 
     def _build_inner(self, param_groups, device):
-        return torch.optim.SGD(param_groups, lr=self.cfg.lr, momentum=self.cfg.sgd_momentum,
+        return torch.optim.SGD(param_groups, lr=self.opt.lr, momentum=self.opt.sgd_momentum,
                                foreach=True)
 
 
@@ -264,6 +270,6 @@ def optimizer_state_names(optimizer: str, sgd_momentum: float = 0.9) -> tuple[st
     return OPTIMIZERS[optimizer].STATE_NAMES
 
 
-def build_optimizer(partitions, cfg: ZeroConfig, topo, grads: GradState) -> ShardedOptimizer:
-    """The sharded optimizer ``cfg.optimizer`` names ("adam" or "sgd")."""
-    return OPTIMIZERS[cfg.optimizer](partitions, cfg, topo, grads)
+def build_optimizer(partitions, cfg: ZeroConfig, opt, topo, grads: GradState) -> ShardedOptimizer:
+    """The sharded optimizer ``opt.optimizer`` names ("adam" or "sgd")."""
+    return OPTIMIZERS[opt.optimizer](partitions, cfg, opt, topo, grads)

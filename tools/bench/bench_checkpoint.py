@@ -92,7 +92,7 @@ def _exact_malloc() -> None:
 def _bench_rank(topo, argv, work, formats=FORMATS):
     import torch
 
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     from megaq.checkpoint import staging
     from megaq.checkpoint.load import load_checkpoint
     from megaq.checkpoint.paths import iteration_dir
@@ -105,9 +105,9 @@ def _bench_rank(topo, argv, work, formats=FORMATS):
     torch.manual_seed(0)
     config = parse_config(argv, world_size=topo.layout.world_size)
     config = config.resolved(config.data, config.data.vocab_size)
-    chunks, engine = parallelize(config.model, topo, config.zero,
+    chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size)
-    schedule = LRSchedule.from_config(config.optimizer)
+    schedule = LRSchedule.from_config(config.optimizer, unit=config.training.schedule_unit)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     out = {"rank": topo.rank, "params": params, "formats": {}}
     for fmt in formats:

@@ -58,6 +58,9 @@ import time
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
 
 DEFAULT_SIZES = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
+# The quantization block of the kernel table (docs/KERNELS.md; training's own is
+# ZeroConfig.block_size, 2048): chosen here and passed to every kernel call.
+BENCH_BLOCK = 4096
 K_NODES, M_RANKS = 2, 4
 
 
@@ -65,7 +68,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="element counts (default 16M 64M 256M 1G)")
-    p.add_argument("--block", type=int, default=None, help="quantization block (default: the kernels' default)")
+    p.add_argument("--block", type=int, default=BENCH_BLOCK,
+                   help=f"quantization block (default {BENCH_BLOCK}, the kernel table's)")
     p.add_argument("--sweep", nargs="*", default=[], metavar="SHAPE",
                    help="also time the Triton kernels for these launch shapes, e.g. 4096x8x2 "
                         "(block size, warps per program, blocks per program). SHAPE: " + SHAPE_HELP
@@ -103,10 +107,10 @@ def main(argv=None):
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before megaq.kernels.quant is imported
     from megaq.kernels import quant, reference
-    from megaq.kernels.format import DEFAULT_BLOCK, packed_len
+    from megaq.kernels.format import packed_len
     from megaq.kernels.tuning import Tuning
 
-    block = args.block or DEFAULT_BLOCK
+    block = args.block
     sizes = args.sizes or (DEFAULT_SIZES if device == "cuda" else [64 * block])
     use_compile = not args.no_compile and not args.no_reference and device == "cuda"
     if args.deepspeed and device != "cuda":

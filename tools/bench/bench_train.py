@@ -199,15 +199,15 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
 
     from megaq.parallel.topology import Layout, build_topology
     from megaq.parallelize import parallelize
-    from megaq.zero import ZeroConfig
+    from megaq.zero import OptimizerSettings, ZeroConfig
 
     model = copy.deepcopy(cpu_megaq_model(size)).to(dev)
     fp8_kw = dict(fp8_format=fp8[0], fp8_recipe=fp8[1]) if fp8 else {}
     config = megaq_config(size, compile_blocks=compiled, **fp8_kw)
     topo = build_topology(Layout(world_size=1), 0)
-    (model,), engine = parallelize(config, topo, ZeroConfig(
-        stage=stage, gather_dtype=torch.bfloat16, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-        fp8_weights=fp8_gathers), chunks=[model])
+    (model,), engine = parallelize(
+        config, topo, ZeroConfig(stage=stage, gather_dtype=torch.bfloat16, fp8_weights=fp8_gathers),
+        optimizer=OptimizerSettings(lr=3e-4, adam_beta2=0.95, weight_decay=0.1), chunks=[model])
 
     def fwd_bwd(ids, labels):
         engine.zero_grad()

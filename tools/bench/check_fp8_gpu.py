@@ -36,7 +36,7 @@ LAYOUTS = [(1, 1), (2, 1)]  # (tp, dp)
 def _steps(topo, fp8_format, fp8_recipe, steps, device, fp8_gathers=False):
     from megaq.model import GPTConfig
     from megaq.parallelize import parallelize
-    from megaq.zero import ZeroConfig
+    from megaq.zero import OptimizerSettings, ZeroConfig
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -45,8 +45,9 @@ def _steps(topo, fp8_format, fp8_recipe, steps, device, fp8_gathers=False):
                           seq_length=512, params_dtype=torch.bfloat16,
                           fp8_format=fp8_format, fp8_recipe=fp8_recipe)
     (model,), engine = parallelize(cfg, topo, ZeroConfig(stage=3, gather_dtype=torch.bfloat16,
-                                                        lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
-                                                        fp8_weights=fp8_gathers), device=dev)
+                                                        fp8_weights=fp8_gathers),
+                                   optimizer=OptimizerSettings(lr=1e-3, adam_beta2=0.95,
+                                                               weight_decay=0.1), device=dev)
     # the same global batch of 4 samples at every layout: DP ranks take their share
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 4096, (2, 4, 513), generator=g)

@@ -75,7 +75,7 @@ def model_configs(tiny: bool, with_gpt2: bool, tokenizer_vocab) -> dict:
 def run_config(model, steps: int, micro_batch: int, data_flags: list[str]):
     """The RunConfig a checkpoint records: pretrain_gpt.py's parse of the run's flags, with
     `model` (the GPTConfig actually trained) as its model section."""
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
     flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
              "--num-attention-heads", str(model.num_attention_heads),
              "--seq-length", str(model.seq_length), "--micro-batch-size", str(micro_batch),
@@ -91,12 +91,13 @@ def train_and_save(model_cfg, run, dev, steps: int, micro_batch: int, root: str)
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel.topology import Layout, build_topology
     from megaq.parallelize import parallelize
-    from megaq.zero import ZeroConfig
+    from megaq.zero import OptimizerSettings, ZeroConfig
 
     t0 = time.perf_counter()
     topo = build_topology(Layout(world_size=1), 0)  # CPU init (deterministic), as bench_train.py
-    (model,), engine = parallelize(model_cfg, topo, ZeroConfig(
-        stage=0, gather_dtype=torch.bfloat16, lr=LR, betas=(0.9, 0.95), weight_decay=0.1), device=dev)
+    (model,), engine = parallelize(model_cfg, topo, ZeroConfig(stage=0, gather_dtype=torch.bfloat16),
+                                   optimizer=OptimizerSettings(lr=LR, adam_beta2=0.95,
+                                                               weight_decay=0.1), device=dev)
     g = torch.Generator().manual_seed(1234)
     losses = []
     for _ in range(steps):
@@ -112,7 +113,7 @@ def train_and_save(model_cfg, run, dev, steps: int, micro_batch: int, root: str)
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     save_checkpoint(root, steps, config=run, topo=topo, engine=engine,
-                    lr_schedule=LRSchedule.from_config(run.optimizer),
+                    lr_schedule=LRSchedule.from_config(run.optimizer, unit=run.training.schedule_unit),
                     consumed_samples=steps * micro_batch)
     save_s = time.perf_counter() - t0
     del engine

@@ -27,7 +27,7 @@ import functools
 import os
 import sys
 
-from bench_kernels import K_NODES, M_RANKS, Timer, _fmt_size, write_json  # noqa: E402
+from bench_kernels import BENCH_BLOCK, K_NODES, M_RANKS, Timer, _fmt_size, write_json  # noqa: E402
 
 DEFAULT_SIZES = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
 DEFAULT_VARIANTS = ["default"]
@@ -51,7 +51,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
-    p.add_argument("--block", type=int, default=None)
+    p.add_argument("--block", type=int, default=BENCH_BLOCK)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -61,10 +61,10 @@ def main(argv=None):
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before megaq.kernels.quant is imported
     from megaq.kernels import quant, reference
-    from megaq.kernels.format import DEFAULT_BLOCK, packed_len
+    from megaq.kernels.format import packed_len
     from megaq.kernels.tuning import DEFAULT_TUNING, Tuning
 
-    block = args.block or DEFAULT_BLOCK
+    block = args.block
     variants = [parse_variant(v, Tuning, DEFAULT_TUNING) for v in args.variants]
     k, m = K_NODES, M_RANKS
     timer = Timer(device, args.iters)

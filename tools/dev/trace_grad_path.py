@@ -91,7 +91,7 @@ def _rank(topo, argv, kernel_internals):
     import torch
 
     from megaq import pretrain
-    from megaq.arguments import parse_config
+    from megaq.config.arguments import parse_config
 
     torch.set_num_threads(1)
     with contextlib.redirect_stdout(io.StringIO()):

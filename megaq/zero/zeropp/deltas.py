@@ -101,16 +101,11 @@ class WeightDeltaGatherer:
     ``after_step``, ``invalidate``, ``memory_bytes``; ``references(name)`` for tests."""
 
     def __init__(self, topo, cfg: ZeroConfig, partitions=()):
-        if topo.hpz.size != cfg.hpz_partition_size:
-            raise ValueError(f"--zero-hpz-partition-size {cfg.hpz_partition_size} but the topology's "
-                             f"hpZ group has {topo.hpz.size} ranks; build the topology with "
-                             f"hpz_size={cfg.hpz_partition_size}")
         self.cfg, self.dp, self.hpz = cfg, topo.dp, topo.hpz
         member = {g: i for i, g in enumerate(self.dp.ranks)}
-        groups = [[member[g] for g in grp] for grp in topo.layout.hpz_groups(list(self.dp.ranks))]
-        if [self.dp.ranks[i] for i in groups[self.dp.rank // self.hpz.size]] != list(self.hpz.ranks):
-            raise ValueError(f"weight deltas: my hpZ group {list(self.hpz.ranks)} is not the layout's "
-                             f"hpZ group of DP member {self.dp.rank}; build topo.hpz from the layout")
+        # topo.hpz is one of these groups: build_topology made them all from one hpZ size
+        groups = [[member[g] for g in grp]
+                  for grp in topo.layout.hpz_groups(list(self.dp.ranks), self.hpz.size)]
         self._dests, self._covered = delta_routes(self.dp.size, self.dp.rank, groups, self.hpz.rank)
         self.codec = QuantizedDeltas(cfg.weight_delta_bits, cfg.block_size)
         # the engine's sharded partitions, in its order (the same on every DP peer)

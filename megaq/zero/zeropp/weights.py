@@ -41,10 +41,6 @@ class ZeroPPWeightGatherer:
     """
 
     def __init__(self, topo, cfg: ZeroConfig):
-        if cfg.hpz and topo.hpz.size != cfg.hpz_partition_size:
-            raise ValueError(f"--zero-hpz-partition-size {cfg.hpz_partition_size} but the topology's "
-                             f"hpZ group has {topo.hpz.size} ranks; build the topology with "
-                             f"hpz_size={cfg.hpz_partition_size}")
         self.cfg = cfg
         self.dp, self.hpz = topo.dp, topo.hpz
         self._packed: dict[str, torch.Tensor] = {}     # name -> my packed shard (qwZ)

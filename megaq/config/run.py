@@ -10,12 +10,12 @@
       checkpointing  CheckpointConfig               --save, --load, --save-interval, ...
       logging        LoggingConfig                  --log-interval, --eval-iters, --metrics-file, ...
 
-Each class declares its flags as fields (megaq.flags: name, help, default live on the
+Each class declares its flags as fields (megaq.config.flags: name, help, default live on the
 field) and checks its own values in ``__post_init__``, next to what it guards; checks
 that span two classes (heads vs TP, layers vs pipeline stages, micro-batches vs
 interleaving) live in :meth:`RunConfig.__post_init__`, and call the helper of the layer
 that owns the rule. :meth:`RunConfig.from_flags` is the one builder from parsed flags
-(megaq.arguments.parse_config parses and calls it).
+(megaq.config.arguments.parse_config parses and calls it).
 
 A run's vocabulary is only known once the tokenizer is loaded: the model's
 ``vocab_size`` is None until :meth:`RunConfig.resolved` fills it in with the data setup's
@@ -38,12 +38,12 @@ import torch
 
 from megaq import export_files
 from megaq.data.config import DataConfig
-from megaq.flags import flag, from_flags, set_derived, switch, to_dict
+from megaq.config.flags import flag, from_flags, set_derived, switch, to_dict
 from megaq.model.config import GPTConfig
 from megaq.parallel.config import ParallelConfig
 from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatches_per_step,
                                            virtual_pipeline_size)
-from megaq.parallel.topology import check_model_fits_tp
+from megaq.parallel.topology import check_hpz_size, check_model_fits_tp
 from megaq.zero import ZeroConfig, check_fp8_weight_gathers
 from megaq.zero.config import OPTIMIZER_NAMES
 
@@ -75,7 +75,6 @@ class TrainingConfig:
         "--train-samples", "samples to train for (in total, across resumes), instead of "
         "--train-iters: the run takes train-samples // global-batch-size steps and its LR "
         "schedule counts samples (--lr-warmup-samples, --lr-decay-samples)", type=int)
-    seed: int = flag("--seed", "seed of weights, dropout and data order", GPTConfig.seed, type=int)
     bf16: bool = switch("--bf16", "bf16 weights/activations (fp32 master)")
     fp16: bool = switch("--fp16", "not supported (no loss scaling): use --bf16")
     max_consecutive_skipped_iters: int = flag(
@@ -106,8 +105,6 @@ class TrainingConfig:
             raise ConfigError("--fp16 is not supported (megaq has no loss scaling); use --bf16 or "
                               "fp32 (neither)")
         _at_least(self, 1, "micro_batch_size", "max_consecutive_skipped_iters", "exit_interval")
-        if not 0 <= self.seed < 2**31:  # numpy takes 32-bit seeds; ranks add small offsets
-            raise ConfigError(f"--seed must be between 0 and 2^31 - 1 (got {self.seed})")
         _at_least(self, 0, "train_iters", "train_samples")
         if self.train_iters is not None and self.train_samples is not None:
             raise ConfigError("--train-iters and --train-samples are both set; pass only one "
@@ -137,6 +134,11 @@ class TrainingConfig:
         return self.train_samples is not None
 
     @property
+    def schedule_unit(self) -> str:
+        """What the LR schedule counts (megaq.lr_schedule.UNITS)."""
+        return "samples" if self.sample_based else "iterations"
+
+    @property
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
 
@@ -144,7 +146,9 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer (AdamW or momentum SGD) and the learning-rate schedule
-    (megaq.lr_schedule.LRSchedule.from_config)."""
+    (megaq.lr_schedule.LRSchedule.from_config). The ZeRO engine takes this object itself
+    as its update rule (build_engine(..., optimizer=config.optimizer): the attribute names
+    of megaq.zero.OptimizerSettings), so the values live here only."""
 
     FLAG_GROUP: ClassVar[str] = "optimizer and learning rate"
 
@@ -184,12 +188,8 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = switch(
         "--use-checkpoint-opt_param-scheduler", "on resume, take the LR schedule's settings from "
         "the checkpoint, ignoring these flags' (--lr, --min-lr, warm-up, decay)")
-    # ---- derived ----
-    # the run's length (TrainingConfig's, set by RunConfig.from_flags): the decay's default,
-    # and which unit the schedule counts in (samples when --train-samples is given)
-    train_iters: int | None = None
-    train_samples: int | None = None
-    schedule_unit: str = "iterations"  # "iterations" | "samples": megaq.lr_schedule.LRSchedule
+    # (the run's length, the decay's default and the schedule's unit, is TrainingConfig's:
+    # RunConfig.from_flags derives the decay from it, derive_schedule)
 
     def __post_init__(self):
         if self.lr < 0 or self.min_lr < 0:
@@ -201,7 +201,6 @@ class OptimizerConfig:
             raise ConfigError("--override-opt_param-scheduler and "
                               "--use-checkpoint-opt_param-scheduler are both set; pass only one "
                               "(the flags' LR schedule, or the checkpoint's)")
-        self._derive_schedule()
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be >= 0 (0 turns clipping off)")
         if not self.sgd_momentum >= 0:
@@ -212,11 +211,13 @@ class OptimizerConfig:
         if not self.adam_eps >= 0:
             raise ConfigError(f"--adam-eps must be >= 0 (got {self.adam_eps})")
 
-    def _derive_schedule(self) -> None:
+    def derive_schedule(self, training: "TrainingConfig") -> None:
         """Megatron-LM's rules: a run is iteration-based (--train-iters, --lr-decay-iters,
         --lr-warmup-iters) or sample-based (--train-samples, --lr-decay-samples,
-        --lr-warmup-samples), never a mix; the decay defaults to the run's length."""
-        sample_based = self.train_samples is not None
+        --lr-warmup-samples), never a mix; the decay defaults to the run's length
+        (training's; a rule across two classes: RunConfig.from_flags calls it once, after
+        both are built)."""
+        sample_based = training.sample_based
         unit = "samples" if sample_based else "iters"
         other = "iters" if sample_based else "samples"
         for kind in ("decay", "warmup"):
@@ -229,11 +230,10 @@ class OptimizerConfig:
         decay_name, warmup_name = f"lr_decay_{unit}", f"lr_warmup_{unit}"
         decay = getattr(self, decay_name)
         if decay is None:
-            decay = self.train_samples if sample_based else self.train_iters
+            decay = training.train_samples if sample_based else training.train_iters
         if decay is None:
             raise ConfigError(f"--lr-decay-{unit} is not set (it defaults to --train-{unit})")
-        set_derived(self, schedule_unit="samples" if sample_based else "iterations",
-                    **{decay_name: decay})
+        set_derived(self, **{decay_name: decay})
         if self.lr_warmup_fraction is not None:
             if getattr(self, warmup_name):
                 raise ConfigError(f"--lr-warmup-{unit} and --lr-warmup-fraction are both set; "
@@ -388,7 +388,7 @@ class LoggingConfig:
         _at_least(self, 0, "eval_iters")
 
 
-# The flag groups of --help, in order (megaq.arguments.build_parser).
+# The flag groups of --help, in order (megaq.config.arguments.build_parser).
 FLAG_CLASSES = (GPTConfig, ParallelConfig, ZeroConfig, TrainingConfig, OptimizerConfig,
                 DataConfig, CheckpointConfig, LoggingConfig)
 
@@ -407,6 +407,7 @@ class RunConfig:
     def __post_init__(self):
         # Rules that span two classes, each checked by the helper of the layer owning it.
         m, p = self.model, self.parallel
+        check_hpz_size(p.layout, self.zero.hpz_partition_size)  # hpZ's groups vs the nodes
         check_model_fits_tp(p.tp, m.num_attention_heads,
                             m.num_query_groups if m.group_query_attention else None)
         check_num_microbatches(self.training.num_micro_batches, p.pp, self.virtual_pipeline_size)
@@ -425,23 +426,15 @@ class RunConfig:
     def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":
         """The run's configuration from parsed flags (an argparse namespace) and the
         launcher's world size and ranks per node."""
-        # hpZ groups only under ZeRO-3: with stage 0 ZeroConfig's "needs --zero-stage 3" is the
-        # line to give, not a layout complaint about the partition size
-        hpz = flags.zero_hpz_partition_size if flags.zero_stage == 3 else 1
         parallel = from_flags(ParallelConfig, flags, world_size=world_size,
-                              ranks_per_node=ranks_per_node, hpz_size=hpz)
+                              ranks_per_node=ranks_per_node)
         training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
-        optimizer = from_flags(OptimizerConfig, flags, train_iters=training.train_iters,
-                               train_samples=training.train_samples)
-        model = from_flags(GPTConfig, flags, vocab_size=None,
-                           sequence_parallel=parallel.sequence_parallel,
-                           params_dtype=training.params_dtype, seed=training.seed)
-        zero = from_flags(  # the --zero-* flags, plus the engine settings other flags own
+        optimizer = from_flags(OptimizerConfig, flags)
+        optimizer.derive_schedule(training)  # once: the decay defaults to the run's length
+        model = from_flags(GPTConfig, flags, vocab_size=None, params_dtype=training.params_dtype)
+        zero = from_flags(  # the --zero-* flags (the optimizer's are passed beside them)
             ZeroConfig, flags, fp8_weights=flags.zero_quantized_weights == "fp8",
-            gather_dtype=training.params_dtype, optimizer=optimizer.optimizer,
-            sgd_momentum=optimizer.sgd_momentum, lr=optimizer.lr,
-            betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
-            weight_decay=optimizer.weight_decay)
+            gather_dtype=training.params_dtype)
         return cls(model=model, parallel=parallel, zero=zero,
                    data=from_flags(DataConfig, flags), training=training, optimizer=optimizer,
                    checkpointing=from_flags(CheckpointConfig, flags),

@@ -1,13 +1,13 @@
-"""Megatron-LM compatible command-line flags -> one validated megaq.config.RunConfig.
+"""Megatron-LM compatible command-line flags -> one validated megaq.config.run.RunConfig.
 
 Flag names follow Megatron-LM's pretrain_gpt.py (users bring their scripts), plus
 megaq's own: ZeRO / ZeRO++ switches (DeepSpeed's names), --gpus-per-node (the node
 map, so one machine can pose as several nodes), --metrics-file, --demo-corpus.
 
-The parser is generated from the configuration classes (megaq.config.FLAG_CLASSES):
+The parser is generated from the configuration classes (megaq.config.run.FLAG_CLASSES):
 each flag is a field of the class it configures, with its help and default (see
-megaq.flags), so adding a flag is adding a field there; nothing here changes. After
-them come the rest of Megatron-LM's dense-GPT flags (megaq.megatron_flags), so a
+megaq.config.flags), so adding a flag is adding a field there; nothing here changes. After
+them come the rest of Megatron-LM's dense-GPT flags (megaq.config.megatron_flags), so a
 Megatron-LM launch script parses unchanged: a flag that means nothing for megaq is
 accepted with a note (printed once, by rank 0), a flag for a feature megaq lacks is
 refused with one line naming it.
@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from megaq.config import FLAG_CLASSES, ConfigError, RunConfig
+from megaq.config.flags import add_flags
+from megaq.config.megatron_flags import (add_megatron_flags, check_megatron_flags,
+                                         print_megatron_notes)
+from megaq.config.run import FLAG_CLASSES, ConfigError, RunConfig
 from megaq.data.errors import ArgumentParser, DataError
-from megaq.flags import add_flags
-from megaq.megatron_flags import add_megatron_flags, check_megatron_flags, print_megatron_notes
 from megaq.model import ModelConfigError
 from megaq.parallel.pipeline import PipelineConfigError
 from megaq.parallel.topology import LayoutError

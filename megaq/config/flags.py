@@ -1,10 +1,10 @@
 """Configuration fields that are also command-line flags.
 
-megaq's configuration is a set of frozen dataclasses (megaq.config.RunConfig holds
+megaq's configuration is a set of frozen dataclasses (megaq.config.run.RunConfig holds
 them). A setting is declared once, as a field; a field made with :func:`flag` or
 :func:`switch` is also a command-line flag. The flag's name (Megatron's spelling),
 help text and argparse details sit on the field, and the flag's default *is* the
-field's default, so the parser (megaq.arguments.build_parser) is generated from the
+field's default, so the parser (megaq.config.arguments.build_parser) is generated from the
 dataclasses and cannot disagree with them::
 
     @dataclass(frozen=True)

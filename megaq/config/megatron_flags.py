@@ -3,7 +3,7 @@
 A Megatron-LM launch script should parse unchanged. Each flag is one of:
 
 - IMPLEMENTED: megaq has the flag and it does what Megatron's does (a field of a
-  configuration class defines it, megaq.config.FLAG_CLASSES; this table only lists it,
+  configuration class defines it, megaq.config.run.FLAG_CLASSES; this table only lists it,
   so docs and tests can see the whole set);
 - NOTE: the flag has no meaning for megaq (a fusion switch, a backend choice, an fp16
   loss-scaling knob, a logging extra); it is accepted, and a one-line note saying why
@@ -11,9 +11,9 @@ A Megatron-LM launch script should parse unchanged. Each flag is one of:
 - REFUSED: the flag asks for a feature megaq lacks; using it (with a value other than
   the harmless ones in `allowed`) stops with one line naming the feature.
 
-megaq.arguments.build_parser calls `add_megatron_flags(parser)` after the configuration's
+megaq.config.arguments.build_parser calls `add_megatron_flags(parser)` after the configuration's
 flags: it adds every NOTE and REFUSED flag the parser does not already define (so flags
-megaq later implements simply take over); megaq.arguments.parse_config then calls
+megaq later implements simply take over); megaq.config.arguments.parse_config then calls
 `check_megatron_flags` (a refusal is one ArgumentsError line) and, on rank 0,
 `print_megatron_notes`.
 `check_megatron_flags(args, error)` raises `error(one line)` for a refused use and
@@ -210,7 +210,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> list[MegatronFlag]:
     """Add every NOTE and REFUSED flag the parser does not define yet; returns those added.
     Their default is None, so `check_megatron_flags` sees exactly what was given."""
     group = parser.add_argument_group("Megatron-LM flags accepted for compatibility "
-                                      "(see megaq/megatron_flags.py)")
+                                      "(see megaq/config/megatron_flags.py)")
     have = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public lookup
     added = []
     for f in MEGATRON_FLAGS:
@@ -276,7 +276,7 @@ def flags_table_markdown(defined: set[str]) -> str:
 
 
 if __name__ == "__main__":  # prints the table of docs/TRAINING.md
-    from megaq.config import FLAG_CLASSES
-    from megaq.flags import flag_fields
+    from megaq.config.flags import flag_fields
+    from megaq.config.run import FLAG_CLASSES
     print(flags_table_markdown({f.metadata["flag"] for cls in FLAG_CLASSES
                                 for f in flag_fields(cls)}))
