@@ -40,7 +40,10 @@ LAYERS = [
     # training writes its prediction, the CLI prints it
     ("planner", ("megaq.planner",)),
     ("training", ("megaq.training", "megaq.lr_schedule")),
-    ("cli", ("megaq.pretrain", "pretrain_gpt", "megaq.cli", "megaq.plan_cli",
+    # megaq.config.arguments assembles the whole program's parser, the planner's hardware
+    # flags and --dry-run included, so it sits with the CLI, above the planner
+    ("cli", ("megaq.config.arguments", "megaq.pretrain", "pretrain_gpt", "megaq.cli",
+             "megaq.plan_cli",
              # the converters (they validate an imported architecture with the parser and
              # write a megaq checkpoint)
              "megaq.interop")),

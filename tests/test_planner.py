@@ -129,7 +129,7 @@ def _plan_input(name: str) -> PlanInput:
     tp, pp, vp = (2, 2, 2) if grid else (1, 1, 1)
     dp = 8 // (tp * pp)
     return PlanInput(model=cfg, zero=ZeroConfig(**kw), tp=tp, pp=pp, vp=vp, dp=dp,
-                     sequence_parallel=grid, micro_batch_size=MBS,
+                     micro_batch_size=MBS,
                      global_batch_size=MBS * dp * N_MICRO, bf16=True, gpus_per_node=PER_NODE,
                      rank_order="tp-pp-dp" if grid else "tp-dp-pp")
 

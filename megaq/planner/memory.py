@@ -33,7 +33,7 @@ class EngineBytes:
 
 
 def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
-                 *, steady: bool = True) -> EngineBytes:
+                 *, optimizer: str = "adam", steady: bool = True) -> EngineBytes:
     """The engine's allocations for these units on one rank. `steady`: between a
     forward and its backward, when hpZ's slices and qwZ's packed shards exist."""
     B = cfg.block_size
@@ -44,7 +44,7 @@ def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
         numels = [u.shard_numel(dp, B) for u in units]
         shard = sum(numels)
     master = 0 if elem == 4 else 4 * shard
-    moments = (2 if cfg.optimizer == "adam" else 1) * 4 * shard
+    moments = (2 if optimizer == "adam" else 1) * 4 * shard
     zeropp: dict[str, int] = {}
     if cfg.stage == 3 and steady:
         h = cfg.hpz_partition_size

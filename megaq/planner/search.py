@@ -122,7 +122,7 @@ def search(model: GPTConfig, global_batch: int, seq_len: int, cluster: Cluster,
 def _best_recompute(model, z, tp, pp, vp, dp, mb, gbs, bf16, gpn, cluster, cal) -> Plan | None:
     for name, settings in RECOMPUTE:
         cfg = dataclasses.replace(model, sequence_parallel=tp > 1, **settings)
-        pi = PlanInput(model=cfg, zero=z, tp=tp, pp=pp, vp=vp, dp=dp, sequence_parallel=tp > 1,
+        pi = PlanInput(model=cfg, zero=z, tp=tp, pp=pp, vp=vp, dp=dp,
                        micro_batch_size=mb, global_batch_size=gbs, bf16=bf16, gpus_per_node=gpn)
         try:
             _, peak = memory_peak(pi, cal)

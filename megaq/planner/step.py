@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from megaq.data.config import MOCK_VOCAB_SIZE
 from megaq.model.config import GPTConfig
 from megaq.parallel.comm import INTER, INTRA
-from megaq.parallel.topology import Layout, validate_layout
+from megaq.parallel.topology import Layout, check_hpz_size, validate_layout
 from megaq.zero.config import ZeroConfig
 
 from . import bubble as bubble_mod
@@ -45,12 +45,12 @@ class PlanInput:
     pp: int = 1
     vp: int = 1
     dp: int = 1
-    sequence_parallel: bool = False
     micro_batch_size: int = 1
     global_batch_size: int = 1
     bf16: bool = True
     gpus_per_node: int = 8           # ranks per node of the layout (the node map)
     rank_order: str = "tp-dp-pp"
+    optimizer: str = "adam"          # --optimizer: AdamW keeps two moments, SGD one
     # the vocabulary is DEFAULT_VOCAB because nothing said otherwise (a tokenizer's is
     # only known once it is loaded): the plan says so
     vocab_assumed: bool = field(default=False, compare=False)
@@ -64,10 +64,14 @@ class PlanInput:
         return cls(model=dataclasses.replace(run.model, vocab_size=vocab or DEFAULT_VOCAB),
                    zero=run.zero, vocab_assumed=vocab is None,
                    tp=p.tp, pp=p.pp, vp=run.virtual_pipeline_size, dp=p.dp,
-                   sequence_parallel=p.sequence_parallel,
                    micro_batch_size=run.training.micro_batch_size,
                    global_batch_size=run.training.global_batch_size, bf16=run.training.bf16,
-                   gpus_per_node=p.layout.ranks_per_node, rank_order=p.rank_order)
+                   gpus_per_node=p.layout.ranks_per_node, rank_order=p.rank_order,
+                   optimizer=run.optimizer.optimizer)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.model.sequence_parallel  # its one home: GPTConfig
 
     @property
     def world_size(self) -> int:
@@ -99,9 +103,9 @@ class PlanInput:
 def dp_group_shape(world: int, tp: int, pp: int, ranks_per_node: int, hpz: int,
                    order: str) -> traffic.DPGroupShape:
     """How a DP group lies on the nodes (megaq.parallel.topology's rank grid)."""
-    layout = Layout(world_size=world, tp=tp, pp=pp, ranks_per_node=ranks_per_node,
-                    hpz_size=hpz, order=order)
+    layout = Layout(world_size=world, tp=tp, pp=pp, ranks_per_node=ranks_per_node, order=order)
     validate_layout(layout)
+    check_hpz_size(layout, hpz)
     group = layout.dp_groups()[0]
     per_node = layout.intra_groups(group)
     k, m = len(per_node), len(per_node[0])
@@ -370,7 +374,7 @@ def memory_peak(pi: PlanInput, cal: Calibration, g: traffic.DPGroupShape | None 
 def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
                   g: traffic.DPGroupShape) -> dict[str, float]:
     cfg, z = pi.model, pi.zero
-    eng = memory.engine_bytes(units, g.n, z, pi.elem)
+    eng = memory.engine_bytes(units, g.n, z, pi.elem, optimizer=pi.optimizer)
     parts = {"weights": eng.params, "optimizer": eng.optimizer, "grads": eng.grads}
     for k, v in eng.zeropp.items():
         parts[k] = v
