@@ -30,6 +30,7 @@ ARCH = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_group
 WRITER = r'''
 import argparse, os, sys, torch, torch.distributed as dist
 out, port, rank, tp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+QK = sys.argv[5] == "qk"  # --qk-layernorm and --use-rope-scaling (Llama 3.1 RoPE)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(tp),
                   LOCAL_RANK=str(rank))
 dist.init_process_group("gloo", rank=rank, world_size=tp)
@@ -50,16 +51,19 @@ cfg = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=NH, num
     activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=1e-5,
     add_bias_linear=False, bias_dropout_fusion=False, apply_rope_fusion=False,
     masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05)
-model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05, qk_layernorm=QK)
+spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=QK)
+BASE = 1000000 if QK else 10000  # head dim 8: wavelengths 6283 (smoothed) and 198,692 (scaled)
+model = GPTModel(config=cfg, transformer_layer_spec=spec,
                  vocab_size=V, max_sequence_length=S, position_embedding_type="rope",
-                 rotary_base=10000, share_embeddings_and_output_weights=False).eval()
+                 rotary_base=BASE, share_embeddings_and_output_weights=False,
+                 rope_scaling=QK, rope_scaling_factor=8.0).eval()
 with torch.no_grad():  # mcore zero-inits norms' gamma at 1: perturb so a norm mix-up shows
     for n, p in model.named_parameters():
         if "layernorm" in n:
             p.add_(0.1 * torch.randn_like(p))
 ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(1))
-pos = torch.arange(S).expand(2, S)
+pos = torch.arange(S).expand(2, S) + (20000 if QK else 0)  # where the RoPE scaling matters
 causal = torch.triu(torch.ones(1, 1, S, S), diagonal=1).bool()  # True = masked (mcore's default builds it on CUDA)
 with torch.no_grad():
     logits = model(ids, pos, attention_mask=causal)  # this TP rank's vocabulary slice
@@ -68,26 +72,30 @@ with torch.no_grad():
     logits = torch.cat(parts, dim=-1)
 args = argparse.Namespace(num_layers=L, hidden_size=H, ffn_hidden_size=F, num_attention_heads=NH,
     group_query_attention=True, num_query_groups=NG, kv_channels=H // NH, seq_length=S,
-    max_position_embeddings=S, position_embedding_type="rope", rotary_base=10000,
+    max_position_embeddings=S, position_embedding_type="rope", rotary_base=BASE,
+    use_rope_scaling=QK, rope_scaling_factor=8.0,
     rotary_percent=1.0, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
     add_bias_linear=False, untie_embeddings_and_output_weights=True,
     make_vocab_size_divisible_by=128, padded_vocab_size=V, vocab_size=None, num_experts=None,
-    qk_layernorm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+    qk_layernorm=QK, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
     params_dtype=torch.float32, ckpt_format="torch")
 sd = model.state_dict()  # this TP rank's shard, exactly what Megatron-LM saves for it
-torch.save({"state_dict": sd, "args": args, "ids": ids, "logits": logits}, f"{out}.rank{rank}")
+torch.save({"state_dict": sd, "args": args, "ids": ids, "pos": pos, "logits": logits},
+           f"{out}.rank{rank}")
 '''
 
 
-def _run_megatron_core(out: str, tp: int):
-    """Build and run megatron-core's GPTModel on `tp` gloo ranks; -> per-rank blobs."""
+def _run_megatron_core(out: str, tp: int, variant: str = "plain"):
+    """Build and run megatron-core's GPTModel on `tp` gloo ranks; -> per-rank blobs.
+    variant "qk": with --qk-layernorm and --use-rope-scaling."""
     pytest.importorskip("megatron.core")
     import socket
     with socket.socket() as s:
         s.bind(("", 0))
         port = str(s.getsockname()[1])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, out, port, str(r), str(tp)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, out, port, str(r), str(tp), variant],
+                              env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(tp)]
     for p in procs:
@@ -108,6 +116,13 @@ def mcore_tp2(tmp_path_factory):
     """([rank 0 state_dict, rank 1 state_dict], args, ids, logits): megatron-core at TP 2,
     each rank's own shard (Megatron-LM's mp_rank_00 / mp_rank_01 contents)."""
     blobs = _run_megatron_core(str(tmp_path_factory.mktemp("mcore2") / "mcore.pt"), 2)
+    return [b["state_dict"] for b in blobs], blobs[0]["args"], blobs[0]["ids"], blobs[0]["logits"]
+
+
+@pytest.fixture(scope="module")
+def mcore_qk_tp2(tmp_path_factory):
+    """As mcore_tp2, the model with --qk-layernorm and --use-rope-scaling."""
+    blobs = _run_megatron_core(str(tmp_path_factory.mktemp("mcoreqk") / "mcore.pt"), 2, "qk")
     return [b["state_dict"] for b in blobs], blobs[0]["args"], blobs[0]["ids"], blobs[0]["logits"]
 
 
@@ -175,10 +190,11 @@ def megatron_shards(sd, tp, pp, vp=1, num_layers=4):
 
 
 @pytest.mark.slow  # 12-30 s: megatron-core builds its model in this process
-@pytest.mark.parametrize("tp", [1, 2])
-def test_imported_weights_reproduce_megatron_core_logits(tmp_path, request, tp):
+@pytest.mark.parametrize("tp,variant", [(1, "plain"), (2, "plain"), (2, "qk")])
+def test_imported_weights_reproduce_megatron_core_logits(tmp_path, request, tp, variant):
     """megatron-core's own checkpoint (TP 1, or TP 2 with each rank's own shard) ->
-    megaq's full weights -> megaq's one-process model gives megatron-core's logits."""
+    megaq's full weights -> megaq's one-process model gives megatron-core's logits;
+    "qk": with q/k layer norms and Llama 3.1 RoPE scaling, at positions past 20000."""
     from megaq.model import GPTConfig
     from megaq.model.gpt import GPTModel
 
@@ -186,7 +202,8 @@ def test_imported_weights_reproduce_megatron_core_logits(tmp_path, request, tp):
         sd, args, ids, logits = request.getfixturevalue("mcore_model")
         shards = {(0, 0): [sd]}
     else:
-        sds, args, ids, logits = request.getfixturevalue("mcore_tp2")
+        sds, args, ids, logits = request.getfixturevalue("mcore_tp2" if variant == "plain"
+                                                         else "mcore_qk_tp2")
         shards = {(r, 0): [sd] for r, sd in enumerate(sds)}
     src = save_megatron(str(tmp_path / "mlm"), shards, args)
     assert mi.is_megatron_checkpoint(src) == ("Megatron-LM checkpoint (torch format), iteration 7, "
@@ -199,14 +216,21 @@ def test_imported_weights_reproduce_megatron_core_logits(tmp_path, request, tp):
                   max_position_embeddings=16, position_embedding_type="rope", normalization="RMSNorm",
                   layernorm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
                   untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=128,
-                  attention_dropout=0.0, hidden_dropout=0.0)
+                  attention_dropout=0.0, hidden_dropout=0.0,
+                  rotary_base=1000000 if variant == "qk" else 10000,
+                  qk_layernorm=variant == "qk", use_rope_scaling=variant == "qk")
+    assert {k: v for k, v in mi.architecture_from_args(args, src).items()
+            if k in ("qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "rotary_base")} \
+        == {"qk_layernorm": c.qk_layernorm, "use_rope_scaling": c.use_rope_scaling,
+            "rope_scaling_factor": 8.0, "rotary_base": c.rotary_base}
+    pos = torch.arange(16).expand(2, 16) + (20000 if variant == "qk" else 0)
     model = GPTModel(c).eval()
     names = dict(model.named_parameters())
     assert set(names) == set(full)
     with torch.no_grad():
         for n, p in names.items():
             p.copy_(full[n])
-        ours = model(input_ids=ids)
+        ours = model(input_ids=ids, position_ids=pos)
     ours = ours[0] if isinstance(ours, tuple) else ours
     ours = ours.reshape(logits.shape) if ours.shape != logits.shape else ours
     torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-4)

@@ -87,7 +87,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
           "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir",
           "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
-          "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
+          "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
+          "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor")
     + [
         # ---- accepted with a note: nothing to do for megaq ------------------------------
         _note("--use-mcore-models", "megaq's model is megatron-core's GPT layout already"),
@@ -170,14 +171,12 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--fp16", "fp16 training with loss scaling (use --bf16)"),
         _refuse("--fp8-param-gather", "flag of this name: its FP8 parameter gathers are "
                 "--zero-quantized-weights fp8 (ZeRO-3, with --fp8-format)"),
-        _refuse("--qk-layernorm", "QK layer norm"),
         _refuse("--add-qkv-bias", "QKV bias without the other linear biases"),
         _refuse("--apply-layernorm-1p", "layer norm with zero-centred gamma (1p)"),
         _refuse("--squared-relu", "squared-ReLU MLPs"),
         _refuse("--rotary-percent", "partial rotary embeddings (--rotary-percent < 1)", "float",
                 allowed=("1", "1.0")),
         _refuse("--rotary-seq-len-interpolation-factor", "RoPE position interpolation", "int"),
-        _refuse("--use-rope-scaling", "Llama 3.1 RoPE scaling"),
         _refuse("--rampup-batch-size", "batch-size ramp-up", "+"),
         _refuse("--decoder-first-pipeline-num-layers", "uneven pipeline stages", "int"),
         _refuse("--decoder-last-pipeline-num-layers", "uneven pipeline stages", "int"),

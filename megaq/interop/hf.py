@@ -1,4 +1,5 @@
-"""megaq <-> Hugging Face transformers: Llama family and GPT-2, both directions.
+"""megaq <-> Hugging Face transformers: Llama family (Qwen3 for --qk-layernorm) and GPT-2,
+both directions.
 
 Export (`export_to_hf`): a megaq checkpoint of any TP x PP (x virtual PP) layout ->
 a directory that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
@@ -45,6 +46,8 @@ from megaq.interop.common import (InteropError, MegaqCheckpointReader, ParamInfo
                                   replace_dir, temp_dir_for, write_json, write_megaq_args,
                                   write_megaq_checkpoint)
 from megaq.interop.hf_tokenizer import write_tokenizer
+from megaq.model.layers import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
+                                LLAMA3_ORIGINAL_CONTEXT)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -58,7 +61,17 @@ def model_family(config) -> str:
     model computes; refuses combinations neither has."""
     c = config
     if c.position_embedding_type == "rope" and c.normalization == "RMSNorm" and c.swiglu:
-        return "llama"
+        if not c.qk_layernorm:
+            return "llama"
+        if c.add_bias_linear:  # Qwen3's MLP has no biases, its attention may
+            raise InteropError("a --qk-layernorm model with linear biases has no transformers "
+                               "counterpart: Qwen3 (per-head q/k norms) has no MLP biases; "
+                               "train with --disable-bias-linear")
+        return "qwen3"
+    if c.qk_layernorm:
+        raise InteropError("--qk-layernorm exports as Qwen3 (rope, RMSNorm, --swiglu); no "
+                           "transformers architecture has per-head q/k norms with this model's "
+                           "position embedding, norm and MLP")
     if c.position_embedding_type == "learned_absolute" and c.normalization == "LayerNorm" \
             and not c.swiglu:
         if not c.add_bias_linear:
@@ -175,6 +188,19 @@ class LlamaMapping(_Mapping):
         return hf_name.endswith("rotary_emb.inv_freq")
 
 
+class Qwen3Mapping(LlamaMapping):
+    """Llama's names plus Qwen3's per-head RMSNorms on queries and keys (--qk-layernorm)."""
+
+    block = {**LlamaMapping.block,
+             "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+             "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
+
+    def from_hf(self, name: str, get) -> torch.Tensor:
+        if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
+            return get(self.hf_name(name), (self.d,))
+        return super().from_hf(name, get)
+
+
 class GPT2Mapping(_Mapping):
     layer_prefix = "transformer.h."
     top = {"embedding.word_embeddings.weight": "transformer.wte.weight",
@@ -225,7 +251,7 @@ class GPT2Mapping(_Mapping):
         return hf_name.endswith((".attn.bias", ".attn.masked_bias"))
 
 
-MAPPINGS = {"llama": LlamaMapping, "gpt2": GPT2Mapping}
+MAPPINGS = {"llama": LlamaMapping, "qwen3": Qwen3Mapping, "gpt2": GPT2Mapping}
 
 
 # ------------------------------------------------------------------ safetensors out
@@ -306,17 +332,30 @@ def hf_config(config, family: str, padded_vocab: int, dtype: torch.dtype,
         common["transformers_version"] = version("transformers")
     except PackageNotFoundError:  # not installed: the field is informational
         pass
-    if family == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size,
+    if family in ("llama", "qwen3"):
+        rope = {"rope_type": "default", "rope_theta": float(c.rotary_base)}
+        if c.use_rope_scaling:
+            rope = {"rope_type": "llama3", "rope_theta": float(c.rotary_base),
+                    "factor": float(c.rope_scaling_factor),
+                    "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+                    "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                    "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+        body = {"hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size,
                 "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_attention_heads,
                 "num_key_value_heads": c.num_query_groups, "head_dim": c.kv_channels,
                 "hidden_act": "silu", "max_position_embeddings": c.max_position_embeddings,
                 "rms_norm_eps": c.layernorm_epsilon,
-                "rope_parameters": {"rope_type": "default", "rope_theta": float(c.rotary_base)},
-                "rope_theta": float(c.rotary_base),  # the field's name before transformers 5
-                "attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear,
-                "attention_dropout": c.attention_dropout, "pretraining_tp": 1, **common}
+                "rope_parameters": rope,
+                "rope_theta": float(c.rotary_base),  # the fields' names before transformers 5
+                **({"rope_scaling": rope} if c.use_rope_scaling else {}),
+                "attention_bias": c.add_bias_linear,
+                "attention_dropout": c.attention_dropout, **common}
+        if family == "qwen3":
+            return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **body,
+                    "use_sliding_window": False, "sliding_window": None,
+                    "max_window_layers": c.num_layers}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **body,
+                "mlp_bias": c.add_bias_linear, "pretraining_tp": 1}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "n_embd": c.hidden_size, "n_layer": c.num_layers, "n_head": c.num_attention_heads,
             "n_inner": c.ffn_hidden_size, "n_positions": c.max_position_embeddings,
@@ -505,25 +544,43 @@ def flags_from_hf_config(cfg: dict, seq_length: int | None = None,
     mt = cfg.get("model_type")
     if mt == "llama":
         return "llama", _llama_flags(cfg, seq_length, make_vocab_size_divisible_by)
+    if mt == "qwen3":
+        return "qwen3", _qwen3_flags(cfg, seq_length, make_vocab_size_divisible_by)
     if mt == "gpt2":
         return "gpt2", _gpt2_flags(cfg, seq_length, make_vocab_size_divisible_by)
-    _refuse("model_type", mt, "megaq imports the Llama family (model_type llama) and GPT-2")
+    _refuse("model_type", mt, "megaq imports the Llama family (model_type llama), Qwen3 "
+            "and GPT-2")
 
 
-def _rope_theta(cfg: dict) -> float:
+_LLAMA3_FIXED = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+                 "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                 "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+
+
+def _rope_flags(cfg: dict) -> tuple[float, list]:
+    """(rope_theta, the --use-rope-scaling flags): Llama 3.1's "llama3" scaling with
+    megatron-core's fixed constants is taken, any other scaling refused."""
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling")
+    flags = []
     for field, spec in (("rope_parameters", rope), ("rope_scaling", scaling or {})):
         kind = spec.get("rope_type", spec.get("type"))
-        if kind not in (None, "default"):
-            _refuse(f"{field}.rope_type", kind, "megaq's RoPE has no scaling (only 'default')")
+        if kind == "llama3":
+            for key, want in _LLAMA3_FIXED.items():
+                if spec.get(key) != want:
+                    _refuse(f"{field}.{key}", spec.get(key), f"megaq's --use-rope-scaling (as "
+                            f"megatron-core's) fixes it at {want}")
+            flags = ["--use-rope-scaling", "--rope-scaling-factor", float(spec["factor"])]
+        elif kind not in (None, "default"):
+            _refuse(f"{field}.rope_type", kind, "megaq's RoPE scaling is Llama 3.1's "
+                    "(rope_type llama3, --use-rope-scaling) only")
         if spec.get("partial_rotary_factor", 1.0) != 1.0:
             _refuse(f"{field}.partial_rotary_factor", spec["partial_rotary_factor"],
                     "megaq rotates the full head dim")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         _refuse("partial_rotary_factor", cfg["partial_rotary_factor"],
                 "megaq rotates the full head dim")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), flags
 
 
 def _llama_flags(cfg, seq_length, divisible_by) -> list[str]:
@@ -533,7 +590,7 @@ def _llama_flags(cfg, seq_length, divisible_by) -> list[str]:
         _refuse("attention_bias", cfg.get("attention_bias"),
                 f"megaq has one bias switch for every linear layer, and mlp_bias is "
                 f"{cfg.get('mlp_bias')}")
-    theta = _rope_theta(cfg)
+    theta, rope_flags = _rope_flags(cfg)
     if theta != int(theta):
         _refuse("rope_theta", theta, "megaq's --rotary-base is an integer")
     for field in ("sliding_window", "layer_types"):
@@ -552,7 +609,7 @@ def _llama_flags(cfg, seq_length, divisible_by) -> list[str]:
              "--attention-dropout", cfg.get("attention_dropout", 0.0) or 0.0,
              "--hidden-dropout", 0.0, "--init-method-std", cfg.get("initializer_range", 0.02),
              "--vocab-size", cfg["vocab_size"],
-             "--make-vocab-size-divisible-by", divisible_by]
+             "--make-vocab-size-divisible-by", divisible_by, *rope_flags]
     if groups != heads:
         flags += ["--group-query-attention", "--num-query-groups", groups]
     if not cfg.get("attention_bias", False):
@@ -560,6 +617,20 @@ def _llama_flags(cfg, seq_length, divisible_by) -> list[str]:
     if not cfg.get("tie_word_embeddings", False):
         flags.append("--untie-embeddings-and-output-weights")
     return [str(x) for x in flags]
+
+
+def _qwen3_flags(cfg, seq_length, divisible_by) -> list[str]:
+    """Qwen3 is Llama with per-head q/k RMSNorms (--qk-layernorm) and no MLP biases."""
+    if cfg.get("attention_bias", False):
+        _refuse("attention_bias", True, "megaq has one bias switch for every linear layer "
+                "and Qwen3's MLP has no biases")
+    if cfg.get("use_sliding_window", False):
+        _refuse("use_sliding_window", True, "megaq's attention is full causal attention")
+    kinds = set(cfg.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        _refuse("layer_types", sorted(kinds), "megaq's attention is full causal attention")
+    plain = {k: v for k, v in cfg.items() if k not in ("layer_types", "sliding_window")}
+    return _llama_flags(plain, seq_length, divisible_by) + ["--qk-layernorm"]
 
 
 def _gpt2_flags(cfg, seq_length, divisible_by) -> list[str]:

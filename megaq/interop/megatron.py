@@ -177,7 +177,8 @@ _ARG_TYPES = {**{n: int for n in ("num_layers", "hidden_size", "num_attention_he
                                   "make_vocab_size_divisible_by", "padded_vocab_size",
                                   "vocab_size")},
               **{n: float for n in ("rotary_percent", "rotary_base", "norm_epsilon",
-                                    "layernorm_epsilon", "hidden_dropout", "attention_dropout")},
+                                    "layernorm_epsilon", "hidden_dropout", "attention_dropout",
+                                    "rope_scaling_factor")},
               "position_embedding_type": str, "normalization": str}
 
 
@@ -217,8 +218,6 @@ def architecture_from_args(a, path: str) -> dict:
                                   "implement; it cannot be imported")
     if (arg("num_experts") or 0) > 1:
         refuse(f"a mixture of experts (--num-experts {a.num_experts})")
-    if arg("qk_layernorm"):
-        refuse("QK layer norm (--qk-layernorm)")
     if arg("squared_relu"):
         refuse("squared ReLU (--squared-relu)")
     if (arg("rotary_percent", 1.0) or 1.0) != 1.0:
@@ -243,6 +242,9 @@ def architecture_from_args(a, path: str) -> dict:
         "max_position_embeddings": arg("max_position_embeddings") or arg("seq_length"),
         "position_embedding_type": pos,
         "rotary_base": arg("rotary_base", 10000) or 10000,
+        "use_rope_scaling": bool(arg("use_rope_scaling")),
+        "rope_scaling_factor": arg("rope_scaling_factor", 8.0) or 8.0,
+        "qk_layernorm": bool(arg("qk_layernorm")),
         "normalization": arg("normalization", "LayerNorm") or "LayerNorm",
         "norm_epsilon": arg("norm_epsilon", arg("layernorm_epsilon", 1e-5)) or 1e-5,
         "swiglu": bool(arg("swiglu")),
@@ -272,6 +274,10 @@ def architecture_flags(arch: dict) -> list[str]:
         f += ["--group-query-attention", "--num-query-groups", arch["num_query_groups"]]
     if arch["position_embedding_type"] == "rope":
         f += ["--rotary-base", arch["rotary_base"]]
+        if arch.get("use_rope_scaling"):
+            f += ["--use-rope-scaling", "--rope-scaling-factor", arch["rope_scaling_factor"]]
+    if arch.get("qk_layernorm"):
+        f.append("--qk-layernorm")
     for name in ("hidden_dropout", "attention_dropout"):
         if arch.get(name) is not None:
             f += [f"--{name.replace('_', '-')}", arch[name]]
@@ -294,6 +300,8 @@ _BLOCK_MODULES = (
     ("self_attention.linear_qkv.layer_norm_", "input_layernorm", -1),
     ("self_attention.linear_qkv.", "self_attention.linear_qkv", 0),
     ("self_attention.linear_proj.", "self_attention.linear_proj", 1),
+    ("self_attention.q_layernorm.", "self_attention.q_layernorm", -1),
+    ("self_attention.k_layernorm.", "self_attention.k_layernorm", -1),
     ("pre_mlp_layernorm.", "pre_mlp_layernorm", -1),
     ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm", -1),
     ("mlp.linear_fc1.", "mlp.linear_fc1", 0),

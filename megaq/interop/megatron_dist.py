@@ -201,6 +201,8 @@ def mcore_order(arch: dict, te: bool) -> list[str]:
         attn = lin(f"{p}self_attention.linear_proj")
         qkv = lin(f"{p}self_attention.linear_qkv")
         names += (attn + in_ln + qkv) if te else (in_ln + attn + qkv)
+        if arch.get("qk_layernorm"):  # SelfAttention registers them after linear_qkv
+            names += [f"{p}self_attention.{qk}_layernorm.{k}" for qk in "qk" for k in norm]
         names += mlp_ln + lin(f"{p}mlp.linear_fc1") + lin(f"{p}mlp.linear_fc2")
     names += [f"decoder.final_layernorm.{k}" for k in norm]
     if arch["untie_embeddings_and_output_weights"]:

@@ -79,6 +79,7 @@ def _arch(saved: dict) -> dict:
     m = saved["model"]
     return {"num_layers": m["num_layers"], "add_bias_linear": m.get("add_bias_linear", True),
             "normalization": m.get("normalization", "LayerNorm"),
+            "qk_layernorm": bool(m.get("qk_layernorm")),
             "position_embedding_type": m.get("position_embedding_type", "learned_absolute"),
             "untie_embeddings_and_output_weights": m.get("untie_embeddings_and_output_weights",
                                                          False)}
@@ -95,6 +96,8 @@ def _megatron_args(saved: dict, rows: int, iteration: int, consumed: int) -> arg
         max_position_embeddings=m.get("max_position_embeddings"),
         position_embedding_type=m.get("position_embedding_type"),
         rotary_base=m.get("rotary_base"), normalization=m.get("normalization"),
+        qk_layernorm=bool(m.get("qk_layernorm")), use_rope_scaling=bool(m.get("use_rope_scaling")),
+        rope_scaling_factor=m.get("rope_scaling_factor") or 8.0,
         norm_epsilon=m.get("layernorm_epsilon"), swiglu=m.get("swiglu"),
         add_bias_linear=m.get("add_bias_linear"),
         untie_embeddings_and_output_weights=m.get("untie_embeddings_and_output_weights"),

@@ -10,7 +10,7 @@ from torch import nn
 
 from megaq.model.config import GPTConfig
 from megaq.model.init import ParamInit
-from megaq.model.layers import apply_rotary
+from megaq.model.layers import apply_rotary, build_norm
 from megaq.parallel.comm import Group
 from megaq.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                             get_rng_tracker)
@@ -33,7 +33,7 @@ def core_attention(q, k, v, dropout_p: float, repeat_kv: bool = False) -> torch.
 
 
 class SelfAttention(nn.Module):
-    """linear_qkv (column-parallel) -> RoPE -> SDPA -> linear_proj (row-parallel).
+    """linear_qkv (column-parallel) -> [q/k norm] -> RoPE -> SDPA -> linear_proj (row-parallel).
 
     The fused QKV weight is laid out by query group, [group][q heads..., k, v][d],
     as in Megatron, so a contiguous row split gives each rank whole groups.
@@ -62,6 +62,10 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(
             q_size, config.hidden_size, tp_group,
             init_weight=init.normal("self_attention.linear_proj.weight", scaled=True), **common)
+        # --qk-layernorm: one norm over the head dim shared by all query heads, one by all
+        # key heads, applied before RoPE (megatron-core's q_layernorm / k_layernorm)
+        self.q_layernorm = build_norm(config, per_head=True) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, per_head=True) if config.qk_layernorm else None
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups/tp * (heads_per_group + 2) * d]; s is full
@@ -69,6 +73,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.heads_per_rank, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]

@@ -45,6 +45,14 @@ class GPTConfig:
         "--position-embedding-type", "learned absolute positions (GPT-2) or rotary (Llama)",
         "learned_absolute", choices=["learned_absolute", "rope"])
     rotary_base: int = flag("--rotary-base", "RoPE base", 10000, type=int)
+    use_rope_scaling: bool = switch(
+        "--use-rope-scaling", "Llama 3.1's RoPE frequency scaling (low_freq_factor 1, "
+        "high_freq_factor 4, original_max_position_embeddings 8192, as megatron-core)")
+    rope_scaling_factor: float = flag(
+        "--rope-scaling-factor", "with --use-rope-scaling: the factor long wavelengths are "
+        "divided by", 8.0, type=float)
+    qk_layernorm: bool = switch(
+        "--qk-layernorm", "a norm (--normalization) over each head's query and key, before RoPE")
     normalization: str = flag("--normalization", "norm layer type", "LayerNorm",
                               choices=["LayerNorm", "RMSNorm"])
     layernorm_epsilon: float = flag("--norm-epsilon", "epsilon of the norm layers", 1e-5,
@@ -123,7 +131,8 @@ class GPTConfig:
     ARCHITECTURE: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
         "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
-        "rotary_base", "normalization", "layernorm_epsilon", "swiglu",
+        "rotary_base", "use_rope_scaling", "rope_scaling_factor", "qk_layernorm",
+        "normalization", "layernorm_epsilon", "swiglu",
         "untie_embeddings_and_output_weights", "add_bias_linear", "vocab_size")
 
     def __post_init__(self):
@@ -160,6 +169,14 @@ class GPTConfig:
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             raise ModelConfigError(f"--position-embedding-type {self.position_embedding_type!r} "
                                    f"is not supported; use learned_absolute or rope")
+        if self.use_rope_scaling and self.position_embedding_type != "rope":
+            raise ModelConfigError("--use-rope-scaling scales rotary embeddings; add "
+                                   "--position-embedding-type rope or drop it")
+        if self.use_rope_scaling and not (self.rope_scaling_factor or 0) >= 1:
+            raise ModelConfigError(f"--rope-scaling-factor must be >= 1 "
+                                   f"(got {self.rope_scaling_factor})")
+        if not self.use_rope_scaling:  # unused: kept out of the architecture comparison
+            set_derived(self, rope_scaling_factor=None)
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ModelConfigError(f"--normalization {self.normalization!r} is not supported; "
                                    f"use LayerNorm or RMSNorm")

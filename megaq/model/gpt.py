@@ -113,7 +113,9 @@ class GPTModel(nn.Module):
         tied = config.tie_embeddings
 
         self.embedding = Embedding(config, tp_group, self.padded_vocab_size) if pre_process else None
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base,
+                                       config.rope_scaling_factor if config.use_rope_scaling
+                                       else None)
                        if config.position_embedding_type == "rope" else None)
         self.layers = nn.ModuleList(TransformerBlock(config, tp_group, i)
                                     for i in range(layer_start, layer_end))
