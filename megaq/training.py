@@ -124,16 +124,33 @@ class Trainer:
                 {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
                  for k, v in mb.items()} for mb in batches]
 
-    def _run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
+    def _loss_tokens(self, batches: list) -> torch.Tensor:
+        """This rank's loss tokens in `batches` (fp64; 0 off the last pipeline stage)."""
+        n = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.topo.is_last_stage:
+            for mb in batches:
+                n = n + mb["loss_mask"].to(self.device, torch.float64).sum()
+        return n
+
+    def _run_schedule(self, batches, forward_only: bool, token_loss_scale=None) -> torch.Tensor:
         t = self.training
         batches = self._on_device(batches)
+        if token_loss_scale is None and t.calculate_per_token_loss and not forward_only \
+                and self.topo.is_last_stage:
+            # --calculate-per-token-loss: each micro-batch's loss is its token sum x
+            # m x DP / (loss tokens of the global batch), so that the engine's DP average of
+            # the accumulated grads is the gradient of the global batch's token mean (the
+            # last stage's DP group holds the whole global batch; no host sync)
+            tokens = self._loss_tokens(batches)
+            comm.all_reduce(tokens, self.topo.dp, "dp_misc")
+            token_loss_scale = t.num_micro_batches * self.topo.layout.dp / tokens.clamp(min=1.0)
         # --timing-log-level 2: the schedule's own clock splits compute from p2p waits
         step_timer = (StepTimer(sync=self.timers.sync)
                       if self.timers.on(2) and not forward_only else None)
         losses = self.forward_backward(
             self.p.model_chunks, batches, t.num_micro_batches, self.topo,
             tensor_shape=self.tensor_shape, dtype=t.params_dtype, forward_only=forward_only,
-            timer=step_timer)
+            timer=step_timer, token_loss_scale=token_loss_scale)
         if step_timer is not None:
             self.timers.add("forward-compute", step_timer.forward_s, 2)
             self.timers.add("backward-compute", step_timer.backward_s, 2)
@@ -143,17 +160,24 @@ class Trainer:
             return torch.stack([x.float() for x in losses]).sum().double()
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
-    def _global_mean(self, local_sum: torch.Tensor, micro_batches: int) -> float:
-        """Mean micro-batch loss over the global batch, on every rank (one host sync).
+    def _global_mean(self, local_sum: torch.Tensor, micro_batches: int,
+                     local_tokens: torch.Tensor | None = None) -> float:
+        """Mean micro-batch loss over the global batch, on every rank (one host sync); with
+        local_tokens, local_sum is a token sum and the mean is over the tokens.
 
         The same all-reduce carries this rank's "please stop" vote (a signal arrived, or
         --exit-duration-in-mins passed), so every rank agrees on stopping for free."""
+        dev = local_sum.device
+        tokens = (torch.zeros((), dtype=torch.float64, device=dev) if local_tokens is None
+                  else local_tokens.reshape(()).double())
         t = torch.stack([local_sum.reshape(()).double(),
-                         torch.tensor(float(self._stop_vote()), dtype=torch.float64,
-                                      device=local_sum.device)])
+                         torch.tensor(float(self._stop_vote()), dtype=torch.float64, device=dev),
+                         tokens])
         comm.all_reduce(t, self.topo.world, "dp_misc")
-        loss_sum, votes = t.tolist()
+        loss_sum, votes, all_tokens = t.tolist()
         self._stop_agreed = self._stop_agreed or votes > 0
+        if local_tokens is not None:  # TP copies count in both sums alike
+            return loss_sum / max(all_tokens, 1.0)
         return loss_sum / (self._loss_divisor * micro_batches)
 
     def _stop_vote(self) -> bool:
@@ -214,11 +238,20 @@ class Trainer:
                 c.eval()
             it = vb(start)
             total = torch.zeros((), dtype=torch.float64, device=self.device)
+            # --calculate-per-token-loss: token sums, divided by the tokens of all the
+            # evaluation's batches (as Megatron's evaluate)
+            per_token = t.calculate_per_token_loss
+            tokens = torch.zeros((), dtype=torch.float64, device=self.device) if per_token \
+                else None
             for _ in range(log.eval_iters):
-                total = total + self._run_schedule(next(it), forward_only=True)
+                batches = next(it)
+                if per_token:
+                    tokens = tokens + self._loss_tokens(batches)
+                total = total + self._run_schedule(batches, forward_only=True,
+                                                   token_loss_scale=1.0 if per_token else None)
             for c in self.p.model_chunks:
                 c.train()
-            loss = self._global_mean(total, t.num_micro_batches * log.eval_iters)
+            loss = self._global_mean(total, t.num_micro_batches * log.eval_iters, tokens)
         self.state.val_losses[iteration] = loss
         if self.rank0:
             line = validation_log_line(iteration, loss, where)

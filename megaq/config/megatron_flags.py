@@ -88,7 +88,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir",
           "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
           "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
-          "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor")
+          "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor",
+          "--calculate-per-token-loss")
     + [
         # ---- accepted with a note: nothing to do for megaq ------------------------------
         _note("--use-mcore-models", "megaq's model is megatron-core's GPT layout already"),
@@ -184,7 +185,6 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--account-for-loss-in-pipeline-split", "uneven pipeline stages"),
         _refuse("--reset-position-ids", "position ids restarting at each document"),
         _refuse("--reset-attention-mask", "attention masks cut at document boundaries"),
-        _refuse("--calculate-per-token-loss", "per-token loss normalisation across micro-batches"),
         _refuse("--use-checkpoint-args", "taking the architecture from the checkpoint's args "
                 "(pass the flags; tools/convert_checkpoint.py writes them to megaq_args.txt)"),
         _refuse("--vocab-extra-ids", "extra sentinel tokens (T5-style)", "int", allowed=("0",)),

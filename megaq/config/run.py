@@ -76,6 +76,10 @@ class TrainingConfig:
         "--train-iters: the run takes train-samples // global-batch-size steps and its LR "
         "schedule counts samples (--lr-warmup-samples, --lr-decay-samples)", type=int)
     bf16: bool = switch("--bf16", "bf16 weights/activations (fp32 master)")
+    calculate_per_token_loss: bool = switch(
+        "--calculate-per-token-loss", "the loss (and its gradient) is the mean over every "
+        "loss token of the global batch, not the mean over micro-batches of each one's "
+        "token mean (Megatron's; differs when loss masks count unequally)")
     fp16: bool = switch("--fp16", "not supported (no loss scaling): use --bf16")
     max_consecutive_skipped_iters: int = flag(
         "--max-consecutive-skipped-iters",

@@ -26,12 +26,13 @@ from megaq.parallel.pipeline.schedules import _setup
 def forward_backward_pipelining_with_interleaving(
         model_chunks, microbatches, num_microbatches: int, topo, *, tensor_shape,
         dtype: torch.dtype = torch.float32, forward_only: bool = False,
-        timer: StepTimer | None = None) -> list[torch.Tensor]:
+        timer: StepTimer | None = None, token_loss_scale=None) -> list[torch.Tensor]:
     if topo is None or topo.layout.pp < 2:
         raise PipelineConfigError("the interleaved schedule needs --pipeline-model-parallel-size "
                                   "> 1; use forward_backward_no_pipelining for PP=1")
     runner, p2p, pp_rank, pp = _setup(model_chunks, microbatches, num_microbatches, topo,
-                                      tensor_shape, dtype, forward_only, timer, False)
+                                      tensor_shape, dtype, forward_only, timer, False,
+                                      token_loss_scale)
     vp, m = len(model_chunks), num_microbatches
     total = m * vp
     first_rank, last_rank = pp_rank == 0, pp_rank == pp - 1

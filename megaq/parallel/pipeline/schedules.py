@@ -7,6 +7,13 @@ all-masked micro-batch gives 0, not NaN), and each micro-batch's backward starts
 over micro-batches of the per-micro-batch losses -- exactly what one process running
 the same micro-batches one after another computes. (DP averaging is the engine's job.)
 
+With ``token_loss_scale`` (Megatron's --calculate-per-token-loss) a micro-batch's loss
+is instead ``sum(loss * mask) * token_loss_scale``: the trainer passes
+``num_microbatches x DP / (loss tokens of the whole global batch)``, so the backward of
+``loss / num_microbatches``, averaged over DP by the engine, is the gradient of the mean
+over every loss token of the global batch, and the mean of the recorded losses over
+micro-batches and DP ranks is that mean too.
+
 All schedules share one signature and return the unscaled, detached per-micro-batch
 losses (tensors, nothing is synchronised to the host) on the last pipeline stage and
 an empty list elsewhere. ``microbatches`` is a list or iterator of dicts with ``tokens``
@@ -70,8 +77,9 @@ class _Runner:
     """Forward and backward of one micro-batch on one chunk, shared by every schedule."""
 
     def __init__(self, chunks, microbatches, num_microbatches, pp_rank, pp_size,
-                 forward_only, timer):
+                 forward_only, timer, token_loss_scale=None):
         self.chunks, self.m = list(chunks), num_microbatches
+        self.token_loss_scale = token_loss_scale  # None: the masked mean per micro-batch
         self.first_stage, self.last_stage = pp_rank == 0, pp_rank == pp_size - 1
         self.forward_only, self.timer = forward_only, timer
         self.data = _Microbatches(microbatches)
@@ -106,7 +114,11 @@ class _Runner:
             else:
                 out = model(hidden_states=input_tensor, **kwargs)
             if self.is_last(chunk):
-                loss = masked_mean_loss(out, batch["loss_mask"])
+                if self.token_loss_scale is None:
+                    loss = masked_mean_loss(out, batch["loss_mask"])
+                else:
+                    mask = batch["loss_mask"].to(torch.float32).reshape(out.shape)
+                    loss = (out.float() * mask).sum() * self.token_loss_scale
                 self.losses.append(loss.detach())
                 out = loss / self.m
         if self.timer is not None:
@@ -125,7 +137,7 @@ class _Runner:
 
 
 def _setup(model_chunks, microbatches, num_microbatches, topo, tensor_shape, dtype,
-           forward_only, timer, one_chunk: bool):
+           forward_only, timer, one_chunk: bool, token_loss_scale=None):
     pp_size = 1 if topo is None else topo.layout.pp
     pp_rank = 0 if topo is None else topo.pp_rank
     vp = len(model_chunks)
@@ -134,7 +146,7 @@ def _setup(model_chunks, microbatches, num_microbatches, topo, tensor_shape, dty
                                   f"use the interleaved schedule for virtual pipeline stages")
     check_num_microbatches(num_microbatches, pp_size, vp)
     runner = _Runner(model_chunks, microbatches, num_microbatches, pp_rank, pp_size,
-                     forward_only, timer)
+                     forward_only, timer, token_loss_scale)
     p2p = None
     if pp_size > 1:
         if tensor_shape is None:
@@ -148,13 +160,14 @@ def _setup(model_chunks, microbatches, num_microbatches, topo, tensor_shape, dty
 def forward_backward_no_pipelining(model_chunks, microbatches, num_microbatches: int, topo=None,
                                    *, tensor_shape=None, dtype: torch.dtype = torch.float32,
                                    forward_only: bool = False,
-                                                              timer: StepTimer | None = None) -> list[torch.Tensor]:
+                                   timer: StepTimer | None = None,
+                                   token_loss_scale=None) -> list[torch.Tensor]:
     """PP=1: forward then backward of each micro-batch in turn (gradient accumulation)."""
     if topo is not None and topo.layout.pp != 1:
         raise PipelineConfigError(f"forward_backward_no_pipelining needs PP=1 "
                                   f"(got {topo.layout.pp}); use get_forward_backward_func")
     runner, _, _, _ = _setup(model_chunks, microbatches, num_microbatches, None, tensor_shape,
-                             dtype, forward_only, timer, True)
+                             dtype, forward_only, timer, True, token_loss_scale)
     for _ in range(num_microbatches):
         out = runner.forward(0, None)
         if not forward_only:
@@ -165,12 +178,13 @@ def forward_backward_no_pipelining(model_chunks, microbatches, num_microbatches:
 def forward_backward_pipelining_without_interleaving(
         model_chunks, microbatches, num_microbatches: int, topo, *, tensor_shape,
         dtype: torch.dtype = torch.float32, forward_only: bool = False,
-        timer: StepTimer | None = None) -> list[torch.Tensor]:
+        timer: StepTimer | None = None, token_loss_scale=None) -> list[torch.Tensor]:
     """1F1B: stage p runs pp-p-1 warm-up forwards, then alternates one forward / one
     backward, then drains the remaining backwards. Stage p holds at most pp-p micro-batches'
     activations (the first stage: pp), instead of all of them."""
     runner, p2p, pp_rank, pp_size = _setup(model_chunks, microbatches, num_microbatches, topo,
-                                           tensor_shape, dtype, forward_only, timer, True)
+                                           tensor_shape, dtype, forward_only, timer, True,
+                                           token_loss_scale)
     first, last = runner.is_first(0), runner.is_last(0)
     m = num_microbatches
     warmup = m if forward_only else min(pp_size - pp_rank - 1, m)
