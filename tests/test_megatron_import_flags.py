@@ -51,7 +51,10 @@ def test_notes_print_once_and_harmless_values_pass():
      "--context-parallel-size 2: megaq has no context parallelism (--context-parallel-size > 1); drop the flag"),
     (["--num-experts", "8"], "--num-experts 8: megaq has no mixture-of-experts layers (--num-experts); drop the flag"),
     (["--fp16"], "--fp16: megaq has no fp16 training with loss scaling (use --bf16); drop the flag"),
-    (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size 16 16 1000: megaq has no batch-size ramp-up; drop the flag"),
+    (["--rampup-batch-size", "16", "16", "1000"],
+     "--rampup-batch-size 16 16 1000: megaq has no batch-size ramp-up (a run's global batch is "
+     "fixed: the data iterator, the schedules' micro-batch count and the LR schedule's step "
+     "assume it; train at the final --global-batch-size); drop the flag"),
 ])
 def test_refused_flags_name_the_feature(extra, line):
     p = build_parser()

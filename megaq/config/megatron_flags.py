@@ -178,7 +178,9 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--rotary-percent", "partial rotary embeddings (--rotary-percent < 1)", "float",
                 allowed=("1", "1.0")),
         _refuse("--rotary-seq-len-interpolation-factor", "RoPE position interpolation", "int"),
-        _refuse("--rampup-batch-size", "batch-size ramp-up", "+"),
+        _refuse("--rampup-batch-size", "batch-size ramp-up (a run's global batch is fixed: the "
+                "data iterator, the schedules' micro-batch count and the LR schedule's step "
+                "assume it; train at the final --global-batch-size)", "+"),
         _refuse("--decoder-first-pipeline-num-layers", "uneven pipeline stages", "int"),
         _refuse("--decoder-last-pipeline-num-layers", "uneven pipeline stages", "int"),
         _refuse("--account-for-embedding-in-pipeline-split", "uneven pipeline stages"),
