@@ -331,3 +331,43 @@ def test_to_megatron_loads_in_megatron_core(tmp_path, imported_tp2):
     assert got["moments"] == RECORD["moments"]
     assert got["losses"] == pytest.approx(RECORD["next_losses"], abs=1e-5)
     assert got["lrs"] == RECORD["lrs"][5:]
+
+
+def _train_and_save(topo, argv):
+    from megaq.pretrain import main
+    return main(argv, topo=topo).iteration
+
+
+def test_qk_layernorm_and_rope_scaling_round_trip_through_megatron(tmp_path):
+    """A megaq run with --qk-layernorm and --use-rope-scaling, written --to megatron
+    (q_layernorm / k_layernorm in megatron-core's parameter order, the flags in its
+    args) and read back --from megatron at TP 2: the same weights and Adam moments, and
+    the flags among the architecture's."""
+    from megaq.interop.megatron_export import _full_state
+    from megaq.testing.ranks import run_on_ranks
+    save = str(tmp_path / "run")
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--group-query-attention", "--num-query-groups", "2", "--seq-length", "16",
+            "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--qk-layernorm",
+            "--use-rope-scaling", "--rope-scaling-factor", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-2", "--mock-data",
+            "--vocab-size", "64", "--make-vocab-size-divisible-by", "64", "--eval-iters", "0",
+            "--save", save, "--save-interval", "2", "--ckpt-format", "torch",
+            "--data-cache-path", str(tmp_path / "cache")]
+    assert run_on_ranks(_train_and_save, 1, args=(argv,))[0] == 2
+    mlm, back = str(tmp_path / "mlm"), str(tmp_path / "back")
+    r = _cli("--input", save, "--output", mlm, cwd=str(tmp_path), route=("megaq", "megatron"))
+    assert r.returncode == 0, r.stderr
+    r = _cli("--input", mlm, "--output", back, "--tensor-model-parallel-size", "2",
+             cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    flags = open(os.path.join(back, "megaq_args.txt")).read().split()
+    assert "--qk-layernorm" in flags and "--use-rope-scaling" in flags
+    assert flags[flags.index("--rope-scaling-factor") + 1] == "16.0"
+    _, _, before = _full_state(os.path.join(save, "iter_0000002"))
+    _, _, after = _full_state(os.path.join(back, "iter_0000002"))
+    assert set(before) == set(after) and any("q_layernorm" in n for n in before)
+    for name in before:
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(before[name][k], after[name][k]), (name, k)

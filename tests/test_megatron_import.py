@@ -299,10 +299,23 @@ def test_refusals_and_load_message(tmp_path, mcore_model, capsys):
     moe = argparse.Namespace(**dict(vars(args), num_experts=8))
     with pytest.raises(mi.MegatronImportError, match="mixture of experts"):
         mi.load_megatron_checkpoint(save_megatron(str(tmp_path / "moe"), {(0, 0): [sd]}, moe))
-    extra = dict(sd, **{"decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(8)})
-    with pytest.raises(mi.MegatronImportError, match="q_layernorm.weight has no megaq counterpart"):
+    # (multi-latent attention's down projection: a part megaq lacks)
+    extra = dict(sd, **{"decoder.layers.0.self_attention.linear_q_down_proj.weight":
+                        torch.ones(8, 32)})
+    with pytest.raises(mi.MegatronImportError,
+                       match="linear_q_down_proj.weight has no megaq counterpart"):
         dict(mi.load_megatron_checkpoint(save_megatron(str(tmp_path / "qk"), {(0, 0): [extra]},
                                                        args))[1])
+    # q/k layer norms in the weights of a model whose args have no --qk-layernorm: refused,
+    # not dropped
+    qk = {**sd, "decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(8)}
+    qk_src = save_megatron(str(tmp_path / "qk_src"), {(0, 0): [qk]}, args)
+    with pytest.raises(mi.MegatronImportError, match="q_layernorm.weight has no place in the "
+                                                     "model its saved args describe"):
+        mi.convert_to_megaq(argparse.Namespace(
+            input=qk_src, output=str(tmp_path / "qk_out"), overwrite=False,
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_size=1,
+            seq_length=None, make_vocab_size_divisible_by=1, no_optimizer=True))
     dist = tmp_path / "dist"
     (dist / "iter_0000005").mkdir(parents=True)
     (dist / "iter_0000005" / "metadata.json").write_text("{}")

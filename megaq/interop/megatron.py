@@ -589,6 +589,19 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
         raise MegatronImportError(f"the imported model does not fit megaq at TP {tp} x PP {pp}"
                                   f"{f' x VP {vp}' if vp > 1 else ''}: {e}") from None
 
+    layout = megaq_layout(run.model, tp, pp, vp)
+    # the weights and the saved args must describe the same model (q/k layer norms, say)
+    wanted = {info.name for info in layout}
+    # (a tied head's copy on Megatron's last pipeline stage is the embedding: not needed)
+    extra = set(params) - wanted - ({"output_layer.weight"} if run.model.tie_embeddings else set())
+    for what, names in (("has no place in the model its saved args describe", extra),
+                        ("is missing, though its saved args imply it", wanted - set(params))):
+        if names:
+            first = sorted(names)[0]
+            raise MegatronImportError(f"{config['source']}: tensor {first}"
+                                      f"{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} "
+                                      f"{what}; the checkpoint's weights and args disagree")
+
     def padded(name: str, t: torch.Tensor) -> torch.Tensor:
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             t = fit_rows(t, 0, run.padded_vocab_size, name)
@@ -606,7 +619,7 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
                                     state["scheduler"], moments)
     tmp = temp_dir_for(out_dir)
     try:
-        write_checkpoint(tmp, run, megaq_layout(run.model, tp, pp, vp), full_tensor,
+        write_checkpoint(tmp, run, layout, full_tensor,
                          extra={"imported_from": config["source"],
                                 "megatron_iteration": config["iteration"],
                                 "megatron_layout": config["megatron_layout"]},
