@@ -140,7 +140,7 @@ class Trainer:
             if self.topo.layout.pp > 1:
                 self.timers.add("pipeline-p2p", step_timer.p2p_s, 2)
         if losses:
-            return torch.stack([x.float() for x in losses]).sum().double()
+            return torch.stack(losses).float().sum().double()
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _global_mean(self, local_sum: torch.Tensor, micro_batches: int) -> float:
