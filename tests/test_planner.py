@@ -180,6 +180,30 @@ def test_flop_terms_add_up_to_flops_py(kw, tp):
     assert total == pytest.approx(num_flops(cfg, dp * m * mb * cfg.seq_length, tp), rel=1e-9)
 
 
+def test_weight_delta_bytes_equal_the_routes_pair_by_pair():
+    """volume.weight_deltas counts per (hpZ slot, node) so the scale study can afford it;
+    it must equal the routes the engine takes (delta_routes), summed sender by sender, for
+    every node count, node size and hpZ size that divides the group."""
+    from megaq.zero.zeropp import volume
+    from megaq.zero.zeropp.deltas import delta_routes
+    cases = 0
+    for k in (1, 2, 3, 5, 8):
+        for m in (1, 2, 3, 4, 8):
+            n = k * m
+            for h in (h for h in range(2, n + 1) if n % h == 0):
+                cfg = ZeroConfig(hpz_partition_size=h, weight_deltas=True, block_size=64)
+                groups = [[g * h + j for j in range(h)] for g in range(n // h)]
+                unit = volume.delta_bytes(1000, cfg)
+                want = {comm.INTRA: 0, INTER: 0}
+                for r in range(n):
+                    for d in delta_routes(n, r, groups, r % h)[0]:
+                        if d != r:
+                            want[INTER if d // m != r // m else comm.INTRA] += unit
+                assert volume.weight_deltas(1000, k, m, cfg) == want, (k, m, h)
+                cases += 1
+    assert cases > 50
+
+
 # ----------------------------------------------------------------------------- bubble
 class _Recorder:
     """Stands in for the schedules' runner and p2p: records each pass per chunk."""
