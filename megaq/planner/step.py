@@ -316,7 +316,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     optimizer_s = shard_params * cal.optimizer_bytes_per_param / hbm
     deltas_s = 0.0
     if z.weight_deltas:
+        # the exchange, then the kernels that make and apply the differences
         deltas_s = max(sum(traffic.delta_time(u, g, z, cluster, link_eff).total
+                           + traffic.delta_kernel_bytes(u, g, z, elem) / hbm
                            for u in st["units"]) for st in stages)
     step = sim.makespan_s + max(first_extra, 0.0) + tail + optimizer_s + deltas_s \
         + cal.fixed_step_overhead_s
