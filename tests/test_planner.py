@@ -204,6 +204,27 @@ def test_weight_delta_bytes_equal_the_routes_pair_by_pair():
     assert cases > 50
 
 
+def test_prefetch_limit_exposes_what_is_not_fetched_ahead():
+    """The published check's DeepSpeed overlap: a limit at least a unit's size is
+    megaq's prefetch; the smaller the limit, the more of the forward gathers is exposed,
+    and with nothing fetched ahead the step is slower than megaq's."""
+    from megaq.planner.calibrate import _predict
+    argv = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16",
+            "--seq-length", "1024", "--max-position-embeddings", "1024", "--vocab-size", "32000",
+            "--micro-batch-size", "1", "--global-batch-size", "32", "--bf16", "--lr", "1e-4",
+            "--train-iters", "1", "--mock-data", "--zero-stage", "3"]
+    cluster = Cluster(gpu_preset("H100-SXM"), num_nodes=4, gpus_per_node=8,
+                      inter_node_gbit_per_s=100.0)
+    exposed = lambda p: p.exposed_comm_s  # noqa: E731
+    megaq_own = _predict(argv, CAL, cluster)
+    assert _predict(argv, CAL, cluster, prefetch_limit=10**12).step_time_s == megaq_own.step_time_s
+    fwd = [exposed(_predict(argv, CAL, cluster, prefetch_limit=n))["weight_gather_fwd"]
+           for n in (10**12, 20_000_000, 5_000_000, 0)]
+    assert fwd == sorted(fwd) and fwd[0] < fwd[-1]
+    nothing_ahead = _predict(argv, CAL, cluster, prefetch_limit=0)
+    assert nothing_ahead.step_time_s > megaq_own.step_time_s
+
+
 # ----------------------------------------------------------------------------- bubble
 class _Recorder:
     """Stands in for the schedules' runner and p2p: records each pass per chunk."""
