@@ -39,11 +39,71 @@ def test_notes_print_once_and_harmless_values_pass():
     args = p.parse_args(argv)
     printed = []
     notes = mf.print_megatron_notes(args, print_fn=printed.append)
-    assert notes == printed and len(printed) == 8  # the 8 no-meaning flags given
-    assert ("note: --use-distributed-optimizer is accepted and ignored: megaq's ZeRO-3 engine "
-            "always shards the optimizer state over DP") in printed
+    # one summary line naming the 8 no-meaning flags given (not the harmless values)
+    assert notes == printed == [mf.summary_note([
+        "--use-mcore-models", "--transformer-impl", "--use-flash-attn",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--no-masked-softmax-fusion", "--loss-scale"])]
+    assert printed[0].startswith("note: 8 Megatron-LM flag(s) accepted without effect: ")
     assert mf.print_megatron_notes(args, print_fn=printed.append) == []  # once per process
-    assert len(printed) == 8
+    assert len(printed) == 1
+    quiet = p.parse_args(argv + ["--quiet-notes"])
+    monkey = []
+    mf._printed.clear()
+    assert mf.print_megatron_notes(quiet, print_fn=monkey.append) == [] and monkey == []
+
+
+def test_every_recorded_megatron_flag_is_classified():
+    """No flag of Megatron-LM's recorded parser (megaq.config.megatron_flag_list) is
+    unknown to megaq's: each is megaq's own, an alias, noted or refused with its reason."""
+    from megaq.config.megatron_flag_list import MEGATRON_ARGUMENTS
+    parser = build_parser()
+    have = set(parser._option_string_actions)
+    assert len(MEGATRON_ARGUMENTS) > 600
+    assert [n for n in MEGATRON_ARGUMENTS if n not in have] == []
+    # the flags a Megatron-LM user reported as unknown, each with its status
+    kinds = {n: mf.BY_NAME[n].kind for n in (
+        "--grad-reduce-in-bf16", "--ddp-bucket-size", "--use-torch-fsdp2",
+        "--data-parallel-sharding-strategy", "--use-precision-aware-optimizer",
+        "--main-grads-dtype", "--use-rotary-position-embeddings", "--no-position-embedding",
+        "--no-query-key-layer-scaling", "--non-persistent-save-interval", "--rerun-mode",
+        "--fp8-param-gather")}
+    assert kinds == {
+        "--grad-reduce-in-bf16": "note", "--ddp-bucket-size": "note",
+        "--use-torch-fsdp2": "note", "--data-parallel-sharding-strategy": "alias",
+        "--use-precision-aware-optimizer": "note", "--main-grads-dtype": "refused",
+        "--use-rotary-position-embeddings": "alias", "--no-position-embedding": "refused",
+        "--no-query-key-layer-scaling": "note", "--non-persistent-save-interval": "refused",
+        "--rerun-mode": "refused", "--fp8-param-gather": "alias"}
+    # a switch that turns off part of a missing feature is noted, its switch refused
+    assert mf.BY_NAME["--no-rl-use-sequence-packing"].kind == mf.NOTE
+    assert mf.BY_NAME["--rl-use-sequence-packing"].kind == mf.REFUSED
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+        "--mock-data"]
+
+
+def test_aliases_set_megaq_flags():
+    c = parse_config(BASE + ["--use-rotary-position-embeddings", "--no-position-embedding",
+                             "--main-grads-dtype", "fp32", "--rerun-mode", "disabled",
+                             "--override-opt-param-scheduler",
+                             "--data-parallel-sharding-strategy", "no_shard"], world_size=1)
+    assert c.model.position_embedding_type == "rope"
+    assert c.optimizer.override_opt_param_scheduler and c.zero.stage == 0
+    assert parse_config(BASE, world_size=1).zero.stage == 3
+    flags = build_parser().parse_args(BASE + ["--fp8-param-gather"])
+    assert flags.zero_quantized_weights == "fp8"  # as --zero-quantized-weights fp8
+    with pytest.raises(ArgumentsError, match="--zero-quantized-weights fp8 gathers the weights "
+                       "that FP8 GEMMs read"):  # its rule: FP8 GEMMs
+        parse_config(BASE + ["--fp8-param-gather"], world_size=1)
+    with pytest.raises(ArgumentsError, match=r"^--data-parallel-sharding-strategy optim: megaq "
+                       r"has no such value; it takes no_shard or optim_grads_params"):
+        parse_config(BASE + ["--data-parallel-sharding-strategy", "optim"], world_size=1)
+    with pytest.raises(ArgumentsError, match=r"^--no-position-embedding: megaq has no GPT "
+                       r"without position embeddings"):
+        parse_config(BASE + ["--no-position-embedding"], world_size=1)
 
 
 @pytest.mark.parametrize("extra,line", [
@@ -153,8 +213,11 @@ def test_megatron_launch_flags_parse_note_once_and_train(tmp_path, capfd, monkey
     out = capfd.readouterr().out.splitlines()
     noted = [f for f in mf.MEGATRON_FLAGS if f.kind == mf.NOTE and f.name in given]
     assert len(noted) >= 30
-    for f in noted:  # one line per flag, from one rank
-        assert out.count(f"note: {f.name} is accepted and ignored: {f.why}") == 1, f.name
+    summary = [x for x in out if x.startswith("note: ") and "Megatron-LM flag(s) accepted "
+               "without effect" in x]
+    assert len(summary) == 1  # one line, from one rank, naming every such flag
+    named = summary[0].split(": ", 2)[2].split(" (why:")[0].split(", ")
+    assert sorted(named) == sorted(f.name for f in noted)
     assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == "2"
     # the implemented logging flags: Megatron's line with throughput and params norm, and
     # its timer block; --eod-mask-loss on mock data says it masks nothing
