@@ -249,3 +249,78 @@ def test_training_doc_lists_every_flag():
     text = open(os.path.join(REPO, "docs", "TRAINING.md")).read()
     # regenerate it with: python -m megaq.config.megatron_flags
     assert mf.flags_table_markdown(config_flags()) in text
+
+
+def gpt3_example_flags(tmp_path) -> list[str]:
+    """Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (core_v0.16.1), its flags
+    unchanged but for the paths (here: files that do not exist) and the batch-size ramp-up
+    of its older versions."""
+    return [
+        "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+        "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend",
+        "auto",
+        "--micro-batch-size", "1", "--global-batch-size", "1536",
+        "--rampup-batch-size", "16", "16", "5859375", "--train-iters", "500000",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
+        "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+        "--lr-decay-iters", "430000",
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+        "--data-path", str(tmp_path / "data" / "corpus_text_document"),
+        "--vocab-file", str(tmp_path / "gpt2-vocab.json"),
+        "--merge-file", str(tmp_path / "gpt2-merges.txt"), "--split", "949,50,1",
+        "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+        "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--eval-iters", "10",
+        "--tensorboard-dir", str(tmp_path / "tb"),
+    ]
+
+
+def test_gpt3_example_dry_run_lists_every_problem_in_one_launch(tmp_path, gpt2_files):
+    """One --dry-run of the GPT-3 example script names all it would stop at (refused
+    --fp16 and --rampup-batch-size, the missing data and tokenizer files), one `error:`
+    line each, exit 2, before any process group; the same flags with those fixed plan
+    the run and exit 0 (the tokenizer type inferred from --vocab-file / --merge-file)."""
+    argv = gpt3_example_flags(tmp_path)
+    env = {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    script = os.path.join(REPO, "pretrain_gpt.py")
+    machine = ["--dry-run", "--num-nodes", "16", "--gpus-per-node", "8"]
+    r = subprocess.run([sys.executable, script, *machine, *argv], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stderr
+    prefix = tmp_path / "data" / "corpus_text_document"
+    assert r.stderr.strip().splitlines() == [
+        "error: --fp16 is not supported (megaq has no loss scaling); use --bf16 or fp32 "
+        "(neither)",
+        "error: --rampup-batch-size 16 16 5859375: megaq has no batch-size ramp-up; drop the flag",
+        f"error: --data-path {prefix}: {prefix}.bin / {prefix}.idx not found; check the prefix "
+        f"(tools/preprocess_data.py writes them)",
+        f"error: {tmp_path / 'gpt2-vocab.json'}: file not found; check --vocab-file"]
+    assert r.stdout == ""  # no plan, no notes
+
+    # fixed: bf16, no ramp-up, real files (a tiny GPT-2 BPE and one preprocessed document)
+    import shutil
+
+    import numpy as np
+
+    from megaq.data.indexed import IndexedDatasetWriter
+    shutil.copy(gpt2_files[0], tmp_path / "gpt2-vocab.json")
+    shutil.copy(gpt2_files[1], tmp_path / "gpt2-merges.txt")
+    (tmp_path / "data").mkdir()
+    w = IndexedDatasetWriter(str(prefix), np.uint16)
+    w.add_document(np.arange(10, dtype=np.uint16))
+    w.finish()
+    w.commit()
+    i = argv.index("--rampup-batch-size")
+    fixed = [a if a != "--fp16" else "--bf16" for a in argv[:i] + argv[i + 4:]]
+    r = subprocess.run([sys.executable, script, *machine, *fixed, "--quiet-notes"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "" and r.stdout.startswith("plan: ")  # the plan of this run
+    # --quiet-notes: neither the flags' summary nor the tokenizer's inference
+    assert "accepted without effect" not in r.stdout and "inferred" not in r.stdout
+    r = subprocess.run([sys.executable, script, *machine, *fixed], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ("note: 1 Megatron-LM flag(s) accepted without effect: --attention-backend (why: "
+            "--help or docs/TRAINING.md; --quiet-notes hides this)") in r.stdout.splitlines()
+    assert "note: --tokenizer-type GPT2BPETokenizer inferred from --vocab-file" in r.stdout
