@@ -9,8 +9,9 @@ each flag is a field of the class it configures, with its help and default (see
 megaq.config.flags), so adding a flag is adding a field there; nothing here changes. After
 them come the rest of Megatron-LM's dense-GPT flags (megaq.config.megatron_flags), so a
 Megatron-LM launch script parses unchanged: a flag that means nothing for megaq is
-accepted with a note (printed once, by rank 0), a flag for a feature megaq lacks is
-refused with one line naming it.
+accepted (rank 0 prints one note naming them all; --quiet-notes hides it), a flag for a
+feature megaq lacks is refused with one line naming it. run_problems collects every
+problem (pretrain_gpt.py --dry-run prints them all); parse_config raises the first.
 
 Every refusal is an :class:`ArgumentsError` whose message is one line naming the flag
 and the fix; the command-line entry prints it as ``error: ...`` and exits with 2.

@@ -1,23 +1,26 @@
-"""Megatron-LM's GPT pretraining flags that a dense GPT / Llama run uses, classified.
+"""Megatron-LM's pretraining flags, every one classified (none is unknown).
 
-A Megatron-LM launch script should parse unchanged. Each flag is one of:
+A Megatron-LM launch script should parse unchanged. megaq.config.megatron_flag_list
+records every flag of Megatron-LM's pretrain_gpt.py parser; each is one of:
 
 - IMPLEMENTED: megaq has the flag and it does what Megatron's does (a field of a
-  configuration class defines it, megaq.config.run.FLAG_CLASSES; this table only lists it,
-  so docs and tests can see the whole set);
+  configuration class defines it, megaq.config.run.FLAG_CLASSES; this table only lists
+  the ones a dense GPT / Llama script uses, the docs table adds the rest);
+- ALIAS: Megatron's spelling of a megaq flag (--fp8-param-gather is
+  --zero-quantized-weights fp8); it sets that flag's value;
 - NOTE: the flag has no meaning for megaq (a fusion switch, a backend choice, an fp16
-  loss-scaling knob, a logging extra); it is accepted, and a one-line note saying why
-  is printed once;
+  loss-scaling knob, a logging extra, another model's setting); it is accepted, and rank
+  0 prints one line at start naming every such flag given (--quiet-notes: none);
 - REFUSED: the flag asks for a feature megaq lacks; using it (with a value other than
-  the harmless ones in `allowed`) stops with one line naming the feature.
+  the harmless ones in `allowed`) is one line naming the feature.
 
-megaq.config.arguments.build_parser calls `add_megatron_flags(parser)` after the configuration's
-flags: it adds every NOTE and REFUSED flag the parser does not already define (so flags
-megaq later implements simply take over); megaq.config.arguments.parse_config then calls
-`check_megatron_flags` (a refusal is one ArgumentsError line) and, on rank 0,
-`print_megatron_notes`.
-`check_megatron_flags(args, error)` raises `error(one line)` for a refused use and
-returns the notes; `print_megatron_notes(args)` prints each note once per process.
+The flags a dense-GPT script uses are listed one by one (MEGATRON_FLAGS' first part);
+the rest of the recorded parser is classified by family (_FAMILIES: MoE, RL, inference,
+vision and BERT settings, ...). megaq.config.arguments.build_parser calls
+`add_megatron_flags(parser)` after the configuration's flags: it adds every ALIAS, NOTE
+and REFUSED flag the parser does not already define (so flags megaq later implements
+simply take over); megaq.config.arguments.run_problems calls `megatron_flag_problems`
+(every refusal, and the notes) before building the configuration.
 """
 
 from __future__ import annotations
