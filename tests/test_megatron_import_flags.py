@@ -95,6 +95,13 @@ def test_aliases_set_megaq_flags():
     assert parse_config(BASE, world_size=1).zero.stage == 3
     flags = build_parser().parse_args(BASE + ["--fp8-param-gather"])
     assert flags.zero_quantized_weights == "fp8"  # as --zero-quantized-weights fp8
+    assert mf.megatron_flag_problems(flags) == ([], [
+        "note: Megatron-LM spellings read as megaq's flags: --fp8-param-gather as "
+        "--zero-quantized-weights fp8 (ZeRO-3's FP8 weight gathers; needs --fp8-format)"])
+    flags = build_parser().parse_args(BASE + ["--data-parallel-sharding-strategy", "no_shard"])
+    assert mf.megatron_flag_problems(flags)[1] == [
+        "note: Megatron-LM spellings read as megaq's flags: --data-parallel-sharding-strategy "
+        "no_shard as --zero-stage 0"] and flags.zero_stage == 0
     with pytest.raises(ArgumentsError, match="--zero-quantized-weights fp8 gathers the weights "
                        "that FP8 GEMMs read"):  # its rule: FP8 GEMMs
         parse_config(BASE + ["--fp8-param-gather"], world_size=1)

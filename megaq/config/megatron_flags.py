@@ -322,7 +322,7 @@ _FAMILIES: tuple[tuple[str, str, str], ...] = (
     # accepted: nothing to do for megaq
     (r"--(inference-|no-inference-|enable-chunked-prefill|disable-chunked-prefill"
      r"|flash-decode|decode-only-cuda-graphs|mlp-chunks-for-prefill|nccl-all-reduce-for"
-     r"|use-legacy-static-engine|inference-rng-tracker)", NOTE, _INFER),
+     r"|use-legacy-static-engine)", NOTE, _INFER),
     (r"--(dino-|img-|patch-dim|num-channels|num-classes|vision-|swin-|classes-fraction"
      r"|data-per-class-fraction|mask-|iter-per-epoch|bert-|biencoder-|ict-|retriever-"
      r"|titles-data-path|evidence-data-path|block-data-path|query-in-block-prob"
@@ -355,7 +355,7 @@ _FAMILIES: tuple[tuple[str, str, str], ...] = (
     (r"--(cuda-graph-|enable-cuda-graph|external-cuda-graph|te-rng-tracker"
      r"|use-te-activation-func|disable-jit-fuser|cross-entropy-fusion-impl"
      r"|disable-bf16-reduced-precision-matmul|init-model-with-meta-device|onnx-safe"
-     r"|no-clone-scatter-output|disable-clone-scatter-output|moe-|fp16-lm-cross-entropy"
+     r"|no-clone-scatter-output|disable-clone-scatter-output|fp16-lm-cross-entropy"
      r"|no-initialization|no-check-for-nan-in-loss-and-grad|no-barrier-with-level-1-timing"
      r"|manual-gc-eval|no-manual-gc-eval|disable-manual-gc-eval|fp8-interval"
      r"|record-memory-history|memory-snapshot-path|profile-ranks|save-dgrads-interval"
@@ -388,7 +388,7 @@ def _family(name: str) -> MegatronFlag | None:
         if re.match(pattern, name):
             takes = _TAKES[MEGATRON_ARGUMENTS.get(name, "-")]
             if kind == REFUSED and takes is None and re.match(r"--(no|disable)-", name):
-                return _note(name, f"it turns off part of a {why}, which megaq does not have")
+                return _note(name, f"it turns off part of a feature megaq does not have ({why})")
             return MegatronFlag(name, kind, why, takes)
     return None
 
@@ -425,9 +425,9 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> list[MegatronFlag]:
         if f.kind == IMPLEMENTED or f.name in have:
             continue
         if f.kind == ALIAS and not isinstance(f.const, dict):
-            group.add_argument(f.name, dest=f.target, action="store_const",
-                               const=True if f.const is None else f.const,
-                               default=argparse.SUPPRESS, help=_help(f))
+            group.add_argument(f.name, dest=f.dest, action=_SetAlias, target=f.target,
+                               const=True if f.const is None else f.const, default=None,
+                               help=_help(f))
         elif f.takes is None:
             group.add_argument(f.name, dest=f.dest, action="store_true", default=None,
                                help=_help(f))
@@ -436,6 +436,19 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> list[MegatronFlag]:
                                nargs={"+": "+", "?": "?"}.get(f.takes))
         added.append(f)
     return added
+
+
+class _SetAlias(argparse.Action):
+    """An alias switch: sets megaq's flag (`target`) to `const`, and records that it was
+    given (its own destination True) for the note."""
+
+    def __init__(self, option_strings, dest, target, const, **kw):
+        super().__init__(option_strings, dest, nargs=0, const=const, **kw)
+        self.target = target
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.target, self.const)
+        setattr(namespace, self.dest, True)
 
 
 def _given(args, f: MegatronFlag):
@@ -452,14 +465,17 @@ def megatron_flag_problems(args) -> tuple[list[str], list[str]]:
     one, not just the first), and one per flag accepted without effect or inferred. A
     value alias (--data-parallel-sharding-strategy) writes its megaq flag's value into
     `args` here, before the configuration is built from them."""
-    refusals, noted = [], []
+    refusals, noted, aliased = [], [], []
     for f in MEGATRON_FLAGS:
         v = _given(args, f)
         if v is None or v is False:
             continue
-        if f.kind == ALIAS and isinstance(f.const, dict):
+        if f.kind == ALIAS and not isinstance(f.const, dict):
+            aliased.append(f"{f.name} {f.why}")
+        elif f.kind == ALIAS:
             if v in f.const:
                 setattr(args, f.target, f.const[v])
+                aliased.append(f"{f.name} {v} as --{f.target.replace('_', '-')} {f.const[v]}")
             else:
                 refusals.append(f"{_shown(f, v)}: megaq has no such value; it takes "
                                 f"{' or '.join(f.const)} ({f.why})")
@@ -475,6 +491,8 @@ def megatron_flag_problems(args) -> tuple[list[str], list[str]]:
     inferred = inferred_type_note(*(getattr(args, k, None) for k in (  # what megaq infers
         "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")))
     notes = [summary_note(noted)] if noted else []
+    if aliased:
+        notes.append(f"note: Megatron-LM spellings read as megaq's flags: {'; '.join(aliased)}")
     return refusals, notes + ([inferred] if inferred else [])
 
 
