@@ -19,7 +19,6 @@ and is counted; ``--max-consecutive-skipped-iters`` in a row stop the run with a
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -30,8 +29,8 @@ import torch
 from megaq.runtime import failure, watchdog
 from megaq.checkpoint import staging
 from megaq.checkpoint.save import save_checkpoint
-from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
-                                 training_log_line, validation_log_line)
+from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_stats, perplexity,
+                                 timers_block, training_log_line, validation_log_line)
 from megaq.runtime.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
@@ -225,8 +224,9 @@ class Trainer:
             bar = "-" * (len(line) + 1)
             print(f"{bar}\n{line}\n{bar}", flush=True)
         self.metrics.write({"type": "validation", "iteration": iteration, "val_loss": loss,
-                            "val_ppl": math.exp(min(20.0, loss))})
-        self._scalars({"lm loss validation": loss}, iteration)
+                            "val_ppl": perplexity(loss)})
+        self._scalars({"lm loss validation": loss, "lm loss validation ppl": perplexity(loss)},
+                      iteration)
         return loss
 
     # ---------------------------------------------------------------- checkpoint
@@ -418,9 +418,12 @@ class Trainer:
         if memory is not None:
             record["peak_memory_bytes"] = [r["peak"] for r in per_rank]
         self.metrics.write(record)
-        scalars = {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                   "iteration-time": elapsed_ms / 1000.0, "tokens-per-second": tokens_per_s,
-                   "throughput-tflops-per-gpu": tflops,
+        # Megatron's tags ("throughput": TFLOP/s per GPU), then megaq's own
+        # (tokens-per-second, comm-time-ms/<phase>, zero-memory-bytes/<part>)
+        scalars = {"learning-rate": lr, "batch-size": t.global_batch_size, "lm loss": loss,
+                   "loss-scale": 1.0, "grad-norm": grad_norm,
+                   "iteration-time": elapsed_ms / 1000.0, "throughput": tflops,
+                   "tokens-per-second": tokens_per_s,
                    **{f"comm-time-ms/{p}": ms for p, ms in (comm_ms or {}).items()}}
         if params_norm is not None:
             scalars["params-norm"] = params_norm
@@ -431,6 +434,7 @@ class Trainer:
         self._scalars(scalars, s.iteration)
 
     def _scalars(self, values: dict, iteration: int) -> None:
-        """The same scalars to TensorBoard and wandb (each a no-op when not asked for)."""
-        self.tb.scalars(values, iteration)
+        """The same scalars to TensorBoard and wandb (each a no-op when not asked for);
+        TensorBoard also gets Megatron's "vs samples" twins (wandb, as Megatron, not)."""
+        self.tb.scalars(values, iteration, samples=self.state.consumed_samples)
         self.wandb.scalars(values, iteration)

@@ -81,9 +81,19 @@ def validation_log_line(iteration: int, loss: float, where: str = "") -> str:
             f"lm loss PPL: {perplexity(loss):.6E} |")
 
 
+# The tags Megatron-LM's training_log and evaluate_and_print_results write a second
+# time as "<tag> vs samples", with the consumed samples as the step (iteration-time,
+# throughput and the mem-* tags have no such twin there).
+SAMPLES_TWINS = frozenset({
+    "learning-rate", "batch-size", "lm loss", "loss-scale", "world-size", "grad-norm",
+    "num-zeros", "params-norm", "lm loss validation", "lm loss validation ppl"})
+
+
 class TensorBoard:
     """SummaryWriter when --tensorboard-dir is given and tensorboard imports; else no-op
-    (with one warning, so a missing package never stops a run)."""
+    (with one warning, so a missing package never stops a run). Tags are Megatron's, so
+    a Megatron dashboard reads a megaq run unchanged: a tag of :data:`SAMPLES_TWINS`
+    is also written as "<tag> vs samples" against the consumed samples."""
 
     def __init__(self, log_dir: str | None, enabled: bool = True):
         self.writer = None
@@ -100,12 +110,16 @@ class TensorBoard:
             warnings.simplefilter("ignore")
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=100)
 
-    def scalars(self, values: dict, step: int) -> None:
+    def scalars(self, values: dict, step: int, samples: int | None = None) -> None:
+        """`values` at `step` (the iteration); with `samples` (the consumed samples) the
+        "vs samples" twins too."""
         if self.writer is None:
             return
         for k, v in values.items():
             if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
                 self.writer.add_scalar(k, v, step)
+                if samples is not None and k in SAMPLES_TWINS:
+                    self.writer.add_scalar(f"{k} vs samples", v, samples)
 
     def close(self) -> None:
         if self.writer is not None:
