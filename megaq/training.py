@@ -29,8 +29,9 @@ import torch
 from megaq.runtime import failure, watchdog
 from megaq.checkpoint import staging
 from megaq.checkpoint.save import save_checkpoint
-from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_stats, perplexity,
-                                 timers_block, training_log_line, validation_log_line)
+from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_report_line,
+                                 memory_stats, perplexity, timers_block, training_log_line,
+                                 validation_log_line)
 from megaq.runtime.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
@@ -293,6 +294,9 @@ class Trainer:
         comm.STATS.reset()
         last_saved = s.iteration
         save_postponed = False
+        # Megatron's memory report: at the logged iterations until one past the first
+        # after the start (so it includes the optimizer state the first step allocates)
+        report_memory, first_iteration = True, s.iteration + 1
         while s.iteration < t.train_iters:
             lr = self.p.lr_schedule.get_lr()
             self.timers.start("batch-generator", 2)
@@ -325,6 +329,9 @@ class Trainer:
             reason = self._exit_reason()
             if s.iteration % log.log_interval == 0 or s.iteration == t.train_iters or reason:
                 self._log(interval, lr, grad_norm)
+                if report_memory:
+                    self._report_memory()
+                    report_memory = s.iteration <= first_iteration
                 interval.update(t0=time.perf_counter(), iters=0, loss=0.0, counted=0,
                                 skipped=0, nan=0)
             t_aside = time.perf_counter()  # evaluation and saving are not training time
@@ -362,6 +369,13 @@ class Trainer:
             return ("a rank received a signal (--exit-signal-handler) or --exit-duration-in-mins "
                     f"{t.exit_duration_in_mins} passed")
         return None
+
+    def _report_memory(self) -> None:
+        """Megatron's report_memory line, from each rank of DP rank 0 (one per TP and
+        PP rank); nothing off CUDA."""
+        line = memory_report_line(self.topo.rank, self.state.iteration, self.device)
+        if line is not None and self.topo.dp_rank == 0:
+            print(line, flush=True)
 
     def _log(self, interval: dict, lr: float, grad_norm: float) -> None:
         t, s, topo, log = self.training, self.state, self.topo, self.logging

@@ -155,7 +155,8 @@ class _FakeSummaryWriter:
         pass
 
 
-def test_tensorboard_tags_are_megatrons_with_their_vs_samples_twins(tmp_path, monkeypatch):
+def test_tensorboard_tags_and_start_up_report_are_megatrons(tmp_path, monkeypatch, capsys):
+    from megaq.checkpoint.consolidate import load_consolidated_model
     from megaq.parallel.topology import Layout, build_topology
     from megaq.pretrain import main
 
@@ -165,7 +166,27 @@ def test_tensorboard_tags_are_megatrons_with_their_vs_samples_twins(tmp_path, mo
     monkeypatch.setattr(_FakeSummaryWriter, "written", [])
     main(_argv(tmp_path, ["--tensorboard-dir", str(tmp_path / "tb"), "--log-params-norm",
                           "--log-memory-to-tensorboard", "--eval-iters", "1",
-                          "--eval-interval", "2"]), topo=build_topology(Layout(1), 0))
+                          "--eval-interval", "2", "--save", str(tmp_path / "ck")]),
+         topo=build_topology(Layout(1), 0))
+    out = capsys.readouterr().out.splitlines()
+    # Megatron's arguments block: its rules, one dotted line per argparse name, sorted
+    start = out.index("------------------------ arguments ------------------------")
+    end = out.index("-------------------- end of arguments ---------------------")
+    block = out[start + 1:end]
+    assert block == sorted(block, key=str.lower)
+    entries = dict(re.match(r"^  (\S+) \.+ (.*)$", x).groups() for x in block)
+    assert (entries["hidden_size"], entries["micro_batch_size"], entries["world_size"],
+            entries["data_parallel_size"], entries["tensorboard_dir"]) == (
+        "32", "2", "1", "1", str(tmp_path / "tb"))
+    for x in block:  # the dots fill the name to 48 characters, as _print_args does
+        name, dots = x.split(" ")[2:4]
+        assert len(name) + len(dots) == 48 or len(name) >= 48, x
+    # the parameter count of the (only) tensor/pipeline rank: the whole model's
+    model, _ = load_consolidated_model(str(tmp_path / "ck" / "iter_0000002"))
+    count = sum(p.numel() for p in model.parameters())
+    assert (" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
+            f"{count}") in out
+    assert not any("memory (MB)" in x for x in out)  # a CPU run: no CUDA allocator to report
     written = _FakeSummaryWriter.written
     tags = {tag for tag, _, _ in written}
     # megaq's own quantities keep their own names (no Megatron tag to take)
@@ -222,3 +243,16 @@ def test_timing_level_zero_times_nothing():
     t.start("optimizer")
     t.stop("optimizer")
     assert set(t.take()) == {"optimizer"}
+
+
+def test_memory_report_line_is_megatrons_on_cuda(monkeypatch):
+    """The CUDA allocator's four figures in MiB, in Megatron's report_memory order; the
+    CPU gets no line."""
+    mib = 2**20
+    for name, value in [("memory_allocated", 100.5), ("max_memory_allocated", 200.25),
+                        ("memory_reserved", 300), ("max_memory_reserved", 400)]:
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, v=value: int(v * mib))
+    line = logging_utils.memory_report_line(3, 1, torch.device("cuda", 0))
+    assert line == ("[Rank 3] (after 1 iterations) memory (MB) | allocated: 100.50 | "
+                    "max allocated: 200.25 | reserved: 300.00 | max reserved: 400.00")
+    assert logging_utils.memory_report_line(0, 1, torch.device("cpu")) is None

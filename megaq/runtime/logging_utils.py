@@ -1,5 +1,6 @@
-"""Megatron's training / validation log lines, its per-phase timers, and the optional
-TensorBoard and Weights & Biases scalars.
+"""Megatron's training / validation log lines, its start-up report (arguments,
+parameter count, memory after the first iterations), its per-phase timers, and the
+optional TensorBoard and Weights & Biases scalars.
 
 Users grep these lines (and Megatron log parsers read them), so the field names and
 their order are Megatron-LM's:
@@ -79,6 +80,35 @@ def validation_log_line(iteration: int, loss: float, where: str = "") -> str:
     at = f"iteration {iteration}" + (f" {where}" if where else "")
     return (f" validation loss at {at} | lm loss value: {loss:.6E} | "
             f"lm loss PPL: {perplexity(loss):.6E} |")
+
+
+def arguments_block(values: dict, title: str = "arguments") -> str:
+    """Megatron's start-up dump of its arguments (_print_args): one dotted line per
+    name, sorted case-insensitively, between two rules."""
+    entries = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in values.items()]
+    return "\n".join([f"------------------------ {title} ------------------------",
+                      *sorted(entries, key=str.lower),
+                      f"-------------------- end of {title} ---------------------"])
+
+
+def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
+    """Megatron's line for the parameters one (tensor, pipeline) rank holds."""
+    return (f" > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({tp_rank}, {pp_rank}): {count}")
+
+
+def memory_report_line(rank: int, iteration: int, device: torch.device) -> str | None:
+    """Megatron's report_memory line after `iteration` iterations: this rank's CUDA
+    allocator figures in MiB. None off CUDA (the CPU has no such allocator; the peak RSS
+    goes to --log-memory-to-tensorboard's mem-max-rss-bytes instead)."""
+    if device.type != "cuda":
+        return None
+    mb = float(2**20)
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+            f" | allocated: {torch.cuda.memory_allocated(device) / mb:.2f}"
+            f" | max allocated: {torch.cuda.max_memory_allocated(device) / mb:.2f}"
+            f" | reserved: {torch.cuda.memory_reserved(device) / mb:.2f}"
+            f" | max reserved: {torch.cuda.max_memory_reserved(device) / mb:.2f}")
 
 
 # The tags Megatron-LM's training_log and evaluate_and_print_results write a second
