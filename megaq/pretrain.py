@@ -141,7 +141,8 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
                       # Megatron's sizes: --train-samples, or the steps' samples
                       num_samples=(t.train_samples or t.train_iters * t.global_batch_size,
                                    n_evals * log.eval_iters * t.global_batch_size,
-                                   0))  # the test split is never read in training: no samples
+                                   # one evaluation of the test split, at the end
+                                   log.eval_iters * t.global_batch_size))
     config = config.resolved(data.config, data.vocab_size)
     chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size, device=_device(config.parallel))
@@ -192,7 +193,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
 
     parts = TrainingParts(config=config, topo=topo, model_chunks=chunks, engine=engine,
                           lr_schedule=schedule, train_batches=data.train,
-                          valid_batches=data.valid,
+                          valid_batches=data.valid, test_batches=data.test,
                           flops_per_iteration=flops_per_iteration(config),
                           zero_model_bytes=int(_zero_model_bytes(engine)),
                           plan=_plan_record(config, hardware) if rank0 else None)

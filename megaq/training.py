@@ -55,6 +55,7 @@ class TrainState:
     losses: dict = field(default_factory=dict)       # iteration -> lm loss (every iteration)
     grad_norms: dict = field(default_factory=dict)
     val_losses: dict = field(default_factory=dict)   # iteration -> validation loss
+    test_loss: float | None = None                   # the end-of-training test-set loss
     exit_reason: str | None = None                   # set when stopped before --train-iters
 
 
@@ -71,6 +72,7 @@ class TrainingParts:
     # micro-batch dicts (megaq.data.iterator.BatchIterator); valid may be None
     train_batches: object
     valid_batches: object = None
+    test_batches: object = None  # as valid_batches; evaluated once at the end
     flops_per_iteration: float = 0.0  # model FLOPs of one global batch (no recompute)
     zero_model_bytes: int = 0
     # the planner's prediction for this run ({"type": "plan", ...}: megaq.planner.run),
@@ -209,26 +211,47 @@ class Trainer:
         # evaluation (end of training, off the interval) reads the batches after those.
         n_evals = iteration // log.eval_interval + (1 if final else 0)
         start = max(0, n_evals - 1) * log.eval_iters * t.global_batch_size
-        with SetAside(), torch.no_grad():
-            for c in self.p.model_chunks:
-                c.eval()
-            it = vb(start)
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for _ in range(log.eval_iters):
-                total = total + self._run_schedule(next(it), forward_only=True)
-            for c in self.p.model_chunks:
-                c.train()
-            loss = self._global_mean(total, t.num_micro_batches * log.eval_iters)
+        loss = self._eval_loss(vb(start))
         self.state.val_losses[iteration] = loss
-        if self.rank0:
-            line = validation_log_line(iteration, loss, where)
-            bar = "-" * (len(line) + 1)
-            print(f"{bar}\n{line}\n{bar}", flush=True)
+        self._print_eval(iteration, loss, where)
         self.metrics.write({"type": "validation", "iteration": iteration, "val_loss": loss,
                             "val_ppl": perplexity(loss)})
         self._scalars({"lm loss validation": loss, "lm loss validation ppl": perplexity(loss)},
                       iteration)
         return loss
+
+    def evaluate_test(self, iteration: int) -> float | None:
+        """Megatron's end-of-training evaluation on the test split: eval_iters global
+        batches from its start, printed "on test set" and written to the metrics file
+        (type "test"); kept out of the validation scalars so their curve stays the
+        validation split's. None without a test split or with --eval-iters 0."""
+        if self.p.test_batches is None or self.logging.eval_iters == 0:
+            return None
+        loss = self._eval_loss(self.p.test_batches(0))
+        self._print_eval(iteration, loss, "on test set")
+        self.metrics.write({"type": "test", "iteration": iteration, "test_loss": loss,
+                            "test_ppl": perplexity(loss)})
+        return loss
+
+    def _eval_loss(self, it) -> float:
+        """The mean loss of the next eval_iters global batches of `it`, forward only,
+        dropout off; its traffic is not charged to the training steps."""
+        t, log = self.training, self.logging
+        with SetAside(), torch.no_grad():
+            for c in self.p.model_chunks:
+                c.eval()
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for _ in range(log.eval_iters):
+                total = total + self._run_schedule(next(it), forward_only=True)
+            for c in self.p.model_chunks:
+                c.train()
+            return self._global_mean(total, t.num_micro_batches * log.eval_iters)
+
+    def _print_eval(self, iteration: int, loss: float, where: str) -> None:
+        if self.rank0:
+            line = validation_log_line(iteration, loss, where)
+            bar = "-" * (len(line) + 1)
+            print(f"{bar}\n{line}\n{bar}", flush=True)
 
     # ---------------------------------------------------------------- checkpoint
     def save(self) -> None:
@@ -353,6 +376,8 @@ class Trainer:
         self.wait_for_async_save()
         if log.eval_iters and s.iteration not in s.val_losses and s.exit_reason is None:
             self.evaluate(s.iteration, where="on validation set", final=True)
+        if s.exit_reason is None:  # Megatron: the test set after the last validation
+            s.test_loss = self.evaluate_test(s.iteration)
         self.metrics.close()
         self.tb.close()
         self.wandb.close()
