@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None, topo=None):
                               ranks_per_node=topo.layout.ranks_per_node,
                               print_notes=topo.rank == 0)
         _check_topology_matches(config, topo)
+    if topo.rank == 0:
+        print_arguments(argv, config)
     if config.checkpointing.save_hf:  # refuse an architecture transformers lacks before training
         from megaq.interop.hf import model_family
         model_family(config.model)
@@ -85,6 +87,16 @@ def main(argv: list[str] | None = None, topo=None):
     if config.checkpointing.save_hf:
         save_hf(config.checkpointing, topo)
     return state
+
+
+def print_arguments(argv, config) -> None:
+    """Megatron's start-up arguments block: every flag under its argparse name (the
+    parsed value, default or given), with the layout's world and data-parallel sizes."""
+    from megaq.config.arguments import build_parser
+    from megaq.runtime.logging_utils import arguments_block
+    values = vars(build_parser().parse_args(argv))
+    values.update(world_size=config.parallel.world_size, data_parallel_size=config.parallel.dp)
+    print(arguments_block(values), flush=True)
 
 
 def save_hf(checkpointing, topo) -> None:
@@ -114,6 +126,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel import fp8_delayed
     from megaq.parallelize import parallelize
+    from megaq.runtime.logging_utils import parameter_count_line
     from megaq.training import TrainingParts, Trainer, TrainState
 
     t_start = time.perf_counter() if t_start is None else t_start
@@ -128,10 +141,14 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
                       # Megatron's sizes: --train-samples, or the steps' samples
                       num_samples=(t.train_samples or t.train_iters * t.global_batch_size,
                                    n_evals * log.eval_iters * t.global_batch_size,
-                                   0))  # the test split is never read in training: no samples
+                                   # one evaluation of the test split, at the end
+                                   log.eval_iters * t.global_batch_size))
     config = config.resolved(data.config, data.vocab_size)
     chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size, device=_device(config.parallel))
+    if topo.dp_rank == 0:  # Megatron: one line per (tensor, pipeline) rank
+        print(parameter_count_line(topo.tp_rank, topo.pp_rank, engine.num_parameters()),
+              flush=True)
     schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size, t.schedule_unit)
     state = TrainState()
 
@@ -176,7 +193,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
 
     parts = TrainingParts(config=config, topo=topo, model_chunks=chunks, engine=engine,
                           lr_schedule=schedule, train_batches=data.train,
-                          valid_batches=data.valid,
+                          valid_batches=data.valid, test_batches=data.test,
                           flops_per_iteration=flops_per_iteration(config),
                           zero_model_bytes=int(_zero_model_bytes(engine)),
                           plan=_plan_record(config, hardware) if rank0 else None)

@@ -294,6 +294,25 @@ def test_more_ranks_than_gpus_is_one_line_not_a_cuda_error():
     assert "--distributed-backend gloo" in lines[0]
 
 
+def test_gpu_of_local_rank_works_for_both_slurm_gpu_bindings(monkeypatch):
+    """Every task sees the node's 8 GPUs: local rank r takes GPU r. The cluster binds one
+    GPU per task (each task sees 1): local rank 5 takes that GPU, 0, instead of failing.
+    torchrun starting 16 ranks on 8 GPUs is still refused."""
+    import torch
+    from megaq.parallel.launch import _gpu_of_local_rank
+    from megaq.parallel.topology import LayoutError
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert [_gpu_of_local_rank(r) for r in range(8)] == list(range(8))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [_gpu_of_local_rank(r) for r in range(8)] == [0] * 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    with pytest.raises(LayoutError, match="local rank 9 has no GPU"):
+        _gpu_of_local_rank(9)
+
+
 def test_help_keeps_working_from_the_command_line():
     r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--help"],
                        capture_output=True, text=True, timeout=120)

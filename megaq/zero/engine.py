@@ -422,6 +422,12 @@ class ZeroEngine:
         """Restore this rank's residuals (call after load_full_state, which drops them)."""
         self.reducer.load_error_feedback_state(sd, self.device)
 
+    def num_parameters(self) -> int:
+        """The parameters of this rank's model chunks (its TP and PP part, whole: not
+        this DP rank's shard), unpadded; a tied embedding counts on each stage that holds
+        it, as Megatron counts it."""
+        return sum(p.numel for p in self.partitions)
+
     def memory_report(self) -> dict[str, int]:
         """Bytes on this rank: params (model shards + live gathered), grads, optimizer,
         and whatever the ZeRO++ seams report holding (``zeropp``, itemised too)."""
