@@ -18,7 +18,7 @@ import sys
 from megaq.config.arguments import CONFIG_ERRORS, ArgumentsError, build_parser
 from megaq.config.run import RunConfig
 from megaq.config.flags import from_flags
-from megaq.config.megatron_flags import check_megatron_flags
+from megaq.config.megatron_flags import megatron_flag_problems
 from megaq.planner.calibration import CalibrationError, load_calibration
 from megaq.planner.hardware import HardwareError, gpu_preset
 from megaq.planner.report import render_prediction, render_search
@@ -69,11 +69,13 @@ def _run_config(flags, world: int, ranks_per_node: int) -> RunConfig:
     flags.user_mock_data, flags.mock_data = flags.mock_data, True
     if flags.train_iters is None and flags.train_samples is None:
         flags.train_iters = 1
+    refusals, _ = megatron_flag_problems(flags)  # first: its aliases set megaq's flags
     try:
         run = RunConfig.from_flags(flags, world, ranks_per_node)
     except CONFIG_ERRORS as e:
         raise ArgumentsError(str(e)) from None
-    check_megatron_flags(flags, ArgumentsError)
+    if refusals:
+        raise ArgumentsError(refusals[0])
     return run
 
 

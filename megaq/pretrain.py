@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None, topo=None):
                               ranks_per_node=topo.layout.ranks_per_node,
                               print_notes=topo.rank == 0)
         _check_topology_matches(config, topo)
+    if topo.rank == 0:
+        print_arguments(argv, config)
     if config.checkpointing.save_hf:  # refuse an architecture transformers lacks before training
         from megaq.interop.hf import model_family
         model_family(config.model)
@@ -85,6 +87,16 @@ def main(argv: list[str] | None = None, topo=None):
     if config.checkpointing.save_hf:
         save_hf(config.checkpointing, topo)
     return state
+
+
+def print_arguments(argv, config) -> None:
+    """Megatron's start-up arguments block: every flag under its argparse name (the
+    parsed value, default or given), with the layout's world and data-parallel sizes."""
+    from megaq.config.arguments import build_parser
+    from megaq.runtime.logging_utils import arguments_block
+    values = vars(build_parser().parse_args(argv))
+    values.update(world_size=config.parallel.world_size, data_parallel_size=config.parallel.dp)
+    print(arguments_block(values), flush=True)
 
 
 def save_hf(checkpointing, topo) -> None:
@@ -114,6 +126,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
     from megaq.lr_schedule import LRSchedule
     from megaq.parallel import fp8_delayed
     from megaq.parallelize import parallelize
+    from megaq.runtime.logging_utils import parameter_count_line
     from megaq.training import TrainingParts, Trainer, TrainState
 
     t_start = time.perf_counter() if t_start is None else t_start
@@ -128,10 +141,14 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
                       # Megatron's sizes: --train-samples, or the steps' samples
                       num_samples=(t.train_samples or t.train_iters * t.global_batch_size,
                                    n_evals * log.eval_iters * t.global_batch_size,
-                                   0))  # the test split is never read in training: no samples
+                                   # one evaluation of the test split, at the end
+                                   log.eval_iters * t.global_batch_size))
     config = config.resolved(data.config, data.vocab_size)
     chunks, engine = parallelize(config.model, topo, config.zero, optimizer=config.optimizer,
                                  vp_size=config.virtual_pipeline_size, device=_device(config.parallel))
+    if topo.dp_rank == 0:  # Megatron: one line per (tensor, pipeline) rank
+        print(parameter_count_line(topo.tp_rank, topo.pp_rank, engine.num_parameters()),
+              flush=True)
     schedule = LRSchedule.from_config(config.optimizer, t.global_batch_size, t.schedule_unit)
     state = TrainState()
 
@@ -176,7 +193,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
 
     parts = TrainingParts(config=config, topo=topo, model_chunks=chunks, engine=engine,
                           lr_schedule=schedule, train_batches=data.train,
-                          valid_batches=data.valid,
+                          valid_batches=data.valid, test_batches=data.test,
                           flops_per_iteration=flops_per_iteration(config),
                           zero_model_bytes=int(_zero_model_bytes(engine)),
                           plan=_plan_record(config, hardware) if rank0 else None)
@@ -246,11 +263,12 @@ def _plan_record(config, hardware) -> dict:
 
 
 def dry_run(argv) -> int | None:
-    """--dry-run: parse and check the flags, print this run's plan, and return the exit
-    code (0: it fits; 2: it does not) without starting a process group; None without
-    --dry-run. The world is --num-nodes x --gpus-per-node when given, else the
-    launcher's."""
-    from megaq.config.arguments import build_parser, parse_config
+    """--dry-run: parse and check the flags, the data and tokenizer files and --load, and
+    print this run's plan; returns the exit code (0: it fits; 2: a problem, each printed
+    as one `error:` line, all of them at once, or a plan that does not fit) without
+    starting a process group; None without --dry-run. The world is --num-nodes x
+    --gpus-per-node when given, else the launcher's."""
+    from megaq.config.arguments import build_parser, print_notes_once, run_problems
     from megaq.parallel.topology import ranks_per_node_from_env
     from megaq.plan_cli import dry_run as print_plan
     from megaq.planner.hardware import gpu_preset
@@ -264,8 +282,88 @@ def dry_run(argv) -> int | None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         per_node = ranks_per_node_from_env(world, int(os.environ.get("RANK", "0")),
                                            flags.gpus_per_node)
-    config = parse_config(argv, world_size=world, ranks_per_node=per_node, print_notes=True)
+    config, flags, problems, notes = run_problems(argv, world_size=world,
+                                                  ranks_per_node=per_node)
+    problems += launch_file_problems(flags)
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return 2
+    print_notes_once(flags, notes)
     return print_plan(config, flags)
+
+
+def launch_file_problems(flags) -> list[str]:
+    """What a launch would find wrong in its files, one line each, without reading more
+    than their headers: data prefixes without .bin / .idx, tokenizer files that do not
+    load, a --load / --pretrained-checkpoint that is not a megaq checkpoint or whose
+    newest iteration's manifest is incomplete or lists a missing file or one of another
+    size (the full SHA-256 check runs at load). `flags`: the parsed flags, so a problem
+    is found even when the configuration did not build."""
+    from megaq.checkpoint.errors import CheckpointError
+    from megaq.data.blending import parse_data_path
+    from megaq.data.errors import DataError
+    from megaq.data.indexed import IndexedDataset
+    from megaq.data.tokenizer import build_tokenizer, infer_tokenizer_type
+    problems = []
+    blends = [("--data-path", flags.data_path), ("--train-data-path", flags.train_data_path),
+              ("--valid-data-path", flags.valid_data_path), ("--test-data-path",
+                                                             flags.test_data_path)]
+    for name, blend in blends:
+        try:
+            prefixes = parse_data_path(list(blend), name)[1] if blend else []
+        except DataError:
+            continue  # the configuration reported it
+        problems += [f"{name} {p}: {p}.bin / {p}.idx not found; check the prefix "
+                     f"(tools/preprocess_data.py writes them)" for p in prefixes
+                     if not IndexedDataset.exists(p)]
+    tokenizer_type = infer_tokenizer_type(flags.tokenizer_type, flags.tokenizer_model,
+                                          flags.vocab_file, flags.merge_file)
+    if any(b for _, b in blends) and tokenizer_type != "NullTokenizer":
+        try:
+            build_tokenizer(tokenizer_type, flags.tokenizer_model, flags.vocab_file,
+                            flags.merge_file)
+        except (DataError, OSError, ValueError) as e:
+            problems.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    for name, path in (("--load", flags.load), ("--pretrained-checkpoint",
+                                                flags.pretrained_checkpoint)):
+        if path:
+            try:
+                _check_checkpoint_files(name, path, verify=not flags.no_verify_checkpoint)
+            except CheckpointError as e:
+                problems.append(str(e))
+    return problems
+
+
+def _check_checkpoint_files(flag_name: str, path: str, verify: bool) -> None:
+    """CheckpointError when `path` is not a megaq checkpoint directory (nor an empty one
+    to start in), or its newest iteration's files do not match the manifest's list."""
+    from megaq.checkpoint.errors import CheckpointError
+    from megaq.checkpoint.integrity import read_manifest
+    from megaq.checkpoint.paths import iteration_dir, not_a_checkpoint_root, read_tracker
+    from megaq.interop.megatron import load_refusal
+    reason = not_a_checkpoint_root(path)
+    if reason:
+        raise CheckpointError(f"{flag_name} {reason}")
+    reason = load_refusal(path)
+    if reason:
+        raise CheckpointError(reason)
+    iteration = read_tracker(path)
+    if iteration is None or not verify:
+        return
+    ckpt = iteration_dir(path, iteration)
+    for rel, entry in sorted(read_manifest(ckpt)["files"].items()):
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise CheckpointError(f"{ckpt}'s manifest lists {rel}, outside the checkpoint; "
+                                  f"it was altered after it was saved")
+        file = os.path.join(ckpt, rel)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} is missing (the manifest lists it); the checkpoint "
+                                  f"is incomplete")
+        if os.path.getsize(file) != entry["bytes"]:
+            raise CheckpointError(f"{file} is damaged: {os.path.getsize(file)} bytes, the "
+                                  f"manifest expects {entry['bytes']}; restore the file or "
+                                  f"load an earlier iteration")
 
 
 def flops_per_iteration(config) -> float:

@@ -19,7 +19,6 @@ and is counted; ``--max-consecutive-skipped-iters`` in a row stop the run with a
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -30,8 +29,9 @@ import torch
 from megaq.runtime import failure, watchdog
 from megaq.checkpoint import staging
 from megaq.checkpoint.save import save_checkpoint
-from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_stats, timers_block,
-                                 training_log_line, validation_log_line)
+from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_report_line,
+                                 memory_stats, perplexity, timers_block, training_log_line,
+                                 validation_log_line)
 from megaq.runtime.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
@@ -55,6 +55,7 @@ class TrainState:
     losses: dict = field(default_factory=dict)       # iteration -> lm loss (every iteration)
     grad_norms: dict = field(default_factory=dict)
     val_losses: dict = field(default_factory=dict)   # iteration -> validation loss
+    test_loss: float | None = None                   # the end-of-training test-set loss
     exit_reason: str | None = None                   # set when stopped before --train-iters
 
 
@@ -71,6 +72,7 @@ class TrainingParts:
     # micro-batch dicts (megaq.data.iterator.BatchIterator); valid may be None
     train_batches: object
     valid_batches: object = None
+    test_batches: object = None  # as valid_batches; evaluated once at the end
     flops_per_iteration: float = 0.0  # model FLOPs of one global batch (no recompute)
     zero_model_bytes: int = 0
     # the planner's prediction for this run ({"type": "plan", ...}: megaq.planner.run),
@@ -157,7 +159,7 @@ class Trainer:
             if self.topo.layout.pp > 1:
                 self.timers.add("pipeline-p2p", step_timer.p2p_s, 2)
         if losses:
-            return torch.stack([x.float() for x in losses]).sum().double()
+            return torch.stack(losses).float().sum().double()
         return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _global_mean(self, local_sum: torch.Tensor, micro_batches: int,
@@ -233,10 +235,35 @@ class Trainer:
         # evaluation (end of training, off the interval) reads the batches after those.
         n_evals = iteration // log.eval_interval + (1 if final else 0)
         start = max(0, n_evals - 1) * log.eval_iters * t.global_batch_size
+        loss = self._eval_loss(vb(start))
+        self.state.val_losses[iteration] = loss
+        self._print_eval(iteration, loss, where)
+        self.metrics.write({"type": "validation", "iteration": iteration, "val_loss": loss,
+                            "val_ppl": perplexity(loss)})
+        self._scalars({"lm loss validation": loss, "lm loss validation ppl": perplexity(loss)},
+                      iteration)
+        return loss
+
+    def evaluate_test(self, iteration: int) -> float | None:
+        """Megatron's end-of-training evaluation on the test split: eval_iters global
+        batches from its start, printed "on test set" and written to the metrics file
+        (type "test"); kept out of the validation scalars so their curve stays the
+        validation split's. None without a test split or with --eval-iters 0."""
+        if self.p.test_batches is None or self.logging.eval_iters == 0:
+            return None
+        loss = self._eval_loss(self.p.test_batches(0))
+        self._print_eval(iteration, loss, "on test set")
+        self.metrics.write({"type": "test", "iteration": iteration, "test_loss": loss,
+                            "test_ppl": perplexity(loss)})
+        return loss
+
+    def _eval_loss(self, it) -> float:
+        """The mean loss of the next eval_iters global batches of `it`, forward only,
+        dropout off; its traffic is not charged to the training steps."""
+        t, log = self.training, self.logging
         with SetAside(), torch.no_grad():
             for c in self.p.model_chunks:
                 c.eval()
-            it = vb(start)
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             # --calculate-per-token-loss: token sums, divided by the tokens of all the
             # evaluation's batches (as Megatron's evaluate)
@@ -251,16 +278,13 @@ class Trainer:
                                                    token_loss_scale=1.0 if per_token else None)
             for c in self.p.model_chunks:
                 c.train()
-            loss = self._global_mean(total, t.num_micro_batches * log.eval_iters, tokens)
-        self.state.val_losses[iteration] = loss
+            return self._global_mean(total, t.num_micro_batches * log.eval_iters, tokens)
+
+    def _print_eval(self, iteration: int, loss: float, where: str) -> None:
         if self.rank0:
             line = validation_log_line(iteration, loss, where)
             bar = "-" * (len(line) + 1)
             print(f"{bar}\n{line}\n{bar}", flush=True)
-        self.metrics.write({"type": "validation", "iteration": iteration, "val_loss": loss,
-                            "val_ppl": math.exp(min(20.0, loss))})
-        self._scalars({"lm loss validation": loss}, iteration)
-        return loss
 
     # ---------------------------------------------------------------- checkpoint
     def save(self) -> None:
@@ -326,6 +350,9 @@ class Trainer:
         comm.STATS.reset()
         last_saved = s.iteration
         save_postponed = False
+        # Megatron's memory report: at the logged iterations until one past the first
+        # after the start (so it includes the optimizer state the first step allocates)
+        report_memory, first_iteration = True, s.iteration + 1
         while s.iteration < t.train_iters:
             lr = self.p.lr_schedule.get_lr()
             self.timers.start("batch-generator", 2)
@@ -358,6 +385,9 @@ class Trainer:
             reason = self._exit_reason()
             if s.iteration % log.log_interval == 0 or s.iteration == t.train_iters or reason:
                 self._log(interval, lr, grad_norm)
+                if report_memory:
+                    self._report_memory()
+                    report_memory = s.iteration <= first_iteration
                 interval.update(t0=time.perf_counter(), iters=0, loss=0.0, counted=0,
                                 skipped=0, nan=0)
             t_aside = time.perf_counter()  # evaluation and saving are not training time
@@ -379,6 +409,8 @@ class Trainer:
         self.wait_for_async_save()
         if log.eval_iters and s.iteration not in s.val_losses and s.exit_reason is None:
             self.evaluate(s.iteration, where="on validation set", final=True)
+        if s.exit_reason is None:  # Megatron: the test set after the last validation
+            s.test_loss = self.evaluate_test(s.iteration)
         self.metrics.close()
         self.tb.close()
         self.wandb.close()
@@ -395,6 +427,13 @@ class Trainer:
             return ("a rank received a signal (--exit-signal-handler) or --exit-duration-in-mins "
                     f"{t.exit_duration_in_mins} passed")
         return None
+
+    def _report_memory(self) -> None:
+        """Megatron's report_memory line, from each rank of DP rank 0 (one per TP and
+        PP rank); nothing off CUDA."""
+        line = memory_report_line(self.topo.rank, self.state.iteration, self.device)
+        if line is not None and self.topo.dp_rank == 0:
+            print(line, flush=True)
 
     def _log(self, interval: dict, lr: float, grad_norm: float) -> None:
         t, s, topo, log = self.training, self.state, self.topo, self.logging
@@ -451,9 +490,12 @@ class Trainer:
         if memory is not None:
             record["peak_memory_bytes"] = [r["peak"] for r in per_rank]
         self.metrics.write(record)
-        scalars = {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                   "iteration-time": elapsed_ms / 1000.0, "tokens-per-second": tokens_per_s,
-                   "throughput-tflops-per-gpu": tflops,
+        # Megatron's tags ("throughput": TFLOP/s per GPU), then megaq's own
+        # (tokens-per-second, comm-time-ms/<phase>, zero-memory-bytes/<part>)
+        scalars = {"learning-rate": lr, "batch-size": t.global_batch_size, "lm loss": loss,
+                   "loss-scale": 1.0, "grad-norm": grad_norm,
+                   "iteration-time": elapsed_ms / 1000.0, "throughput": tflops,
+                   "tokens-per-second": tokens_per_s,
                    **{f"comm-time-ms/{p}": ms for p, ms in (comm_ms or {}).items()}}
         if params_norm is not None:
             scalars["params-norm"] = params_norm
@@ -464,6 +506,7 @@ class Trainer:
         self._scalars(scalars, s.iteration)
 
     def _scalars(self, values: dict, iteration: int) -> None:
-        """The same scalars to TensorBoard and wandb (each a no-op when not asked for)."""
-        self.tb.scalars(values, iteration)
+        """The same scalars to TensorBoard and wandb (each a no-op when not asked for);
+        TensorBoard also gets Megatron's "vs samples" twins (wandb, as Megatron, not)."""
+        self.tb.scalars(values, iteration, samples=self.state.consumed_samples)
         self.wandb.scalars(values, iteration)

@@ -294,6 +294,25 @@ def test_more_ranks_than_gpus_is_one_line_not_a_cuda_error():
     assert "--distributed-backend gloo" in lines[0]
 
 
+def test_gpu_of_local_rank_works_for_both_slurm_gpu_bindings(monkeypatch):
+    """Every task sees the node's 8 GPUs: local rank r takes GPU r. The cluster binds one
+    GPU per task (each task sees 1): local rank 5 takes that GPU, 0, instead of failing.
+    torchrun starting 16 ranks on 8 GPUs is still refused."""
+    import torch
+    from megaq.parallel.launch import _gpu_of_local_rank
+    from megaq.parallel.topology import LayoutError
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert [_gpu_of_local_rank(r) for r in range(8)] == list(range(8))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [_gpu_of_local_rank(r) for r in range(8)] == [0] * 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    with pytest.raises(LayoutError, match="local rank 9 has no GPU"):
+        _gpu_of_local_rank(9)
+
+
 def test_help_keeps_working_from_the_command_line():
     r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--help"],
                        capture_output=True, text=True, timeout=120)
@@ -328,3 +347,60 @@ def test_device_cuda_without_cuda_is_an_error_in_process():
     with pytest.raises(LayoutError, match="--device cuda: this node shows no CUDA device"):
         pretrain._device(parse(["--distributed-backend", "gloo", "--device", "cuda"]).parallel)
     assert pretrain._device(parse([]).parallel).type == "cpu"
+
+
+def test_run_problems_lists_every_class_error_and_refusal_at_once():
+    """One pass finds a problem in each configuration class and every refused Megatron-LM
+    flag (pretrain_gpt.py --dry-run prints them all); parse_config raises the first."""
+    from megaq.config.arguments import run_problems
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "8",
+            "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1",
+            "--lr", "1e-3", "--min-lr", "1", "--mock-data", "--log-interval", "0",
+            "--tensor-model-parallel-size", "3", "--save-interval", "5",
+            "--num-experts", "8", "--context-parallel-size", "2"]
+    config, _, problems, _ = run_problems(argv, world_size=3)
+    assert config is None
+    assert len(problems) == 5, problems
+    assert problems[0].startswith("--min-lr 1.0 is above --lr 0.001")  # optimizer
+    assert problems[1] == "--save-interval needs --save DIR (where to write checkpoints)"
+    assert problems[2] == "--log-interval must be >= 1 (got 0)"  # logging
+    assert problems[3].startswith("--context-parallel-size 2: megaq has no context parallelism")
+    assert problems[4].startswith("--num-experts 8: megaq has no mixture-of-experts")
+    with pytest.raises(ArgumentsError) as e:
+        parse_config(argv, world_size=3)
+    assert str(e.value) == problems[0]
+    # the heads-vs-TP rule spans two classes: checked once the classes themselves are good
+    fixed = argv[:argv.index("--save-interval")]
+    fixed[fixed.index("--min-lr") + 1] = "0"
+    fixed[fixed.index("--log-interval") + 1] = "1"
+    _, _, problems, _ = run_problems(fixed, world_size=3)
+    assert len(problems) == 1 and "3" in problems[0] and "8" in problems[0], problems
+
+
+def test_dry_run_file_checks_name_each_missing_or_damaged_file(tmp_path):
+    """launch_file_problems (pretrain_gpt.py --dry-run's file checks): a data prefix
+    without its files, a tokenizer model that does not exist, and a --load whose newest
+    iteration lost bytes of a file the manifest lists: three lines, nothing read beyond
+    sizes; the same checkpoint intact passes."""
+    from megaq.checkpoint.integrity import write_manifest
+    from megaq.checkpoint.paths import iteration_dir, write_tracker
+    from megaq.pretrain import launch_file_problems
+    ckpt = tmp_path / "ckpt"
+    it = iteration_dir(str(ckpt), 5)
+    os.makedirs(it)
+    with open(os.path.join(it, "model.pt"), "wb") as f:
+        f.write(b"x" * 100)
+    write_manifest(it)
+    write_tracker(str(ckpt), 5)
+    argv = BASE[:-1] + ["--data-path", str(tmp_path / "none"), "--tokenizer-model",
+                        str(tmp_path / "tok.model"), "--load", str(ckpt)]
+    flags = build_parser().parse_args(argv)
+    assert launch_file_problems(flags)[2:] == []  # the checkpoint is intact
+    with open(os.path.join(it, "model.pt"), "wb") as f:
+        f.write(b"x" * 99)
+    problems = launch_file_problems(flags)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith(f"--data-path {tmp_path / 'none'}: ") and "not found" in problems[0]
+    assert "tok.model" in problems[1] and "not found" in problems[1]
+    assert problems[2] == (f"{os.path.join(it, 'model.pt')} is damaged: 99 bytes, the manifest "
+                           f"expects 100; restore the file or load an earlier iteration")

@@ -210,3 +210,31 @@ def test_long_document_streams_in_bounded_memory_with_the_same_ids(tmp_path, tin
     sp = spm.SentencePieceProcessor(model_file=tiny_tokenizer)
     eod = sp.piece_to_id("<EOD>")
     assert docs == [sp.encode("first") + [eod], sp.encode(text) + [eod], sp.encode("last") + [eod]]
+
+
+def test_megatron_preprocessing_flags_noted_in_one_line_or_refused(tmp_path, capsys,
+                                                                    tiny_corpus, tiny_tokenizer):
+    """Megatron-LM's --lang, --keep-sequential-samples, --vocab-size and --dataset-impl mmap
+    change nothing here: the output equals the run without them, and one note names them;
+    --dataset-impl lazy asks for a format megaq does not write: one error line, no output."""
+    src, _ = tiny_corpus
+    base = ["--input", src, "--tokenizer-model", tiny_tokenizer, "--append-eod",
+            "--workers", 1, "--partitions", 2]
+    rc, err = run_tool("preprocess_data", base + ["--output-prefix", tmp_path / "a"], capsys)
+    assert rc == 0, err
+    rc, err = run_tool("preprocess_data", base + [
+        "--output-prefix", tmp_path / "b", "--lang", "english", "--keep-sequential-samples",
+        "--vocab-size", 1000, "--dataset-impl", "mmap"], capsys)
+    assert rc == 0, err
+    assert [x for x in err.splitlines() if x.startswith("note:")] == [
+        "note: 4 Megatron-LM flag(s) accepted without effect: --lang, --keep-sequential-samples, "
+        "--vocab-size, --dataset-impl (why: --help)"]
+    for ext in (".bin", ".idx"):
+        assert (open(tmp_path / f"a_text_document{ext}", "rb").read()
+                == open(tmp_path / f"b_text_document{ext}", "rb").read())
+    rc, err = run_tool("preprocess_data", base + ["--output-prefix", tmp_path / "c",
+                                                  "--dataset-impl", "lazy"], capsys)
+    assert rc != 0 and err.strip().splitlines() == [
+        "error: --dataset-impl lazy: megaq writes only Megatron's mmap format (.bin/.idx, what "
+        "current Megatron-LM reads); drop the flag"]
+    assert not any(p.name.startswith("c_") for p in tmp_path.iterdir())

@@ -228,6 +228,27 @@ def test_import_llama_loss_matches_transformers(tmp_path, tp, pp, vp, variant, r
     assert val == pytest.approx(loss.item(), rel=1e-5)
 
 
+def test_converted_checkpoint_loads_without_rng_flag(tmp_path, capfd):
+    """A converted checkpoint has no RNG streams: --load alone loads it, as with
+    --no-load-rng, and says so in one note (a run's own save with its rng/ files still
+    restores them: tests/test_dist_checkpoint.py)."""
+    _tiny_llama(tmp_path / "hf", layers=2, tied=False, bias=False)
+    out = tmp_path / "mq"
+    rc, _ = _convert(["--from", "hf", "--to", "megaq", "--input", tmp_path / "hf", "--output",
+                      out, "--seq-length", 16])
+    assert rc == 0
+    argv = open(out / "megaq_args.txt").read().split() + [
+        "--load", str(out), "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--train-iters", "1", "--lr", "0", "--mock-data", "--eval-iters", "0",
+        "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache")]
+    assert "--no-load-rng" not in argv
+    capfd.readouterr()
+    run_on_ranks(_train, 1, args=(argv,))
+    out_lines = capfd.readouterr().out.splitlines()
+    assert sum("holds no RNG state (a converted checkpoint); RNG streams start from --seed, "
+               "as with --no-load-rng" in x for x in out_lines) == 1
+
+
 @pytest.mark.parametrize("family", ["llama_tied", "llama_untied_bias", "gpt2_tied",
                                     "gpt2_untied"])
 def test_round_trip_hf_megaq_hf_is_bit_identical(tmp_path, family):

@@ -3,7 +3,8 @@
 --timing-log-level 1/2 timer blocks, --log-memory-to-tensorboard (and each rank's peak
 in the metrics file), and --wandb-* (the TensorBoard scalars to wandb; one error line
 when wandb is not installed). wandb itself is not a test dependency: a stand-in module
-records what megaq hands it."""
+records what megaq hands it; likewise a stand-in SummaryWriter records the TensorBoard
+tags, which must be Megatron-LM's."""
 
 import importlib.machinery
 import importlib.util
@@ -120,8 +121,90 @@ def test_wandb_gets_the_tensorboard_scalars(tmp_path, monkeypatch, capsys):
     assert [step for step, _ in fake.logged] == [1, 2] and fake.finished == 1
     keys = set(fake.logged[-1][1])
     assert {"lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-second",
-            "throughput-tflops-per-gpu", "params-norm", "mem-max-rss-bytes",
+            "throughput", "batch-size", "loss-scale", "params-norm", "mem-max-rss-bytes",
             "zero-memory-bytes/optimizer"} <= keys, keys
+
+
+# The tags Megatron-LM writes for the quantities megaq logs (megatron/training/training.py:
+# training_log, with --log-loss-scale-to-tensorboard (its default), --log-params-norm,
+# --log-timers-to-tensorboard, --log-throughput, --log-memory-to-tensorboard; and
+# evaluate_and_print_results with --log-validation-ppl-to-tensorboard), each with its
+# "vs samples" twin where Megatron writes one. A Megatron dashboard reads these names.
+MEGATRON_TAGS = {
+    "learning-rate", "learning-rate vs samples", "batch-size", "batch-size vs samples",
+    "lm loss", "lm loss vs samples", "loss-scale", "loss-scale vs samples",
+    "grad-norm", "grad-norm vs samples", "params-norm", "params-norm vs samples",
+    "iteration-time", "throughput",
+    "lm loss validation", "lm loss validation vs samples",
+    "lm loss validation ppl", "lm loss validation ppl vs samples"}
+
+
+class _FakeSummaryWriter:
+    written: list = []
+
+    def __init__(self, log_dir=None, max_queue=10):
+        pass
+
+    def add_scalar(self, tag, value, step):
+        self.written.append((tag, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_tensorboard_tags_and_start_up_report_are_megatrons(tmp_path, monkeypatch, capsys):
+    from megaq.checkpoint.consolidate import load_consolidated_model
+    from megaq.parallel.topology import Layout, build_topology
+    from megaq.pretrain import main
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = _FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    monkeypatch.setattr(_FakeSummaryWriter, "written", [])
+    main(_argv(tmp_path, ["--tensorboard-dir", str(tmp_path / "tb"), "--log-params-norm",
+                          "--log-memory-to-tensorboard", "--eval-iters", "1",
+                          "--eval-interval", "2", "--save", str(tmp_path / "ck")]),
+         topo=build_topology(Layout(1), 0))
+    out = capsys.readouterr().out.splitlines()
+    # Megatron's arguments block: its rules, one dotted line per argparse name, sorted
+    start = out.index("------------------------ arguments ------------------------")
+    end = out.index("-------------------- end of arguments ---------------------")
+    block = out[start + 1:end]
+    assert block == sorted(block, key=str.lower)
+    entries = dict(re.match(r"^  (\S+) \.* ?(.*)$", x).groups() for x in block)  # no dots past 48
+    assert (entries["hidden_size"], entries["micro_batch_size"], entries["world_size"],
+            entries["data_parallel_size"], entries["tensorboard_dir"]) == (
+        "32", "2", "1", "1", str(tmp_path / "tb"))
+    for x in block:  # the dots fill the name to 48 characters, as _print_args does
+        name, dots = x.split(" ")[2:4]
+        assert len(name) + len(dots) == 48 or len(name) >= 48, x
+    # the parameter count of the (only) tensor/pipeline rank: the whole model's
+    model, _ = load_consolidated_model(str(tmp_path / "ck" / "iter_0000002"))
+    count = sum(p.numel() for p in model.parameters())
+    assert (" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
+            f"{count}") in out
+    assert not any("memory (MB)" in x for x in out)  # a CPU run: no CUDA allocator to report
+    written = _FakeSummaryWriter.written
+    tags = {tag for tag, _, _ in written}
+    # megaq's own quantities keep their own names (no Megatron tag to take)
+    own = {t for t in tags if t in ("tokens-per-second", "mem-max-rss-bytes")
+           or t.startswith("zero-memory-bytes/")}
+    assert own >= {"tokens-per-second", "mem-max-rss-bytes", "zero-memory-bytes/optimizer"}
+    # a CPU run: no mem-reserved-bytes / mem-allocated-bytes / mem-max-allocated-bytes
+    assert tags - own == MEGATRON_TAGS
+    by_tag = {}
+    for tag, value, step in written:
+        by_tag.setdefault(tag, []).append((step, value))
+    # the plain tag at the iteration, its twin at the consumed samples (4 per iteration)
+    assert [s for s, _ in by_tag["lm loss"]] == [1, 2]
+    assert by_tag["lm loss vs samples"] == [(4 * s, v) for s, v in by_tag["lm loss"]]
+    assert by_tag["batch-size"] == [(1, 4), (2, 4)] and by_tag["loss-scale"][0] == (1, 1.0)
+    (step, val), = by_tag["lm loss validation"]
+    assert step == 2 and by_tag["lm loss validation ppl"] == [(2, pytest.approx(math.exp(val)))]
+    assert by_tag["lm loss validation ppl vs samples"][0][0] == 8
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -160,3 +243,16 @@ def test_timing_level_zero_times_nothing():
     t.start("optimizer")
     t.stop("optimizer")
     assert set(t.take()) == {"optimizer"}
+
+
+def test_memory_report_line_is_megatrons_on_cuda(monkeypatch):
+    """The CUDA allocator's four figures in MiB, in Megatron's report_memory order; the
+    CPU gets no line."""
+    mib = 2**20
+    for name, value in [("memory_allocated", 100.5), ("max_memory_allocated", 200.25),
+                        ("memory_reserved", 300), ("max_memory_reserved", 400)]:
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, v=value: int(v * mib))
+    line = logging_utils.memory_report_line(3, 1, torch.device("cuda", 0))
+    assert line == ("[Rank 3] (after 1 iterations) memory (MB) | allocated: 100.50 | "
+                    "max allocated: 200.25 | reserved: 300.00 | max reserved: 400.00")
+    assert logging_utils.memory_report_line(0, 1, torch.device("cpu")) is None

@@ -39,11 +39,78 @@ def test_notes_print_once_and_harmless_values_pass():
     args = p.parse_args(argv)
     printed = []
     notes = mf.print_megatron_notes(args, print_fn=printed.append)
-    assert notes == printed and len(printed) == 8  # the 8 no-meaning flags given
-    assert ("note: --use-distributed-optimizer is accepted and ignored: megaq's ZeRO-3 engine "
-            "always shards the optimizer state over DP") in printed
+    # one summary line naming the 8 no-meaning flags given (not the harmless values)
+    assert notes == printed == [mf.summary_note([
+        "--use-mcore-models", "--transformer-impl", "--use-flash-attn",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--no-masked-softmax-fusion", "--loss-scale"])]
+    assert printed[0].startswith("note: 8 Megatron-LM flag(s) accepted without effect: ")
     assert mf.print_megatron_notes(args, print_fn=printed.append) == []  # once per process
-    assert len(printed) == 8
+    assert len(printed) == 1
+    quiet = p.parse_args(argv + ["--quiet-notes"])
+    monkey = []
+    mf._printed.clear()
+    assert mf.print_megatron_notes(quiet, print_fn=monkey.append) == [] and monkey == []
+
+
+def test_every_recorded_megatron_flag_is_classified():
+    """No flag of Megatron-LM's recorded parser (megaq.config.megatron_flag_list) is
+    unknown to megaq's: each is megaq's own, an alias, noted or refused with its reason."""
+    from megaq.config.megatron_flag_list import MEGATRON_ARGUMENTS
+    parser = build_parser()
+    have = set(parser._option_string_actions)
+    assert len(MEGATRON_ARGUMENTS) > 600
+    assert [n for n in MEGATRON_ARGUMENTS if n not in have] == []
+    # the flags a Megatron-LM user reported as unknown, each with its status
+    kinds = {n: mf.BY_NAME[n].kind for n in (
+        "--grad-reduce-in-bf16", "--ddp-bucket-size", "--use-torch-fsdp2",
+        "--data-parallel-sharding-strategy", "--use-precision-aware-optimizer",
+        "--main-grads-dtype", "--use-rotary-position-embeddings", "--no-position-embedding",
+        "--no-query-key-layer-scaling", "--non-persistent-save-interval", "--rerun-mode",
+        "--fp8-param-gather")}
+    assert kinds == {
+        "--grad-reduce-in-bf16": "note", "--ddp-bucket-size": "note",
+        "--use-torch-fsdp2": "note", "--data-parallel-sharding-strategy": "alias",
+        "--use-precision-aware-optimizer": "note", "--main-grads-dtype": "refused",
+        "--use-rotary-position-embeddings": "alias", "--no-position-embedding": "refused",
+        "--no-query-key-layer-scaling": "note", "--non-persistent-save-interval": "refused",
+        "--rerun-mode": "refused", "--fp8-param-gather": "alias"}
+    # a switch that turns off part of a missing feature is noted, its switch refused
+    assert mf.BY_NAME["--no-rl-use-sequence-packing"].kind == mf.NOTE
+    assert mf.BY_NAME["--rl-use-sequence-packing"].kind == mf.REFUSED
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+        "--mock-data"]
+
+
+def test_aliases_set_megaq_flags():
+    c = parse_config(BASE + ["--use-rotary-position-embeddings", "--no-position-embedding",
+                             "--main-grads-dtype", "fp32", "--rerun-mode", "disabled",
+                             "--override-opt-param-scheduler",
+                             "--data-parallel-sharding-strategy", "no_shard"], world_size=1)
+    assert c.model.position_embedding_type == "rope"
+    assert c.optimizer.override_opt_param_scheduler and c.zero.stage == 0
+    assert parse_config(BASE, world_size=1).zero.stage == 3
+    flags = build_parser().parse_args(BASE + ["--fp8-param-gather"])
+    assert flags.zero_quantized_weights == "fp8"  # as --zero-quantized-weights fp8
+    assert mf.megatron_flag_problems(flags) == ([], [
+        "note: Megatron-LM spellings read as megaq's flags: --fp8-param-gather as "
+        "--zero-quantized-weights fp8 (ZeRO-3's FP8 weight gathers; needs --fp8-format)"])
+    flags = build_parser().parse_args(BASE + ["--data-parallel-sharding-strategy", "no_shard"])
+    assert mf.megatron_flag_problems(flags)[1] == [
+        "note: Megatron-LM spellings read as megaq's flags: --data-parallel-sharding-strategy "
+        "no_shard as --zero-stage 0"] and flags.zero_stage == 0
+    with pytest.raises(ArgumentsError, match="--zero-quantized-weights fp8 gathers the weights "
+                       "that FP8 GEMMs read"):  # its rule: FP8 GEMMs
+        parse_config(BASE + ["--fp8-param-gather"], world_size=1)
+    with pytest.raises(ArgumentsError, match=r"^--data-parallel-sharding-strategy optim: megaq "
+                       r"has no such value; it takes no_shard or optim_grads_params"):
+        parse_config(BASE + ["--data-parallel-sharding-strategy", "optim"], world_size=1)
+    with pytest.raises(ArgumentsError, match=r"^--no-position-embedding: megaq has no GPT "
+                       r"without position embeddings"):
+        parse_config(BASE + ["--no-position-embedding"], world_size=1)
 
 
 @pytest.mark.parametrize("extra,line", [
@@ -156,8 +223,11 @@ def test_megatron_launch_flags_parse_note_once_and_train(tmp_path, capfd, monkey
     out = capfd.readouterr().out.splitlines()
     noted = [f for f in mf.MEGATRON_FLAGS if f.kind == mf.NOTE and f.name in given]
     assert len(noted) >= 30
-    for f in noted:  # one line per flag, from one rank
-        assert out.count(f"note: {f.name} is accepted and ignored: {f.why}") == 1, f.name
+    summary = [x for x in out if x.startswith("note: ") and "Megatron-LM flag(s) accepted "
+               "without effect" in x]
+    assert len(summary) == 1  # one line, from one rank, naming every such flag
+    named = summary[0].split(": ", 2)[2].split(" (why:")[0].split(", ")
+    assert sorted(named) == sorted(f.name for f in noted)
     assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == "2"
     # the implemented logging flags: Megatron's line with throughput and params norm, and
     # its timer block; --eod-mask-loss on mock data says it masks nothing
@@ -189,3 +259,80 @@ def test_training_doc_lists_every_flag():
     text = open(os.path.join(REPO, "docs", "TRAINING.md")).read()
     # regenerate it with: python -m megaq.config.megatron_flags
     assert mf.flags_table_markdown(config_flags()) in text
+
+
+def gpt3_example_flags(tmp_path) -> list[str]:
+    """Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (core_v0.16.1), its flags
+    unchanged but for the paths (here: files that do not exist) and the batch-size ramp-up
+    of its older versions."""
+    return [
+        "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+        "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend",
+        "auto",
+        "--micro-batch-size", "1", "--global-batch-size", "1536",
+        "--rampup-batch-size", "16", "16", "5859375", "--train-iters", "500000",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
+        "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+        "--lr-decay-iters", "430000",
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+        "--data-path", str(tmp_path / "data" / "corpus_text_document"),
+        "--vocab-file", str(tmp_path / "gpt2-vocab.json"),
+        "--merge-file", str(tmp_path / "gpt2-merges.txt"), "--split", "949,50,1",
+        "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+        "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--eval-iters", "10",
+        "--tensorboard-dir", str(tmp_path / "tb"),
+    ]
+
+
+def test_gpt3_example_dry_run_lists_every_problem_in_one_launch(tmp_path, gpt2_files):
+    """One --dry-run of the GPT-3 example script names all it would stop at (refused
+    --fp16 and --rampup-batch-size, the missing data and tokenizer files), one `error:`
+    line each, exit 2, before any process group; the same flags with those fixed plan
+    the run and exit 0 (the tokenizer type inferred from --vocab-file / --merge-file)."""
+    argv = gpt3_example_flags(tmp_path)
+    env = {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    script = os.path.join(REPO, "pretrain_gpt.py")
+    machine = ["--dry-run", "--num-nodes", "16", "--gpus-per-node", "8"]
+    r = subprocess.run([sys.executable, script, *machine, *argv], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 2, r.stderr
+    prefix = tmp_path / "data" / "corpus_text_document"
+    assert r.stderr.strip().splitlines() == [
+        "error: --fp16 is not supported (megaq has no loss scaling); use --bf16 or fp32 "
+        "(neither)",
+        "error: --rampup-batch-size 16 16 5859375: megaq has no batch-size ramp-up (a run's "
+        "global batch is fixed: the data iterator, the schedules' micro-batch count and the "
+        "LR schedule's step assume it; train at the final --global-batch-size); drop the flag",
+        f"error: --data-path {prefix}: {prefix}.bin / {prefix}.idx not found; check the prefix "
+        f"(tools/preprocess_data.py writes them)",
+        f"error: {tmp_path / 'gpt2-vocab.json'}: file not found; check --vocab-file"]
+    assert r.stdout == ""  # no plan, no notes
+
+    # fixed: bf16, no ramp-up, real files (a tiny GPT-2 BPE and one preprocessed document)
+    import shutil
+
+    import numpy as np
+
+    from megaq.data.indexed import IndexedDatasetWriter
+    shutil.copy(gpt2_files[0], tmp_path / "gpt2-vocab.json")
+    shutil.copy(gpt2_files[1], tmp_path / "gpt2-merges.txt")
+    (tmp_path / "data").mkdir()
+    w = IndexedDatasetWriter(str(prefix), np.uint16)
+    w.add_document(np.arange(10, dtype=np.uint16))
+    w.finish()
+    w.commit()
+    i = argv.index("--rampup-batch-size")
+    fixed = [a if a != "--fp16" else "--bf16" for a in argv[:i] + argv[i + 4:]]
+    r = subprocess.run([sys.executable, script, *machine, *fixed, "--quiet-notes"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "" and r.stdout.startswith("plan: ")  # the plan of this run
+    # --quiet-notes: neither the flags' summary nor the tokenizer's inference
+    assert "accepted without effect" not in r.stdout and "inferred" not in r.stdout
+    r = subprocess.run([sys.executable, script, *machine, *fixed], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ("note: 1 Megatron-LM flag(s) accepted without effect: --attention-backend (why: "
+            "--help or docs/TRAINING.md; --quiet-notes hides this)") in r.stdout.splitlines()
+    assert "note: --tokenizer-type GPT2BPETokenizer inferred from --vocab-file" in r.stdout

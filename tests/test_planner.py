@@ -180,6 +180,51 @@ def test_flop_terms_add_up_to_flops_py(kw, tp):
     assert total == pytest.approx(num_flops(cfg, dp * m * mb * cfg.seq_length, tp), rel=1e-9)
 
 
+def test_weight_delta_bytes_equal_the_routes_pair_by_pair():
+    """volume.weight_deltas counts per (hpZ slot, node) so the scale study can afford it;
+    it must equal the routes the engine takes (delta_routes), summed sender by sender, for
+    every node count, node size and hpZ size that divides the group."""
+    from megaq.zero.zeropp import volume
+    from megaq.zero.zeropp.deltas import delta_routes
+    cases = 0
+    for k in (1, 2, 3, 5, 8):
+        for m in (1, 2, 3, 4, 8):
+            n = k * m
+            for h in (h for h in range(2, n + 1) if n % h == 0):
+                cfg = ZeroConfig(hpz_partition_size=h, weight_deltas=True, block_size=64)
+                groups = [[g * h + j for j in range(h)] for g in range(n // h)]
+                unit = volume.delta_bytes(1000, cfg)
+                want = {comm.INTRA: 0, INTER: 0}
+                for r in range(n):
+                    for d in delta_routes(n, r, groups, r % h)[0]:
+                        if d != r:
+                            want[INTER if d // m != r // m else comm.INTRA] += unit
+                assert volume.weight_deltas(1000, k, m, cfg) == want, (k, m, h)
+                cases += 1
+    assert cases > 50
+
+
+def test_prefetch_limit_exposes_what_is_not_fetched_ahead():
+    """The published check's DeepSpeed overlap: a limit at least a unit's size is
+    megaq's prefetch; the smaller the limit, the more of the forward gathers is exposed,
+    and with nothing fetched ahead the step is slower than megaq's."""
+    from megaq.planner.calibrate import _predict
+    argv = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16",
+            "--seq-length", "1024", "--max-position-embeddings", "1024", "--vocab-size", "32000",
+            "--micro-batch-size", "1", "--global-batch-size", "32", "--bf16", "--lr", "1e-4",
+            "--train-iters", "1", "--mock-data", "--zero-stage", "3"]
+    cluster = Cluster(gpu_preset("H100-SXM"), num_nodes=4, gpus_per_node=8,
+                      inter_node_gbit_per_s=100.0)
+    exposed = lambda p: p.exposed_comm_s  # noqa: E731
+    megaq_own = _predict(argv, CAL, cluster)
+    assert _predict(argv, CAL, cluster, prefetch_limit=10**12).step_time_s == megaq_own.step_time_s
+    fwd = [exposed(_predict(argv, CAL, cluster, prefetch_limit=n))["weight_gather_fwd"]
+           for n in (10**12, 20_000_000, 5_000_000, 0)]
+    assert fwd == sorted(fwd) and fwd[0] < fwd[-1]
+    nothing_ahead = _predict(argv, CAL, cluster, prefetch_limit=0)
+    assert nothing_ahead.step_time_s > megaq_own.step_time_s
+
+
 # ----------------------------------------------------------------------------- bubble
 class _Recorder:
     """Stands in for the schedules' runner and p2p: records each pass per chunk."""

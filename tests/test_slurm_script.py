@@ -11,7 +11,8 @@ their pids; getent answers the head node's name with the 127.0.1.1 loopback trap
 2. The same script, scaled to 2 nodes x 2 CPU ranks and a tiny model through the knobs it
    offers (GPUS_PER_NODE, TP, MOCK_DATA, BACKEND, trailing flags), trains; SIGUSR1 to the
    ranks (what --signal=USR1@120 makes slurm send) saves and the job exits 0; a
-   resubmission with the same EXPERIMENT resumes from that checkpoint.
+   chained resubmission under the same job name, without EXPERIMENT, resumes from that
+   checkpoint (the directory is keyed by the job name, not the job id).
 """
 
 import contextlib
@@ -51,6 +52,7 @@ open(counter, "w").write(str(job_id + 1))
 nodes = int(header.get("nodes", 1))
 name = header.get("job-name", "sbatch")
 env = dict(os.environ, SLURM_JOB_ID=str(job_id), SLURM_JOB_NAME=name, SLURM_NNODES=str(nodes),
+           SLURM_CPUS_PER_TASK=header.get("cpus-per-task", "1"),
            SLURM_JOB_NUM_NODES=str(nodes), SLURM_SUBMIT_DIR=os.getcwd(),
            SLURM_JOB_NODELIST=",".join(f"node-{i}" for i in range(nodes)))
 open(os.path.join(state, f"job_{job_id}.json"), "w").write(__import__("json").dumps(header))
@@ -156,8 +158,9 @@ def fake_slurm(tmp_path):
     return env, state, submit, ip
 
 
-def sbatch(env, submit, extra_env=(), args=(), wait=True, time_limit="1:00:00"):
-    cmd = ["sbatch", f"--time={time_limit}", SCRIPT, *map(str, args)]
+def sbatch(env, submit, extra_env=(), args=(), wait=True, time_limit="1:00:00", job_name=None):
+    name = [f"--job-name={job_name}"] if job_name else []
+    cmd = ["sbatch", f"--time={time_limit}", *name, SCRIPT, *map(str, args)]
     p = subprocess.Popen(cmd, cwd=submit, env=dict(env, **dict(extra_env)),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return p.communicate(timeout=400)[0] if wait else p
@@ -175,12 +178,13 @@ def test_default_command_for_two_8_gpu_nodes_passes_validation(fake_slurm):
     header = json.load(open(state / "job_1000.json"))
     assert header["signal"] == "USR1@120" and "requeue" in header
     log = (submit / "logs" / "megaq-1000.log").read_text()  # logs/ made by the script
-    # The checkpoint directory is per experiment and outside the checkout.
-    ckpt = os.path.join(env["HOME"], "megaq-runs", "megaq-1000")
+    # The checkpoint directory is per experiment (the job name) and outside the checkout.
+    ckpt = os.path.join(env["HOME"], "megaq-runs", "megaq")
     assert os.path.isdir(ckpt) and not ckpt.startswith(REPO)
     run = [json.loads(x) for x in open(state / "srun_commands.jsonl")]
     step = run[-1]
     assert step["opts"]["ntasks-per-node"] == "8" and step["opts"]["nodes"] == "2"
+    assert step["opts"]["cpus-per-task"] == "8"  # the job's value, passed on explicitly
     argv = step["argv"][2:]  # python pretrain_gpt.py <flags>
     logged = next(x for x in log.splitlines() if x.startswith("megaq: command:"))
     assert shlex.split(logged.split(":", 2)[2]) == step["argv"]
@@ -219,9 +223,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 def test_trains_saves_on_signal_and_resumes_on_resubmission(fake_slurm):
     env, state, submit, _ = fake_slurm
     knobs = {"GPUS_PER_NODE": "2", "TP": "1", "MOCK_DATA": "1", "VOCAB_SIZE": "64",
-             "BACKEND": "gloo", "EXPERIMENT": "tiny", "MASTER_PORT": str(_free_port())}
+             "BACKEND": "gloo", "MASTER_PORT": str(_free_port())}  # no EXPERIMENT
     metrics = os.path.join(env["HOME"], "megaq-runs", "tiny", "metrics.jsonl")
-    job = sbatch(env, submit, knobs, TINY, wait=False)
+    job = sbatch(env, submit, knobs, TINY, wait=False, job_name="tiny")
     try:
         _wait_for(lambda: len(_rows(metrics)) >= 2, 400, "two training iterations")
         for pid in open(state / "pids").read().split():  # what --signal=USR1@120 does
@@ -230,14 +234,15 @@ def test_trains_saves_on_signal_and_resumes_on_resubmission(fake_slurm):
     finally:
         _kill_job(job, state)
     assert job.returncode == 0, out  # a clean signal exit is a successful job
-    log = (submit / "logs" / "megaq-1000.log").read_text()
+    log = (submit / "logs" / "tiny-1000.log").read_text()
     assert "hpZ 2" in log and "exiting program at iteration" in log, log[-3000:]
     ckpt = os.path.join(env["HOME"], "megaq-runs", "tiny")
     saved = int(open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read())
     assert 2 <= saved < 400
-    # Resubmission (a new job id), same experiment: resumes there and trains on.
-    out = sbatch(env, submit, knobs, TINY + ["--exit-interval", str(saved + 2)])
-    log2 = (submit / "logs" / "megaq-1001.log").read_text()
+    # A chained resubmission (a new job id), same job name and still no EXPERIMENT:
+    # resumes there and trains on.
+    out = sbatch(env, submit, knobs, TINY + ["--exit-interval", str(saved + 2)], job_name="tiny")
+    log2 = (submit / "logs" / "tiny-1001.log").read_text()
     assert f"loaded checkpoint {ckpt}" in log2 and f"at iteration {saved}" in log2, log2[-3000:]
     assert int(open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read()) == saved + 2
     assert "Submitted batch job 1001" in out

@@ -251,3 +251,39 @@ def test_log_comm_time_reports_phases_and_keeps_losses(tmp_path, capfd):
         assert set(b["comm_time_ms"]) >= moved
         assert all(b["comm_time_ms"][p] > 0 for p in moved)
     assert "communication time per iteration (ms" in capfd.readouterr().out
+
+
+def test_test_split_is_evaluated_at_the_end_when_the_split_gives_it_documents(
+        tmp_path, capsys, tiny_dataset, tiny_tokenizer):
+    """Megatron's end of training: the validation set, then the test set ("on test
+    set"), eval_iters batches each; a split that gives the test set no documents builds
+    none and evaluates none (not an error)."""
+    from megaq.parallel.topology import Layout, build_topology
+
+    def run(split, name):
+        metrics = tmp_path / f"{name}.jsonl"
+        flags = argv(str(tmp_path / name), 3, [  # the last --eval-iters wins
+            "--eval-iters", "2", "--eval-interval", "2", "--data-path", tiny_dataset,
+            "--tokenizer-model", tiny_tokenizer, "--split", split, "--metrics-file", str(metrics)])
+        flags.remove("--mock-data")
+        flags.remove("--vocab-size")
+        flags.remove("64")
+        state = pretrain.main(flags, topo=build_topology(Layout(1), 0))
+        rows = [json.loads(x) for x in open(metrics)]
+        return state, capsys.readouterr().out.splitlines(), rows
+
+    state, out, rows = run("80,10,10", "with_test")
+    (test_row,) = [r for r in rows if r["type"] == "test"]
+    assert test_row["iteration"] == 3 and state.test_loss == test_row["test_loss"]
+    assert math.isfinite(state.test_loss) and test_row["test_ppl"] == math.exp(state.test_loss)
+    printed = [x for x in out if "on test set" in x]
+    assert printed == [validation_log_line(3, state.test_loss, "on test set")]
+    at = out.index(printed[0])  # after the final validation, between Megatron's rules
+    assert out[at - 1] == out[at + 1] == "-" * (len(printed[0]) + 1)
+    assert any("validation loss at iteration 3 on validation set" in x for x in out[:at])
+    # the test loss is not a validation loss (a different split's documents)
+    assert state.test_loss != state.val_losses[3]
+
+    state, out, rows = run("90,10,0", "no_test")
+    assert state.test_loss is None and not any("on test set" in x for x in out)
+    assert not [r for r in rows if r["type"] == "test"] and state.val_losses

@@ -8,7 +8,7 @@ import os
 from megaq.runtime import failure
 from megaq.checkpoint import formats
 from megaq.checkpoint.errors import CheckpointError
-from megaq.checkpoint.integrity import Verifier
+from megaq.checkpoint.integrity import Verifier, read_manifest
 from megaq.checkpoint.paths import TRACKER_FILE, error_feedback_file, iteration_dir, read_tracker, rng_file
 from megaq.checkpoint.record import (check_architecture, check_layout, check_optimizer,
                                      has_optimizer_state, layout_dict, saved_config)
@@ -44,6 +44,12 @@ def load_checkpoint(root: str, *, config, topo, engine, lr_schedule, model_chunk
                               f"{ckpt} does not exist; point it at an existing iter_* directory")
     files = Verifier(ckpt, enabled=not config.checkpointing.no_verify_checkpoint)
     files.require_manifest()  # a directory without one is never loaded
+    if load_rng and not _saved_rng_state(ckpt, files):
+        # a converted checkpoint (megaq.interop writes none): --no-load-rng, inferred
+        load_rng = False
+        if topo.rank == 0:
+            print(f" note: {ckpt} holds no RNG state (a converted checkpoint); RNG streams "
+                  f"start from --seed, as with --no-load-rng", flush=True)
     fmt = formats.of_directory(ckpt)
     # Integrity first: every file this load reads is verified before anything of the
     # checkpoint is compared with this run's flags, so that a damaged file is reported
@@ -106,6 +112,15 @@ def load_checkpoint(root: str, *, config, topo, engine, lr_schedule, model_chunk
     return {"iteration": int(sd["iteration"]), "consumed_samples": int(sd["consumed_samples"]),
             "extra": sd.get("extra", {}), "path": ckpt,
             "saved_global_batch_size": saved["training"].get("global_batch_size")}
+
+
+def _saved_rng_state(ckpt: str, files: Verifier) -> bool:
+    """Whether the checkpoint was saved with RNG streams: its manifest lists rng/ files
+    (a run's save), or, unverified, it has an rng/ directory. A save whose manifest
+    lists them but whose files are gone is damaged, not converted: its load says so."""
+    if files.enabled:
+        return any(rel.startswith("rng/") for rel in read_manifest(ckpt)["files"])
+    return os.path.isdir(os.path.dirname(rng_file(ckpt, 0)))
 
 
 def _read_rng_state(ckpt: str, files: Verifier, saved_layout: dict, topo) -> tuple[str, dict]:

@@ -52,13 +52,48 @@ def parse_args(argv=None):
     g.add_argument("--partitions", type=int, default=1,
                    help="encode the input in this many contiguous parts and merge them")
     g.add_argument("--log-interval", type=int, default=1000, help="progress every N documents")
+    g = p.add_argument_group("Megatron-LM flags accepted for compatibility")
+    for name, why, takes in _NOTED:
+        g.add_argument(name, default=None, help=f"accepted, no effect: {why}",
+                       **({"action": "store_true"} if takes is None else {}))
+    g.add_argument("--dataset-impl", default=None, help="mmap only (older Megatron-LM's "
+                   "flag): megaq writes the memory-mapped .bin/.idx format; lazy / cached "
+                   "are refused")
     return p.parse_args(argv)
+
+
+# Megatron-LM's preprocessing flags that change nothing here: (flag, why, takes)
+_NOTED = (
+    ("--lang", "it picks the sentence splitter of --split-sentences, which megaq refuses",
+     "str"),
+    ("--keep-sequential-samples", "megaq's --partitions are contiguous parts of the input, "
+     "merged in order: documents always keep their input order", None),
+    ("--vocab-size", "the tokenizer's files give the vocabulary (Megatron reads it for the "
+     "NullTokenizer only, which preprocessing has no use for)", "int"),
+    ("--legacy-tokenizer", "megaq has one implementation of each tokenizer type", None),
+)
+
+
+def _megatron_notes(a) -> str | None:
+    """Refuse --dataset-impl other than mmap; the one note line naming the flags given
+    that change nothing (None when there are none)."""
+    if a.dataset_impl not in (None, "mmap"):
+        raise DataError(f"--dataset-impl {a.dataset_impl}: megaq writes only Megatron's mmap "
+                        f"format (.bin/.idx, what current Megatron-LM reads); drop the flag")
+    given = [name for name, _, _ in _NOTED
+             if getattr(a, name[2:].replace("-", "_")) not in (None, False)]
+    given += ["--dataset-impl"] if a.dataset_impl else []
+    return (f"note: {len(given)} Megatron-LM flag(s) accepted without effect: "
+            f"{', '.join(given)} (why: --help)") if given else None
 
 
 def main(argv=None):
     a = parse_args(argv)
     if a.split_sentences:
         raise DataError("--split-sentences is not supported (documents are kept whole); drop it")
+    note = _megatron_notes(a)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     given = (a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file)
     a.tokenizer_type = infer_tokenizer_type(*given)
     note = inferred_type_note(*given)

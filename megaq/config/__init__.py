@@ -3,7 +3,8 @@
     flags.py           flag()/switch(): a dataclass field that is also a command-line flag
                        (imports nothing of megaq, so config classes at every layer use it)
     run.py             RunConfig and the Training/Optimizer/Checkpoint/Logging configs
-    megatron_flags.py  the rest of Megatron-LM's flags: accepted with a note, or refused
+    megatron_flag_list.py  every flag of Megatron-LM's parser, as recorded
+    megatron_flags.py  the rest of Megatron-LM's flags: aliases, accepted with a note, or refused
     arguments.py       the parser, generated from the config classes -> one RunConfig
 
 This file imports nothing, on purpose: the model, parallel, zero and data layers import

@@ -9,8 +9,9 @@ each flag is a field of the class it configures, with its help and default (see
 megaq.config.flags), so adding a flag is adding a field there; nothing here changes. After
 them come the rest of Megatron-LM's dense-GPT flags (megaq.config.megatron_flags), so a
 Megatron-LM launch script parses unchanged: a flag that means nothing for megaq is
-accepted with a note (printed once, by rank 0), a flag for a feature megaq lacks is
-refused with one line naming it.
+accepted (rank 0 prints one note naming them all; --quiet-notes hides it), a flag for a
+feature megaq lacks is refused with one line naming it. run_problems collects every
+problem (pretrain_gpt.py --dry-run prints them all); parse_config raises the first.
 
 Every refusal is an :class:`ArgumentsError` whose message is one line naming the flag
 and the fix; the command-line entry prints it as ``error: ...`` and exits with 2.
@@ -24,19 +25,13 @@ import argparse
 import os
 
 from megaq.config.flags import add_flags
-from megaq.config.megatron_flags import (add_megatron_flags, check_megatron_flags,
-                                         print_megatron_notes)
-from megaq.config.run import FLAG_CLASSES, ConfigError, RunConfig
-from megaq.data.errors import ArgumentParser, DataError
-from megaq.model import ModelConfigError
-from megaq.parallel.pipeline import PipelineConfigError
-from megaq.parallel.topology import LayoutError
+from megaq.config import megatron_flags
+from megaq.config.megatron_flags import add_megatron_flags, megatron_flag_problems
+from megaq.config.run import CONFIG_ERRORS, FLAG_CLASSES, RunConfig
+from megaq.data.errors import ArgumentParser
 from megaq.planner.run import add_planning_flags
-from megaq.zero import ZeroConfigError
 
-# What building a RunConfig may raise for a bad flag (each class checks its own values).
-CONFIG_ERRORS = (ConfigError, DataError, LayoutError, ModelConfigError, PipelineConfigError,
-                 ZeroConfigError)
+__all__ = ["CONFIG_ERRORS", "ArgumentsError", "build_parser", "parse_config", "run_problems"]
 
 
 class ArgumentsError(ValueError):
@@ -81,19 +76,38 @@ def default_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def run_problems(argv: list[str] | None = None, world_size: int | None = None,
+                 ranks_per_node: int | None = None):
+    """(config or None, parsed flags, problems, notes): every problem of the flags that
+    can be found without stopping at the first (refused Megatron-LM flags, each
+    configuration class's bad values, the checks across classes), one line each; and
+    the note lines (megaq.config.megatron_flags). A flag argparse cannot parse (an
+    unknown flag, a value of the wrong type) still raises ArgumentsError at once."""
+    flags = build_parser().parse_args(argv)
+    refusals, notes = megatron_flag_problems(flags)  # first: its aliases set megaq's flags
+    problems: list[str] = []
+    config = RunConfig.from_flags(flags, world_size or default_world_size(), ranks_per_node,
+                                  problems=problems)
+    # a flag megaq defines and refuses itself (--fp16) is reported once, in its own words
+    problems += [r for r in refusals if not any(p.startswith(r.split(":")[0].split()[0])
+                                                for p in problems)]
+    return config, flags, problems, notes
+
+
 def parse_config(argv: list[str] | None = None, world_size: int | None = None,
                  ranks_per_node: int | None = None, *, print_notes: bool = False) -> RunConfig:
     """Parse and validate. `world_size` defaults to torch.distributed's / $WORLD_SIZE.
-    A refused Megatron-LM flag raises ArgumentsError; `print_notes` (rank 0) prints the
-    notes of the accepted-and-ignored ones, each once per process."""
-    flags = build_parser().parse_args(argv)
-    try:
-        config = RunConfig.from_flags(flags, world_size or default_world_size(), ranks_per_node)
-    except CONFIG_ERRORS as e:
-        raise ArgumentsError(str(e)) from None
-    # after the configuration's own checks, which word a refusal of a flag it defines
-    # (--fp16) themselves
-    check_megatron_flags(flags, ArgumentsError)
+    A bad or refused flag raises ArgumentsError (the first problem of run_problems);
+    `print_notes` (rank 0) prints the notes (once per process; --quiet-notes: none)."""
+    config, flags, problems, notes = run_problems(argv, world_size, ranks_per_node)
+    if problems:
+        raise ArgumentsError(problems[0])
     if print_notes:
-        print_megatron_notes(flags, ArgumentsError, print_fn=lambda line: print(line, flush=True))
+        print_notes_once(flags, notes)
     return config
+
+
+def print_notes_once(flags, notes: list[str], print_fn=None) -> list[str]:
+    """Print the notes not printed before in this process, unless --quiet-notes."""
+    return megatron_flags.print_notes(notes, quiet=flags.quiet_notes,
+                                      print_fn=print_fn or (lambda line: print(line, flush=True)))

@@ -38,18 +38,26 @@ import torch
 
 from megaq import export_files
 from megaq.data.config import DataConfig
+from megaq.data.errors import DataError
 from megaq.config.flags import flag, from_flags, set_derived, switch, to_dict
+from megaq.model import ModelConfigError
 from megaq.model.config import GPTConfig
 from megaq.parallel.config import ParallelConfig
 from megaq.parallel.pipeline.split import (check_num_microbatches, num_microbatches_per_step,
                                            virtual_pipeline_size)
-from megaq.parallel.topology import check_hpz_size, check_model_fits_tp
-from megaq.zero import ZeroConfig, check_fp8_weight_gathers
+from megaq.parallel.pipeline import PipelineConfigError
+from megaq.parallel.topology import LayoutError, check_hpz_size, check_model_fits_tp
+from megaq.zero import ZeroConfig, ZeroConfigError, check_fp8_weight_gathers
 from megaq.zero.config import OPTIMIZER_NAMES
 
 
 class ConfigError(ValueError):
     """A bad setting or combination; the message names the flag and the fix."""
+
+
+# What building a RunConfig may raise for a bad flag (each class checks its own values).
+CONFIG_ERRORS = (ConfigError, DataError, LayoutError, ModelConfigError, PipelineConfigError,
+                 ZeroConfigError)
 
 
 def _at_least(cfg, minimum, *names) -> None:
@@ -367,6 +375,9 @@ class LoggingConfig:
         "optimizer-clip-main-grad, optimizer-inner-step. Printed after each iteration line as "
         "Megatron's '(min, max) time across ranks (ms)' (the device is synchronised at each "
         "timed phase's end)", 0, type=int, choices=[0, 1, 2])
+    quiet_notes: bool = switch(
+        "--quiet-notes", "do not print the start-up note naming the Megatron-LM flags given "
+        "that change nothing in megaq (refusals are still errors)")
     wandb_project: str | None = flag(
         "--wandb-project", "log the TensorBoard scalars to this Weights & Biases project too "
         "(needs `pip install wandb` and --wandb-exp-name; offline when the server is "
@@ -427,22 +438,42 @@ class RunConfig:
         check_fp8_weight_gathers(m.fp8, self.zero)
 
     @classmethod
-    def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None) -> "RunConfig":
+    def from_flags(cls, flags, world_size: int, ranks_per_node: int | None = None,
+                   problems: list[str] | None = None) -> "RunConfig | None":
         """The run's configuration from parsed flags (an argparse namespace) and the
-        launcher's world size and ranks per node."""
-        parallel = from_flags(ParallelConfig, flags, world_size=world_size,
-                              ranks_per_node=ranks_per_node)
-        training = from_flags(TrainingConfig, flags, data_parallel_size=parallel.dp)
-        optimizer = from_flags(OptimizerConfig, flags)
-        optimizer.derive_schedule(training)  # once: the decay defaults to the run's length
-        model = from_flags(GPTConfig, flags, vocab_size=None, params_dtype=training.params_dtype)
-        zero = from_flags(  # the --zero-* flags (the optimizer's are passed beside them)
+        launcher's world size and ranks per node. Without `problems` the first bad
+        setting raises its error; with a list, every class is still built and checked
+        and each error's line appended (what depends on a class that failed is built
+        on its defaults, so no error is reported twice), and None returned if any."""
+        def part(build, fallback=None):
+            if problems is None:
+                return build()
+            try:
+                return build()
+            except CONFIG_ERRORS as e:
+                problems.append(str(e))
+                return fallback
+
+        parallel = part(lambda: from_flags(ParallelConfig, flags, world_size=world_size,
+                                           ranks_per_node=ranks_per_node))
+        training = part(lambda: from_flags(TrainingConfig, flags, data_parallel_size=(
+            parallel.dp if parallel else 1)))
+        optimizer = part(lambda: from_flags(OptimizerConfig, flags))
+        if optimizer and training:  # once: the decay defaults to the run's length
+            part(lambda: optimizer.derive_schedule(training))
+        dtype = training.params_dtype if training else torch.float32
+        model = part(lambda: from_flags(GPTConfig, flags, vocab_size=None, params_dtype=dtype))
+        zero = part(lambda: from_flags(  # the --zero-* flags (the optimizer's beside them)
             ZeroConfig, flags, fp8_weights=flags.zero_quantized_weights == "fp8",
-            gather_dtype=training.params_dtype)
-        return cls(model=model, parallel=parallel, zero=zero,
-                   data=from_flags(DataConfig, flags), training=training, optimizer=optimizer,
-                   checkpointing=from_flags(CheckpointConfig, flags),
-                   logging=from_flags(LoggingConfig, flags))
+            gather_dtype=dtype))
+        data = part(lambda: from_flags(DataConfig, flags))
+        checkpointing = part(lambda: from_flags(CheckpointConfig, flags))
+        logging = part(lambda: from_flags(LoggingConfig, flags))
+        if problems:
+            return None
+        return part(lambda: cls(model=model, parallel=parallel, zero=zero, data=data,
+                                training=training, optimizer=optimizer,
+                                checkpointing=checkpointing, logging=logging))
 
     # ------------------------------------------------------------------ derived
     @property

@@ -220,6 +220,11 @@ def check_enough_tokens(sequence_lengths, doc_range, seq_length: int) -> int:
     return tokens
 
 
+def _holds_a_sample(sequence_lengths, doc_range, seq_length: int) -> bool:
+    lo, hi = doc_range
+    return hi > lo and int(np.asarray(sequence_lengths[lo:hi], dtype=np.int64).sum()) > seq_length
+
+
 def build_sample_indices(sequence_lengths: np.ndarray, doc_range: tuple[int, int],
                          num_samples: int, seq_length: int, seed: int):
     """-> (doc_idx int32 [E*D], sample_idx int64 [N+1, 2], shuffle_idx int64 [N])."""
@@ -273,7 +278,8 @@ class MockGPTDataset:
 def build_train_valid_test_datasets(data_path, split: str | None, seq_length: int, seed: int,
                                     num_samples, cache_dir: str, mock: bool = False,
                                     vocab_size: int | None = None, build: bool = True,
-                                    barrier=None, per_split_paths=None):
+                                    barrier=None, per_split_paths=None,
+                                    optional_splits: frozenset = frozenset()):
     """-> (train, valid, test); each indexable (`ds[i]["tokens"]`, int64 [seq_length+1])
     or None when no samples are asked of it. A split asked for samples that gets no
     documents, and an empty dataset in --data-path, are DataErrors (one line each).
@@ -288,6 +294,8 @@ def build_train_valid_test_datasets(data_path, split: str | None, seq_length: in
     several ranks build, a file lock makes them take turns and the work is done once).
     barrier: called once after building and before loading, e.g. a torch.distributed
     barrier supplied by the caller; None when all ranks build or there is one rank.
+    optional_splits: names of splits (e.g. {"test"}) that are None, not an error, when
+    the split leaves them no documents or less than one sample of a dataset.
     """
     from megaq.data.blending import BlendedDataset
 
@@ -304,6 +312,10 @@ def build_train_valid_test_datasets(data_path, split: str | None, seq_length: in
             plans.append(None)
             continue
         weights, prefixes, indexed, ranges = source
+        if name in optional_splits and not all(
+                _holds_a_sample(ix.sequence_lengths, r, seq_length) for ix, r in zip(indexed, ranges)):
+            plans.append(None)
+            continue
         check_split_has_documents(name, n, split, ranges, indexed, prefixes)
         if len(indexed) == 1:
             ds = GPTDataset(indexed[0], name, ranges[0], n, seq_length, seed, cache_dir, build)

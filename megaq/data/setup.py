@@ -1,4 +1,4 @@
-"""A run's data: tokenizer, train/valid datasets and this rank's batch iterators."""
+"""A run's data: tokenizer, train/valid/test datasets and this rank's batch iterators."""
 
 from __future__ import annotations
 
@@ -10,14 +10,17 @@ from megaq.data.config import MOCK_VOCAB_SIZE, DataConfig
 
 @dataclass(frozen=True)
 class Data:
-    """train(consumed) / valid(consumed) -> BatchIterator (one list of micro-batches per
-    step; valid may be None); `vocab_size` is the tokenizer's; `config` the DataConfig
-    as resolved (--demo-corpus names its files), which is what a checkpoint records."""
+    """train(consumed) / valid(consumed) / test(consumed) -> BatchIterator (one list of
+    micro-batches per step; valid and test may be None: none asked for, or the split
+    gives the test set no documents); `vocab_size` is the tokenizer's; `config` the
+    DataConfig as resolved (--demo-corpus names its files), which is what a checkpoint
+    records."""
 
     train: object
     valid: object
     vocab_size: int
     config: DataConfig
+    test: object = None
 
 
 def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_batch_size: int,
@@ -49,10 +52,14 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
                               data.merge_file)
         vocab_size, eod = tok.vocab_size, tok.eod
     cache = data.data_cache_path or os.path.join(default_cache_dir(), "indices")
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(
+    # The test set is evaluated once at the end when the split gives it documents (as
+    # Megatron: a split without test documents builds no test set); the train and
+    # validation splits must have theirs.
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         list(data.data_path or []), data.split, seq_length, seed, num_samples, cache,
         mock=data.mock_data, vocab_size=vocab_size, build=topo.rank == 0,
-        barrier=lambda: comm.barrier(topo.world), per_split_paths=data.per_split_paths)
+        barrier=lambda: comm.barrier(topo.world), per_split_paths=data.per_split_paths,
+        optional_splits=frozenset({"test"}))
     needs_data = topo.is_first_stage or topo.is_last_stage
 
     def iterator(ds):
@@ -63,4 +70,4 @@ def build_data(data: DataConfig, topo, *, seq_length: int, seed: int, global_bat
                                               consumed_samples=consumed, needs_data=needs_data,
                                               eod=eod, eod_mask_loss=data.eod_mask_loss,
                                               vocab_size=vocab_size)
-    return Data(iterator(train_ds), iterator(valid_ds), vocab_size, data)
+    return Data(iterator(train_ds), iterator(valid_ds), vocab_size, data, test=iterator(test_ds))

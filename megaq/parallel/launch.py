@@ -84,15 +84,22 @@ def rank_env_from_slurm() -> None:
 
 
 def _gpu_of_local_rank(local_rank: int) -> int:
-    """The CUDA device of this local rank; a node started with more ranks than it has
-    GPUs is a launch mistake, said in one line (not CUDA's "invalid device ordinal")."""
+    """The CUDA device of this local rank: ``local_rank % visible GPUs``.
+
+    Both slurm GPU bindings work: every task sees all the node's GPUs (local rank r
+    takes GPU r), or the cluster binds one GPU per task (``--gpus-per-task=1``,
+    ``--gpu-bind``: each task sees only its own, as device 0). A node with no GPU, or
+    torchrun starting more ranks than the node shows GPUs (``LOCAL_WORLD_SIZE``, set by
+    torchrun only), is a launch mistake said in one line, not CUDA's "invalid device
+    ordinal" or NCCL's duplicate-GPU error."""
     count = torch.cuda.device_count()
-    if local_rank >= count:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if count == 0 or local_world > count:
         raise LayoutError(f"local rank {local_rank} has no GPU: this node shows {count} CUDA "
                           f"device(s); start at most {count} rank(s) per node (torchrun "
                           f"--nproc-per-node), or pass --distributed-backend gloo to train on "
                           f"the CPU")
-    return local_rank
+    return local_rank % count
 
 
 def init_from_env(backend: str | None = None,
@@ -101,7 +108,7 @@ def init_from_env(backend: str | None = None,
     """Initialise torch.distributed from torchrun/slurm variables (or as one rank).
 
     Returns (rank, world_size). Sets the CUDA device from the local rank: one GPU per
-    rank with NCCL; with gloo and ``device="cuda"`` the local ranks take the node's GPUs
+    rank with NCCL (local rank modulo the visible GPUs, :func:`_gpu_of_local_rank`); with gloo and ``device="cuda"`` the local ranks take the node's GPUs
     round-robin (gloo stages through host memory, so ranks may share one). A rank started
     by a launcher (torchrun, srun) dies with it (:func:`die_with_parent`); every process
     group gets `timeout_minutes`.

@@ -98,14 +98,14 @@ def _plan_input(argv: tuple, world_size: int, ranks_per_node: int):
     return PlanInput.from_config(_run_config(argv, world_size, ranks_per_node))
 
 
-def _predict(argv, calibration, cluster=None):
+def _predict(argv, calibration, cluster=None, prefetch_limit=None):
     """The model's prediction for pretrain_gpt.py's flags `argv` on `cluster` (default: one
-    reference GPU)."""
+    reference GPU); prefetch_limit as in megaq.planner.step.predict."""
     from megaq.planner.hardware import Cluster, gpu_preset
     from megaq.planner.step import predict
     cluster = cluster or Cluster(gpu_preset(REFERENCE_GPU), num_nodes=1, gpus_per_node=1)
     pi = _plan_input(tuple(argv), cluster.world_size, cluster.gpus_per_node)
-    return predict(pi, cluster, calibration)
+    return predict(pi, cluster, calibration, prefetch_limit)
 
 
 def _flop_split(row: TrainRow) -> dict:

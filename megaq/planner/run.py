@@ -49,9 +49,11 @@ def add_planning_flags(parser, dry_run: bool = True) -> None:
     group = add_flags(parser, HardwareFlags)
     if dry_run:
         group.add_argument("--dry-run", action="store_true", help=(
-            "parse and check the flags, print the plan of this run on the hardware above "
-            "(step time, throughput, memory per GPU; default --gpu H200, nodes from the "
-            "world size), and exit: 0 when it fits, 2 when not; starts no process group"))
+            "check the flags, the data and tokenizer files and --load, printing every "
+            "problem at once (one error: line each), else print the plan of this run on "
+            "the hardware above (step time, throughput, memory per GPU; default --gpu "
+            "H200, nodes from the world size); exit 0 when it fits, 2 when not or on a "
+            "problem; starts no process group"))
 
 
 def cluster_of_run(run, hw: HardwareFlags) -> Cluster:

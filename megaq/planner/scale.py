@@ -35,14 +35,14 @@ MODEL = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads",
          "--recompute-granularity", "full", "--recompute-method", "uniform",
          "--recompute-num-layers", "1", "--micro-batch-size", str(MICRO_BATCH),
          "--lr", "1e-4", "--train-iters", "10", "--mock-data"]
-# name -> (TP, PP, layout / switch flags). Weight deltas are left out: the byte model's
-# count of their routes (megaq.zero.zeropp.volume.weight_deltas) walks every pair of
-# ranks, minutes per prediction at these GPU counts
+# name -> (TP, PP, layout / switch flags)
 CONFIGS = {
     "ZeRO-3": (1, 1, ["--zero-stage", "3"]),
     "ZeRO++": (1, 1, ["--zero-stage", "3", "--zero-quantized-weights",
                       "--zero-hpz-partition-size", str(GPUS_PER_NODE),
                       "--zero-quantized-gradients"]),
+    "weight deltas": (1, 1, ["--zero-stage", "3", "--zero-hpz-partition-size", str(GPUS_PER_NODE),
+                             "--zero-weight-deltas", "--zero-quantized-gradients"]),
     "TP8 + ZeRO-3": (8, 1, ["--zero-stage", "3"]),
     "TP8 + PP8 + ZeRO-0": (8, 8, ["--zero-stage", "0"]),
 }

@@ -162,8 +162,15 @@ def _check(pi: PlanInput, cluster: Cluster) -> None:
                             f"lacks; drop --fp8-format or pick an H100-class --gpu")
 
 
-def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
-    """The step time and peak memory of `pi` on `cluster`."""
+def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
+            prefetch_limit: int | None = None) -> Prediction:
+    """The step time and peak memory of `pi` on `cluster`.
+
+    prefetch_limit: None for megaq (a unit's whole gather is issued ahead, behind the
+    previous unit's compute). Another system's ZeRO-3 that fetches at most this many
+    parameter elements ahead of use (DeepSpeed's stage3_prefetch_bucket_size) is modelled
+    with that share of each unit's gather hidden the same way and the rest on demand,
+    exposed; used only where such a system was measured (planner.published)."""
     _check(pi, cluster)
     cfg, z, gpu = pi.model, pi.zero, cluster.gpu
     g = dp_group_shape(pi.world_size, pi.tp, pi.pp, pi.gpus_per_node, z.hpz_partition_size,
@@ -224,17 +231,27 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
             if z.stage == 3:
                 gf = [unit_times(u)[0].total for u in cu]
                 gb = [unit_times(u)[1].total for u in cu]
+                ahead = [1.0 if prefetch_limit is None else min(1.0, prefetch_limit / max(u.numel, 1))
+                         for u in cu]  # the share of each unit's gather issued ahead of use
                 pre = z.prefetch > 0
+
+                def hidden_behind(t: float, share: float, compute_s: float) -> float:
+                    """Exposed seconds of a gather whose `share` was issued during the
+                    previous unit's compute and whose rest is fetched on demand."""
+                    return (1 - share) * t + max(0.0, share * t - compute_s)
                 # forward: the first unit's gather is exposed, the others hide behind
                 # the previous unit's compute (prefetch); without prefetch all are exposed
-                first_fwd = gf[0] + sum(max(0.0, t - per_unit_fwd) if pre else t for t in gf[1:])
-                later_fwd = gb[0] + sum(max(0.0, t - per_unit_fwd) if pre else t for t in gb[1:]) \
+                first_fwd = gf[0] + sum(hidden_behind(t, a, per_unit_fwd) if pre else t
+                                        for t, a in zip(gf[1:], ahead[1:]))
+                later_fwd = gb[0] + sum(hidden_behind(t, a, per_unit_fwd) if pre else t
+                                        for t, a in zip(gb[1:], ahead[1:])) \
                     if z.hpz else first_fwd
                 exp_first["weight_gather_fwd"] = first_fwd
                 exp["weight_gather_fwd"] = later_fwd
                 # backward, units in reverse: the next unit's gather (prefetched) and this
                 # unit's reduction (async) run under the next unit's backward
                 rev = list(reversed(cu))
+                rev_ahead = list(reversed(ahead))
                 exp["weight_gather_bwd"] = unit_times(rev[0])[1].total
                 for i in range(len(rev) - 1):
                     gt, rt = unit_times(rev[i + 1])[1], unit_times(rev[i])[2]
@@ -242,6 +259,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
                         exp["weight_gather_bwd"] += gt.total
                         exp["grad_reduce"] += max(0.0, rt.total - per_unit_bwd)
                         continue
+                    a = rev_ahead[i + 1]
+                    exp["weight_gather_bwd"] += (1 - a) * gt.total  # fetched on demand
+                    gt = traffic.LinkTime(a * gt.intra, a * gt.inter, a * gt.latency)
                     over = max(0.0, traffic.overlapped(gt, rt, same_group) - per_unit_bwd)
                     share = gt.total / max(gt.total + rt.total, 1e-30)
                     exp["weight_gather_bwd"] += over * share
@@ -296,7 +316,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration) -> Prediction:
     optimizer_s = shard_params * cal.optimizer_bytes_per_param / hbm
     deltas_s = 0.0
     if z.weight_deltas:
+        # the exchange, then the kernels that make and apply the differences
         deltas_s = max(sum(traffic.delta_time(u, g, z, cluster, link_eff).total
+                           + traffic.delta_kernel_bytes(u, g, z, elem) / hbm
                            for u in st["units"]) for st in stages)
     step = sim.makespan_s + max(first_extra, 0.0) + tail + optimizer_s + deltas_s \
         + cal.fixed_step_overhead_s

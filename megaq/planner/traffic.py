@@ -205,6 +205,20 @@ def delta_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, cluster: Cluster,
                         cluster.inter_node_latency_s if g.k > 1 else cluster.intra_node_latency_s)
 
 
+def delta_kernel_bytes(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, elem: int) -> float:
+    """HBM bytes one rank's weight-delta kernels move for one unit and step, as
+    megaq.zero.zeropp.deltas runs them (each an eager kernel, fp32 in between): the owner
+    takes shard - reference (two casts, a subtraction), quantizes it, decodes it and
+    applies it to its own reference (cast, add, cast back, copy); the covering rank
+    decodes and applies each of the n/h shards of its slice the same way."""
+    S = u.shard_numel(g.n, cfg.block_size)
+    packed = volume.delta_bytes(S, cfg) / max(S, 1)  # bytes per element on the wire
+    apply = (elem + 4) + 12 + (4 + elem) + 2 * elem  # cast, add, cast back, copy
+    owner = 2 * (elem + 4) + 12 + (4 + packed) + (packed + 4) + apply
+    covering = (packed + 4) + apply
+    return S * owner + S * (g.n // cfg.hpz_partition_size) * covering
+
+
 @functools.lru_cache(maxsize=1024)
 def _weight_deltas(S: int, k: int, m: int, cfg: ZeroConfig) -> dict[str, int]:
     return volume.weight_deltas(S, k, m, cfg)

@@ -1,5 +1,6 @@
-"""Megatron's training / validation log lines, its per-phase timers, and the optional
-TensorBoard and Weights & Biases scalars.
+"""Megatron's training / validation log lines, its start-up report (arguments,
+parameter count, memory after the first iterations), its per-phase timers, and the
+optional TensorBoard and Weights & Biases scalars.
 
 Users grep these lines (and Megatron log parsers read them), so the field names and
 their order are Megatron-LM's:
@@ -81,9 +82,48 @@ def validation_log_line(iteration: int, loss: float, where: str = "") -> str:
             f"lm loss PPL: {perplexity(loss):.6E} |")
 
 
+def arguments_block(values: dict, title: str = "arguments") -> str:
+    """Megatron's start-up dump of its arguments (_print_args): one dotted line per
+    name, sorted case-insensitively, between two rules."""
+    entries = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in values.items()]
+    return "\n".join([f"------------------------ {title} ------------------------",
+                      *sorted(entries, key=str.lower),
+                      f"-------------------- end of {title} ---------------------"])
+
+
+def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
+    """Megatron's line for the parameters one (tensor, pipeline) rank holds."""
+    return (f" > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({tp_rank}, {pp_rank}): {count}")
+
+
+def memory_report_line(rank: int, iteration: int, device: torch.device) -> str | None:
+    """Megatron's report_memory line after `iteration` iterations: this rank's CUDA
+    allocator figures in MiB. None off CUDA (the CPU has no such allocator; the peak RSS
+    goes to --log-memory-to-tensorboard's mem-max-rss-bytes instead)."""
+    if device.type != "cuda":
+        return None
+    mb = float(2**20)
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+            f" | allocated: {torch.cuda.memory_allocated(device) / mb:.2f}"
+            f" | max allocated: {torch.cuda.max_memory_allocated(device) / mb:.2f}"
+            f" | reserved: {torch.cuda.memory_reserved(device) / mb:.2f}"
+            f" | max reserved: {torch.cuda.max_memory_reserved(device) / mb:.2f}")
+
+
+# The tags Megatron-LM's training_log and evaluate_and_print_results write a second
+# time as "<tag> vs samples", with the consumed samples as the step (iteration-time,
+# throughput and the mem-* tags have no such twin there).
+SAMPLES_TWINS = frozenset({
+    "learning-rate", "batch-size", "lm loss", "loss-scale", "world-size", "grad-norm",
+    "num-zeros", "params-norm", "lm loss validation", "lm loss validation ppl"})
+
+
 class TensorBoard:
     """SummaryWriter when --tensorboard-dir is given and tensorboard imports; else no-op
-    (with one warning, so a missing package never stops a run)."""
+    (with one warning, so a missing package never stops a run). Tags are Megatron's, so
+    a Megatron dashboard reads a megaq run unchanged: a tag of :data:`SAMPLES_TWINS`
+    is also written as "<tag> vs samples" against the consumed samples."""
 
     def __init__(self, log_dir: str | None, enabled: bool = True):
         self.writer = None
@@ -100,12 +140,16 @@ class TensorBoard:
             warnings.simplefilter("ignore")
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=100)
 
-    def scalars(self, values: dict, step: int) -> None:
+    def scalars(self, values: dict, step: int, samples: int | None = None) -> None:
+        """`values` at `step` (the iteration); with `samples` (the consumed samples) the
+        "vs samples" twins too."""
         if self.writer is None:
             return
         for k, v in values.items():
             if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
                 self.writer.add_scalar(k, v, step)
+                if samples is not None and k in SAMPLES_TWINS:
+                    self.writer.add_scalar(f"{k} vs samples", v, samples)
 
     def close(self) -> None:
         if self.writer is not None:

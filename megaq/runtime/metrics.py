@@ -4,7 +4,9 @@ Training lines (one per logged iteration) carry: iteration, consumed_samples, lm
 lr, grad_norm, elapsed_ms (mean per iteration over the logging interval), tokens_per_s,
 tflops_per_gpu, skipped_iterations, nan_iterations, comm, zero_model_bytes, nodes,
 world_size, and the layout (tp, pp, dp). Validation lines carry iteration and val_loss
-(and val_ppl). Each line has "type": "train" | "validation".
+(and val_ppl); the one test line (the test split, evaluated at the end of training)
+iteration, test_loss and test_ppl. Each line has "type": "train" | "validation" | "test"
+(and the planner's first line "plan").
 
 ``comm`` is ``{phase: {"intra_node": B, "inter_node": B}}`` where B is the bytes *sent*
 per node per training iteration: the collective layer's per-rank counters

@@ -135,6 +135,17 @@ class ZeroEngine:
         for i, site in enumerate(self.sites):
             for unit in site.gathered_units:
                 self._users.setdefault(unit.name, []).append(i)
+        # What each site releases: after its forward, the units no later site of the
+        # forward needs; once its own grads are in, the units no earlier site's backward
+        # needs. As (unit name, sharded partition), fixed at build.
+        self._release_after_fwd: dict[str, list[tuple[str, FlatPartition]]] = {}
+        self._release_after_bwd: dict[str, list[tuple[str, FlatPartition]]] = {}
+        for i, site in enumerate(self.sites):
+            units = site.gathered_units
+            self._release_after_fwd[site.name] = [
+                (u.name, u.sharded) for u in units if self._users[u.name][-1] == i]
+            self._release_after_bwd[site.name] = [
+                (u.name, u.sharded) for u in units if self._users[u.name][0] == i]
         self.partitions = all_partitions(self.sites)
         self.gatherer = make_gatherer(topo, cfg, self.partitions) if self.stage3 else None
         self._owner: dict[str, tuple[FlatPartition, Site]] = {  # partition name -> (it, its site)
@@ -202,10 +213,9 @@ class ZeroEngine:
                 if t.requires_grad:
                     t.register_hook(lambda grad, site=site: self._pre_backward(site))
         if self.stage3:
-            here = self._site_index[site.name]
-            for unit in site.gathered_units:
-                if self._users[unit.name][-1] == here:  # no later site of this forward needs it
-                    self._release(unit)
+            for name, part in self._release_after_fwd[site.name]:
+                if name not in self._pending_gathers:  # a prefetch for a later site: keep it
+                    part.release()
 
     def _pre_backward(self, site: Site) -> None:
         if not self._in_backward:
@@ -227,19 +237,18 @@ class ZeroEngine:
         if self.stage3:
             left = self._site_remaining.setdefault(site.name, site.owned_param_count) - 1
             self._site_remaining[site.name] = left
-            if left == 0 and self._in_backward:
-                here = self._site_index[site.name]
-                for unit in site.gathered_units:
-                    if self._users[unit.name][0] == here:  # no earlier site's backward needs it
-                        self._release(unit)
+            if left == 0 and self._in_backward:  # the site's backward is done with its weights
+                for name, gathered in self._release_after_bwd[site.name]:
+                    if name not in self._pending_gathers:  # a prefetch for another site: keep it
+                        gathered.release()
 
     def _end_backward(self) -> None:
         self._in_backward = False
         self._bwd_started.clear()
         self._site_remaining.clear()
-        self.grads.flush()
         if self.stage3:
             self._release_all()
+        self.grads.flush()
 
     # ================================================================ gathers
     def _start_gather(self, unit: Unit, phase: str) -> None:
@@ -276,10 +285,6 @@ class ZeroEngine:
         for u in units:
             if u.name in self._pending_gathers:
                 self._wait_gather(u)
-
-    def _release(self, unit: Unit) -> None:
-        if unit.name not in self._pending_gathers:  # a prefetch for a later site: keep it
-            unit.sharded.release()
 
     def _release_all(self) -> None:
         for unit, _, _ in list(self._pending_gathers.values()):
@@ -345,26 +350,25 @@ class ZeroEngine:
         """The optimizer's update with the clip factor of :meth:`clip_grad_norm`, or no
         update: given `loss` (the step's global loss, a float already on the host), a
         step whose loss or grad norm is not finite is skipped and its grads dropped.
-        Then the post-step hooks, applied or skipped alike (:meth:`_after_step`)."""
+        Then the post-step hooks, applied or skipped alike: the weight gatherer learns
+        the shards moved (not after a skip), delayed FP8 scaling rolls the step's amaxes
+        into its histories (or drops them)."""
         grad_norm, skipped = None, False
         if loss is not None:  # the caller synchronised for the loss: reading the norm is cheap
             grad_norm = float(self.grad_norm())
             skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if not skipped:
             self.optimizer.step(lr, self._clip.coef)
-        self._after_step(skipped)
-        if skipped:
-            self.zero_grad()
-        self._clip = _Clip()
-        return StepResult(skipped, grad_norm)
-
-    def _after_step(self, skipped: bool) -> None:
-        """What follows every optimizer step (torchtitan's post-optimizer hooks)."""
+        # the post-step hooks (torchtitan's post-optimizer hooks), applied or skipped alike
         if not skipped and self.gatherer is not None:  # the shards moved
             # weight deltas keep their references (after_step); the others drop copies
             getattr(self.gatherer, "after_step", self.gatherer.invalidate)()
         # delayed FP8 scaling: this step's amaxes into the histories (dropped when skipped)
         fp8_delayed.step(self.chunks, self.topo.tp, self.topo.dp, skipped=skipped)
+        if skipped:
+            self.zero_grad()
+        self._clip = _Clip()
+        return StepResult(skipped, grad_norm)
 
     @property
     def step_count(self) -> int:
@@ -417,6 +421,12 @@ class ZeroEngine:
     def load_error_feedback_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Restore this rank's residuals (call after load_full_state, which drops them)."""
         self.reducer.load_error_feedback_state(sd, self.device)
+
+    def num_parameters(self) -> int:
+        """The parameters of this rank's model chunks (its TP and PP part, whole: not
+        this DP rank's shard), unpadded; a tied embedding counts on each stage that holds
+        it, as Megatron counts it."""
+        return sum(p.numel for p in self.partitions)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes on this rank: params (model shards + live gathered), grads, optimizer,

@@ -60,6 +60,8 @@ class GradState:
             self.parts[p.name] = p
         self._accum = {name: torch.zeros(p.shard_numel, dtype=torch.float32, device=p.device)
                        for name, p in self.parts.items()}
+        # the accumulator ranges this rank adds to the global norm (fixed by the layout)
+        self._counted = {name: p.counted_ranges() for name, p in self.parts.items()}
         self._stale: set[str] = set()              # names whose accumulator is stale
         self._written: dict[str, set[int]] = {}    # name -> slot offsets written while stale
         self._buckets: dict[str, list] = {}        # name -> [padded flat grad, params seen]
@@ -109,13 +111,13 @@ class GradState:
             full = self._full.pop(name, None)
             if full is not None:
                 self._launch(part, full.to(part.dtype) if part.dtype != full.dtype else full)
+        self._settle_all()  # the ones no reduction reached; the others settled at launch
         while self._pending:
             self._finish_oldest()
-        accum = self.read()
         if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
             for name, part in self.parts.items():
                 if part.shared_embedding:
-                    comm.all_reduce(accum[name], self.topo.embedding, "embedding")
+                    comm.all_reduce(self._accum[name], self.topo.embedding, "embedding")
 
     def zero(self) -> None:
         """Start a step: accumulators become stale (nothing runs), buckets are dropped."""
@@ -167,6 +169,10 @@ class GradState:
         self._stale.discard(name)
         written.clear()
 
+    def _settle_all(self) -> None:
+        for name in self.parts:
+            self._settle(name)
+
     # ------------------------------------------------------------ for the optimizer
     def accumulator(self, name: str) -> torch.Tensor:
         """The accumulator tensor itself (the optimizer's leaves view it once, at build);
@@ -175,8 +181,7 @@ class GradState:
 
     def read(self) -> dict[str, torch.Tensor]:
         """{name: settled fp32 accumulator}, in partition order."""
-        for name in self.parts:
-            self._settle(name)
+        self._settle_all()
         return self._accum
 
     def global_norm(self) -> torch.Tensor:
@@ -193,7 +198,7 @@ class GradState:
             if not part.sharded and self.topo.dp.rank != 0:
                 continue  # replicated over DP: counted once per DP group
             grad = accum[name]
-            for a, b in part.counted_ranges():
+            for a, b in self._counted[name]:
                 g = grad[a:b]
                 total += torch.dot(g, g)
         comm.all_reduce(total, self.topo.world, "dp_misc")

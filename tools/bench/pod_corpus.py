@@ -10,7 +10,7 @@
     # then: tools/bench/convergence.py --data-path /tmp/pod/pod_text_document \\
     #           --tokenizer-model /tmp/pod/tok.model
 
-Used by docs/PERFORMANCE.md ("qgZ square-law code") as a corpus the qgZ code was never
+Used by docs/FIDELITY.md ("qgZ square-law code") as a corpus the qgZ code was never
 tuned on: English technical prose with code examples, one document per module, unlike
 the built-in corpus and unlike the repetitive license texts of usrshare_corpus.py.
 Every *.pod and *.pm file under --root in sorted path order; a file whose rendered text

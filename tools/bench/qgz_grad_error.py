@@ -31,7 +31,7 @@ transformed back; float64 here).
 synthetic: the same replay on heavy-tailed synthetic gradients (4 ranks of N(0,1) x
 exp(N(0,1)), seeded), printing per code the relative L2 error, the median per-coordinate
 error |err| / |x|, the share of coordinates whose error exceeds their value, and the
-share sent as 0 (docs/PERFORMANCE.md "qgZ with the Hadamard transform"):
+share sent as 0 (docs/FIDELITY.md "qgZ with the Hadamard transform"):
 
     python tools/bench/qgz_grad_error.py synthetic --elements 65536
 """

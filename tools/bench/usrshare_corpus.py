@@ -10,7 +10,7 @@
     # then: tools/bench/convergence.py --data-path /tmp/usrshare/usrshare_text_document \\
     #           --tokenizer-model /tmp/usrshare/tok.model
 
-Used by docs/PERFORMANCE.md ("qgZ fidelity") as the corpus the qgZ defaults were not
+Used by docs/FIDELITY.md ("qgZ fidelity: the harness") as the corpus the qgZ defaults were not
 tuned on. Files in sorted order, one JSON document each, texts under 200 characters
 skipped, until --max-bytes of text (deterministic for a given system image).
 """

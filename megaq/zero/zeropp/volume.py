@@ -91,17 +91,31 @@ def weight_deltas(S: int, k: int, m: int, cfg: ZeroConfig, delta_elem_bytes: int
     """Weight deltas: one unit's differences, each owner's packed shard sent to the member
     of every hpZ group that covers it (megaq.zero.zeropp.deltas.delta_routes), over one DP
     group whose member a*m + j is local index j on node a. delta_elem_bytes: bytes per
-    element on the wire instead of the packed format (the exact codec sends 4)."""
+    element on the wire instead of the packed format (the exact codec sends 4).
+
+    Counted per (hpZ slot, node) rather than per pair of ranks, O(h + k), so that it stays
+    cheap at thousands of ranks: the owners r in [q*per, (q+1)*per) all send to the members
+    g*h + q (g < n/h), so the sends that stay in node a are (owners of slot q on node a)
+    x (destinations of slot q on node a), less the owners that are their own destination.
+    """
     n, h = k * m, cfg.hpz_partition_size
     per = n // h
     P = S * delta_elem_bytes if delta_elem_bytes else delta_bytes(S, cfg)
-    out = {INTRA: 0, INTER: 0}
-    for r in range(n):
-        for g in range(n // h):
-            dest = g * h + r // per
-            if dest != r:
-                out[INTER if dest // m != r // m else INTRA] += P
-    return out
+    same_node = to_self = 0
+    for q in range(h):
+        lo, hi = q * per, (q + 1) * per  # the owners whose shard slot q covers
+        for a in range(lo // m, (hi - 1) // m + 1):  # the nodes that hold those owners
+            owners = max(0, min(hi, (a + 1) * m) - max(lo, a * m))
+            same_node += owners * _count_slot(q, h, per, a * m, (a + 1) * m)
+        to_self += _count_slot(q, h, per, lo, hi)
+    return {INTRA: P * (same_node - to_self), INTER: P * (n * per - same_node)}
+
+
+def _count_slot(q: int, h: int, groups: int, lo: int, hi: int) -> int:
+    """How many of the members g*h + q (0 <= g < groups) lie in [lo, hi)."""
+    first = max(0, -((q - lo) // h))            # smallest g with g*h + q >= lo
+    last = min(groups, (hi - 1 - q) // h + 1) if hi > q else 0  # one past the largest
+    return max(0, last - first)
 
 
 def reference_gather(S: int, k: int, m: int, elem: int, cfg: ZeroConfig) -> dict[str, int]:
