@@ -90,11 +90,18 @@ def main(argv: list[str] | None = None, topo=None):
 
 
 def print_arguments(argv, config) -> None:
-    """Megatron's start-up arguments block: every flag under its argparse name (the
-    parsed value, default or given), with the layout's world and data-parallel sizes."""
+    """Megatron's start-up arguments block: every megaq flag under its argparse name (the
+    parsed value, default or given), the Megatron-LM flags megaq only notes, aliases or
+    refuses when they were given (the hundreds not given would be noise), and the
+    layout's world and data-parallel sizes."""
     from megaq.config.arguments import build_parser
+    from megaq.config.megatron_flags import IMPLEMENTED, MEGATRON_FLAGS
     from megaq.runtime.logging_utils import arguments_block
     values = vars(build_parser().parse_args(argv))
+    for f in MEGATRON_FLAGS:
+        dest = f.name.lstrip("-").replace("-", "_")
+        if f.kind != IMPLEMENTED and values.get(dest) in (None, False):
+            values.pop(dest, None)
     values.update(world_size=config.parallel.world_size, data_parallel_size=config.parallel.dp)
     print(arguments_block(values), flush=True)
 
