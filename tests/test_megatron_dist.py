@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megaq.interop import megatron as mi
+from megaq.checkpoint import safe_unpickle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "megatron_torch_dist")
@@ -144,7 +145,6 @@ def test_imported_moments_are_megatrons(imported_tp2):
 
 def test_record_carries_the_run_position(imported_tp2):
     """The iteration, consumed samples and LR schedule are Megatron's (in iterations)."""
-    from megaq.checkpoint import safe_unpickle
     out = imported_tp2[0]
     sd = safe_unpickle.load(os.path.join(out, "iter_0000005", "mp_rank_01_000", "model_optim.pt"))
     assert (sd["iteration"], sd["consumed_samples"]) == (5, 20)
@@ -213,7 +213,7 @@ def test_crafted_chunk_and_escaping_path_are_refused(tmp_path):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     src = _copy_fixture(tmp_path)
     it = os.path.join(src, "iter_0000005")
-    index = pickle.load(open(os.path.join(it, ".metadata"), "rb"))  # our own fixture
+    index = safe_unpickle.load(os.path.join(it, ".metadata"), safe_unpickle.DCP_INDEX)
     key = MetadataIndex("optimizer.distributed.dp_group_idx_0.per_bucket_numel/shard_0_1")
     info = index.storage_data[key]
     buf = io.BytesIO()

@@ -138,14 +138,7 @@ def _read(path: str) -> dict:
     """One model_optim_rng.pt, through megaq.checkpoint.safe_unpickle: Megatron pickles its flags as
     an argparse.Namespace (holding dtypes and some of Megatron's enums) and numpy RNG
     state beside the tensors; anything else is refused unread, naming the class."""
-    try:
-        sd = safe_unpickle.load(path, safe_unpickle.MEGATRON)
-    except safe_unpickle.UnpicklingRefused as e:
-        raise MegatronImportError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
-        raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
-                                  "damaged or incomplete") from None
+    sd = megatron_dist.unpickle(path, safe_unpickle.MEGATRON)
     if not isinstance(sd, dict):
         raise MegatronImportError(f"{path} holds a {type(sd).__name__}, not the dict Megatron-LM "
                                   "saves; it is not a Megatron-LM checkpoint file")

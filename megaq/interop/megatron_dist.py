@@ -56,6 +56,21 @@ class MegatronImportError(InteropError):
     its one `error:` line. (Here, the lower of the two Megatron modules.)"""
 
 
+def unpickle(path: str, fmt, data: bytes | None = None):
+    """A Megatron-LM file (or `data`, a chunk of one) through megaq.checkpoint.safe_unpickle's
+    allow-list `fmt`: a refused class or a damaged file is one MegatronImportError line."""
+    try:
+        if data is None:
+            return safe_unpickle.load(path, fmt)
+        return safe_unpickle.load_bytes(data, path, fmt)
+    except safe_unpickle.UnpicklingRefused as e:
+        raise MegatronImportError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
+        raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
+                                  "damaged or incomplete") from None
+
+
 class DistCheckpoint:
     """One Megatron-LM torch_dist iteration directory, read lazily and safely."""
 
@@ -81,16 +96,7 @@ class DistCheckpoint:
         self._sizes = {}
 
     def _unpickle(self, path: str, fmt, data: bytes | None = None):
-        try:
-            if data is None:
-                return safe_unpickle.load(path, fmt)
-            return safe_unpickle.load_bytes(data, path, fmt)
-        except safe_unpickle.UnpicklingRefused as e:
-            raise MegatronImportError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - a damaged or foreign file
-            raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
-                                  "damaged or incomplete") from None
+        return unpickle(path, fmt, data)
 
     # ---------------------------------------------------------------- raw items
     def names(self) -> list[str]:

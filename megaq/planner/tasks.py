@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class TaskError(ValueError):
-    pass
+    """A subcommand's bad input: one `error:` line."""
 
 
 def _parser(name: str) -> _Parser:
