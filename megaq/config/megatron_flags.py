@@ -104,7 +104,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
           "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
           "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor",
-          "--calculate-per-token-loss")
+          "--calculate-per-token-loss", "--profile", "--use-pytorch-profiler",
+          "--profile-step-start", "--profile-step-end", "--profile-ranks")
     + [
         # ---- accepted with a note: nothing to do for megaq ------------------------------
         _note("--use-mcore-models", "megaq's model is megatron-core's GPT layout already"),
@@ -171,10 +172,6 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--log-progress", "megaq's metrics file (--metrics-file) records progress"),
         _note("--timing-log-option", "megaq prints the timers (--timing-log-level) in Megatron's "
               "default form, (min, max) over the ranks", "str"),
-        _note("--profile", "use --log-comm-time or torch.profiler around megaq.pretrain.main"),
-        _note("--profile-step-start", "see --profile", "int"),
-        _note("--profile-step-end", "see --profile", "int"),
-        _note("--use-pytorch-profiler", "see --profile"),
         _note("--deterministic-mode", "megaq does not change PyTorch's determinism settings "
               "(call torch.use_deterministic_algorithms yourself)"),
         # ---- aliases: Megatron's spelling of a megaq flag ----------------------------------
@@ -359,7 +356,7 @@ _FAMILIES: tuple[tuple[str, str, str], ...] = (
      r"|no-clone-scatter-output|disable-clone-scatter-output|fp16-lm-cross-entropy"
      r"|no-initialization|no-check-for-nan-in-loss-and-grad|no-barrier-with-level-1-timing"
      r"|manual-gc-eval|no-manual-gc-eval|disable-manual-gc-eval|fp8-interval"
-     r"|record-memory-history|memory-snapshot-path|profile-ranks|save-dgrads-interval"
+     r"|record-memory-history|memory-snapshot-path|save-dgrads-interval"
      r"|save-wgrads-interval|dump-param-to-param-group-map|log-device-memory-used"
      r"|log-memory-interval|logging-level|test-mode|exit-signal$"
      r"|exit-signal-handler-for-dataloader|max-tokens-to-oom)", NOTE,

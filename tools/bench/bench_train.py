@@ -331,11 +331,20 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     """Profile two more steps of an already warmed-up variant; top kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    from megaq.runtime.profiling import trace_busy
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(2):
             fwd_bwd(*batches[i % len(batches)])
             opt_step()
         torch.cuda.synchronize()
+    trace = os.path.join(out_dir, f"profile_{size}_{variant}.trace.json")
+    prof.export_chrome_trace(trace)
+    busy = trace_busy(trace)
+    if busy:
+        print(f"profile {size} {variant}: device busy {busy['busy_us'] / 2e3:.1f} ms per step "
+              f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms")
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
     path = os.path.join(out_dir, f"profile_{size}_{variant}.txt")
     with open(path + ".tmp", "w") as f:
