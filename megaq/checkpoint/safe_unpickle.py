@@ -31,6 +31,11 @@ no Megatron module is imported, so a Megatron-LM checkpoint imports without Mega
 installed and a file cannot make megaq import anything. A class Megatron adds later is
 refused by name until it is listed here.
 
+DeepSpeed's files (its model-state and ZeRO optimizer-state files, and the universal
+checkpoint's) pickle two of DeepSpeed's classes in the optimizer state: the ZeRO stage
+(an enum) and the loss scaler (an object of two fields). They are read as the same
+stand-ins (:data:`DEEPSPEED`), so a DeepSpeed checkpoint imports without DeepSpeed.
+
 Names are matched exactly (``module.qualname``): a pickle cannot reach an attribute of
 an allowed class (``torch.Size.__init__.__globals__`` is not ``torch.Size``).
 """
@@ -66,7 +71,7 @@ class UnpicklingRefused(pickle.UnpicklingError):
 
 
 class MegatronObject:
-    """An object of one of Megatron's classes, read without Megatron: an enum member
+    """An object of one of Megatron's (or DeepSpeed's) classes, read without them: an enum member
     (`value`: the member's value) or a dataclass (its fields, set as attributes); the
     class's `qualified_name` names Megatron's class. Nothing of it runs any code."""
 
@@ -168,6 +173,18 @@ def _dcp_index_names() -> dict:
                   "collections.OrderedDict": collections.OrderedDict,
                   "builtins.set": set, "builtins.frozenset": frozenset, **_PATHS})
     return names
+
+
+# DeepSpeed's classes in a ZeRO optimizer-state file (and the universal checkpoint's
+# optimizer_state.pt): the stage enum, and the static (bf16, fp32) or dynamic (fp16) loss scaler
+_DEEPSPEED_CLASSES = ["deepspeed.runtime.zero.config.ZeroStageEnum",
+                      "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"]
+
+DEEPSPEED = Format(
+    "a DeepSpeed checkpoint file",
+    "tensors, plain containers, DeepSpeed's ZeRO stage and loss scaler",
+    names={name: _stand_in(name) for name in _DEEPSPEED_CLASSES})
 
 
 DCP_INDEX = Format("a DCP index (.metadata)",
