@@ -19,6 +19,11 @@
     python tools/convert_checkpoint.py --from megatron --to megaq --input MEGATRON_CKPT --output CKPT \\
         --tensor-model-parallel-size 2
 
+    # DeepSpeed checkpoint of a megaq GPTModel run (ZeRO-3 tag, or any stage's universal form
+    # from ds_to_universal.py) -> megaq checkpoint for a layout, with the Adam state
+    python tools/convert_checkpoint.py --from deepspeed --to megaq --input DS_SAVE_DIR --output CKPT \
+        --num-attention-heads 16 [--tensor-model-parallel-size 2]
+
 The import writes CKPT/megaq_args.txt: the architecture and layout flags to give
 pretrain_gpt.py together with `--load CKPT --no-load-rng`. docs/INTEROP.md has the
 name mapping and what is refused. Each route is one function in ROUTES below; a new
@@ -32,7 +37,7 @@ import os
 import sys
 import time
 
-SOURCES = ("megaq", "hf", "megatron")
+SOURCES = ("megaq", "hf", "megatron", "deepspeed")
 TARGETS = ("megaq", "hf", "megatron")
 
 
@@ -124,8 +129,15 @@ def megaq_to_megatron(a) -> str:
             f"--no-load-rng and the run's architecture flags")
 
 
+def deepspeed_to_megaq(a) -> str:
+    """megaq.interop.deepspeed.convert_to_megaq(a): `a` as for --from megatron, plus
+    num_attention_heads and model_flags."""
+    from megaq.interop import deepspeed
+    return deepspeed.convert_to_megaq(a)
+
+
 ROUTES = {("megaq", "hf"): megaq_to_hf, ("hf", "megaq"): hf_to_megaq,
-          ("megaq", "megaq"): megaq_format,
+          ("megaq", "megaq"): megaq_format, ("deepspeed", "megaq"): deepspeed_to_megaq,
           ("megatron", "megaq"): megatron_to_megaq, ("megaq", "megatron"): megaq_to_megatron}
 
 
@@ -147,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True,
                    help="megaq: checkpoint root or iter_* dir; hf: transformers model directory; "
                         "megatron: Megatron-LM checkpoint root (latest_checkpointed_iteration.txt) "
-                        "or its iter_*/release dir")
+                        "or its iter_*/release dir; deepspeed: save_checkpoint's directory "
+                        "(latest_universal / latest), a ZeRO-3 global_step* tag or its "
+                        "ds_to_universal.py output")
     p.add_argument("--output", required=True, help="directory to write (must not exist)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output that holds only an earlier output of the "
@@ -176,11 +190,20 @@ def build_parser() -> argparse.ArgumentParser:
                    default="transformer_engine",
                    help="the layer spec of the Megatron-LM run that loads the output (its "
                         "--transformer-impl): it fixes the order of the optimizer's buckets")
-    g = p.add_argument_group("--from megatron")
+    g = p.add_argument_group("--from megatron / --from deepspeed")
     g.add_argument("--no-optimizer", action="store_true",
-                   help="torch_dist input: import the weights only (fresh AdamW moments, "
-                        "iteration 0); by default the distributed optimizer's state, the LR "
-                        "schedule, the iteration and the consumed samples are imported")
+                   help="Megatron torch_dist or DeepSpeed input: import the weights only (fresh "
+                        "AdamW moments, iteration 0); by default the optimizer's state (Adam "
+                        "moments, step), the iteration and the consumed samples are imported "
+                        "(from Megatron also the LR schedule)")
+    g = p.add_argument_group("--from deepspeed")
+    g.add_argument("--num-attention-heads", type=int, default=None,
+                   help="the run's attention heads (required: the checkpoint records shapes "
+                        "only; the rest of the architecture is read off them)")
+    g.add_argument("--model-flags", default=None,
+                   help="other pretrain_gpt.py architecture flags of the run that shapes do not "
+                        "show, as one string (e.g. \"--rotary-base 500000 --norm-epsilon 1e-6\"); "
+                        "recorded in megaq_args.txt")
     g = p.add_argument_group("--to megaq")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)

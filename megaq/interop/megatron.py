@@ -555,7 +555,9 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     flags. Written by the shared interop writer (megaq.interop.common), so it is the
     same form as a training save and as the Hugging Face import. The vocabulary rows are
     megaq's padding of `vocab_size` (default: the checkpoint's true vocab when its args
-    name one, else every embedding row). Returns {"dir", "flags", "load_flags", "tensors"}."""
+    name one, else every embedding row); config["provenance"], when given, is what the
+    files record of the source (default: the Megatron-LM run's). Returns {"dir", "flags",
+    "load_flags", "tensors"}."""
     from megaq.interop.common import (ImportedTraining, check_output, megaq_layout,
                                       megaq_layout_flags, megaq_run_config, replace_dir,
                                       temp_dir_for, write_megaq_args,
@@ -613,9 +615,10 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
     tmp = temp_dir_for(out_dir)
     try:
         write_checkpoint(tmp, run, layout, full_tensor,
-                         extra={"imported_from": config["source"],
-                                "megatron_iteration": config["iteration"],
-                                "megatron_layout": config["megatron_layout"]},
+                         extra=config.get("provenance") or {
+                             "imported_from": config["source"],
+                             "megatron_iteration": config["iteration"],
+                             "megatron_layout": config["megatron_layout"]},
                          training=training)
         write_megaq_args(tmp, out_dir, flags, {"source": config["source"]})
         replace_dir(tmp, out_dir)
