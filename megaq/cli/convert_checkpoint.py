@@ -19,10 +19,10 @@
     python tools/convert_checkpoint.py --from megatron --to megaq --input MEGATRON_CKPT --output CKPT \\
         --tensor-model-parallel-size 2
 
-    # DeepSpeed checkpoint of a megaq GPTModel run (ZeRO-3 tag, or any stage's universal form
-    # from ds_to_universal.py) -> megaq checkpoint for a layout, with the Adam state
-    python tools/convert_checkpoint.py --from deepspeed --to megaq --input DS_SAVE_DIR --output CKPT \
-        --num-attention-heads 16 [--tensor-model-parallel-size 2]
+    # DeepSpeed checkpoint (a ZeRO-3 tag, or the universal form ds_to_universal.py makes) of a
+    # megaq GPTModel or a transformers model -> megaq checkpoint for a layout, with the Adam state
+    python tools/convert_checkpoint.py --from deepspeed --to megaq --input DS_SAVE_DIR --output CKPT \\
+        (--num-attention-heads 16 | --hf-config HF_CONFIG_JSON) [--tensor-model-parallel-size 2]
 
 The import writes CKPT/megaq_args.txt: the architecture and layout flags to give
 pretrain_gpt.py together with `--load CKPT --no-load-rng`. docs/INTEROP.md has the
@@ -198,8 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(from Megatron also the LR schedule)")
     g = p.add_argument_group("--from deepspeed")
     g.add_argument("--num-attention-heads", type=int, default=None,
-                   help="the run's attention heads (required: the checkpoint records shapes "
-                        "only; the rest of the architecture is read off them)")
+                   help="a run of megaq's GPTModel: its attention heads (required: the "
+                        "checkpoint records shapes only; the rest of the architecture is read "
+                        "off them)")
+    g.add_argument("--hf-config", default=None,
+                   help="a run of a transformers model (Llama family, Qwen3, GPT-2): its "
+                        "config.json, or a directory holding it; the names and architecture "
+                        "are mapped as --from hf maps them")
     g.add_argument("--model-flags", default=None,
                    help="other pretrain_gpt.py architecture flags of the run that shapes do not "
                         "show, as one string (e.g. \"--rotary-base 500000 --norm-epsilon 1e-6\"); "

@@ -22,10 +22,15 @@ ds_to_universal.py cuts them). A ZeRO-1/2 tag is refused with the command that m
 universal form. The checkpoint root (with DeepSpeed's ``latest_universal`` or ``latest``
 file) is accepted for either.
 
-Parameter names are megaq's own (a run whose model was megaq.model.GPTModel); DeepSpeed
-does not record the architecture, so it is read off the shapes (layers, widths, biases,
-norm type, SwiGLU, tied head, positions), with --num-attention-heads given (the heads
-cannot be told from a fused QKV shape) and any other architecture flag passed through.
+DeepSpeed does not record the architecture. Parameter names are either megaq's own (a
+run whose model was megaq.model.GPTModel): the architecture is read off the shapes
+(layers, widths, biases, norm type, SwiGLU, tied head, positions), with
+--num-attention-heads given (the heads cannot be told from a fused QKV shape) and any
+other architecture flag passed through; or a transformers model's (LlamaForCausalLM,
+Qwen3ForCausalLM, GPT2LMHeadModel), with its config.json given (--hf-config): the
+architecture and the name and layout mapping are the Hugging Face import's
+(megaq.interop.hf), applied alike to the weights and to both moments (the mapping only
+moves elements: splits, concatenations, transposes).
 The optimizer state is imported with the step, the iteration and the consumed samples;
 DeepSpeed's LR scheduler is not (its position is, and the run's flags give the schedule).
 
@@ -346,24 +351,82 @@ def architecture(shapes: dict, heads: int | None, where: str) -> dict:
     }
 
 
+def from_hf_names(tensors: dict, hf_config: str, seq_length: int | None,
+                  where: str) -> tuple[dict, list[str], dict]:
+    """(arch values write_megaq_checkpoint reads, megaq flags, {megaq name: {key: full
+    tensor}}) of a DeepSpeed run of a transformers model, by the Hugging Face import's
+    mapping (megaq.interop.hf), applied to the weights and to each moment alike."""
+    from megaq.interop.common import megaq_layout, megaq_run_config
+    from megaq.interop.hf import MAPPINGS, _read_json, flags_from_hf_config
+    cfg_path = os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config
+    if not os.path.isfile(cfg_path):
+        raise DeepSpeedImportError(f"--hf-config {hf_config} is not a config.json nor a directory "
+                                   "holding one; pass the transformers config of the run's model")
+    cfg = _read_json(cfg_path, "a model configuration")
+    try:
+        family, flags = flags_from_hf_config(cfg, seq_length, 1)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DeepSpeedImportError(f"{cfg_path} is incomplete or malformed ({type(e).__name__}: "
+                                   f"{e}); pass the run's config.json") from None
+    run = megaq_run_config(flags, 1, 1)
+    mapping = MAPPINGS[family](run.model, run.padded_vocab_size)
+    used = set()
+
+    def getter(key):
+        def get(hf_name, shape):
+            if hf_name not in tensors:
+                raise DeepSpeedImportError(f"{where}: the run's model has no parameter {hf_name}, "
+                                           f"which {cfg_path} implies; the checkpoint is not of "
+                                           "that model")
+            t = tensors[hf_name][key]
+            want = tuple(t.shape[0] if d is None else d for d in shape)
+            if tuple(t.shape) != want:
+                raise DeepSpeedImportError(f"{where}: {hf_name} has shape {tuple(t.shape)}, "
+                                           f"{cfg_path} implies {want}; the checkpoint is not of "
+                                           "that model")
+            used.add(hf_name)
+            return t
+        return get
+    keys = list(next(iter(tensors.values())))
+    out = {info.name: {k: mapping.from_hf(info.name, getter(k)) for k in keys}
+           for info in megaq_layout(run.model, 1, 1)}
+    unused = sorted(n for n in set(tensors) - used if not mapping.ignored_hf_name(n))
+    if unused:
+        raise DeepSpeedImportError(f"{where}: parameter {unused[0]} (and {len(unused) - 1} more) "
+                                   f"has no megaq counterpart in a {family} model; the model has "
+                                   "parts megaq lacks")
+    value = lambda flag: int(flags[flags.index(flag) + 1])  # noqa: E731
+    arch = {"num_layers": value("--num-layers"), "vocab_size": value("--vocab-size"),
+            "make_vocab_size_divisible_by": 1, "seq_length": value("--seq-length"),
+            "padded_vocab_size": out["embedding.word_embeddings.weight"]["param"].shape[0]}
+    return arch, flags, out
+
+
 # ------------------------------------------------------------------ the conversion
 def load_deepspeed_checkpoint(path: str, *, heads: int | None, optimizer: bool = True,
-                              model_flags: list[str] = ()) -> tuple[dict, dict]:
+                              model_flags: list[str] = (), hf_config: str | None = None,
+                              seq_length: int | None = None) -> tuple[dict, dict]:
     """(config, weights) as megatron.load_megatron_checkpoint gives them, for
     megatron.write_megaq_checkpoint: config["training"] holds the optimizer state and the
-    run's position when `optimizer`."""
+    run's position when `optimizer`. `hf_config`: the run's model is that transformers
+    model (else megaq's GPTModel, of `heads` attention heads)."""
     from megaq.interop.megatron import architecture_flags
     kind, tag = find_checkpoint(path)
     states = model_states(tag)
     groups = param_shape_groups(states)
     shapes = {n: s for g in groups for n, s in g.items()}
-    arch = architecture(shapes, heads, states["_path"])
     tensors = (read_universal(tag, shapes, optimizer) if kind == "universal"
                else read_zero3(tag, groups, states, optimizer))
+    if hf_config:
+        arch, flags, tensors = from_hf_names(tensors, hf_config, seq_length, states["_path"])
+        flags += list(model_flags)
+    else:
+        arch = architecture(shapes, heads, states["_path"])
+        flags = architecture_flags(arch) + list(model_flags)
     iteration = states.get("global_steps")
     samples = states.get("global_samples")
     ds_config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
-    config = dict(arch, flags=architecture_flags(arch) + list(model_flags), iteration=iteration,
+    config = dict(arch, flags=flags, iteration=iteration,
                   source=os.path.abspath(path), vocab_rows=arch["padded_vocab_size"],
                   has_optimizer=optimizer, format=kind,
                   provenance={"imported_from": os.path.abspath(path),
@@ -413,11 +476,14 @@ def convert_to_megaq(a) -> str:
         raise DeepSpeedImportError("--make-vocab-size-divisible-by is read from the checkpoint "
                                    "(its embedding rows are kept); drop it for --from deepspeed")
     model_flags = shlex.split(getattr(a, "model_flags", None) or "")
-    if getattr(a, "seq_length", None):
-        model_flags += ["--seq-length", str(a.seq_length)]
+    hf_config = getattr(a, "hf_config", None)
+    seq = getattr(a, "seq_length", None)
+    if seq and not hf_config:
+        model_flags += ["--seq-length", str(seq)]
     optimizer = not getattr(a, "no_optimizer", False)
-    config, weights = load_deepspeed_checkpoint(a.input, heads=getattr(a, "num_attention_heads", None),
-                                                optimizer=optimizer, model_flags=model_flags)
+    config, weights = load_deepspeed_checkpoint(
+        a.input, heads=getattr(a, "num_attention_heads", None), optimizer=optimizer,
+        model_flags=model_flags, hf_config=hf_config, seq_length=seq)
     if config["seq_length"] is None and "--seq-length" not in model_flags:
         raise DeepSpeedImportError("the model has rotary positions, so its sequence length is not "
                                    "in the checkpoint; give --seq-length")
