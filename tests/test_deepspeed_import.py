@@ -280,3 +280,10 @@ def test_megaq_continues_a_transformers_models_run(tmp_path, llama_tp2):
     assert it == 5
     got = [losses[4], losses[5]]
     assert got == pytest.approx(LLAMA["next_losses"], abs=1e-5), (got, LLAMA["next_losses"])
+
+
+def test_load_of_a_deepspeed_directory_names_the_converter():
+    """--load of DeepSpeed's save directory is refused with the command that converts it."""
+    from megaq.checkpoint.paths import not_a_checkpoint_root
+    msg = not_a_checkpoint_root(ROOT)
+    assert "is a DeepSpeed checkpoint" in msg and "--from deepspeed" in msg, msg

@@ -196,7 +196,9 @@ def not_a_checkpoint_root(path: str) -> str | None:
         return (f"{path} is a Hugging Face model directory, not a megaq checkpoint; convert it with "
                 f"`python tools/convert_checkpoint.py --from hf --to megaq --input {path} --output "
                 f"MEGAQ_DIR` and start from it with --finetune --load MEGAQ_DIR")
-    if "latest" in names and any(n.startswith("global_step") for n in names):
-        return (f"{path} is a DeepSpeed checkpoint, which megaq does not read; save the model in "
-                f"Hugging Face form and convert that with tools/convert_checkpoint.py --from hf")
+    if names & {"latest", "latest_universal"} and any(n.startswith("global_step") for n in names):
+        return (f"{path} is a DeepSpeed checkpoint, not a megaq checkpoint; convert it with "
+                f"`python tools/convert_checkpoint.py --from deepspeed --to megaq --input {path} "
+                f"--output MEGAQ_DIR --num-attention-heads N` (or --hf-config CONFIG for a "
+                f"transformers model) and resume from it with --load MEGAQ_DIR --no-load-rng")
     return None

@@ -32,8 +32,9 @@ installed and a file cannot make megaq import anything. A class Megatron adds la
 refused by name until it is listed here.
 
 DeepSpeed's files (its model-state and ZeRO optimizer-state files, and the universal
-checkpoint's) pickle two of DeepSpeed's classes in the optimizer state: the ZeRO stage
-(an enum) and the loss scaler (an object of two fields). They are read as the same
+checkpoint's) pickle a few of DeepSpeed's classes in the optimizer state: the ZeRO stage
+(an enum), the loss scaler (an object of a few fields) and, from ZeRO-1/2, fragment
+addresses (two integers). They are read as the same
 stand-ins (:data:`DEEPSPEED`), so a DeepSpeed checkpoint imports without DeepSpeed.
 
 Names are matched exactly (``module.qualname``): a pickle cannot reach an attribute of
@@ -176,14 +177,16 @@ def _dcp_index_names() -> dict:
 
 
 # DeepSpeed's classes in a ZeRO optimizer-state file (and the universal checkpoint's
-# optimizer_state.pt): the stage enum, and the static (bf16, fp32) or dynamic (fp16) loss scaler
+# optimizer_state.pt): the stage enum, the static (bf16, fp32) or dynamic (fp16) loss
+# scaler, and ZeRO-1/2's (numel, start) address of a parameter's fragment
 _DEEPSPEED_CLASSES = ["deepspeed.runtime.zero.config.ZeroStageEnum",
                       "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"]
+                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                      "deepspeed.utils.tensor_fragment.fragment_address"]
 
 DEEPSPEED = Format(
     "a DeepSpeed checkpoint file",
-    "tensors, plain containers, DeepSpeed's ZeRO stage and loss scaler",
+    "tensors, plain containers, DeepSpeed's ZeRO stage, loss scaler and fragment addresses",
     names={name: _stand_in(name) for name in _DEEPSPEED_CLASSES})
 
 

@@ -237,7 +237,7 @@ def read_zero3(tag: str, groups: list[dict], states: dict, optimizer: bool) -> d
         if osd.get("partition_count", dp) != dp:
             raise DeepSpeedImportError(f"{path}: the optimizer partitions over "
                                        f"{osd.get('partition_count')} ranks, not the run's DP {dp}"
-                                       "; megaq reads plain ZeRO-3 (no hpZ / MiCS partition groups)"
+                                       "; megaq reads plain ZeRO-3 (no MiCS partition groups)"
                                        f": run `{UNIVERSAL_HINT.format(tag=tag)}` and pass the output")
         flat, state = osd.get("fp32_flat_groups"), (osd.get("optimizer_state_dict") or {}).get("state")
         if not (isinstance(flat, list) and len(flat) == len(groups) and isinstance(state, dict)):
@@ -280,10 +280,13 @@ def optimizer_step(tag: str, kind: str, names: list[str]) -> tuple[int, dict]:
         sd = _load(path)
     else:
         path = _entry(tag, _optim_files(tag)[(0, 0)])
-        sd = (_load(path) or {}).get("optimizer_state_dict")
-    inner = (sd or {}).get("optimizer_state_dict") if isinstance(sd, dict) else None
-    if not isinstance(inner, dict):
-        raise DeepSpeedImportError(f"{path} holds no optimizer_state_dict; the checkpoint is "
+        sd = _load(path)
+        sd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    # ZeRO-3 keeps the torch optimizer's state dict inside; ZeRO-1/2's universal file
+    # holds its param groups at the top (and the step in each zero/<name>/step.pt)
+    inner = sd.get("optimizer_state_dict", sd) if isinstance(sd, dict) else None
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        raise DeepSpeedImportError(f"{path} holds no optimizer param groups; the checkpoint is "
                                    "damaged (or saved without the optimizer: --no-optimizer)")
     steps = {int(st["step"]) for st in (inner.get("state") or {}).values()
              if isinstance(st, dict) and isinstance(st.get("step"), (int, float, torch.Tensor))}
