@@ -120,7 +120,7 @@ def test_the_loader_reads_each_format_and_refuses_anything_else(saved, tmp_path,
     # a torch.save file, in every format's allow-list
     evil = str(tmp_path / "evil.pt")
     torch.save({"w": torch.ones(2), "x": TRIALS.RunsCommand(f"touch {marker}")}, evil)
-    for fmt in (safe_unpickle.TENSORS, safe_unpickle.MEGATRON):
+    for fmt in (safe_unpickle.TENSORS, safe_unpickle.MEGATRON, safe_unpickle.DEEPSPEED):
         with pytest.raises(safe_unpickle.UnpicklingRefused, match=f"^{evil} refers to posix.system"):
             safe_unpickle.load(evil, fmt)
     assert not marker.exists()
@@ -266,6 +266,16 @@ def _planted_megatron_dir(tmp_path, marker) -> tuple[str, str]:
     return root, os.path.join(root, "iter_0000007", "mp_rank_00", "model_optim_rng.pt")
 
 
+def _planted_deepspeed_dir(tmp_path, marker) -> tuple[str, str]:
+    """DeepSpeed's own fixture (tests/fixtures/deepspeed_zero3), its universal form's
+    optimizer state replaced by a file that runs a command when unpickled."""
+    root = str(tmp_path / "ds")
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "deepspeed_zero3", "deepspeed"), root)
+    path = os.path.join(root, "global_step3_universal", "zero", "optimizer_state.pt")
+    torch.save({"optimizer_state_dict": TRIALS.RunsCommand(f"touch {marker}")}, path)
+    return root, path
+
+
 def test_convert_refuses_planted_files_on_every_route(saved, tmp_path, capsys):
     convert = tool("convert_checkpoint")
     marker = tmp_path / "ran"
@@ -279,6 +289,9 @@ def test_convert_refuses_planted_files_on_every_route(saved, tmp_path, capsys):
     routes.append((["--from", "hf", "--to", "megaq", "--input", hf], path))
     mlm, path = _planted_megatron_dir(tmp_path, marker)
     routes.append((["--from", "megatron", "--to", "megaq", "--input", mlm], path))
+    ds, path = _planted_deepspeed_dir(tmp_path, marker)
+    routes.append((["--from", "deepspeed", "--to", "megaq", "--input", ds,
+                    "--num-attention-heads", "4"], path))
     for argv, path in routes:
         out = tmp_path / "out"
         capsys.readouterr()
