@@ -113,9 +113,10 @@ def _continue(topo, argv):
     return state.iteration, dict(state.losses)
 
 
-@pytest.mark.parametrize("tp", [2, 1])
-def test_megaq_continues_deepspeeds_run(tmp_path, imported_tp2, tp):
-    """megaq resumes DeepSpeed's iteration 3 at TP 2 or TP 1 x DP 2 with its weights,
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)])
+def test_megaq_continues_deepspeeds_run(tmp_path, imported_tp2, tp, pp):
+    """megaq resumes DeepSpeed's iteration 3 at TP 2, TP 1 x DP 2 or PP 2 (the tied head's
+    copy on the last stage made from the embedding, moments too) with its weights,
     moments and step, and its next 2 losses are the ones DeepSpeed computed on the same
     batches (iteration 4: the imported weights' forward; 5: after one Adam update from
     the imported moments and step).
@@ -125,16 +126,16 @@ def test_megaq_continues_deepspeeds_run(tmp_path, imported_tp2, tp):
     reduction and norm), a few float32 ulps (observed: at most 5e-7); fresh moments
     (checked below) move iteration 5's loss by 2.6e-2, so a lost moment or step shows."""
     from megaq.testing.ranks import run_on_ranks
-    out = imported_tp2[0] if tp == 2 else str(tmp_path / "tp1")
+    out = imported_tp2[0] if tp == 2 else str(tmp_path / "layout")
     if tp == 1:
-        _convert(ROOT, out)
+        _convert(ROOT, out, pipeline_model_parallel_size=pp)
     flags = open(os.path.join(out, "megaq_args.txt")).read().split()
     argv = flags + ["--micro-batch-size", str(RECORD["training"]["micro_batch_size"]),
                     "--train-iters", str(RECORD["iteration"] + len(RECORD["next_losses"])),
                     "--hidden-dropout", "0", "--attention-dropout", "0",
                     "--mock-data", "--log-interval", "1", "--eval-iters", "0",
                     "--load", out, "--no-load-rng", "--data-cache-path", str(tmp_path / "cache")]
-    it, losses = run_on_ranks(_continue, 2, tp=tp, args=(argv,))[-1]
+    it, losses = run_on_ranks(_continue, 2, tp=tp, pp=pp, args=(argv,))[-1]
     assert it == 5
     got = [losses[4], losses[5]]
     assert got == pytest.approx(RECORD["next_losses"], abs=1e-5), (got, RECORD["next_losses"])

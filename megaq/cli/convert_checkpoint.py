@@ -207,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "are mapped as --from hf maps them")
     g.add_argument("--model-flags", default=None,
                    help="other pretrain_gpt.py architecture flags of the run that shapes do not "
-                        "show, as one string (e.g. \"--rotary-base 500000 --norm-epsilon 1e-6\"); "
-                        "recorded in megaq_args.txt")
+                        "show, as one string given with '=' (e.g. --model-flags=\"--rotary-base "
+                        "500000 --norm-epsilon 1e-6\"); recorded in megaq_args.txt")
     g = p.add_argument_group("--to megaq")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model chunks per pipeline stage (interleaved 1F1B)")
     g.add_argument("--seq-length", type=int, default=None,
                    help="--seq-length to write in the flags (default: the model's positions, at "
-                        "most 4096 for RoPE models)")
+                        "most 4096 for RoPE models; --from deepspeed with RoPE: required)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
                    help="vocab padding multiple (x TP); 1 keeps the model's vocab where TP divides it")
     return p

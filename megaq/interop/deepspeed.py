@@ -443,8 +443,11 @@ def load_deepspeed_checkpoint(path: str, *, heads: int | None, optimizer: bool =
                                            "non-negative integer; the file is damaged")
         step, hyper = optimizer_step(tag, kind, list(shapes))
         gbs = ds_config.get("train_batch_size")
+        scheduled = states.get("lr_scheduler") is not None
         flags = []
-        for flag, value in (("--lr", hyper.get("lr")), ("--weight-decay", hyper.get("weight_decay")),
+        # the param groups' lr is the schedule's current value when DeepSpeed ran one
+        for flag, value in (("--lr", None if scheduled else hyper.get("lr")),
+                            ("--weight-decay", hyper.get("weight_decay")),
                             ("--adam-beta1", (hyper.get("betas") or (None, None))[0]),
                             ("--adam-beta2", (hyper.get("betas") or (None, None))[1]),
                             ("--adam-eps", hyper.get("eps")),
@@ -452,14 +455,14 @@ def load_deepspeed_checkpoint(path: str, *, heads: int | None, optimizer: bool =
                             ("--global-batch-size", gbs)):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 flags += [flag, str(value) if flag == "--global-batch-size" else repr(float(value))]
-        if states.get("lr_scheduler") is None:
+        if not scheduled:
             flags += ["--lr-decay-style", "constant"]  # the client optimizer's fixed LR
         config["training"] = {
             "params": {n: {m: t[m] for m in MOMENTS} for n, t in tensors.items()},
             "step": step, "iteration": iteration, "consumed_samples": samples,
             "scheduler": {"num_steps": iteration, "num_samples": samples},
             "optimizer_flags": flags,
-            "lr_scheduler_kept": states.get("lr_scheduler") is None}
+            "lr_scheduler_kept": not scheduled}
     return config, {n: t["param"] for n, t in tensors.items()}
 
 
@@ -498,7 +501,7 @@ def convert_to_megaq(a) -> str:
                 f"{state['iteration']}, {state['consumed_samples']} consumed samples"
                 + ("" if state["lr_scheduler_kept"] else
                    "; DeepSpeed's LR scheduler is not imported (its position is): give the "
-                   "schedule's flags"))
+                   "schedule's flags (--lr, warm-up, decay)"))
     else:
         note = "; weights only (fresh AdamW moments, iteration 0)"
     return (f"[convert] {a.input} (DeepSpeed {config['format']}, {config['provenance']['deepspeed_tag']}) "

@@ -586,9 +586,11 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
 
     layout = megaq_layout(run.model, tp, pp, vp)
     # the weights and the saved args must describe the same model (q/k layer norms, say)
-    wanted = {info.name for info in layout}
-    # (a tied head's copy on Megatron's last pipeline stage is the embedding: not needed)
-    extra = set(params) - wanted - ({"output_layer.weight"} if run.model.tie_embeddings else set())
+    # a tied head's copy (on megaq's last pipeline stage at PP > 1, or on Megatron's) is
+    # the embedding: it is read from the embedding, and a saved copy is not needed
+    tied_copy = {"output_layer.weight"} if run.model.tie_embeddings else set()
+    wanted = {info.name for info in layout} - tied_copy
+    extra = set(params) - wanted - tied_copy
     for what, names in (("has no place in the model its saved args describe", extra),
                         ("is missing, though its saved args imply it", wanted - set(params))):
         if names:
@@ -602,13 +604,16 @@ def write_megaq_checkpoint(config: dict, weights, out_dir: str, *, overwrite: bo
             t = fit_rows(t, 0, run.padded_vocab_size, name)
         return t
 
+    def source(info) -> str:
+        return "embedding.word_embeddings.weight" if info.name in tied_copy else info.name
+
     def full_tensor(info) -> torch.Tensor:
-        return padded(info.name, params[info.name])
+        return padded(info.name, params[source(info)])
 
     training = None
     if state:
         def moments(info):
-            sd = state["params"][info.name]
+            sd = state["params"][source(info)]
             return padded(info.name, sd["exp_avg"]), padded(info.name, sd["exp_avg_sq"])
         training = ImportedTraining(state["iteration"], state["consumed_samples"], state["step"],
                                     state["scheduler"], moments)
