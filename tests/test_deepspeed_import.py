@@ -74,22 +74,33 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.float().contiguous().flatten().numpy().tobytes()).hexdigest()
 
 
+# every fixture of a megaq-model run: this one, and any other generate.py wrote (the same
+# model and steps; e.g. a bf16 run on GPUs, kept as tests/fixtures/deepspeed_zero3_gpu/)
+MEGAQ_MODEL_FIXTURES = sorted(
+    d for d in os.listdir(os.path.dirname(FIXTURE)) if d.startswith("deepspeed_zero3")
+    and os.path.isfile(os.path.join(os.path.dirname(FIXTURE), d, "continuation.json")))
+
+
+@pytest.mark.parametrize("fixture", MEGAQ_MODEL_FIXTURES)
 @pytest.mark.parametrize("source", ["universal", "zero3 tag"])
-def test_imported_weights_and_moments_are_deepspeeds(tmp_path, imported_tp2, source):
+def test_imported_weights_and_moments_are_deepspeeds(tmp_path, imported_tp2, source, fixture):
     """Every parameter's fp32 master, exp_avg and exp_avg_sq after the import (the universal
     form at TP 2, resharded; the raw ZeRO-3 tag at TP 1) is bit-equal to what DeepSpeed's
     engine held at the save (SHA-256 of the fp32 bytes, from DeepSpeed's own full-state
     API, not from the files); the step, iteration and consumed samples are DeepSpeed's."""
-    if source == "universal":
+    base = os.path.join(os.path.dirname(FIXTURE), fixture)
+    record = json.load(open(os.path.join(base, "continuation.json")))
+    if source == "universal" and fixture == "deepspeed_zero3":
         out, msg = imported_tp2
     else:
-        out = str(tmp_path / "tp1")
-        msg = _convert(TAG, out)
+        out = str(tmp_path / "out")
+        msg = _convert(os.path.join(base, "deepspeed", "global_step3" + (
+            "_universal" if source == "universal" else "")), out, tp=2 if source == "universal" else 1)
     assert "optimizer state imported" in msg and "step 3" in msg, msg
     full, saved, state = _megaq_full_state(out)
-    assert state["step"] == RECORD["optimizer_step"][0] == 3
-    assert set(full) == set(RECORD["state"])
-    for name, digest in RECORD["state"].items():
+    assert state["step"] == record["optimizer_step"][0] == 3
+    assert set(full) == set(record["state"])
+    for name, digest in record["state"].items():
         for key, ds_key in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             assert _sha(full[name][key]) == digest[ds_key]["sha256"], (source, name, key)
     sd = safe_unpickle.load(os.path.join(out, "iter_0000003", "mp_rank_00_000", "model_optim.pt"))
