@@ -171,7 +171,7 @@ def param_shape_groups(states: dict) -> list[dict[str, tuple]]:
                                        "is damaged")
         shapes = {}
         for name, shape in group.items():
-            if (not isinstance(name, str) or name in seen
+            if (not isinstance(name, str) or name in seen or not isinstance(shape, (tuple, list))
                     or not all(isinstance(d, int) and d >= 0 for d in shape)):
                 raise DeepSpeedImportError(f"{states['_path']}: param_shapes lists {name!r} with "
                                            f"shape {shape!r}; the file is damaged")
