@@ -7,7 +7,9 @@ DeepSpeed 0.19.8 itself: megaq's GPTModel trained 3 steps under ZeRO-3 on two gl
 global_step3 tag) and converted by DeepSpeed's ds_to_universal.py (global_step3_universal).
 continuation.json holds SHA-256 digests of every parameter's fp32 master and Adam moments
 taken in the DeepSpeed process (safe_get_full_fp32_param / safe_get_full_optimizer_state)
-and the losses of the 2 steps DeepSpeed trained after the save.
+and the losses of the 2 steps DeepSpeed trained after the save. The same holds for a
+transformers LlamaForCausalLM run (deepspeed_llama/, continuation_llama.json), imported
+with its config.json through the Hugging Face mapping.
 """
 
 import argparse
@@ -299,3 +301,28 @@ def test_load_of_a_deepspeed_directory_names_the_converter():
     from megaq.checkpoint.paths import not_a_checkpoint_root
     msg = not_a_checkpoint_root(ROOT)
     assert "is a DeepSpeed checkpoint" in msg and "--from deepspeed" in msg, msg
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("no_shapes", "holds no param_shapes"),
+    ("truncated", "cannot be read"),
+    ("bad_shape", "param_shapes lists 'embedding.word_embeddings.weight' with shape 'x'"),
+])
+def test_damaged_model_states_are_one_line(tmp_path, damage, expect):
+    """A model-state file without param_shapes, cut short, or with a shape that is not one
+    is one `error:` line naming the file; nothing is written."""
+    src = _copy(tmp_path)
+    path = os.path.join(src, "global_step3_universal", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    if damage == "no_shapes":
+        torch.save({"module": {}}, path)
+    elif damage == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(100)
+    else:
+        sd = safe_unpickle.load(path, safe_unpickle.DEEPSPEED)
+        sd["param_shapes"][0]["embedding.word_embeddings.weight"] = "x"
+        torch.save(sd, path)
+    r = _cli("--input", src, "--output", str(tmp_path / "out"), "--num-attention-heads", HEADS,
+             cwd=str(tmp_path))
+    _one_error_line(r, "zero_pp_rank_0_mp_rank_00_model_states.pt", expect)
+    assert not os.path.exists(tmp_path / "out")
