@@ -54,20 +54,39 @@ class ZeroConfig:
     # How many sites (units gathered together) ahead to all-gather while the
     # current one computes; 0 = no prefetch. Live gathered memory is bounded by
     # (1 + prefetch) sites plus a borrowed tied embedding.
-    prefetch: int = 1
+    prefetch: int = flag(
+        "--zero-prefetch", "sites (units gathered together) whose weight all-gather starts "
+        "while the current one computes; 0 = none. Live gathered weights are at most "
+        "1 + this many sites. DeepSpeed's nearest key, stage3_prefetch_bucket_size, counts "
+        "elements instead (docs/TRAINING.md 'Coming from DeepSpeed')", 1, type=int)
     # Bytes of full-size gradient buffers allowed in flight (reduce launched,
-    # not finished) before backward waits for the oldest reduction.
-    reduce_bucket_size: int = 500_000_000
+    # not finished) before backward waits for the oldest reduction. The flag counts
+    # elements, as DeepSpeed's reduce_bucket_size and Megatron-DeepSpeed's flag do; the
+    # buffers hold the training dtype (RunConfig.from_flags converts).
+    reduce_bucket_size: int = flag(
+        "--zero-reduce-bucket-size", "gradient elements whose reduction may be in flight "
+        "(launched, not finished) before backward waits for the oldest; DeepSpeed's "
+        "reduce_bucket_size (default: 500 MB of buckets, 250M elements in bf16, 125M in fp32)",
+        500_000_000, value=lambda ns: ns.zero_reduce_bucket_size, type=int)
     gather_dtype: torch.dtype = torch.float32  # weights as gathered / as the model sees them
     # Parameters with fewer elements than this stay replicated on every DP rank
     # (fp32 master + AdamW state replicated, grads all-reduced, tag 'dp_misc').
     # 0 = shard everything. Tied / shared embeddings are always sharded.
-    param_persistence_threshold: int = 0
+    param_persistence_threshold: int = flag(
+        "--zero-param-persistence-threshold", "parameters with fewer elements stay "
+        "replicated on every DP rank (weights, AdamW state; gradients all-reduced) instead of "
+        "sharded; 0 = shard all; tied embeddings are always sharded. DeepSpeed's "
+        "stage3_param_persistence_threshold (whose own default is 1e5)", 0, type=int)
     # per_microbatch: reduce-scatter each micro-batch's grads into the fp32 shard
     #   accumulator as they become ready (lowest memory; DeepSpeed's behaviour).
     # last_microbatch: keep full fp32 grads across micro-batches and reduce once
     #   in finish_grad_sync (one grad reduction per step, full-size grad memory).
-    grad_sync: str = "per_microbatch"
+    grad_sync: str = flag(
+        "--zero-grad-sync", "per_microbatch: reduce each micro-batch's gradients as backward "
+        "produces them (least memory; DeepSpeed's behaviour, which has no key for it); "
+        "last_microbatch: accumulate full fp32 gradients over the micro-batches and reduce "
+        "once per step (fewer bytes with gradient accumulation, full-size gradient memory)",
+        "per_microbatch", choices=list(GRAD_SYNC_MODES))
     use_apex: bool | None = None  # None: apex FusedAdam when importable
     # torch's fused AdamW (when apex is not used); None: on CUDA only (CPU: foreach)
     fused_adamw: bool | None = None
@@ -165,9 +184,15 @@ class ZeroConfig:
                                   f"be a positive even number (int4 packs two values per byte); "
                                   f"e.g. {DEFAULT_BLOCK_SIZE}")
         if self.prefetch < 0:
-            raise ZeroConfigError(f"prefetch {self.prefetch} must be >= 0")
+            raise ZeroConfigError(f"prefetch {self.prefetch} (--zero-prefetch) must be >= 0 sites "
+                                  f"(0 = no prefetch)")
         if self.reduce_bucket_size < 1:
-            raise ZeroConfigError(f"reduce_bucket_size {self.reduce_bucket_size} must be >= 1 byte")
+            raise ZeroConfigError(f"reduce_bucket_size {self.reduce_bucket_size} bytes "
+                                  f"(--zero-reduce-bucket-size, in elements) must be >= 1")
+        if self.param_persistence_threshold < 0:
+            raise ZeroConfigError(f"--zero-param-persistence-threshold "
+                                  f"{self.param_persistence_threshold} must be >= 0 elements "
+                                  f"(0 = shard every parameter)")
         if self.gather_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ZeroConfigError(f"gather_dtype {self.gather_dtype} unsupported; use "
                                   f"torch.float32 or torch.bfloat16")
