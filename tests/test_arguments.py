@@ -206,8 +206,11 @@ def test_every_flag_is_one_config_field():
                and a.option_strings[0] != "-h"}
     assert set(seen) <= set(actions)
     # the rest are Megatron-LM's flags that megaq accepts with a note or refuses
-    # (megaq.config.megatron_flags), and --dry-run (an action, not a setting), nothing else
-    compat = {f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED} | {"--dry-run"}
+    # (megaq.config.megatron_flags), --dry-run (an action, not a setting) and the
+    # ds_config reader's flags (a file of flags, megaq.config.deepspeed_config), nothing else
+    from megaq.config.deepspeed_config import FILE_FLAGS, SWITCH
+    compat = ({f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED} | {"--dry-run", SWITCH}
+              | set(FILE_FLAGS))
     assert set(actions) - set(seen) <= compat, set(actions) - set(seen) - compat
     for cls in classes:
         for f in flag_fields(cls):

@@ -257,3 +257,9 @@ def test_megatron_deepspeed_flags(tmp_path):
     _, _, problems, _ = run_problems(argv + ["--cpu-optimizer", "--partition-activations",
                                              "--tensor-model-parallel-size", "2"], world_size=2)
     assert [p.split(":")[0] for p in problems] == ["--partition-activations", "--cpu-optimizer"]
+
+
+def test_training_doc_lists_the_keys():
+    from megaq.config.deepspeed_config import keys_table_markdown
+    text = open(os.path.join(HERE, "..", "docs", "TRAINING.md")).read()
+    assert keys_table_markdown() in text

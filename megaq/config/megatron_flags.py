@@ -231,6 +231,10 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
                 allowed=("disabled",)),
         # ---- Megatron-DeepSpeed's own flags (its ZeRO and activation checkpointing; its
         # --deepspeed / --deepspeed_config: megaq.config.deepspeed_config) ---------------
+        MegatronFlag("--zero-stage", IMPLEMENTED, "Megatron-DeepSpeed's ZeRO stage; megaq's "
+                     "engine runs it (Megatron-DeepSpeed only writes it into the ds_config)"),
+        MegatronFlag("--zero-reduce-bucket-size", IMPLEMENTED, "Megatron-DeepSpeed's, in "
+                     "elements: the gradient elements whose reduction may be in flight"),
         MegatronFlag("--checkpoint-num-layers", ALIAS, "as --recompute-num-layers with "
                      "--checkpoint-activations (layers per recomputed group; alone it asks "
                      "for nothing, as in Megatron-DeepSpeed)", "int"),
@@ -601,7 +605,8 @@ def flags_table_markdown(defined: set[str]) -> str:
     rows = ["| Megatron-LM flag | status | what megaq does |", "|---|---|---|"]
     for f in MEGATRON_FLAGS:
         if f.kind == IMPLEMENTED:
-            status, what = (("implemented", "what Megatron-LM does (its configuration field)")
+            status, what = (("implemented", f.why or "what Megatron-LM does (its configuration "
+                                            "field)")
                             if f.name in defined else ("not accepted yet", "planned"))
         elif f.kind == ALIAS:
             status, what = "alias", f"the same {f.why}"
