@@ -118,8 +118,10 @@ def test_dry_run_prints_the_mapping_and_refusals(tmp_path, capfd):
                 "bad.json")
     code = pretrain.cli(BASE + ["--lr", "1e-3", "--micro-batch-size", "1", "--deepspeed_config",
                                 bad, "--dry-run", "--tensor-model-parallel-size", "3"])
-    err = capfd.readouterr().err.strip().splitlines()
+    out, err = capfd.readouterr()
+    err = err.strip().splitlines()
     assert code == 2 and err[0].startswith("error: --deepspeed-config ") and len(err) >= 2, err
+    assert "  zero_optimization.stage ..................... --zero-stage 3" in out  # the block too
 
 
 @pytest.mark.parametrize("content,message", [
@@ -263,3 +265,34 @@ def test_training_doc_lists_the_keys():
     from megaq.config.deepspeed_config import keys_table_markdown
     text = open(os.path.join(HERE, "..", "docs", "TRAINING.md")).read()
     assert keys_table_markdown() in text
+
+
+def test_the_schedulers_peak_lr_wins_and_a_min_lr_flag_must_agree(tmp_path):
+    """DeepSpeed's scheduler sets the lr: WarmupDecayLR's warmup_max_lr is the peak whatever
+    the optimizer's lr (noted); WarmupCosineLR's floor is cos_min_ratio x lr, and a --min-lr
+    on the command line that differs is refused, not overwritten."""
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 5e-4, "warmup_num_steps": 1,
+                                                 "total_num_steps": 3, "warmup_type": "linear"}}
+    for order in ((("scheduler", sched), ("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})),
+                  (("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}}), ("scheduler", sched))):
+        path = write(tmp_path, {"train_micro_batch_size_per_gpu": 1, **dict(order)})
+        assert parse_config(BASE + ["--deepspeed-config", path], world_size=1).optimizer.lr == 5e-4
+    cosine = write(tmp_path, {"train_micro_batch_size_per_gpu": 1,
+                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                              "scheduler": {"type": "WarmupCosineLR", "params": {
+                                  "total_num_steps": 3, "warmup_num_steps": 1,
+                                  "warmup_type": "linear", "cos_min_ratio": 0.5}}})
+    argv = BASE + ["--deepspeed-config", cosine]
+    assert parse_config(argv + ["--min-lr", "5e-4"], world_size=1).optimizer.min_lr == 5e-4
+    with pytest.raises(ArgumentsError, match=r"cos_min_ratio 0.5 means --min-lr 0.0005, and the "
+                                             r"command line gives --min-lr 0.0001"):
+        parse_config(argv + ["--min-lr", "1e-4"], world_size=1)
+
+
+def test_an_abbreviated_file_flag_is_read_or_refused(tmp_path):
+    path = write(tmp_path, {"train_micro_batch_size_per_gpu": 3})
+    assert parse_config(BASE + ["--lr", "1e-3", "--deepspeed-conf", path],
+                        world_size=1).training.micro_batch_size == 3
+    with pytest.raises(ArgumentsError, match="spell the flag out in full"):
+        parse_config(BASE + ["--lr", "1e-3", "--micro-batch-size", "1", "--deepspeed_", path],
+                     world_size=1)

@@ -58,7 +58,11 @@ class _Parser(ArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         path = deepspeed_config.config_path(args)
         if path is None or deepspeed_config.FILE_FLAGS[0] not in self._option_string_actions:
-            return super().parse_known_args(args, namespace)
+            flags, extras = super().parse_known_args(args, namespace)
+            if getattr(flags, "deepspeed_config", None) is not None:  # an abbreviation
+                raise ArgumentsError("--deepspeed-config: spell the flag out in full "
+                                     "(--deepspeed-config or --deepspeed_config FILE.json)")
+            return flags, extras
         try:
             mapping = deepspeed_config.map_config(deepspeed_config.read_config(path))
         except deepspeed_config.DeepSpeedConfigError as e:
@@ -71,7 +75,7 @@ class _Parser(ArgumentParser):
         derives_micro = "train_batch_size" in mapping.batch  # filled in by run_problems
         with self._not_required({"micro_batch_size"} if derives_micro else set()):
             flags, extras = super().parse_known_args(mapping.tokens() + args, namespace)
-        flags.deepspeed = DeepSpeedIntake(path, mapping, conflicts)
+        flags.deepspeed = DeepSpeedIntake(path, mapping, conflicts, set(given))
         return flags, extras
 
     def _file_values(self, mapping) -> dict:
@@ -80,11 +84,12 @@ class _Parser(ArgumentParser):
         problem of the file is in its one refusal line."""
         values, kept = {}, []
         for name, value, key in mapping.flags:
-            words = [name] if value is None else [name, deepspeed_config._word(value)]
+            words = [name] if value is None else [name, deepspeed_config.flag_word(value)]
             try:
                 parsed = self._given(words)
             except ArgumentsError as e:
-                mapping.refused.append(f"{key} {_shown(value)} ({str(e).removesuffix(' (see --help)')})")
+                why = str(e).removesuffix(" (see --help)")
+                mapping.refused.append(f"{key} {_shown(value)} ({why})")
                 continue
             kept.append((name, value, key))
             values.update({dest: (v, key) for dest, v in parsed.items()})
@@ -118,15 +123,16 @@ class _Parser(ArgumentParser):
 
 
 def _shown(value) -> str:
-    return "(on)" if value is True else str(value)
+    return "(on)" if value is True or value is None else str(value)
 
 
 class DeepSpeedIntake:
     """A --deepspeed-config file as read: its path, its mapping, the conflicts with the
     command line (lines); run_problems reports and completes it."""
 
-    def __init__(self, path, mapping, conflicts):
+    def __init__(self, path, mapping, conflicts, given):
         self.path, self.mapping, self.conflicts = path, mapping, conflicts
+        self.given = given  # the destinations the command line set
 
     def __repr__(self):  # the arguments block shows the path
         return self.path
@@ -214,7 +220,7 @@ def _deepspeed_problems(flags, world_size: int, ranks_per_node: int | None):
     except CONFIG_ERRORS:
         dp = None  # the configuration reports the layout's problem
     if dp is not None:
-        line = deepspeed_config.batch_flags(intake.mapping, flags, dp)
+        line = deepspeed_config.batch_flags(intake.mapping, flags, dp, intake.given)
         problems += [line] if line else []
     return problems, []
 
@@ -236,8 +242,15 @@ def print_notes_once(flags, notes: list[str], print_fn=None) -> list[str]:
     """Print the --deepspeed-config mapping block (always) and the notes (unless
     --quiet-notes), each not printed before in this process."""
     print_fn = print_fn or (lambda line: print(line, flush=True))
+    return (print_deepspeed_mapping(flags, print_fn)
+            + megatron_flags.print_notes(notes, quiet=flags.quiet_notes, print_fn=print_fn))
+
+
+def print_deepspeed_mapping(flags, print_fn=None) -> list[str]:
+    """Print the --deepspeed-config mapping block, if a file was read and the block was
+    not printed before in this process (--dry-run prints it even when it refuses)."""
     intake = getattr(flags, "deepspeed", None)
     block = ([intake.mapping.block(intake.path)] if isinstance(intake, DeepSpeedIntake)
              else [])
-    return (megatron_flags.print_notes(block, print_fn=print_fn)
-            + megatron_flags.print_notes(notes, quiet=flags.quiet_notes, print_fn=print_fn))
+    return megatron_flags.print_notes(block, print_fn=print_fn or (
+        lambda line: print(line, flush=True)))

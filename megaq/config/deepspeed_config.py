@@ -37,6 +37,7 @@ it before anything is built.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -65,15 +66,23 @@ def add_deepspeed_flags(parser) -> None:
         "on, so it only needs --deepspeed_config to read the file (noted)"))
 
 
+def _names_file_flag(word: str) -> bool:
+    """`word` is --deepspeed-config / --deepspeed_config or an abbreviation argparse takes
+    for it (long enough not to be --deepspeed or --deepspeed-activation-checkpointing)."""
+    return any(name.startswith(word) and len(word) >= len(name) - len("onfig")
+               for name in FILE_FLAGS)
+
+
 def config_path(argv: list[str]) -> str | None:
     """The ds_config named on the command line (the last one given), or None."""
     path = None
     for i, word in enumerate(argv):
-        for name in FILE_FLAGS:
-            if word == name and i + 1 < len(argv):
+        name, eq, value = word.partition("=")
+        if word.startswith("--deepspeed") and _names_file_flag(name):
+            if eq:
+                path = value
+            elif i + 1 < len(argv):
                 path = argv[i + 1]
-            elif word.startswith(name + "="):
-                path = word[len(name) + 1:]
     return path
 
 
@@ -143,14 +152,14 @@ class Mapping:
         """The flags as command-line words."""
         words = []
         for name, value, _ in self.flags:
-            words += [name] if value is None else [name, _word(value)]
+            words += [name] if value is None else [name, flag_word(value)]
         return words
 
     def block(self, path: str) -> str:
         """The mapping, printed once at start (rank 0; --dry-run too)."""
         lines = [f"------------------------ deepspeed config {path} ------------------------"]
         lines += [f"  {key} {'.' * max(1, 44 - len(key))} {name}"
-                  + ("" if value is None else f" {_word(value)}")
+                  + ("" if value is None else f" {flag_word(value)}")
                   for name, value, key in self.flags]
         lines += [f"  {line}" for line in (self.noted_line(), *self.defaults) if line]
         lines.append("-------------------- end of deepspeed config ---------------------")
@@ -168,7 +177,8 @@ class Mapping:
                 f"'Coming from DeepSpeed')")
 
 
-def _word(value) -> str:
+def flag_word(value) -> str:
+    """A flag's value as a command-line word."""
     return repr(value) if isinstance(value, float) else str(value)
 
 
@@ -300,6 +310,11 @@ def map_config(cfg: dict) -> Mapping:
                 r.note(key, "disabled")
         else:
             r.refuse(key, None, "not a DeepSpeed key megaq knows")
+    lrs = [f for f in r.m.flags if f[0] == "--lr"]
+    if len(lrs) == 2:  # the optimizer's and WarmupLR / WarmupDecayLR's warmup_max_lr
+        optimizer_lr = next(f for f in lrs if f[2].startswith("optimizer"))
+        r.m.flags.remove(optimizer_lr)
+        r.note(optimizer_lr[2], "the scheduler's warmup_max_lr is the peak lr, as in DeepSpeed")
     if "gradient_clipping" not in cfg:
         r.m.defaults.append("not in the file: gradient_clipping, megaq's --clip-grad 1.0 "
                             "applies (DeepSpeed's default 0 does not clip; write "
@@ -403,6 +418,14 @@ def _batch(r: _Reader, key: str, value) -> None:
 
 
 # DeepSpeed's optimizer types megaq runs: Adam is AdamW unless adam_w_mode is false
+# Optimizer switches: (the value megaq's optimizer has, what it does)
+_OPTIMIZER_SWITCHES = {
+    "adam_w_mode": (True, "megaq's Adam decays weights decoupled (AdamW)"),
+    "bias_correction": (True, "megaq's AdamW corrects the moments' bias"),
+    "amsgrad": (False, "megaq's AdamW is without AMSGrad"),
+    "nesterov": (False, "megaq's SGD is torch.optim.SGD with plain momentum"),
+    "dampening": (0, "megaq's SGD is torch.optim.SGD with plain momentum, no dampening"),
+}
 _ADAM_PARAMS = {"lr": ("--lr", "number"), "eps": ("--adam-eps", "number"),
                 "weight_decay": ("--weight-decay", "number")}
 
@@ -437,18 +460,13 @@ def _optimizer(r: _Reader, key: str, section) -> None:
                 r.flag(name, "--adam-beta2", v[1])
             else:
                 r.refuse(name, v, "must be two numbers")
-        elif k == "adam_w_mode" and lowered != "sgd":
-            if r.typed(name, v, "bool") is False and params.get("weight_decay", 0) != 0:
-                r.refuse(name, v, "megaq's Adam decays weights decoupled (AdamW); Adam with L2 "
-                                  "weight decay is not offered")
-        elif k == "bias_correction" and v is not True:
-            r.refuse(name, v, "megaq's AdamW always corrects the moments' bias")
-        elif k == "amsgrad" and v is not False:
-            r.refuse(name, v, "megaq's AdamW has no AMSGrad")
-        elif k in ("nesterov", "dampening") and v not in (False, 0):
-            r.refuse(name, v, "megaq's SGD is torch.optim.SGD with plain momentum")
-        elif k in ("torch_adam", "fused", "adam_w_mode", "bias_correction", "amsgrad",
-                   "nesterov", "dampening"):
+        elif k in _OPTIMIZER_SWITCHES:
+            megaqs, why = _OPTIMIZER_SWITCHES[k]
+            if v == megaqs or (k == "adam_w_mode" and params.get("weight_decay", 0) == 0):
+                r.note(name, why)  # what megaq does anyway (without decay Adam is AdamW)
+            else:
+                r.refuse(name, v, why.replace("megaq's", "megaq's only", 1))
+        elif k in ("torch_adam", "fused"):
             r.note(name, "megaq picks its optimizer kernel itself")
         else:
             r.refuse(name, None, f"not a {kind} parameter megaq knows")
@@ -575,14 +593,20 @@ def keys_table_markdown() -> str:
 
 
 # ------------------------------------------------------------------ batch sizes
-def batch_flags(mapping: Mapping, flags, dp: int) -> str | None:
-    """Complete the batch flags the file implies once the data-parallel size is known,
-    and check DeepSpeed's rule; returns the one problem line, or None. Writes
+def batch_flags(mapping: Mapping, flags, dp: int, given: set) -> str | None:
+    """Complete the flags the file implies once the data-parallel size is known, and
+    check DeepSpeed's batch rule; returns the one problem line, or None. Writes
     --global-batch-size / --micro-batch-size into `flags` where the file derives them
-    and the command line left them unset, and --min-lr for WarmupCosineLR."""
+    and the command line left them unset, and --min-lr for WarmupCosineLR (`given`: the
+    destinations the command line set)."""
     b = mapping.batch
-    if "cos_min_ratio" in b and flags.lr is not None:
-        flags.min_lr = b["cos_min_ratio"] * flags.lr
+    if "cos_min_ratio" in b:
+        min_lr = b["cos_min_ratio"] * flags.lr
+        if "min_lr" in given and not math.isclose(flags.min_lr, min_lr):
+            return (f"--deepspeed-config: scheduler.params.cos_min_ratio {b['cos_min_ratio']} "
+                    f"means --min-lr {min_lr!r}, and the command line gives --min-lr "
+                    f"{flags.min_lr!r}; drop the flag or change the file")
+        flags.min_lr = min_lr
     total, micro, accum = (b.get(k) for k in ("train_batch_size",
                                               "train_micro_batch_size_per_gpu",
                                               "gradient_accumulation_steps"))
