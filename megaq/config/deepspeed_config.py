@@ -226,7 +226,7 @@ _ENGINE = "megaq's ZeRO engine decides it itself"
 _ZERO_NOTES = {
     "overlap_comm": "megaq always overlaps its reductions and prefetched gathers with compute",
     "contiguous_gradients": "megaq's gradient buckets are flat contiguous buffers already",
-    "reduce_scatter": "megaq reduce-scatters (an all-reduce gives the same values)",
+    "reduce_scatter": "megaq's reduction gives the same values either way",
     "allgather_partitions": "megaq gathers each unit's weights in one all-gather",
     "allgather_bucket_size": "megaq gathers each unit's weights in one all-gather",
     "round_robin_gradients": "a setting of CPU offloading's gradient copies",
@@ -259,14 +259,12 @@ _TOP_NOTES = {
     "prescale_gradients": "megaq averages gradients in fp32, before or after the sum alike",
     "gradient_predivide_factor": "megaq averages gradients in fp32, before or after the sum "
                                  "alike",
-    "communication_data_type": "megaq reduces gradients in fp32 (or qgZ's int8 / int4)",
     "dump_state": "a DeepSpeed debug print",
     "memory_breakdown": "a DeepSpeed debug print (megaq: --log-memory-to-tensorboard)",
     "tensorboard": "use --tensorboard-dir", "wandb": "use --wandb-project",
     "csv_monitor": "use --metrics-file", "comet": "use --tensorboard-dir or --wandb-project",
     "comms_logger": "use --log-comm-time", "flops_profiler": "use --log-throughput / --profile",
     "checkpoint": "megaq's checkpoints are its own (--save, --ckpt-format, --async-save)",
-    "data_types": "megaq accumulates gradients in fp32",
 }
 
 # top-level sections for features megaq lacks: refused when enabled
@@ -301,6 +299,8 @@ def map_config(cfg: dict) -> Mapping:
         handler = _TOP.get(key)
         if handler is not None:
             handler(r, key, value)
+        elif key in _TOP_WITH_CONFIG:
+            _TOP_WITH_CONFIG[key](r, key, value, cfg)
         elif key in _TOP_NOTES:
             r.note(key, _TOP_NOTES[key])
         elif key in _TOP_FEATURES:
@@ -530,6 +530,31 @@ def _scheduler(r: _Reader, key: str, section) -> None:
             r.m.batch["cos_min_ratio"] = ratio  # --min-lr = ratio x the optimizer's lr
 
 
+def _communication_dtype(r: _Reader, key: str, value, cfg: dict) -> None:
+    """megaq sends gradients in the training dtype (qgZ: int8 / int4): a value that asks
+    for another is refused."""
+    bf16 = any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") is True
+               for k in ("bf16", "bfloat16"))
+    same = ("bf16", "bfloat16") if bf16 else ("fp32", "float32")
+    if value is None or value in same:
+        r.note(key, "megaq reduces gradients in the training dtype, as this asks")
+    else:
+        r.refuse(key, value, f"megaq reduces gradients in the training dtype "
+                             f"({same[0]} here), accumulating them in fp32")
+
+
+def _data_types(r: _Reader, key: str, value, cfg: dict) -> None:
+    if r.typed(key, value, "dict") is None:
+        return
+    for k, v in value.items():
+        if k == "grad_accum_dtype" and v in (None, "fp32", "float32"):
+            r.note(f"{key}.{k}", "megaq accumulates gradients in fp32")
+        elif k == "grad_accum_dtype":
+            r.refuse(f"{key}.{k}", v, "megaq accumulates gradients in fp32")
+        else:
+            r.refuse(f"{key}.{k}", None, "not a data_types key megaq knows")
+
+
 def _steps_per_print(r: _Reader, key: str, value) -> None:
     v = r.typed(key, value, "int")
     if v is not None:
@@ -546,6 +571,11 @@ _TOP = {
     "train_micro_batch_size_per_gpu": _batch,
     "gradient_accumulation_steps": _batch,
     "steps_per_print": _steps_per_print,
+}
+
+_TOP_WITH_CONFIG = {  # handlers that read another key of the file too
+    "communication_data_type": _communication_dtype,
+    "data_types": _data_types,
 }
 
 # The table of docs/TRAINING.md "Coming from DeepSpeed": ds_config key -> megaq.
@@ -581,8 +611,10 @@ KEYS = (
     ("gradient_accumulation_steps", "checked (or --global-batch-size = micro x accumulation "
      "x DP)"),
     ("steps_per_print", "--log-interval"),
-    ("wall_clock_breakdown, monitors (tensorboard, wandb, csv_monitor), checkpoint, "
-     "data_types, communication_data_type", "noted"),
+    ("communication_data_type, data_types.grad_accum_dtype",
+     "noted when it is what megaq does (the training dtype; fp32), else refused"),
+    ("wall_clock_breakdown, monitors (tensorboard, wandb, csv_monitor), checkpoint",
+     "noted"),
 )
 
 
