@@ -296,3 +296,26 @@ def test_an_abbreviated_file_flag_is_read_or_refused(tmp_path):
     with pytest.raises(ArgumentsError, match="spell the flag out in full"):
         parse_config(BASE + ["--lr", "1e-3", "--micro-batch-size", "1", "--deepspeed_", path],
                      world_size=1)
+
+
+def test_megatron_deepspeeds_template_config_maps_without_refusal(tmp_path):
+    """The shape of Megatron-DeepSpeed's GPT ds_config template, filled in for bf16: every
+    key is mapped or noted (the disabled fp16 and curriculum sections included)."""
+    cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10,
+           "zero_optimization": {"stage": 3}, "gradient_clipping": 1.0,
+           "prescale_gradients": False,
+           "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 500,
+                    "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 11},
+           "bf16": {"enabled": True},
+           "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen"},
+           "wall_clock_breakdown": False}
+    path = write(tmp_path, cfg)
+    base = BASE[:BASE.index("--log-interval")]  # the file's steps_per_print sets it
+    config, flags, problems, _ = run_problems(base + ["--lr", "1e-3", "--deepspeed",
+                                                      "--deepspeed_config", path], world_size=4)
+    assert problems == []
+    t = config.training
+    assert (t.global_batch_size, t.micro_batch_size, t.num_micro_batches, t.bf16) == (16, 2, 2, True)
+    assert (config.logging.log_interval, config.optimizer.clip_grad, config.zero.stage) == (10, 1.0, 3)
+    assert [n.split(" (")[0] for n in flags.deepspeed.mapping.noted] == [
+        "prescale_gradients", "curriculum_learning", "wall_clock_breakdown"]

@@ -245,7 +245,6 @@ _ZERO_NOTES = {
     "memory_efficient_linear": _ENGINE,
     "legacy_stage1": _ENGINE,
     "use_multi_rank_bucket_allreduce": _ENGINE,
-    "zeropp_loco_param": _ENGINE,
     "log_trace_cache_warnings": _ENGINE,
     "cpu_offload": _OFFLOAD,  # (false: refused below when true)
 }
@@ -256,9 +255,10 @@ _TOP_NOTES = {
                             "optimizer times",
     "zero_allow_untested_optimizer": "megaq's optimizers are its own",
     "zero_force_ds_cpu_optimizer": _OFFLOAD,
-    "prescale_gradients": "megaq averages gradients in fp32, before or after the sum alike",
-    "gradient_predivide_factor": "megaq averages gradients in fp32, before or after the sum "
-                                 "alike",
+    "prescale_gradients": "megaq divides the summed gradients by the DP size; dividing first "
+                          "only guards fp16 against overflow",
+    "gradient_predivide_factor": "megaq divides the summed gradients by the DP size; dividing "
+                                 "first only guards fp16 against overflow",
     "dump_state": "a DeepSpeed debug print",
     "memory_breakdown": "a DeepSpeed debug print (megaq: --log-memory-to-tensorboard)",
     "tensorboard": "use --tensorboard-dir", "wandb": "use --wandb-project",
@@ -373,6 +373,11 @@ def _zero(r: _Reader, key: str, zero) -> None:
             device = v.get("device", "none") if isinstance(v, dict) else v
             if device not in (None, "none"):
                 r.refuse(name, device, _OFFLOAD)
+            else:
+                r.note(name, "device none: nothing offloaded")
+        elif k == "zeropp_loco_param" and v is not None:
+            r.refuse(name, None, "megaq has no LoCo compensation; its qgZ error feedback is "
+                                 "--zero-gradient-error-feedback (the plain residual)")
         elif k == "cpu_offload" and v is True:
             r.refuse(name, v, _OFFLOAD)
         elif k in ("mics_shard_size", "mics_hierarchical_params_gather"):
