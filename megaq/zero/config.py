@@ -58,7 +58,8 @@ class ZeroConfig:
         "--zero-prefetch", "sites (units gathered together) whose weight all-gather starts "
         "while the current one computes; 0 = none. Live gathered weights are at most "
         "1 + this many sites. DeepSpeed's nearest key, stage3_prefetch_bucket_size, counts "
-        "elements instead (docs/TRAINING.md 'Coming from DeepSpeed')", 1, type=int)
+        "elements instead (docs/TRAINING.md 'Coming from DeepSpeed')", 1, type=int,
+        metavar="SITES")
     # Bytes of full-size gradient buffers allowed in flight (reduce launched,
     # not finished) before backward waits for the oldest reduction. The flag counts
     # elements, as DeepSpeed's reduce_bucket_size and Megatron-DeepSpeed's flag do; the
@@ -67,7 +68,8 @@ class ZeroConfig:
         "--zero-reduce-bucket-size", "gradient elements whose reduction may be in flight "
         "(launched, not finished) before backward waits for the oldest; DeepSpeed's "
         "reduce_bucket_size (default: 500 MB of buckets, 250M elements in bf16, 125M in fp32)",
-        500_000_000, value=lambda ns: ns.zero_reduce_bucket_size, type=int)
+        500_000_000, value=lambda ns: ns.zero_reduce_bucket_size, type=int,
+        metavar="ELEMENTS")
     gather_dtype: torch.dtype = torch.float32  # weights as gathered / as the model sees them
     # Parameters with fewer elements than this stay replicated on every DP rank
     # (fp32 master + AdamW state replicated, grads all-reduced, tag 'dp_misc').
@@ -76,7 +78,8 @@ class ZeroConfig:
         "--zero-param-persistence-threshold", "parameters with fewer elements stay "
         "replicated on every DP rank (weights, AdamW state; gradients all-reduced) instead of "
         "sharded; 0 = shard all; tied embeddings are always sharded. DeepSpeed's "
-        "stage3_param_persistence_threshold (whose own default is 1e5)", 0, type=int)
+        "stage3_param_persistence_threshold (whose own default is 1e5)", 0, type=int,
+        metavar="ELEMENTS")
     # per_microbatch: reduce-scatter each micro-batch's grads into the fp32 shard
     #   accumulator as they become ready (lowest memory; DeepSpeed's behaviour).
     # last_microbatch: keep full fp32 grads across micro-batches and reduce once
