@@ -319,3 +319,24 @@ def test_megatron_deepspeeds_template_config_maps_without_refusal(tmp_path):
     assert (config.logging.log_interval, config.optimizer.clip_grad, config.zero.stage) == (10, 1.0, 3)
     assert [n.split(" (")[0] for n in flags.deepspeed.mapping.noted] == [
         "prescale_gradients", "curriculum_learning", "wall_clock_breakdown"]
+
+
+def test_the_engine_knobs_are_flags():
+    """The ZeRO engine's knobs are --zero-* flags (DeepSpeed's units), defaults unchanged;
+    a bad value is one line naming the flag."""
+    argv = BASE + ["--lr", "1e-3", "--micro-batch-size", "1"]
+    z = parse_config(argv + ["--zero-prefetch", "0", "--zero-param-persistence-threshold", "100",
+                             "--zero-grad-sync", "last_microbatch", "--zero-quantized-weights",
+                             "--zero-quantized-weights-bits", "4", "--zero-reduce-bucket-size",
+                             "1000", "--bf16"], world_size=2).zero
+    assert (z.prefetch, z.param_persistence_threshold, z.grad_sync, z.weight_bits,
+            z.reduce_bucket_size) == (0, 100, "last_microbatch", 4, 2000)
+    for extra, message in ((["--zero-prefetch", "-1"], r"--zero-prefetch\) must be >= 0"),
+                           (["--zero-reduce-bucket-size", "0"], r"--zero-reduce-bucket-size, in "
+                                                               r"elements\) must be >= 1"),
+                           (["--zero-param-persistence-threshold", "-5"], r"must be >= 0 "
+                                                                          r"elements"),
+                           (["--zero-quantized-weights-bits", "4"], r"add --zero-quantized-"
+                                                                    r"weights \(its int8 mode\)")):
+        with pytest.raises(ArgumentsError, match=message):
+            parse_config(argv + extra, world_size=2)

@@ -105,7 +105,10 @@ class ZeroConfig:
         "E4M3 with the GEMM's scale and feed the FP8 GEMMs directly (docs/ZEROPP.md)",
         False, value=lambda ns: ns.zero_quantized_weights == "int8",
         nargs="?", const="int8", choices=["int8", "fp8"])
-    weight_bits: int = 8                # qwZ: bits per weight (8 or 4)
+    weight_bits: int = flag(  # qwZ: bits per weight (8 or 4)
+        "--zero-quantized-weights-bits", "qwZ (int8 mode of --zero-quantized-weights): bits "
+        "per weight of the quantized gather, 8 or 4 (4: half the bytes, coarser weights; "
+        "DeepSpeed's ZeRO++ has int8 only)", 8, type=int, choices=[4, 8])
     # FP8 weight gathers (--zero-quantized-weights fp8, with FP8 GEMMs): the weights of the
     # FP8 GEMM layers travel as E4M3 with the GEMM's per-tensor scale and feed the GEMMs
     # as they arrive (megaq.zero.zeropp.fp8_weights); other weights travel as before.
@@ -205,6 +208,10 @@ class ZeroConfig:
             if getattr(self, name) not in QMAX:
                 raise ZeroConfigError(f"ZeRO++ {name}={getattr(self, name)} is not supported; "
                                       f"use 8 or 4")
+        if self.weight_bits != 8 and not self.quantized_weights:
+            raise ZeroConfigError(f"--zero-quantized-weights-bits {self.weight_bits} sets the "
+                                  f"bits of qwZ's quantized gather, which is off; add "
+                                  f"--zero-quantized-weights (its int8 mode)")
         if self.grad_code not in INT4_CODES:
             raise ZeroConfigError(f"grad_code {self.grad_code!r} (--zero-quantized-gradients-code) "
                                   f"is not supported; use one of {', '.join(INT4_CODES)}")
