@@ -23,7 +23,10 @@ command-line flags placed before the script's own:
 
 The file is read as a hostile one: at most :data:`MAX_CONFIG_BYTES`, a regular file,
 strict JSON (no NaN / Infinity, no key given twice), only the types each key takes;
-nothing in it is executed. Any problem is one line naming the file and the fix.
+nothing in it is executed. Any problem is one line naming the file and the fix. A
+symbolic link the user names is followed: the path is the user's own choice, not a file
+inside a directory megaq owns (those are opened without following links,
+megaq.checkpoint.paths).
 
 The batch sizes follow DeepSpeed's rule, train_batch_size = train_micro_batch_size_per_gpu
 x gradient_accumulation_steps x data-parallel size; the data-parallel size is only known
