@@ -204,6 +204,28 @@ def test_weight_delta_bytes_equal_the_routes_pair_by_pair():
     assert cases > 50
 
 
+def test_weight_delta_exchange_pays_one_latency_per_message_the_engine_posts():
+    """The exchange's latency term is the messages a rank posts (delta_routes: one per
+    destination that is not itself), at its link's latency, averaged over the group: it
+    grows with the number of hpZ groups, not one latency per unit."""
+    from megaq.planner import traffic
+    from megaq.planner.shapes import UnitShape
+    from megaq.zero.zeropp.deltas import delta_routes
+    cluster = Cluster(gpu_preset("H100-SXM"), num_nodes=1, gpus_per_node=8,
+                      inter_node_latency_s=1.0, intra_node_latency_s=1e-3)
+    unit = UnitShape("u", 4096, 0)
+    for k, m, h in ((2, 2, 2), (4, 2, 2), (3, 4, 4), (8, 8, 8), (2, 8, 4)):
+        n = k * m
+        cfg = ZeroConfig(hpz_partition_size=h, weight_deltas=True, block_size=64)
+        groups = [[g * h + j for j in range(h)] for g in range(n // h)]
+        want = sum((1.0 if d // m != r // m else 1e-3)
+                   for r in range(n) for d in delta_routes(n, r, groups, r % h)[0] if d != r) / n
+        g = traffic.DPGroupShape(k, m, 1)
+        got = traffic.delta_time(unit, g, cfg, cluster.with_nodes(k), CAL.link_efficiency).latency
+        assert got == pytest.approx(want, rel=1e-12), (k, m, h)
+        assert got >= (n // h - 1) * 1e-3
+
+
 def test_prefetch_limit_exposes_what_is_not_fetched_ahead():
     """The published check's DeepSpeed overlap: a limit at least a unit's size is
     megaq's prefetch; the smaller the limit, the more of the forward gathers is exposed,

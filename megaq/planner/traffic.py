@@ -11,7 +11,8 @@ quantized difference per shard and every gather is in-node.
 Time: a collective's bytes go over the slowest of its links. DP groups run their
 collectives at the same time, so a node's NICs carry the cross-node bytes of every
 group with members on the node; an in-node link carries its GPU's own bytes. Rings take
-one latency per step (n - 1 steps), all-to-all hops one per hop.
+one latency per step (n - 1 steps), all-to-all hops one per hop, the weight-delta
+exchange one per message a rank posts (one per hpZ group it sends to).
 """
 
 from __future__ import annotations
@@ -197,12 +198,26 @@ def reduce_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, grad_elem: int,
     return LinkTime(t.intra, t.inter, min(t.intra, t.inter) / chunks + chunks * lat)
 
 
+def delta_messages(g: DPGroupShape, cfg: ZeroConfig) -> dict[str, float]:
+    """Messages one rank posts for one unit's difference exchange, per link, averaged
+    over the DP group's members: one per hpZ group whose covering member is another
+    rank (megaq.zero.zeropp.deltas.delta_routes), n/h - 1 or n/h. The byte count of
+    one-byte differences is the message count."""
+    counts = volume.weight_deltas(1, g.k, g.m, cfg, delta_elem_bytes=1)
+    return {link: counts[link] / g.n for link in (INTRA, INTER)}
+
+
 def delta_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, cluster: Cluster,
                link_eff: dict) -> LinkTime:
-    """Weight deltas: each shard's packed difference to the members of every hpZ group."""
+    """Weight deltas: each shard's packed difference to the members of every hpZ group.
+    The engine posts one message per destination (one batch of point-to-point sends per
+    unit); each pays its link's per-message latency, one after another on the sender,
+    as a ring's steps do."""
     S = u.shard_numel(g.n, cfg.block_size)
-    return link_seconds(_weight_deltas(S, g.k, g.m, cfg), g, cluster, link_eff,
-                        cluster.inter_node_latency_s if g.k > 1 else cluster.intra_node_latency_s)
+    msgs = delta_messages(g, cfg)
+    latency = (msgs[INTER] * cluster.inter_node_latency_s
+               + msgs[INTRA] * cluster.intra_node_latency_s)
+    return link_seconds(_weight_deltas(S, g.k, g.m, cfg), g, cluster, link_eff, latency)
 
 
 def delta_kernel_bytes(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, elem: int) -> float:
