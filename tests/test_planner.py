@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -224,6 +225,31 @@ def test_weight_delta_exchange_pays_one_latency_per_message_the_engine_posts():
         got = traffic.delta_time(unit, g, cfg, cluster.with_nodes(k), CAL.link_efficiency).latency
         assert got == pytest.approx(want, rel=1e-12), (k, m, h)
         assert got >= (n // h - 1) * 1e-3
+
+
+def test_weight_delta_exchange_hides_behind_the_first_forward():
+    """The exchanges are posted together at the first gather and queue on the link; unit
+    i's is waited for at unit i's gather. Nothing to hide behind: every second is waited
+    for; long spans: only the first unit's; in between, what outruns the forward."""
+    from megaq.planner.step import _delta_exchange_waits
+    x = [2.0, 1.0, 1.0]
+    assert _delta_exchange_waits(x, [0.0, 0.0, 0.0]) == pytest.approx(4.0)
+    assert _delta_exchange_waits(x, [5.0, 5.0, 5.0]) == pytest.approx(2.0)
+    # unit 1 lands at 3, reached at 2 + 0.5: waits 0.5; unit 2 lands at 4, reached at 3.5
+    assert _delta_exchange_waits(x, [0.5, 0.5, 0.5]) == pytest.approx(2.0 + 0.5 + 0.5)
+
+
+def test_emulated_replay_adds_each_configuration_s_host_time():
+    """The emulated replay charges the profiled host time of the configuration, ZeRO-3's
+    where the profile has none; the ZeRO-3 link fit includes it."""
+    from megaq.planner import calibrate
+    link = {"efficiency": 0.9, "latency_s": 1e-3, "loopback_gb_per_s": 1.0,
+            "host_s_per_step": {"ZeRO-3": 0.02, "deltas": 0.05}}
+    assert calibrate.emulated_calibration(CAL, link, "deltas").fixed_step_overhead_s == 0.05
+    assert calibrate.emulated_calibration(CAL, link, "qwZ").fixed_step_overhead_s == 0.02
+    host = calibrate.emulated_host_seconds(
+        os.path.join(calibrate.RESULTS, calibrate.FIT_EMULATED_PROFILE))
+    assert host["deltas"] > host["ZeRO-3"] > 0
 
 
 def test_prefetch_limit_exposes_what_is_not_fetched_ahead():

@@ -247,6 +247,11 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
                                         for t, a in zip(gb[1:], ahead[1:])) \
                     if z.hpz else first_fwd
                 exp_first["weight_gather_fwd"] = first_fwd
+                # each unit's span in the step's first forward: its compute and the
+                # exposed part of its gather (what the weight-delta exchange hides behind)
+                exp_first["unit_spans"] = [per_unit_fwd + gf[0]] + [
+                    per_unit_fwd + (hidden_behind(t, a, per_unit_fwd) if pre else t)
+                    for t, a in zip(gf[1:], ahead[1:])]
                 exp["weight_gather_fwd"] = later_fwd
                 # backward, units in reverse: the next unit's gather (prefetched) and this
                 # unit's reduction (async) run under the next unit's backward
@@ -316,10 +321,12 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     optimizer_s = shard_params * cal.optimizer_bytes_per_param / hbm
     deltas_s = 0.0
     if z.weight_deltas:
-        # the exchange, then the kernels that make and apply the differences
-        deltas_s = max(sum(traffic.delta_time(u, g, z, cluster, link_eff).total
-                           + traffic.delta_kernel_bytes(u, g, z, elem) / hbm
-                           for u in st["units"]) for st in stages)
+        # the exchange's exposed waits, and the kernels that make and apply the differences
+        deltas_s = max(_delta_exchange_waits(
+            [traffic.delta_time(u, g, z, cluster, link_eff).total for u in st["units"]],
+            [t for ch in st["chunks"] for t in ch["exp_first"]["unit_spans"]])
+            + sum(traffic.delta_kernel_bytes(u, g, z, elem) / hbm for u in st["units"])
+            for st in stages)
     step = sim.makespan_s + max(first_extra, 0.0) + tail + optimizer_s + deltas_s \
         + cal.fixed_step_overhead_s
 
@@ -373,6 +380,24 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
         optimizer_s=optimizer_s, other_s=cal.fixed_step_overhead_s,
         memory_parts_gib=to_gib, cross_node_bytes=cross, bytes_per_phase=phase_bytes,
         hbm_gib=gpu.hbm_gib, layout=layout, notes=notes)
+
+
+def _delta_exchange_waits(exchange_s: list[float], spans_s: list[float]) -> float:
+    """Seconds the step's first forward waits for weight deltas' differences.
+
+    megaq.zero.zeropp.deltas posts every unit's exchange at the step's first gather, in
+    engine order, and waits for unit i's at unit i's gather: the exchanges queue on the
+    link one after another (unit i's lands at the sum of the first i + 1), while the
+    forward runs through the units before i (their spans: compute and exposed gather)."""
+    waits = now = landed = 0.0
+    for i, x in enumerate(exchange_s):
+        if i:
+            now += spans_s[i - 1]
+        landed += x
+        wait = max(0.0, landed - now)
+        waits += wait
+        now += wait
+    return waits
 
 
 def fits_on(peak_bytes: float, gpu, cal: Calibration) -> bool:
