@@ -227,6 +227,22 @@ def test_weight_delta_exchange_pays_one_latency_per_message_the_engine_posts():
         assert got >= (n // h - 1) * 1e-3
 
 
+def test_qgz_hops_pay_one_latency_per_message():
+    """qgZ's all-to-all hops send one message to every other member of their group: m - 1
+    in the node, k - 1 across nodes, per chunk (the engine's all_to_all over its intra
+    and inter groups)."""
+    from megaq.planner import traffic
+    from megaq.planner.shapes import UnitShape
+    cluster = Cluster(gpu_preset("H100-SXM"), num_nodes=4, gpus_per_node=8,
+                      inter_node_gbit_per_s=1e12, intra_node_gb_per_s=1e12,
+                      inter_node_latency_s=1.0, intra_node_latency_s=1e-3)
+    cfg = ZeroConfig(quantized_gradients=True, hpz_partition_size=8, block_size=64)
+    for k, m in ((4, 8), (2, 2), (16, 4)):
+        got = traffic.reduce_time(UnitShape("u", 1 << 16, 0), traffic.DPGroupShape(k, m, 1),
+                                  cfg, 2, cluster.with_nodes(k), CAL.link_efficiency).latency
+        assert got == pytest.approx((k - 1) * 1.0 + (m - 1) * 1e-3, rel=1e-6), (k, m)
+
+
 def test_weight_delta_exchange_hides_behind_the_first_forward():
     """The exchanges are posted together at the first gather and queue on the link; unit
     i's is waited for at unit i's gather. Nothing to hide behind: every second is waited

@@ -11,8 +11,9 @@ quantized difference per shard and every gather is in-node.
 Time: a collective's bytes go over the slowest of its links. DP groups run their
 collectives at the same time, so a node's NICs carry the cross-node bytes of every
 group with members on the node; an in-node link carries its GPU's own bytes. Rings take
-one latency per step (n - 1 steps), all-to-all hops one per hop, the weight-delta
-exchange one per message a rank posts (one per hpZ group it sends to).
+one latency per step (n - 1 steps); all-to-all hops and the weight-delta exchange one
+per message a rank posts (a hop: one to every other member of its group; the exchange:
+one per hpZ group it sends to), one after another on the sender.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def reduce_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, grad_elem: int,
     """One gradient reduction of one unit: a ring (reduce-scatter, or all-reduce under
     stage 0), or qgZ's two all-to-all hops per chunk, where chunk i's cross-node hop
     overlaps chunk i+1's in-node hop (each hop's link carries its bytes; the chunks add
-    one chunk's shorter hop and a latency per hop)."""
+    one chunk's shorter hop, and each hop a latency per message: m - 1 in the node,
+    k - 1 across nodes)."""
     links = unit_phase_bytes(u, g, cfg, 2, grad_elem, backward=True)["grad_reduce"]
     if not cfg.quantized_gradients:
         passes = 2 if cfg.stage == 0 else 1
@@ -193,8 +195,8 @@ def reduce_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, grad_elem: int,
     S = u.shard_numel(g.n, cfg.block_size)
     chunks = len(chunk_bounds(S, cfg.block_size, cfg.grad_chunk))
     t = link_seconds(links, g, cluster, link_eff)
-    lat = (cluster.intra_node_latency_s if g.m > 1 else 0.0) + (
-        cluster.inter_node_latency_s if g.k > 1 else 0.0)
+    # each hop an all-to-all: one message to every other member of its group
+    lat = (g.m - 1) * cluster.intra_node_latency_s + (g.k - 1) * cluster.inter_node_latency_s
     return LinkTime(t.intra, t.inter, min(t.intra, t.inter) / chunks + chunks * lat)
 
 
