@@ -114,6 +114,18 @@ def test_subcommand_errors_are_one_line(tmp_path, capsys, argv, needle):
     assert not os.path.exists(tmp_path / "c.json")
 
 
+def test_a_damaged_step_profile_beside_the_emulated_file_is_one_error_line(tmp_path, capsys):
+    import shutil
+    from megaq.planner.tasks import main
+    shutil.copy(os.path.join(RESULTS, calibrate.FIT_EMULATED_FILE), tmp_path)
+    (tmp_path / calibrate.FIT_EMULATED_PROFILE).write_text('{"results": [{"config": "ZeRO-3"}]}')
+    argv = ["--emulated", str(tmp_path / calibrate.FIT_EMULATED_FILE), "-o", str(tmp_path / "c.json")]
+    assert main("calibrate", argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a netns_step_profile.py result" in err[0], err
+    assert not os.path.exists(tmp_path / "c.json")
+
+
 def test_tools_plan_py_dispatches_the_subcommands(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "plan.py"), "scale", "--bogus"],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
