@@ -76,9 +76,10 @@ def test_zeropp_switches_select_the_seams():
     assert isinstance(make_reducer(topo, ZeroConfig(quantized_weights=True)), GradReducer)
 
 
-@pytest.mark.parametrize("kw, match", [({"stage": 2}, "stage 2"), ({"grad_sync": "x"}, "grad_sync"),
+@pytest.mark.parametrize("kw, match", [({"stage": 4}, "stage 4"), ({"grad_sync": "x"}, "grad_sync"),
                                        ({"block_size": 3}, "block_size"),
-                                       ({"stage": 0, "quantized_gradients": True}, "stage 3"),
+                                       ({"stage": 0, "quantized_gradients": True}, "stage 1, 2 or 3"),
+                                       ({"stage": 2, "hpz_partition_size": 2}, "use --zero-stage 3"),
                                        ({"weight_bits": 2}, "weight_bits=2.*use 8 or 4"),
                                        ({"grad_bits_inter": 3}, "grad_bits_inter=3"),
                                        ({"hpz_partition_size": 0}, "hpz_partition_size 0"),

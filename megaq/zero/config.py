@@ -206,14 +206,14 @@ class ZeroConfig:
             raise ZeroConfigError("FP8 weight gathers and int8 qwZ both quantize the weight "
                                   "gather; choose one: --zero-quantized-weights fp8 (FP8 GEMMs) "
                                   "or --zero-quantized-weights (int8, bf16 GEMMs)")
-        if self.weights_resident and (self.hpz or self.weight_deltas or self.fp8_weights):
+        if self.stage != 3 and (self.hpz or self.weight_deltas or self.fp8_weights):
             given = [f for f, on in (("--zero-hpz-partition-size", self.hpz),
                                      ("--zero-weight-deltas", self.weight_deltas),
                                      ("--zero-quantized-weights fp8", self.fp8_weights)) if on]
-            raise ZeroConfigError(f"{' and '.join(given)}: a ZeRO-3 per-layer weight gather "
-                                  f"feature, and --zero-stage {self.stage} keeps the weights whole "
-                                  f"(one all-gather after each step, which int8 qwZ and qgZ can "
-                                  f"quantize): use --zero-stage 3 or drop {given[0]}")
+            raise ZeroConfigError(f"{' and '.join(given)}: ZeRO-3's per-layer weight gathers, "
+                                  f"which --zero-stage {self.stage} does not have (its weights "
+                                  f"stay whole on every rank): use --zero-stage 3 or drop "
+                                  f"{given[0]}")
         if self.weight_deltas and not self.hpz:
             raise ZeroConfigError("--zero-weight-deltas keeps hpZ's in-node secondary partition "
                                   "as the reference weights; add --zero-hpz-partition-size N "
