@@ -273,9 +273,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
                         quant_s += n_full * cal.quantize_bytes.get("qwz", 3.0) / hbm
                     if z.quantized_gradients:
                         quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm
-            elif z.grads_reduced_once:
-                # stage 1 (or last_microbatch): the reduce-scatters after the last backward,
-                # in finish_grad_sync; charged to the step's tail below
+            elif z.weights_resident and z.grads_reduced_once:
+                # stage 1: the reduce-scatters after the last backward, in
+                # finish_grad_sync; charged to the step's tail below
                 rd = [unit_times(u)[2].total for u in reversed(cu)]
             else:
                 rd = [unit_times(u)[2].total for u in reversed(cu)]
