@@ -32,6 +32,7 @@ from megaq.checkpoint.save import save_checkpoint
 from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_report_line,
                                  memory_stats, perplexity, timers_block, training_log_line,
                                  validation_log_line)
+from megaq.runtime.profiling import StepProfiler
 from megaq.runtime.metrics import MetricsFileError, MetricsWriter, SetAside, comm_per_node_per_iteration
 from megaq.parallel import comm, fp8_delayed
 from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
@@ -109,6 +110,8 @@ class Trainer:
                            log=lambda line: print(line, flush=True))
         self.device = next(parts.model_chunks[0].parameters()).device
         self.timers = Timers(log.timing_log_level, self.device)
+        self.profiler = StepProfiler(log, self.topo.rank, self.device,
+                                     log.tensorboard_dir or "profile")
         # reduce the loss over the ranks that hold it: last stage, all TP x DP ranks
         self._loss_divisor = self.topo.layout.tp * self.topo.layout.dp
         self._t_start = time.time()
@@ -358,8 +361,10 @@ class Trainer:
             self.timers.start("batch-generator", 2)
             step_batches = next(batches)
             self.timers.stop("batch-generator", 2)
+            self.profiler.before_step(s.iteration)
             loss, grad_norm, applied = self.train_step(step_batches)
             s.iteration += 1
+            self.profiler.after_step(s.iteration)
             s.consumed_samples += t.global_batch_size
             s.losses[s.iteration] = loss
             s.grad_norms[s.iteration] = grad_norm

@@ -256,3 +256,35 @@ def test_memory_report_line_is_megatrons_on_cuda(monkeypatch):
     assert line == ("[Rank 3] (after 1 iterations) memory (MB) | allocated: 100.50 | "
                     "max allocated: 200.25 | reserved: 300.00 | max reserved: 400.00")
     assert logging_utils.memory_report_line(0, 1, torch.device("cpu")) is None
+
+
+def test_device_busy_is_the_union_of_kernel_intervals():
+    from megaq.runtime.profiling import device_busy
+    # two streams overlapping at 15-20 count once; gaps before, between and after
+    ev = [{"ts": 10, "dur": 10}, {"ts": 15, "dur": 10}, {"ts": 40, "dur": 5}]
+    busy, gaps = device_busy(ev, 0, 50)
+    assert busy == 20 and gaps == [10, 15, 5]
+    # clipped to the window
+    assert device_busy(ev, 12, 42) == (15, [15])
+
+
+def test_profile_window_writes_a_trace_and_its_summary(tmp_path, capsys, monkeypatch):
+    """--profile --use-pytorch-profiler: iterations 2-3 under torch.profiler, the trace in
+    ./profile (no --tensorboard-dir), the top-ops table and the summary line."""
+    from megaq.pretrain import cli
+    monkeypatch.chdir(tmp_path)
+    argv = _argv(tmp_path, ["--train-iters", "4", "--profile", "--use-pytorch-profiler",
+                            "--profile-step-start", "1", "--profile-step-end", "3"])
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    trace = tmp_path / "profile" / "rank0.trace.json"
+    assert trace.exists() and json.load(open(trace))["traceEvents"]
+    line = [x for x in out.splitlines() if x.startswith("profile: ")]
+    assert line and line[0].startswith("profile: rank 0, iterations 2-3: "), out[-2000:]
+    assert "Self CPU time total" in out
+
+
+def test_profile_window_must_be_ordered(tmp_path):
+    with pytest.raises(ArgumentsError, match="--profile-step-start 5 and --profile-step-end 5"):
+        parse_config(_argv(tmp_path, ["--profile", "--profile-step-start", "5",
+                                      "--profile-step-end", "5"]), world_size=1)

@@ -2,7 +2,8 @@
 
 * bytes: the step's bytes per ZeRO phase and link equal what megaq.parallel.comm counts
   on gloo ranks posing as 2 nodes x 4, for ZeRO-3, qwZ + hpZ + qgZ, weight deltas,
-  stage 0, and TP x PP (interleaved) layouts, over a step of two micro-batches;
+  stages 0, 1 and 2 (and 2 with qwZ + qgZ), and TP x PP (interleaved) layouts, over a
+  step of two micro-batches;
 * memory: the engine's allocations (memory_report) equal the memory model's, per kind;
 * FLOPs: the model's FLOP terms add up to megaq.model.flops.num_flops;
 * bubble: the pass order equals the one megaq's schedules issue (recorded by running
@@ -57,6 +58,10 @@ DP_CASES = {
     "deltas": dict(Z3, hpz_partition_size=PER_NODE, weight_deltas=True,
                    quantized_gradients=True, grad_chunk=128),
     "stage0": dict(Z3, stage=0),
+    "stage1": dict(Z3, stage=1),
+    "stage2": dict(Z3, stage=2),
+    "stage2_qwz_qgz": dict(Z3, stage=2, quantized_weights=True, quantized_gradients=True,
+                           grad_chunk=128),
 }
 # TP 2 x PP 2 (2 virtual chunks) x DP 2, DP groups across the nodes (rank order tp-pp-dp)
 GRID_MODEL = dict(MODEL, num_layers=4, sequence_parallel=True)

@@ -104,7 +104,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
           "--log-throughput", "--log-memory-to-tensorboard", "--log-params-norm",
           "--timing-log-level", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
           "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor",
-          "--calculate-per-token-loss")
+          "--calculate-per-token-loss", "--profile", "--use-pytorch-profiler",
+          "--profile-step-start", "--profile-step-end", "--profile-ranks")
     + [
         # ---- accepted with a note: nothing to do for megaq ------------------------------
         _note("--use-mcore-models", "megaq's model is megatron-core's GPT layout already"),
@@ -113,8 +114,9 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--use-flash-attn", "megaq uses PyTorch's fused attention whenever it can"),
         _note("--attention-backend", "megaq uses PyTorch's fused attention whenever it can",
               "str"),
-        _note("--use-distributed-optimizer",
-              "megaq's ZeRO-3 engine always shards the optimizer state over DP"),
+        MegatronFlag("--use-distributed-optimizer", ALIAS, "as --zero-stage 1 (the optimizer "
+                     "state sharded over DP, weights and gradients whole: ZeRO-1)",
+                     target="zero_stage", const={True: 1}),
         _note("--overlap-grad-reduce", "megaq's ZeRO engine schedules its gradient reduction"),
         _note("--overlap-param-gather", "megaq's ZeRO engine prefetches its weight gathers"),
         _note("--tp-comm-overlap", "megaq's TP collectives are not split into overlap chunks"),
@@ -171,10 +173,6 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--log-progress", "megaq's metrics file (--metrics-file) records progress"),
         _note("--timing-log-option", "megaq prints the timers (--timing-log-level) in Megatron's "
               "default form, (min, max) over the ranks", "str"),
-        _note("--profile", "use --log-comm-time or torch.profiler around megaq.pretrain.main"),
-        _note("--profile-step-start", "see --profile", "int"),
-        _note("--profile-step-end", "see --profile", "int"),
-        _note("--use-pytorch-profiler", "see --profile"),
         _note("--deterministic-mode", "megaq does not change PyTorch's determinism settings "
               "(call torch.use_deterministic_algorithms yourself)"),
         # ---- aliases: Megatron's spelling of a megaq flag ----------------------------------
@@ -200,9 +198,10 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--no-query-key-layer-scaling", "megaq never scales QK by the layer number "
               "(the default; it only matters for fp16)"),
         MegatronFlag("--data-parallel-sharding-strategy", ALIAS,
-                     "as --zero-stage: no_shard is 0, optim_grads_params 3 (optim and "
-                     "optim_grads, ZeRO-1/2 sharding, are refused)", "str",
-                     target="zero_stage", const={"no_shard": 0, "optim_grads_params": 3}),
+                     "as --zero-stage: no_shard is 0, optim 1, optim_grads 2, "
+                     "optim_grads_params 3", "str", target="zero_stage",
+                     const={"no_shard": 0, "optim": 1, "optim_grads": 2,
+                            "optim_grads_params": 3}),
         _refuse("--main-grads-dtype", "gradients accumulated in other than fp32", "str",
                 allowed=("fp32",)),
         _refuse("--main-params-dtype", "main weights in other than fp32", "str",
@@ -359,7 +358,7 @@ _FAMILIES: tuple[tuple[str, str, str], ...] = (
      r"|no-clone-scatter-output|disable-clone-scatter-output|fp16-lm-cross-entropy"
      r"|no-initialization|no-check-for-nan-in-loss-and-grad|no-barrier-with-level-1-timing"
      r"|manual-gc-eval|no-manual-gc-eval|disable-manual-gc-eval|fp8-interval"
-     r"|record-memory-history|memory-snapshot-path|profile-ranks|save-dgrads-interval"
+     r"|record-memory-history|memory-snapshot-path|save-dgrads-interval"
      r"|save-wgrads-interval|dump-param-to-param-group-map|log-device-memory-used"
      r"|log-memory-interval|logging-level|test-mode|exit-signal$"
      r"|exit-signal-handler-for-dataloader|max-tokens-to-oom)", NOTE,
@@ -467,6 +466,9 @@ def megatron_flag_problems(args) -> tuple[list[str], list[str]]:
     value alias (--data-parallel-sharding-strategy) writes its megaq flag's value into
     `args` here, before the configuration is built from them."""
     refusals, noted, aliased = [], [], []
+    # a value alias's target given already: by megaq's own flag (its parser default is
+    # None, so given means given) or by an earlier alias; two different values conflict
+    set_by = {}
     for f in MEGATRON_FLAGS:
         v = _given(args, f)
         if v is None or v is False:
@@ -474,9 +476,16 @@ def megatron_flag_problems(args) -> tuple[list[str], list[str]]:
         if f.kind == ALIAS and not isinstance(f.const, dict):
             aliased.append(f"{f.name} {f.why}")
         elif f.kind == ALIAS:
-            if v in f.const:
+            target = "--" + f.target.replace("_", "-")
+            have = getattr(args, f.target, None)
+            if v in f.const and have is not None and have != f.const[v]:
+                refusals.append(f"{_shown(f, v)} means {target} {f.const[v]}, but "
+                                f"{set_by.get(f.target, f'{target} {have}')} is given too: "
+                                f"keep one")
+            elif v in f.const:
                 setattr(args, f.target, f.const[v])
-                aliased.append(f"{f.name} {v} as --{f.target.replace('_', '-')} {f.const[v]}")
+                set_by[f.target] = _shown(f, v)
+                aliased.append(f"{_shown(f, v)} as {target} {f.const[v]}")
             else:
                 refusals.append(f"{_shown(f, v)}: megaq has no such value; it takes "
                                 f"{' or '.join(f.const)} ({f.why})")

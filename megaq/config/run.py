@@ -378,6 +378,22 @@ class LoggingConfig:
     quiet_notes: bool = switch(
         "--quiet-notes", "do not print the start-up note naming the Megatron-LM flags given "
         "that change nothing in megaq (refusals are still errors)")
+    profile: bool = switch(
+        "--profile", "profile iterations --profile-step-start+1 .. --profile-step-end on "
+        "--profile-ranks: with --use-pytorch-profiler under torch.profiler (a Chrome trace "
+        "rank<r>.trace.json in --tensorboard-dir, else ./profile; the top kernels; the device's "
+        "busy and idle time per iteration), else marked for Nsight Systems "
+        "(nsys profile --capture-range=cudaProfilerApi)")
+    use_pytorch_profiler: bool = switch("--use-pytorch-profiler",
+                                        "--profile with torch.profiler (see --profile)")
+    profile_step_start: int = flag("--profile-step-start",
+                                   "--profile's window starts after this many iterations", 10,
+                                   type=int)
+    profile_step_end: int = flag("--profile-step-end",
+                                 "--profile's window ends after this many iterations", 12,
+                                 type=int)
+    profile_ranks: tuple = flag("--profile-ranks", "the global ranks --profile profiles", (0,),
+                                type=int, nargs="+")
     wandb_project: str | None = flag(
         "--wandb-project", "log the TensorBoard scalars to this Weights & Biases project too "
         "(needs `pip install wandb` and --wandb-exp-name; offline when the server is "
@@ -401,6 +417,10 @@ class LoggingConfig:
             raise ConfigError("--eval-interval must be >= 1 (use --eval-iters 0 to turn "
                               "evaluation off)")
         _at_least(self, 0, "eval_iters")
+        if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
+            raise ConfigError(f"--profile-step-start {self.profile_step_start} and "
+                              f"--profile-step-end {self.profile_step_end}: the window needs "
+                              f"0 <= start < end")
 
 
 # The flag groups of --help, in order (megaq.config.arguments.build_parser).

@@ -31,7 +31,7 @@ from .shapes import UnitShape
 
 # comm's phase tags (weight deltas: the forward gather is weight_ref_gather)
 PHASES = ("weight_gather_fwd", "weight_ref_gather", "weight_delta_gather", "weight_gather_bwd",
-          "grad_reduce")
+          "grad_reduce", "weight_gather_step")
 ZERO = {INTRA: 0, INTER: 0}
 
 
@@ -100,6 +100,13 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
         if cfg.stage == 0:
             add("grad_reduce", unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
                 ["grad_reduce"], micro_batches * count)
+            continue
+        if cfg.weights_resident:  # stages 1, 2: one gather after the step, no per-site ones
+            S = u.shard_numel(g.n, cfg.block_size)
+            one = volume.step(S, g.k, g.m, elem, grad_elem, cfg)
+            add("weight_gather_step", one["weight_gather_step"], count)
+            add("grad_reduce", one["grad_reduce"],
+                (1 if cfg.grads_reduced_once else micro_batches) * count)
             continue
         first = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=False)
         later = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
