@@ -282,7 +282,12 @@ def build_ref(size, compiled, dev, ao_recipe=None, recompute=False, init_on_devi
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(ao_recipe),
                                    module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
-    run = torch.compile(model) if compiled else model
+    if compiled and recompute:  # each block compiled (one graph for all), as megaq's
+        for blk in model.blocks:  # compile_blocks: compiling 40 checkpointed blocks as one
+            blk.compile()         # graph takes minutes
+        run = model
+    else:
+        run = torch.compile(model) if compiled else model
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
