@@ -102,7 +102,10 @@ def print_arguments(argv, config) -> None:
         dest = f.name.lstrip("-").replace("-", "_")
         if f.kind != IMPLEMENTED and values.get(dest) in (None, False):
             values.pop(dest, None)
-    values.update(world_size=config.parallel.world_size, data_parallel_size=config.parallel.dp)
+    values.update(world_size=config.parallel.world_size, data_parallel_size=config.parallel.dp,
+                  # as run: given, set by a Megatron-LM spelling, or the default (the
+                  # flag's own default is None, so that a given stage can be told apart)
+                  zero_stage=config.zero.stage)
     print(arguments_block(values), flush=True)
 
 

@@ -233,11 +233,17 @@ def test_optimizer_and_schedulers_map_where_the_curve_is_the_same(tmp_path):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_every_stage_maps_to_zero_stage(stage):
-    """Stages 1 and 2 map to --zero-stage 1 / 2 (the engine's own choices decide whether
-    it runs them)."""
-    assert map_config({"zero_optimization": {"stage": stage}}).tokens() == [
-        "--zero-stage", str(stage)]
+def test_every_stage_maps_to_zero_stage(stage, tmp_path):
+    """Stages 0-3 map to --zero-stage 0-3; the ZeRO++ keys only at stage 3, as DeepSpeed
+    applies them (below it they are noted: the file's run has them off)."""
+    zero = {"stage": stage, "zero_quantized_gradients": True, "zero_quantized_weights": True}
+    mapping = map_config({"zero_optimization": zero})
+    zeropp = ["--zero-quantized-gradients", "--zero-quantized-weights"] if stage == 3 else []
+    assert mapping.tokens() == ["--zero-stage", str(stage), *zeropp]
+    assert len(mapping.noted) == (0 if stage == 3 else 2)
+    path = write(tmp_path, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
+    z = parse_config(BASE + ["--lr", "1e-3", "--deepspeed-config", path], world_size=2).zero
+    assert (z.stage, z.quantized_gradients, z.quantized_weights) == (stage,) + (stage == 3,) * 2
 
 
 def test_megatron_deepspeed_flags(tmp_path):

@@ -323,12 +323,20 @@ def map_config(cfg: dict) -> Mapping:
                             "applies (DeepSpeed's default 0 does not clip; write "
                             "\"gradient_clipping\": 0 to match)")
     zero = cfg.get("zero_optimization")
-    if isinstance(zero, dict) and "stage3_param_persistence_threshold" not in zero \
-            and zero.get("stage") == 3:
+    if not isinstance(zero, dict) or "stage" not in zero:
+        r.m.defaults.append("not in the file: zero_optimization.stage, megaq's --zero-stage 3 "
+                            "applies (DeepSpeed's default 0 replicates everything; the "
+                            "training is the same, sharded)")
+    elif "stage3_param_persistence_threshold" not in zero and zero.get("stage") == 3:
         r.m.defaults.append("not in the file: stage3_param_persistence_threshold, megaq's 0 "
                             "applies (DeepSpeed's 1e5 replicates small parameters; the "
                             "training is the same either way)")
     return r.m
+
+
+_ZEROPP = {"zero_quantized_weights": "--zero-quantized-weights",
+           "zero_quantized_gradients": "--zero-quantized-gradients",
+           "zero_hpz_partition_size": "--zero-hpz-partition-size"}
 
 
 def _zero(r: _Reader, key: str, zero) -> None:
@@ -343,12 +351,15 @@ def _zero(r: _Reader, key: str, zero) -> None:
                     r.flag(name, "--zero-stage", stage)
                 else:
                     r.refuse(name, v, "DeepSpeed's stages are 0-3")
-        elif k == "zero_quantized_weights":
+        elif k in _ZEROPP and zero.get("stage", 0) != 3:
+            kind = "int" if k == "zero_hpz_partition_size" else "bool"
+            v = r.typed(name, v, kind)
+            if v is True or (kind == "int" and v not in (1, None)):
+                r.note(name, "DeepSpeed applies ZeRO++ at stage 3 only, so it is off here too "
+                             "(docs/ZERO.md says which parts megaq runs at stages 1-2)")
+        elif k in ("zero_quantized_weights", "zero_quantized_gradients"):
             if r.typed(name, v, "bool"):
-                r.flag(name, "--zero-quantized-weights")
-        elif k == "zero_quantized_gradients":
-            if r.typed(name, v, "bool"):
-                r.flag(name, "--zero-quantized-gradients")
+                r.flag(name, _ZEROPP[k])
         elif k == "zero_hpz_partition_size":
             size = r.typed(name, v, "int")
             if size is not None:
@@ -589,9 +600,12 @@ _TOP_WITH_CONFIG = {  # handlers that read another key of the file too
 # The table of docs/TRAINING.md "Coming from DeepSpeed": ds_config key -> megaq.
 KEYS = (
     ("zero_optimization.stage", "--zero-stage (0-3)"),
-    ("zero_optimization.zero_quantized_weights", "--zero-quantized-weights (int8 qwZ)"),
+    ("zero_optimization.zero_quantized_weights", "--zero-quantized-weights (int8 qwZ); "
+     "like all three ZeRO++ keys, at stage 3 only (DeepSpeed ignores them below it: noted)"),
     ("zero_optimization.zero_hpz_partition_size", "--zero-hpz-partition-size"),
     ("zero_optimization.zero_quantized_gradients", "--zero-quantized-gradients (qgZ)"),
+    ("zero_optimization without stage", "megaq's --zero-stage 3 (DeepSpeed's default is 0: "
+     "the same training, replicated; named in the mapping block)"),
     ("zero_optimization.reduce_bucket_size", "--zero-reduce-bucket-size (elements)"),
     ("zero_optimization.stage3_param_persistence_threshold",
      "--zero-param-persistence-threshold (elements)"),

@@ -128,8 +128,9 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--use-flash-attn", "megaq uses PyTorch's fused attention whenever it can"),
         _note("--attention-backend", "megaq uses PyTorch's fused attention whenever it can",
               "str"),
-        _note("--use-distributed-optimizer",
-              "megaq's ZeRO-3 engine always shards the optimizer state over DP"),
+        MegatronFlag("--use-distributed-optimizer", ALIAS, "as --zero-stage 1 (the optimizer "
+                     "state sharded over DP, weights and gradients whole: ZeRO-1)",
+                     target="zero_stage", const={True: 1}),
         _note("--overlap-grad-reduce", "megaq's ZeRO engine schedules its gradient reduction"),
         _note("--overlap-param-gather", "megaq's ZeRO engine prefetches its weight gathers"),
         _note("--tp-comm-overlap", "megaq's TP collectives are not split into overlap chunks"),
@@ -211,9 +212,10 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--no-query-key-layer-scaling", "megaq never scales QK by the layer number "
               "(the default; it only matters for fp16)"),
         MegatronFlag("--data-parallel-sharding-strategy", ALIAS,
-                     "as --zero-stage: no_shard is 0, optim_grads_params 3 (optim and "
-                     "optim_grads, ZeRO-1/2 sharding, are refused)", "str",
-                     target="zero_stage", const={"no_shard": 0, "optim_grads_params": 3}),
+                     "as --zero-stage: no_shard is 0, optim 1, optim_grads 2, "
+                     "optim_grads_params 3", "str", target="zero_stage",
+                     const={"no_shard": 0, "optim": 1, "optim_grads": 2,
+                            "optim_grads_params": 3}),
         _refuse("--main-grads-dtype", "gradients accumulated in other than fp32", "str",
                 allowed=("fp32",)),
         _refuse("--main-params-dtype", "main weights in other than fp32", "str",
@@ -528,6 +530,9 @@ def megatron_flag_problems(args) -> tuple[list[str], list[str]]:
     value alias (--data-parallel-sharding-strategy) writes its megaq flag's value into
     `args` here, before the configuration is built from them."""
     refusals, noted, aliased = [], [], []
+    # a value alias's target given already: by megaq's own flag (its parser default is
+    # None, so given means given) or by an earlier alias; two different values conflict
+    set_by = {}
     for f in MEGATRON_FLAGS:
         v = _given(args, f)
         if v is None or v is False:
@@ -542,9 +547,16 @@ def megatron_flag_problems(args) -> tuple[list[str], list[str]]:
         elif f.kind == ALIAS and not isinstance(f.const, dict):  # read by a fill alias
             aliased.append(f"{_shown(f, v)} {f.why}")
         elif f.kind == ALIAS:
-            if v in f.const:
+            target = "--" + f.target.replace("_", "-")
+            have = getattr(args, f.target, None)
+            if v in f.const and have is not None and have != f.const[v]:
+                refusals.append(f"{_shown(f, v)} means {target} {f.const[v]}, but "
+                                f"{set_by.get(f.target, f'{target} {have}')} is given too: "
+                                f"keep one")
+            elif v in f.const:
                 setattr(args, f.target, f.const[v])
-                aliased.append(f"{f.name} {v} as --{f.target.replace('_', '-')} {f.const[v]}")
+                set_by[f.target] = _shown(f, v)
+                aliased.append(f"{_shown(f, v)} as {target} {f.const[v]}")
             else:
                 refusals.append(f"{_shown(f, v)}: megaq has no such value; it takes "
                                 f"{' or '.join(f.const)} ({f.why})")

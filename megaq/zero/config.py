@@ -2,7 +2,8 @@
 OptimizerSettings: the sharded optimizer's update rule, passed to the engine beside it.
 
 Stage 0 is plain data parallelism (replicated weights, all-reduced gradients);
-stage 3 shards weights, gradients and optimizer state over the DP group. The ZeRO++
+stage 1 shards the optimizer state (fp32 master and moments) over the DP group,
+stage 2 the gradients too, stage 3 the weights too (docs/ZERO.md "Stages"). The ZeRO++
 settings (qwZ, hpZ, qgZ; implemented in megaq.zero.zeropp) are fields of the same
 frozen dataclass, each with one name and one default; docs/ZERO.md lists them all.
 """
@@ -48,9 +49,13 @@ class ZeroConfig:
 
     FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"
 
-    stage: int = flag(  # 0: plain DP (all-reduce), 3: ZeRO-3
-        "--zero-stage", "3: ZeRO-3 sharded params/grads/optimizer; 0: replicated, all-reduce",
-        3, type=int, choices=[0, 3])
+    stage: int = flag(  # 0: plain DP (all-reduce), 1: + optimizer sharded, 2: + grads, 3: + weights
+        "--zero-stage", "what is sharded over DP: 0 nothing (plain DP, all-reduce); 1 the "
+        "optimizer state (Megatron's --use-distributed-optimizer); 2 the optimizer state and "
+        "the gradients (reduce-scattered); 3 also the weights (ZeRO-3, the default). Under 1 "
+        "and 2 the weights are whole on every rank, all-gathered once after each step",
+        3, value=lambda ns: 3 if ns.zero_stage is None else ns.zero_stage,
+        type=int, choices=[0, 1, 2, 3])
     # How many sites (units gathered together) ahead to all-gather while the
     # current one computes; 0 = no prefetch. Live gathered memory is bounded by
     # (1 + prefetch) sites plus a borrowed tied embedding.
@@ -183,8 +188,9 @@ class ZeroConfig:
         "(--zero-weight-deltas)", 4, type=int, choices=[4, 8])
 
     def __post_init__(self):
-        if self.stage not in (0, 3):
-            raise ZeroConfigError(f"zero stage {self.stage} is not supported; use 0 (plain DP) or 3")
+        if self.stage not in (0, 1, 2, 3):
+            raise ZeroConfigError(f"zero stage {self.stage} is not supported; use 0 (plain DP), "
+                                  f"1, 2 or 3")
         if self.block_size < 1 or self.block_size % 2:
             raise ZeroConfigError(f"block_size {self.block_size} (--zero-quantization-block-size) must "
                                   f"be a positive even number (int4 packs two values per byte); "
@@ -235,6 +241,14 @@ class ZeroConfig:
             raise ZeroConfigError("FP8 weight gathers and int8 qwZ both quantize the weight "
                                   "gather; choose one: --zero-quantized-weights fp8 (FP8 GEMMs) "
                                   "or --zero-quantized-weights (int8, bf16 GEMMs)")
+        if self.stage != 3 and (self.hpz or self.weight_deltas or self.fp8_weights):
+            given = [f for f, on in (("--zero-hpz-partition-size", self.hpz),
+                                     ("--zero-weight-deltas", self.weight_deltas),
+                                     ("--zero-quantized-weights fp8", self.fp8_weights)) if on]
+            raise ZeroConfigError(f"{' and '.join(given)}: ZeRO-3's per-layer weight gathers, "
+                                  f"which --zero-stage {self.stage} does not have (its weights "
+                                  f"stay whole on every rank): use --zero-stage 3 or drop "
+                                  f"{given[0]}")
         if self.weight_deltas and not self.hpz:
             raise ZeroConfigError("--zero-weight-deltas keeps hpZ's in-node secondary partition "
                                   "as the reference weights; add --zero-hpz-partition-size N "
@@ -244,8 +258,22 @@ class ZeroConfig:
                                   "(it sends quantized differences instead); drop "
                                   "--zero-quantized-weights")
         if self.stage == 0 and self.zeropp_enabled:
-            raise ZeroConfigError("ZeRO++ switches need --zero-stage 3 (they change how ZeRO-3 "
-                                  "gathers weights and reduces gradients)")
+            raise ZeroConfigError("ZeRO++ switches need --zero-stage 1, 2 or 3 (they quantize "
+                                  "the sharded stages' weight gathers and gradient "
+                                  "reduce-scatters; stage 0 all-reduces)")
+
+    @property
+    def weights_resident(self) -> bool:
+        """Stages 1 and 2: weights whole on every rank (sharded for the optimizer only),
+        all-gathered once after each step instead of per site."""
+        return self.stage in (1, 2)
+
+    @property
+    def grads_reduced_once(self) -> bool:
+        """Full fp32 gradients kept across micro-batches and reduce-scattered once per
+        step: stage 1 (its gradients are not sharded during the step, as Megatron's
+        distributed optimizer's grad buffer) and grad_sync='last_microbatch'."""
+        return self.stage == 1 or self.grad_sync == "last_microbatch"
 
     @property
     def hpz(self) -> bool:
