@@ -80,6 +80,7 @@ def test_zeropp_tutorial_config_trains_on_two_posed_nodes(tmp_path):
     r = run_cli_on_ranks(pretrain.cli, argv, 4, timeout=240)
     assert r["codes"] == [0, 0, 0, 0], r["stderr"][-3000:]
     assert r["stdout"].count("------------------------ deepspeed config ") == 1  # rank 0
+    assert "on 2 node(s) of 2; ZeRO stage 3 + qwZ + hpZ(2) + qgZ(int4)" in r["stdout"]
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     train = [x for x in lines if x.get("type") == "train"]
     losses = [x["lm_loss"] for x in train]
