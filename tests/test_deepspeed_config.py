@@ -347,3 +347,20 @@ def test_the_engine_knobs_are_flags():
                                                                     r"weights \(its int8 mode\)")):
         with pytest.raises(ArgumentsError, match=message):
             parse_config(argv + extra, world_size=2)
+
+
+def test_the_planner_reads_the_file_too(tmp_path, capsys):
+    """tools/plan.py plans the file's run: the batch split by DeepSpeed's rule at the
+    planned DP size, qgZ on; a refused key is its one error line."""
+    from megaq.plan_cli import plan_main
+    path = write(tmp_path, {"train_batch_size": 64, "gradient_accumulation_steps": 2,
+                            "bf16": {"enabled": True},
+                            "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+    model = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+             "--seq-length", "256", "--lr", "1e-4", "--num-nodes", "2", "--gpus-per-node", "8"]
+    assert plan_main(model + ["--deepspeed-config", path]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 2 x 2 per step, global batch 64" in out and "stage 3 + qgZ" in out
+    bad = write(tmp_path, {"train_batch_size": 64, "fp16": {"enabled": True}}, "bad.json")
+    assert plan_main(model + ["--deepspeed-config", bad]) == 2
+    assert "megaq cannot honour 1 key(s): fp16.enabled true" in capsys.readouterr().err

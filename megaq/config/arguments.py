@@ -190,11 +190,9 @@ def run_problems(argv: list[str] | None = None, world_size: int | None = None,
     unknown flag, a value of the wrong type) still raises ArgumentsError at once."""
     flags = build_parser().parse_args(argv)
     world_size = world_size or default_world_size()
-    problems, ds_notes = _deepspeed_problems(flags, world_size, ranks_per_node)
+    problems, ds_notes = deepspeed_problems(flags, world_size, ranks_per_node)
     if flags.micro_batch_size is None:  # a ds_config's train_batch_size it could not split
-        return None, flags, problems or [
-            "--deepspeed-config: the micro-batch size is not set; give "
-            "train_micro_batch_size_per_gpu in the file or --micro-batch-size"], ds_notes
+        return None, flags, problems, ds_notes
     refusals, notes = megatron_flag_problems(flags)  # first: its aliases set megaq's flags
     notes = ds_notes + notes
     config = RunConfig.from_flags(flags, world_size, ranks_per_node, problems=problems)
@@ -204,10 +202,12 @@ def run_problems(argv: list[str] | None = None, world_size: int | None = None,
     return config, flags, problems, notes
 
 
-def _deepspeed_problems(flags, world_size: int, ranks_per_node: int | None):
+def deepspeed_problems(flags, world_size: int, ranks_per_node: int | None):
     """(problem lines, note lines) of --deepspeed-config: the file's refusal line and its
     conflicts with the command line, and the batch sizes completed and checked against
-    the data-parallel size (DeepSpeed's rule); the note of --deepspeed without a file."""
+    the data-parallel size (DeepSpeed's rule; a micro-batch size still unset is a
+    problem); the note of --deepspeed without a file. Call it before building the
+    configuration from `flags` (run_problems, tools/plan.py)."""
     intake = flags.deepspeed if isinstance(flags.deepspeed, DeepSpeedIntake) else None
     if intake is None:
         return [], (["note: --deepspeed: megaq's ZeRO engine is always on; pass "
@@ -222,6 +222,9 @@ def _deepspeed_problems(flags, world_size: int, ranks_per_node: int | None):
     if dp is not None:
         line = deepspeed_config.batch_flags(intake.mapping, flags, dp, intake.given)
         problems += [line] if line else []
+    if flags.micro_batch_size is None and not problems:
+        problems.append("--deepspeed-config: the micro-batch size is not set; give "
+                        "train_micro_batch_size_per_gpu in the file or --micro-batch-size")
     return problems, []
 
 

@@ -664,9 +664,10 @@ def batch_flags(mapping: Mapping, flags, dp: int, given: set) -> str | None:
     total, micro, accum = (b.get(k) for k in ("train_batch_size",
                                               "train_micro_batch_size_per_gpu",
                                               "gradient_accumulation_steps"))
-    micro = flags.micro_batch_size if micro is None else micro
+    if micro is None and "micro_batch_size" in given:  # the command line's counts as the file's
+        micro = flags.micro_batch_size
     if total is None and micro is not None and accum is not None:
-        if flags.global_batch_size is None:
+        if "global_batch_size" not in given:
             flags.global_batch_size = micro * accum * dp
         total = flags.global_batch_size
     if total is not None and micro is None:  # DeepSpeed derives the micro-batch
