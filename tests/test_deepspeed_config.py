@@ -157,7 +157,9 @@ def test_wrong_types_oversize_and_non_files_are_one_line(tmp_path, capfd):
     with pytest.raises(ArgumentsError, match=rf"{MAX_CONFIG_BYTES + 3} bytes, more than a "
                                              rf"ds_config's {MAX_CONFIG_BYTES} limit"):
         parse_config(BASE + ["--lr", "1e-3", "--deepspeed-config", big], world_size=1)
-    for target, message in ((tmp_path, "not a regular file"),
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # no writer: opening it must not block
+    for target, message in ((tmp_path, "Is a directory"), (fifo, "not a regular file"),
                             (tmp_path / "missing.json", "No such file or directory")):
         code = pretrain.cli(BASE + ["--lr", "1e-3", "--deepspeed-config", str(target)])
         err = capfd.readouterr().err.strip().splitlines()

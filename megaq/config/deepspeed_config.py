@@ -107,14 +107,17 @@ def read_config(path: str) -> dict:
     """The ds_config at `path` as a dict, or DeepSpeedConfigError with one line."""
     where = f"--deepspeed-config {path}"
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise DeepSpeedConfigError(f"{where}: not a regular file; pass the ds_config JSON "
-                                       f"file")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise DeepSpeedConfigError(f"{where}: {st.st_size} bytes, more than a ds_config's "
-                                       f"{MAX_CONFIG_BYTES} limit; pass the ds_config JSON file")
-        with open(path, "rb") as f:
+        # opened before it is checked (no swap in between); O_NONBLOCK: a FIFO named here
+        # does not block the open, and is then refused as not a regular file
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise DeepSpeedConfigError(f"{where}: not a regular file; pass the ds_config "
+                                           f"JSON file")
+            if st.st_size > MAX_CONFIG_BYTES:
+                raise DeepSpeedConfigError(f"{where}: {st.st_size} bytes, more than a "
+                                           f"ds_config's {MAX_CONFIG_BYTES} limit; pass the "
+                                           f"ds_config JSON file")
             data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise DeepSpeedConfigError(f"{where}: {e.strerror or e}; check the path") from None
