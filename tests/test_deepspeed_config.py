@@ -269,7 +269,7 @@ def test_megatron_deepspeed_flags(tmp_path):
     c = parse_config(argv + ["--checkpoint-activations", "--checkpoint-num-layers", "2",
                              "--zero-contigious-gradients", "--zero-reduce-scatter",
                              "--zero-reduce-bucket-size", "1000", "--deepspeed",
-                             "--partition-activations"], world_size=1)
+                             "--partition-activations", "--local_rank=0"], world_size=1)
     assert (c.model.recompute_granularity, c.model.recompute_method,
             c.model.recompute_num_layers) == ("full", "uniform", 2)
     assert c.zero.reduce_bucket_size == 4000
