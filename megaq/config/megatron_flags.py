@@ -147,7 +147,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
               "megaq's fused attention computes the softmax in fp32"),
         _note("--apply-query-key-layer-scaling", "it only changes fp16 numerics; " + _FP16),
         _note("--accumulate-allreduce-grads-in-fp32",
-              "megaq accumulates and reduces gradients in fp32 already"),
+              "megaq accumulates gradients in fp32 always; its DP reductions carry the "
+              "training dtype (bf16 in bf16 runs), summed into the fp32 accumulator"),
         _note("--loss-scale", _FP16, "float"),
         _note("--initial-loss-scale", _FP16, "float"),
         _note("--min-loss-scale", _FP16, "float"),
@@ -199,8 +200,9 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _alias("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
                "use_checkpoint_opt_param_scheduler"),
         # ---- noted: the DP engine's own knobs ------------------------------------------------
-        _note("--grad-reduce-in-bf16", "megaq reduces gradients in fp32 (--zero-quantized-"
-              "gradients cuts their bytes further, to int8/int4)"),
+        _note("--grad-reduce-in-bf16", "megaq's DP reductions carry the training dtype "
+              "already (bf16 in bf16 runs; --zero-quantized-gradients cuts their bytes further, "
+              "to int8/int4), accumulated in fp32"),
         _note("--ddp-bucket-size", "megaq's ZeRO engine sizes its reduce and gather buckets "
               "itself", "str"),
         _note("--use-torch-fsdp2", "megaq's ZeRO-3 engine (--zero-stage 3, the default) "
