@@ -15,7 +15,8 @@ import importlib
 import json
 import sys
 
-from megaq.config.arguments import CONFIG_ERRORS, ArgumentsError, build_parser
+from megaq.config.arguments import (CONFIG_ERRORS, ArgumentsError, build_parser,
+                                    deepspeed_problems)
 from megaq.config.run import RunConfig
 from megaq.config.flags import from_flags
 from megaq.config.megatron_flags import megatron_flag_problems
@@ -69,6 +70,9 @@ def _run_config(flags, world: int, ranks_per_node: int) -> RunConfig:
     flags.user_mock_data, flags.mock_data = flags.mock_data, True
     if flags.train_iters is None and flags.train_samples is None:
         flags.train_iters = 1
+    ds_problems, _ = deepspeed_problems(flags, world, ranks_per_node)  # a ds_config's flags
+    if ds_problems:
+        raise ArgumentsError(ds_problems[0])
     refusals, _ = megatron_flag_problems(flags)  # first: its aliases set megaq's flags
     try:
         run = RunConfig.from_flags(flags, world, ranks_per_node)

@@ -102,7 +102,10 @@ def print_arguments(argv, config) -> None:
         dest = f.name.lstrip("-").replace("-", "_")
         if f.kind != IMPLEMENTED and values.get(dest) in (None, False):
             values.pop(dest, None)
-    values.update(world_size=config.parallel.world_size, data_parallel_size=config.parallel.dp)
+    values.update(world_size=config.parallel.world_size, data_parallel_size=config.parallel.dp,
+                  # as run: given, set by a Megatron-LM spelling, or the default (the
+                  # flag's own default is None, so that a given stage can be told apart)
+                  zero_stage=config.zero.stage)
     print(arguments_block(values), flush=True)
 
 
@@ -275,7 +278,8 @@ def dry_run(argv) -> int | None:
     as one `error:` line, all of them at once, or a plan that does not fit) without
     starting a process group; None without --dry-run. The world is --num-nodes x
     --gpus-per-node when given, else the launcher's."""
-    from megaq.config.arguments import build_parser, print_notes_once, run_problems
+    from megaq.config.arguments import (build_parser, print_deepspeed_mapping, print_notes_once,
+                                        run_problems)
     from megaq.parallel.topology import ranks_per_node_from_env
     from megaq.plan_cli import dry_run as print_plan
     from megaq.planner.hardware import gpu_preset
@@ -292,6 +296,7 @@ def dry_run(argv) -> int | None:
     config, flags, problems, notes = run_problems(argv, world_size=world,
                                                   ranks_per_node=per_node)
     problems += launch_file_problems(flags)
+    print_deepspeed_mapping(flags)  # what a --deepspeed-config file was read as, refused or not
     if problems:
         for line in problems:
             print(f"error: {line}", file=sys.stderr, flush=True)

@@ -78,8 +78,8 @@ def test_configuration_is_frozen_and_serialisable():
     (["--pipeline-model-parallel-size", "8"], 8, "--num-layers 4 is not divisible by --pipeline"),
     (["--gpus-per-node", "3"], 8, "not a multiple of the ranks per node"),
     (["--zero-hpz-partition-size", "3", "--gpus-per-node", "4"], 8, "--zero-hpz-partition-size 3"),
-    (["--zero-stage", "0", "--zero-quantized-weights"], 8, "need --zero-stage 3"),
-    (["--zero-stage", "0", "--zero-hpz-partition-size", "2"], 1, "need --zero-stage 3"),  # not a layout line
+    (["--zero-stage", "0", "--zero-quantized-weights"], 8, "need --zero-stage 1, 2 or 3"),
+    (["--zero-stage", "0", "--zero-hpz-partition-size", "2"], 1, "use --zero-stage 3"),  # not a layout line
     (["--min-lr", "1"], 1, "--min-lr 1.0 is above --lr"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
     (["--lr-warmup-iters", "20"], 1, "--lr-warmup-iters 20 exceeds --lr-decay-iters 10"),
@@ -94,7 +94,7 @@ def test_configuration_is_frozen_and_serialisable():
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
       "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"], 4,
      "interleaved schedule needs the number of micro-batches (3)"),
-    (["--zero-stage", "2"], 1, "argument --zero-stage: invalid choice"),
+    (["--zero-stage", "4"], 1, "argument --zero-stage: invalid choice"),
     (["--zero-quantized-gradients-chunk", "0"], 1, "--zero-quantized-gradients-chunk 0 must be >= 1"),
     # FP8 weight gathers: FP8 GEMMs needed, tensorwise only, no int8 qwZ under FP8 GEMMs
     (["--zero-quantized-weights", "fp8"], 1, "the model has none: add --fp8-format"),
@@ -206,8 +206,11 @@ def test_every_flag_is_one_config_field():
                and a.option_strings[0] != "-h"}
     assert set(seen) <= set(actions)
     # the rest are Megatron-LM's flags that megaq accepts with a note or refuses
-    # (megaq.config.megatron_flags), and --dry-run (an action, not a setting), nothing else
-    compat = {f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED} | {"--dry-run"}
+    # (megaq.config.megatron_flags), --dry-run (an action, not a setting) and the
+    # ds_config reader's flags (a file of flags, megaq.config.deepspeed_config), nothing else
+    from megaq.config.deepspeed_config import FILE_FLAGS, SWITCH
+    compat = ({f.name for f in MEGATRON_FLAGS if f.kind != IMPLEMENTED} | {"--dry-run", SWITCH}
+              | set(FILE_FLAGS))
     assert set(actions) - set(seen) <= compat, set(actions) - set(seen) - compat
     for cls in classes:
         for f in flag_fields(cls):

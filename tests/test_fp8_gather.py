@@ -214,7 +214,7 @@ def test_fp8_gathers_are_refused_where_they_cannot_work():
 
     with pytest.raises(ZeroConfigError, match="choose one"):
         ZeroConfig(fp8_weights=True, quantized_weights=True)
-    with pytest.raises(ZeroConfigError, match="need --zero-stage 3"):
+    with pytest.raises(ZeroConfigError, match="use --zero-stage 3"):
         ZeroConfig(stage=0, fp8_weights=True)
     topo = build_topology(Layout(world_size=1), 0)
     # the engine checks the model it is given (library use, no RunConfig in between)

@@ -39,14 +39,17 @@ def test_notes_print_once_and_harmless_values_pass():
     args = p.parse_args(argv)
     printed = []
     notes = mf.print_megatron_notes(args, print_fn=printed.append)
-    # one summary line naming the 8 no-meaning flags given (not the harmless values)
+    # one summary line naming the 7 no-meaning flags given (not the harmless values), and
+    # one for the spelling read as megaq's flag
     assert notes == printed == [mf.summary_note([
         "--use-mcore-models", "--transformer-impl", "--use-flash-attn",
-        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-        "--no-masked-softmax-fusion", "--loss-scale"])]
-    assert printed[0].startswith("note: 8 Megatron-LM flag(s) accepted without effect: ")
+        "--overlap-grad-reduce", "--overlap-param-gather",
+        "--no-masked-softmax-fusion", "--loss-scale"]),
+        "note: Megatron-LM spellings read as megaq's flags: --use-distributed-optimizer as "
+        "--zero-stage 1"]
+    assert printed[0].startswith("note: 7 Megatron-LM flag(s) accepted without effect: ")
     assert mf.print_megatron_notes(args, print_fn=printed.append) == []  # once per process
-    assert len(printed) == 1
+    assert len(printed) == 2
     quiet = p.parse_args(argv + ["--quiet-notes"])
     monkey = []
     mf._printed.clear()
@@ -105,9 +108,10 @@ def test_aliases_set_megaq_flags():
     with pytest.raises(ArgumentsError, match="--zero-quantized-weights fp8 gathers the weights "
                        "that FP8 GEMMs read"):  # its rule: FP8 GEMMs
         parse_config(BASE + ["--fp8-param-gather"], world_size=1)
-    with pytest.raises(ArgumentsError, match=r"^--data-parallel-sharding-strategy optim: megaq "
-                       r"has no such value; it takes no_shard or optim_grads_params"):
-        parse_config(BASE + ["--data-parallel-sharding-strategy", "optim"], world_size=1)
+    with pytest.raises(ArgumentsError, match=r"^--data-parallel-sharding-strategy full: megaq "
+                       r"has no such value; it takes no_shard or optim or optim_grads or "
+                       r"optim_grads_params"):
+        parse_config(BASE + ["--data-parallel-sharding-strategy", "full"], world_size=1)
     with pytest.raises(ArgumentsError, match=r"^--no-position-embedding: megaq has no GPT "
                        r"without position embeddings"):
         parse_config(BASE + ["--no-position-embedding"], world_size=1)

@@ -2,7 +2,8 @@
 
 * bytes: the step's bytes per ZeRO phase and link equal what megaq.parallel.comm counts
   on gloo ranks posing as 2 nodes x 4, for ZeRO-3, qwZ + hpZ + qgZ, weight deltas,
-  stage 0, and TP x PP (interleaved) layouts, over a step of two micro-batches;
+  stages 0, 1 and 2 (and 2 with qwZ + qgZ), and TP x PP (interleaved) layouts, over a
+  step of two micro-batches;
 * memory: the engine's allocations (memory_report) equal the memory model's, per kind;
 * FLOPs: the model's FLOP terms add up to megaq.model.flops.num_flops;
 * bubble: the pass order equals the one megaq's schedules issue (recorded by running
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -56,6 +58,10 @@ DP_CASES = {
     "deltas": dict(Z3, hpz_partition_size=PER_NODE, weight_deltas=True,
                    quantized_gradients=True, grad_chunk=128),
     "stage0": dict(Z3, stage=0),
+    "stage1": dict(Z3, stage=1),
+    "stage2": dict(Z3, stage=2),
+    "stage2_qwz_qgz": dict(Z3, stage=2, quantized_weights=True, quantized_gradients=True,
+                           grad_chunk=128),
 }
 # TP 2 x PP 2 (2 virtual chunks) x DP 2, DP groups across the nodes (rank order tp-pp-dp)
 GRID_MODEL = dict(MODEL, num_layers=4, sequence_parallel=True)
@@ -202,6 +208,69 @@ def test_weight_delta_bytes_equal_the_routes_pair_by_pair():
                 assert volume.weight_deltas(1000, k, m, cfg) == want, (k, m, h)
                 cases += 1
     assert cases > 50
+
+
+def test_weight_delta_exchange_pays_one_latency_per_message_the_engine_posts():
+    """The exchange's latency term is the messages a rank posts (delta_routes: one per
+    destination that is not itself), at its link's latency, averaged over the group: it
+    grows with the number of hpZ groups, not one latency per unit."""
+    from megaq.planner import traffic
+    from megaq.planner.shapes import UnitShape
+    from megaq.zero.zeropp.deltas import delta_routes
+    cluster = Cluster(gpu_preset("H100-SXM"), num_nodes=1, gpus_per_node=8,
+                      inter_node_latency_s=1.0, intra_node_latency_s=1e-3)
+    unit = UnitShape("u", 4096, 0)
+    for k, m, h in ((2, 2, 2), (4, 2, 2), (3, 4, 4), (8, 8, 8), (2, 8, 4)):
+        n = k * m
+        cfg = ZeroConfig(hpz_partition_size=h, weight_deltas=True, block_size=64)
+        groups = [[g * h + j for j in range(h)] for g in range(n // h)]
+        want = sum((1.0 if d // m != r // m else 1e-3)
+                   for r in range(n) for d in delta_routes(n, r, groups, r % h)[0] if d != r) / n
+        g = traffic.DPGroupShape(k, m, 1)
+        got = traffic.delta_time(unit, g, cfg, cluster.with_nodes(k), CAL.link_efficiency).latency
+        assert got == pytest.approx(want, rel=1e-12), (k, m, h)
+        assert got >= (n // h - 1) * 1e-3
+
+
+def test_qgz_hops_pay_one_latency_per_message():
+    """qgZ's all-to-all hops send one message to every other member of their group: m - 1
+    in the node, k - 1 across nodes, per chunk (the engine's all_to_all over its intra
+    and inter groups)."""
+    from megaq.planner import traffic
+    from megaq.planner.shapes import UnitShape
+    cluster = Cluster(gpu_preset("H100-SXM"), num_nodes=4, gpus_per_node=8,
+                      inter_node_gbit_per_s=1e12, intra_node_gb_per_s=1e12,
+                      inter_node_latency_s=1.0, intra_node_latency_s=1e-3)
+    cfg = ZeroConfig(quantized_gradients=True, hpz_partition_size=8, block_size=64)
+    for k, m in ((4, 8), (2, 2), (16, 4)):
+        got = traffic.reduce_time(UnitShape("u", 1 << 16, 0), traffic.DPGroupShape(k, m, 1),
+                                  cfg, 2, cluster.with_nodes(k), CAL.link_efficiency).latency
+        assert got == pytest.approx((k - 1) * 1.0 + (m - 1) * 1e-3, rel=1e-6), (k, m)
+
+
+def test_weight_delta_exchange_hides_behind_the_first_forward():
+    """The exchanges are posted together at the first gather and queue on the link; unit
+    i's is waited for at unit i's gather. Nothing to hide behind: every second is waited
+    for; long spans: only the first unit's; in between, what outruns the forward."""
+    from megaq.planner.step import _delta_exchange_waits
+    x = [2.0, 1.0, 1.0]
+    assert _delta_exchange_waits(x, [0.0, 0.0, 0.0]) == pytest.approx(4.0)
+    assert _delta_exchange_waits(x, [5.0, 5.0, 5.0]) == pytest.approx(2.0)
+    # unit 1 lands at 3, reached at 2 + 0.5: waits 0.5; unit 2 lands at 4, reached at 3.5
+    assert _delta_exchange_waits(x, [0.5, 0.5, 0.5]) == pytest.approx(2.0 + 0.5 + 0.5)
+
+
+def test_emulated_replay_adds_each_configuration_s_host_time():
+    """The emulated replay charges the profiled host time of the configuration, ZeRO-3's
+    where the profile has none; the ZeRO-3 link fit includes it."""
+    from megaq.planner import calibrate
+    link = {"efficiency": 0.9, "latency_s": 1e-3, "loopback_gb_per_s": 1.0,
+            "host_s_per_step": {"ZeRO-3": 0.02, "deltas": 0.05}}
+    assert calibrate.emulated_calibration(CAL, link, "deltas").fixed_step_overhead_s == 0.05
+    assert calibrate.emulated_calibration(CAL, link, "qwZ").fixed_step_overhead_s == 0.02
+    host = calibrate.emulated_host_seconds(
+        os.path.join(calibrate.RESULTS, calibrate.FIT_EMULATED_PROFILE))
+    assert host["deltas"] > host["ZeRO-3"] > 0
 
 
 def test_prefetch_limit_exposes_what_is_not_fetched_ahead():

@@ -75,7 +75,7 @@ def test_validation_rows_hold_their_bounds():
     assert {r["label"].split()[0] for r in current} == {"1.3B", "3B"}
     assert all(r["within"] for r in current), [(r["label"], r["ratio"]) for r in current]
     winners = {w["rate"]: w for w in doc["winners"]}
-    assert winners["250mbit"]["right"], winners
+    assert winners["250mbit"]["right"] and winners["1gbit"]["right"], winners
 
 
 def test_published_speedups_keep_their_order_and_tolerance():
@@ -111,6 +111,18 @@ def test_subcommand_errors_are_one_line(tmp_path, capsys, argv, needle):
     assert main(argv[0], argv[1:]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not os.path.exists(tmp_path / "c.json")
+
+
+def test_a_damaged_step_profile_beside_the_emulated_file_is_one_error_line(tmp_path, capsys):
+    import shutil
+    from megaq.planner.tasks import main
+    shutil.copy(os.path.join(RESULTS, calibrate.FIT_EMULATED_FILE), tmp_path)
+    (tmp_path / calibrate.FIT_EMULATED_PROFILE).write_text('{"results": [{"config": "ZeRO-3"}]}')
+    argv = ["--emulated", str(tmp_path / calibrate.FIT_EMULATED_FILE), "-o", str(tmp_path / "c.json")]
+    assert main("calibrate", argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a netns_step_profile.py result" in err[0], err
     assert not os.path.exists(tmp_path / "c.json")
 
 

@@ -192,7 +192,8 @@ def train_rank(topo, model_kw: dict, zero_kw: dict, n_micro: int, steps: int = S
             "M": engine.zero_model_bytes, "numel": sum(p.numel() for c in chunks for p in c.parameters()),
             "last_stage": topo.is_last_stage, "peak_gathered": peak[0],
             "gather_bound": gather_bound(engine), "invalidations": len(invalidations),
-            "step_count": engine.step_count, "params_norm": params_norm}
+            "step_count": engine.step_count, "params_norm": params_norm,
+            "shards": [p.shard_numel for p in engine.partitions if p.sharded]}
 
 
 def gather_bound(engine) -> int:

@@ -5,6 +5,7 @@
     run.py             RunConfig and the Training/Optimizer/Checkpoint/Logging configs
     megatron_flag_list.py  every flag of Megatron-LM's parser, as recorded
     megatron_flags.py  the rest of Megatron-LM's flags: aliases, accepted with a note, or refused
+    deepspeed_config.py  --deepspeed-config: a DeepSpeed ds_config read as the flags above
     arguments.py       the parser, generated from the config classes -> one RunConfig
 
 This file imports nothing, on purpose: the model, parallel, zero and data layers import

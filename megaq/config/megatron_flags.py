@@ -7,14 +7,18 @@ records every flag of Megatron-LM's pretrain_gpt.py parser; each is one of:
   configuration class defines it, megaq.config.run.FLAG_CLASSES; this table only lists
   the ones a dense GPT / Llama script uses, the docs table adds the rest);
 - ALIAS: Megatron's spelling of a megaq flag (--fp8-param-gather is
-  --zero-quantized-weights fp8); it sets that flag's value;
+  --zero-quantized-weights fp8); it sets that flag's value (a switch that stands for
+  several megaq flags, Megatron-DeepSpeed's --checkpoint-activations, fills those the
+  command line left unset);
 - NOTE: the flag has no meaning for megaq (a fusion switch, a backend choice, an fp16
   loss-scaling knob, a logging extra, another model's setting); it is accepted, and rank
   0 prints one line at start naming every such flag given (--quiet-notes: none);
 - REFUSED: the flag asks for a feature megaq lacks; using it (with a value other than
   the harmless ones in `allowed`) is one line naming the feature.
 
-The flags a dense-GPT script uses are listed one by one (MEGATRON_FLAGS' first part);
+The flags a dense-GPT script uses are listed one by one (MEGATRON_FLAGS' first part),
+then Megatron-DeepSpeed's own (its ZeRO and activation-checkpointing flags; its
+--deepspeed / --deepspeed_config are megaq.config.deepspeed_config's);
 the rest of the recorded parser is classified by family (_FAMILIES: MoE, RL, inference,
 vision and BERT settings, ...). megaq.config.arguments.build_parser calls
 `add_megatron_flags(parser)` after the configuration's flags: it adds every ALIAS, NOTE
@@ -47,6 +51,9 @@ class MegatronFlag:
     const: object = None
     # REFUSED: when given these flags (parsed args), the flag asks for nothing: noted instead
     harmless: object = None    # Callable[[argparse.Namespace], bool] | None
+    # ALIAS switch standing for several megaq flags: ((destination, value), ...), each
+    # filled after parsing where the command line left it unset (None)
+    fills: tuple = ()
 
     @property
     def dest(self) -> str:
@@ -68,6 +75,13 @@ def _refuse(name, feature, takes=None, allowed=(), harmless=None):
 def _alias(name, megaq_flag, target, const=None):
     """`name` sets megaq's `megaq_flag` (its destination `target`, to `const`)."""
     return MegatronFlag(name, ALIAS, f"as {megaq_flag}", target=target, const=const)
+
+
+def _fill_alias(name, megaq_flags, fills):
+    """The switch `name` stands for several megaq flags, ((dest, value), ...): each is
+    filled after parsing unless the command line set it; a value may be a function of
+    the parsed flags (one that reads a companion flag)."""
+    return MegatronFlag(name, ALIAS, f"as {megaq_flags}", fills=tuple(fills))
 
 
 _FUSION = "megaq picks its fused kernels itself"
@@ -114,8 +128,9 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--use-flash-attn", "megaq uses PyTorch's fused attention whenever it can"),
         _note("--attention-backend", "megaq uses PyTorch's fused attention whenever it can",
               "str"),
-        _note("--use-distributed-optimizer",
-              "megaq's ZeRO-3 engine always shards the optimizer state over DP"),
+        MegatronFlag("--use-distributed-optimizer", ALIAS, "as --zero-stage 1 (the optimizer "
+                     "state sharded over DP, weights and gradients whole: ZeRO-1)",
+                     target="zero_stage", const={True: 1}),
         _note("--overlap-grad-reduce", "megaq's ZeRO engine schedules its gradient reduction"),
         _note("--overlap-param-gather", "megaq's ZeRO engine prefetches its weight gathers"),
         _note("--tp-comm-overlap", "megaq's TP collectives are not split into overlap chunks"),
@@ -132,7 +147,8 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
               "megaq's fused attention computes the softmax in fp32"),
         _note("--apply-query-key-layer-scaling", "it only changes fp16 numerics; " + _FP16),
         _note("--accumulate-allreduce-grads-in-fp32",
-              "megaq accumulates and reduces gradients in fp32 already"),
+              "megaq accumulates gradients in fp32 always; its DP reductions carry the "
+              "training dtype (bf16 in bf16 runs), summed into the fp32 accumulator"),
         _note("--loss-scale", _FP16, "float"),
         _note("--initial-loss-scale", _FP16, "float"),
         _note("--min-loss-scale", _FP16, "float"),
@@ -184,8 +200,9 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _alias("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
                "use_checkpoint_opt_param_scheduler"),
         # ---- noted: the DP engine's own knobs ------------------------------------------------
-        _note("--grad-reduce-in-bf16", "megaq reduces gradients in fp32 (--zero-quantized-"
-              "gradients cuts their bytes further, to int8/int4)"),
+        _note("--grad-reduce-in-bf16", "megaq's DP reductions carry the training dtype "
+              "already (bf16 in bf16 runs; --zero-quantized-gradients cuts their bytes further, "
+              "to int8/int4), accumulated in fp32"),
         _note("--ddp-bucket-size", "megaq's ZeRO engine sizes its reduce and gather buckets "
               "itself", "str"),
         _note("--use-torch-fsdp2", "megaq's ZeRO-3 engine (--zero-stage 3, the default) "
@@ -197,9 +214,10 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _note("--no-query-key-layer-scaling", "megaq never scales QK by the layer number "
               "(the default; it only matters for fp16)"),
         MegatronFlag("--data-parallel-sharding-strategy", ALIAS,
-                     "as --zero-stage: no_shard is 0, optim_grads_params 3 (optim and "
-                     "optim_grads, ZeRO-1/2 sharding, are refused)", "str",
-                     target="zero_stage", const={"no_shard": 0, "optim_grads_params": 3}),
+                     "as --zero-stage: no_shard is 0, optim 1, optim_grads 2, "
+                     "optim_grads_params 3", "str", target="zero_stage",
+                     const={"no_shard": 0, "optim": 1, "optim_grads": 2,
+                            "optim_grads_params": 3}),
         _refuse("--main-grads-dtype", "gradients accumulated in other than fp32", "str",
                 allowed=("fp32",)),
         _refuse("--main-params-dtype", "main weights in other than fp32", "str",
@@ -215,6 +233,49 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
         _refuse("--rerun-mode", "rerun state machine (re-running a step to tell a transient "
                 "fault from a bug; megaq checks for and skips non-finite steps)", "str",
                 allowed=("disabled",)),
+        # ---- Megatron-DeepSpeed's own flags (its ZeRO and activation checkpointing; its
+        # --deepspeed / --deepspeed_config: megaq.config.deepspeed_config) ---------------
+        MegatronFlag("--zero-stage", IMPLEMENTED, "Megatron-DeepSpeed's ZeRO stage; megaq's "
+                     "engine runs it (Megatron-DeepSpeed only writes it into the ds_config)"),
+        MegatronFlag("--zero-reduce-bucket-size", IMPLEMENTED, "Megatron-DeepSpeed's, in "
+                     "elements: the gradient elements whose reduction may be in flight"),
+        MegatronFlag("--checkpoint-num-layers", ALIAS, "as --recompute-num-layers with "
+                     "--checkpoint-activations (layers per recomputed group; alone it asks "
+                     "for nothing, as in Megatron-DeepSpeed)", "int"),
+        _fill_alias("--checkpoint-activations", "--recompute-granularity full "
+                    "--recompute-method uniform --recompute-num-layers N (N: --checkpoint-num-"
+                    "layers, default 1; Megatron-DeepSpeed's "
+                    "meaning: every layer recomputed in backward from its kept input; "
+                    "Megatron-LM's own parser refuses this old spelling)",
+                    (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                     ("recompute_num_layers",
+                      lambda args: getattr(args, "checkpoint_num_layers", None) or 1))),
+        _note("--deepspeed-activation-checkpointing", "megaq recomputes with its own "
+              "activation checkpointing (--checkpoint-activations / --recompute-granularity)"),
+        _note("--zero-contigious-gradients", "megaq's gradient buckets are flat contiguous "
+              "buffers already (DeepSpeed's contiguous_gradients)"),
+        _note("--zero-reduce-scatter", "megaq's ZeRO engine reduce-scatters its gradients "
+              "already"),
+        _note("--zero-allgather-bucket-size", "megaq gathers each unit's weights in one "
+              "all-gather (DeepSpeed's stage 1/2 allgather_bucket_size)", "int"),
+        _note("--synchronize-each-layer", "megaq's recompute needs no device synchronisation "
+              "per layer"),
+        _note("--contigious-checkpointing", "megaq keeps the recomputed layers' inputs as "
+              "ordinary tensors (no pre-allocated checkpoint buffer)"),
+        _note("--profile-backward", "megaq's --profile covers backward"),
+        _note("--cpu-torch-adam", "a setting of --cpu-optimizer, which megaq refuses"),
+        _note("--local_rank", "megaq takes its local rank from the launcher's environment "
+              "(LOCAL_RANK), as the deepspeed launcher also sets it", "int"),
+        _refuse("--partition-activations", "partitioning of the recomputed layers' kept inputs "
+                "over the TP ranks (--sequence-parallel keeps each TP rank's share of the "
+                "layer inputs; with --tensor-model-parallel-size 1 it is accepted)",
+                harmless=lambda args: getattr(args, "tensor_model_parallel_size", 1) == 1),
+        _refuse("--checkpoint-in-cpu", "CPU offloading of activation checkpoints"),
+        _refuse("--cpu-optimizer", "CPU offloading (the optimizer step on the CPU; ZeRO "
+                "shards the optimizer state over the DP ranks instead)"),
+        _refuse("--remote-device", "CPU / NVMe offloading of ZeRO-3 parameters", "str",
+                allowed=("none",)),
+        _refuse("--use-pin-memory", "CPU offloading of ZeRO-3 parameters"),
         # ---- refused: features megaq lacks ----------------------------------------------
         _refuse("--context-parallel-size", "context parallelism (--context-parallel-size > 1)",
                 "int", allowed=("1",)),
@@ -369,11 +430,11 @@ _FAMILIES: tuple[tuple[str, str, str], ...] = (
      + "; its datasets memory-map their files"),
     (r"--(wandb-entity|log-loss-scale|no-log-loss-scale|disable-log-loss-scale"
      r"|moe-per-layer-logging)", NOTE, _TB),
-    (r"--(batch-size|model-parallel-size|warmup|checkpoint-activations"
+    (r"--(batch-size|model-parallel-size|warmup"
      r"|decrease-batch-size-if-needed|padded-vocab-size)$", REFUSED,
      "old Megatron spelling of this kind (Megatron-LM itself refuses it): use "
      "--micro-batch-size, --tensor-model-parallel-size, --lr-warmup-iters, "
-     "--recompute-activations, --global-batch-size, --vocab-size"),
+     "--global-batch-size, --vocab-size"),
     (r"--(distribute-saved-activations|recompute-modules|moe-layer-recompute)", REFUSED,
      "recomputation option of this kind (megaq: --recompute-granularity / -method / "
      "-num-layers)"),
@@ -422,7 +483,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> list[MegatronFlag]:
     for f in MEGATRON_FLAGS:
         if f.kind == IMPLEMENTED or f.name in have:
             continue
-        if f.kind == ALIAS and not isinstance(f.const, dict):
+        if f.kind == ALIAS and _switch_alias(f):
             group.add_argument(f.name, dest=f.dest, action=_SetAlias, target=f.target,
                                const=True if f.const is None else f.const, default=None,
                                help=_help(f))
@@ -431,7 +492,8 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> list[MegatronFlag]:
                                help=_help(f))
         else:
             group.add_argument(f.name, dest=f.dest, default=None, help=_help(f),
-                               nargs={"+": "+", "?": "?"}.get(f.takes))
+                               nargs={"+": "+", "?": "?"}.get(f.takes),
+                               type=int if f.kind == ALIAS and f.takes == "int" else None)
         added.append(f)
     return added
 
@@ -449,6 +511,12 @@ class _SetAlias(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
+def _switch_alias(f: MegatronFlag) -> bool:
+    """An alias switch that sets its megaq flag as it is parsed (not a value alias or a
+    fill alias, which megatron_flag_problems applies after parsing)."""
+    return f.takes is None and not f.fills and not isinstance(f.const, dict)
+
+
 def _given(args, f: MegatronFlag):
     return getattr(args, f.dest, None)
 
@@ -464,16 +532,33 @@ def megatron_flag_problems(args) -> tuple[list[str], list[str]]:
     value alias (--data-parallel-sharding-strategy) writes its megaq flag's value into
     `args` here, before the configuration is built from them."""
     refusals, noted, aliased = [], [], []
+    # a value alias's target given already: by megaq's own flag (its parser default is
+    # None, so given means given) or by an earlier alias; two different values conflict
+    set_by = {}
     for f in MEGATRON_FLAGS:
         v = _given(args, f)
         if v is None or v is False:
             continue
-        if f.kind == ALIAS and not isinstance(f.const, dict):
+        if f.kind == ALIAS and _switch_alias(f):
             aliased.append(f"{f.name} {f.why}")
+        elif f.kind == ALIAS and f.fills:
+            for dest, value in f.fills:
+                if getattr(args, dest, None) is None:
+                    setattr(args, dest, value(args) if callable(value) else value)
+            aliased.append(f"{f.name} {f.why}")
+        elif f.kind == ALIAS and not isinstance(f.const, dict):  # read by a fill alias
+            aliased.append(f"{_shown(f, v)} {f.why}")
         elif f.kind == ALIAS:
-            if v in f.const:
+            target = "--" + f.target.replace("_", "-")
+            have = getattr(args, f.target, None)
+            if v in f.const and have is not None and have != f.const[v]:
+                refusals.append(f"{_shown(f, v)} means {target} {f.const[v]}, but "
+                                f"{set_by.get(f.target, f'{target} {have}')} is given too: "
+                                f"keep one")
+            elif v in f.const:
                 setattr(args, f.target, f.const[v])
-                aliased.append(f"{f.name} {v} as --{f.target.replace('_', '-')} {f.const[v]}")
+                set_by[f.target] = _shown(f, v)
+                aliased.append(f"{_shown(f, v)} as {target} {f.const[v]}")
             else:
                 refusals.append(f"{_shown(f, v)}: megaq has no such value; it takes "
                                 f"{' or '.join(f.const)} ({f.why})")
@@ -534,7 +619,8 @@ def flags_table_markdown(defined: set[str]) -> str:
     rows = ["| Megatron-LM flag | status | what megaq does |", "|---|---|---|"]
     for f in MEGATRON_FLAGS:
         if f.kind == IMPLEMENTED:
-            status, what = (("implemented", "what Megatron-LM does (its configuration field)")
+            status, what = (("implemented", f.why or "what Megatron-LM does (its configuration "
+                                            "field)")
                             if f.name in defined else ("not accepted yet", "planned"))
         elif f.kind == ALIAS:
             status, what = "alias", f"the same {f.why}"

@@ -423,6 +423,15 @@ class LoggingConfig:
                               f"0 <= start < end")
 
 
+def reduce_bucket_bytes(elements: int | None, dtype: torch.dtype) -> int:
+    """ZeroConfig.reduce_bucket_size (bytes of gradient buckets in flight) from
+    --zero-reduce-bucket-size (elements, DeepSpeed's unit): the buckets hold gradients in
+    the training dtype. Not given: the field's default."""
+    if elements is None:
+        return ZeroConfig.reduce_bucket_size
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
 # The flag groups of --help, in order (megaq.config.arguments.build_parser).
 FLAG_CLASSES = (GPTConfig, ParallelConfig, ZeroConfig, TrainingConfig, OptimizerConfig,
                 DataConfig, CheckpointConfig, LoggingConfig)
@@ -485,7 +494,8 @@ class RunConfig:
         model = part(lambda: from_flags(GPTConfig, flags, vocab_size=None, params_dtype=dtype))
         zero = part(lambda: from_flags(  # the --zero-* flags (the optimizer's beside them)
             ZeroConfig, flags, fp8_weights=flags.zero_quantized_weights == "fp8",
-            gather_dtype=dtype))
+            gather_dtype=dtype, reduce_bucket_size=reduce_bucket_bytes(
+                flags.zero_reduce_bucket_size, dtype)))
         data = part(lambda: from_flags(DataConfig, flags))
         checkpointing = part(lambda: from_flags(CheckpointConfig, flags))
         logging = part(lambda: from_flags(LoggingConfig, flags))

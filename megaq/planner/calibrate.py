@@ -13,8 +13,11 @@ Every number of the calibration comes from a measurement named in its `provenanc
   the factor on the model's analytic element-wise bytes that reproduces it.
 - **activation byte scale**: the peak memory of the fitted runs, least squares.
 - **the emulated link** (`emulated_link`, only for replaying the two-node emulation):
-  the link's efficiency and the per-collective latency of gloo over TCP, from the
-  ZeRO-3 rows alone; the other configurations are held out for the validation.
+  each configuration's host time per step (the ranks' main-thread CPU in the training
+  step, from the GPU-rank step profile, a separate run: with gloo and CUDA tensors every
+  collective is synchronous, so this work and the link's do not overlap), then the
+  link's efficiency and the per-message latency of gloo over TCP, from the ZeRO-3 rows
+  alone; the other configurations are held out for the validation.
 
 The fit is deterministic: the same files give the same JSON, byte for byte
 (tests/test_planner_validation.py regenerates the committed one).
@@ -43,6 +46,10 @@ FIT_TRAIN_FILES = ("bench_train_h200.json", "bench_train_h200_profile.json",
 FIT_KERNEL_FILES = ("kernels_h200.json",)
 FIT_EMULATED_FILE = "emulated_cluster_gpu.json"
 EMULATED_FIT_CONFIGS = ("ZeRO-3",)
+# netns_step_profile.py --device cuda, beside FIT_EMULATED_FILE: the host time per step;
+# a configuration it did not profile takes ZeRO-3's (the same engine path)
+FIT_EMULATED_PROFILE = "emulated_step_profile_gpu.json"
+HOST_DEFAULT_CONFIG = "ZeRO-3"
 # bench_kernels.py ops timed at their largest sizes for the HBM efficiency: the planner
 # charges the ZeRO++ kernels and all element-wise work at this fraction of HBM bandwidth
 HBM_OPS = ("quantize8", "dequantize8", "quantize4", "dequantize4", "dequant_reduce4",
@@ -306,9 +313,12 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
     }
     extra = {"provenance": provenance}
     if emulated_file:
-        extra["emulated_link"] = fit_emulated_link(emulated_file, cal)
+        profile = emulated_profile_beside(emulated_file)
+        extra["emulated_link"] = fit_emulated_link(emulated_file, cal, profile)
         provenance["fitted_on"]["emulated"] = {"file": os.path.basename(emulated_file),
                                                "configs": list(EMULATED_FIT_CONFIGS)}
+        if profile:
+            provenance["fitted_on"]["emulated"]["host_time"] = os.path.basename(profile)
     cal = dataclasses.replace(cal, source=", ".join(
         os.path.basename(p) for p in (*train_files, *kernel_files)))
     return cal, extra
@@ -358,23 +368,53 @@ def emulated_cluster(rate_gbit: float, link: dict):
                    intra_node_latency_s=link["latency_s"])
 
 
-def emulated_calibration(cal, link: dict):
-    return dataclasses.replace(cal, link_efficiency={"intra_node": 1.0, "inter_node": link["efficiency"]})
+def emulated_calibration(cal, link: dict, config: str | None = None):
+    """The calibration for replaying `config` of the emulation: its link, and its host
+    time per step in series (the step's fixed overhead)."""
+    out = dataclasses.replace(cal, link_efficiency={"intra_node": 1.0,
+                                                    "inter_node": link["efficiency"]})
+    host = link.get("host_s_per_step")
+    if host:
+        out = dataclasses.replace(out, fixed_step_overhead_s=host.get(config, host[HOST_DEFAULT_CONFIG]))
+    return out
 
 
-def fit_emulated_link(path: str, cal) -> dict:
-    """The emulated link's efficiency, gloo's per-message latency (GPU staging, TCP, the
+def emulated_host_seconds(path: str) -> dict[str, float]:
+    """Per configuration, the profiled ranks' main-thread CPU seconds per training step
+    (netns_step_profile.py's train_step_cpu_ms, mean over ranks): the host work of a step
+    (Python, launches, gloo's staging copies, the device waits they spin on)."""
+    try:
+        with open(path) as f:
+            results = json.load(f)["results"]
+        out = {r["config"]: statistics.mean(float(v["train_step_cpu_ms"])
+                                            for v in r["per_rank"].values()) / 1e3
+               for r in results}
+    except OSError as e:
+        raise BenchFileError(f"cannot read {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError, statistics.StatisticsError):
+        raise BenchFileError(f"{path} is not a netns_step_profile.py result (results, "
+                             "per_rank, train_step_cpu_ms)") from None
+    if HOST_DEFAULT_CONFIG not in out:
+        raise CalibrateError(f"{path}: the host time needs the {HOST_DEFAULT_CONFIG} row")
+    return {k: _r(v, 4) for k, v in sorted(out.items())}
+
+
+def fit_emulated_link(path: str, cal, profile: str | None = None) -> dict:
+    """The emulated link's efficiency, gloo's per-message latency (TCP, gloo's step, the
     Python call) and the loopback's bandwidth (the in-node hops), least squares in log
-    step time over the ZeRO-3 rows at every rate; a coarse grid, then a fine one around
-    its best point (deterministic)."""
+    step time over the ZeRO-3 rows at every rate, with the host time per step of
+    `profile` (a netns_step_profile.py file) in series; a coarse grid, then a fine one
+    around its best point (deterministic)."""
     rows = [r for r in emulated_rows(path) if r["config"] in EMULATED_FIT_CONFIGS]
     if len({r["rate_gbit"] for r in rows}) < 2:
         raise CalibrateError(f"{path}: the emulated link needs the ZeRO-3 rows at two rates")
+    host = emulated_host_seconds(profile) if profile else {}
 
     def err(eff, lat, loop):
-        lk = {"efficiency": eff, "latency_s": lat, "loopback_gb_per_s": loop}
-        c = emulated_calibration(cal, lk)
-        return sum(math.log(_predict(r["argv"], c, emulated_cluster(r["rate_gbit"], lk))
+        lk = {"efficiency": eff, "latency_s": lat, "loopback_gb_per_s": loop,
+              "host_s_per_step": host}
+        return sum(math.log(_predict(r["argv"], emulated_calibration(cal, lk, r["config"]),
+                                     emulated_cluster(r["rate_gbit"], lk))
                             .step_time_s * 1e3 / r["step_ms"]) ** 2 for r in rows)
 
     coarse = [(err(e, lat, loop), e, lat, loop)
@@ -386,9 +426,20 @@ def fit_emulated_link(path: str, cal) -> dict:
             for e in [e0 + 0.01 * i for i in range(-5, 6)] if 0.3 <= e <= 1.0
             for lat in [lat0 + 0.05e-3 * i for i in range(-10, 11)] if lat >= 0]
     resid, eff, lat = min(fine)
-    return {"efficiency": _r(eff, 3), "latency_s": _r(lat, 3), "loopback_gb_per_s": loop,
-            "rms_log_error": _r(math.sqrt(resid / len(rows)), 3),
-            "fitted_on": f"{os.path.basename(path)}: {', '.join(EMULATED_FIT_CONFIGS)} rows"}
+    out = {"efficiency": _r(eff, 3), "latency_s": _r(lat, 3), "loopback_gb_per_s": loop,
+           "rms_log_error": _r(math.sqrt(resid / len(rows)), 3),
+           "fitted_on": f"{os.path.basename(path)}: {', '.join(EMULATED_FIT_CONFIGS)} rows"}
+    if host:
+        out["host_s_per_step"] = host
+        out["host_fitted_on"] = (f"{os.path.basename(profile)}: train_step_cpu_ms per "
+                                 f"configuration; others take {HOST_DEFAULT_CONFIG}'s")
+    return out
+
+
+def emulated_profile_beside(emulated_file: str) -> str | None:
+    """The GPU-rank step profile in the emulated file's folder, if there is one."""
+    path = os.path.join(os.path.dirname(os.path.abspath(emulated_file)), FIT_EMULATED_PROFILE)
+    return path if os.path.exists(path) else None
 
 
 # ------------------------------------------------------------------ the command

@@ -4,9 +4,11 @@ The persistent parts are what the ZeRO engine allocates (megaq.zero): the weight
 shard in the gather dtype, the fp32 master (when the shard is not fp32 itself), the
 optimizer's moments, the fp32 gradient accumulators, and the ZeRO++ state (hpZ's
 secondary slices, qwZ's packed shards, weight deltas' references, qgZ's residuals,
-FP8 shards). Stage 0 replicates all of them. The transient parts are the gathered
+FP8 shards). Stage 0 replicates all of them; stages 1 and 2 shard them as stage 3
+does and add the whole weights, resident. The transient parts are the gathered
 units in flight ((1 + prefetch) sites, plus a tied embedding kept between its two
-uses), the reduce buckets in flight, and the activations the pipeline schedule keeps
+uses; stages 1 and 2: the resident weights), the reduce buckets in flight (stage 1:
+the full fp32 gradients kept over the step), and the activations the pipeline schedule keeps
 (by recompute mode). The allocator's slack is a fraction on top.
 """
 
@@ -26,7 +28,8 @@ GIB = 2 ** 30
 @dataclass(frozen=True)
 class EngineBytes:
     """What megaq.zero.ZeroEngine.memory_report() reports, before any gather."""
-    params: int      # weight shards (replicated weights under stage 0)
+    params: int      # weight shards (replicated weights under stage 0; stages 1 and 2
+    #                  add the resident whole weights, reported as gathered)
     grads: int       # fp32 accumulators
     optimizer: int   # moments + fp32 master
     zeropp: dict     # hpz_secondary, qwz_packed_shards, weight_delta_own_reference, ...
@@ -46,7 +49,7 @@ def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
     master = 0 if elem == 4 else 4 * shard
     moments = (2 if optimizer == "adam" else 1) * 4 * shard
     zeropp: dict[str, int] = {}
-    if cfg.stage == 3 and steady:
+    if cfg.stage == 3 and steady or cfg.weights_resident:  # 1, 2: packed shards kept
         h = cfg.hpz_partition_size
         if cfg.hpz:
             zeropp["hpz_secondary"] = sum(u.padded_numel(dp, B) // h for u in units) * elem

@@ -55,8 +55,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def zero_variants(base: ZeroConfig, dp_per_node: int, model: GPTConfig) -> list[ZeroConfig]:
-    """ZeRO-3 with each useful combination of the ZeRO++ switches, and stage 0 (FP8 GEMMs:
-    FP8 weight gathers instead of qwZ, where the recipe allows them)."""
+    """ZeRO-3 with each useful combination of the ZeRO++ switches, stage 0, and stages 1
+    and 2 plain and with int8 qwZ + qgZ (FP8 GEMMs: FP8 weight gathers instead of qwZ,
+    where the recipe allows them; stages 1 and 2 then without qwZ)."""
     out = [dataclasses.replace(base, stage=0)]
     hpz = dp_per_node if dp_per_node > 1 else 1
     qw = dict(fp8_weights=True) if model.fp8 else dict(quantized_weights=True)
@@ -69,6 +70,9 @@ def zero_variants(base: ZeroConfig, dp_per_node: int, model: GPTConfig) -> list[
                    dict(hpz_partition_size=hpz, quantized_gradients=True),
                    dict(hpz_partition_size=hpz, weight_deltas=True, quantized_gradients=True),
                    dict(hpz_partition_size=hpz, weight_deltas=True)]
+    combos += [dict(stage=1), dict(stage=2),
+               dict(stage=2, quantized_gradients=True,
+                    quantized_weights=not model.fp8)]
     for c in combos:
         try:
             z = dataclasses.replace(base, **dict(plain, **c))
@@ -192,6 +196,8 @@ def model_flags(cfg: GPTConfig) -> list[str]:
 
 def zero_flags(z: ZeroConfig) -> list[str]:
     out = _render(z)
+    if z.stage != 3:  # the flag's parser default is None (a given stage is told from none)
+        out[:0] = ["--zero-stage", str(z.stage)]
     if z.quantized_weights:
         out.append("--zero-quantized-weights")
     if z.fp8_weights:

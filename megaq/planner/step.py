@@ -247,6 +247,11 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
                                         for t, a in zip(gb[1:], ahead[1:])) \
                     if z.hpz else first_fwd
                 exp_first["weight_gather_fwd"] = first_fwd
+                # each unit's span in the step's first forward: its compute and the
+                # exposed part of its gather (what the weight-delta exchange hides behind)
+                exp_first["unit_spans"] = [per_unit_fwd + gf[0]] + [
+                    per_unit_fwd + (hidden_behind(t, a, per_unit_fwd) if pre else t)
+                    for t, a in zip(gf[1:], ahead[1:])]
                 exp["weight_gather_fwd"] = later_fwd
                 # backward, units in reverse: the next unit's gather (prefetched) and this
                 # unit's reduction (async) run under the next unit's backward
@@ -273,10 +278,21 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
                         quant_s += n_full * cal.quantize_bytes.get("qwz", 3.0) / hbm
                     if z.quantized_gradients:
                         quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm
+            elif z.weights_resident and z.grads_reduced_once:
+                # stage 1: the reduce-scatters after the last backward, in
+                # finish_grad_sync; charged to the step's tail below
+                rd = [unit_times(u)[2].total for u in reversed(cu)]
             else:
                 rd = [unit_times(u)[2].total for u in reversed(cu)]
-                # stage 0: all-reduces overlap the rest of backward
+                # stages 0 and 2: the reductions overlap the rest of backward
                 exp["grad_reduce"] = sum(max(0.0, r - per_unit_bwd) for r in rd[:-1])
+            if z.weights_resident:  # qwZ's kernels once per step, qgZ's per reduction
+                n_full = sum(u.padded_numel(g.n, z.block_size) for u in cu)
+                if z.quantized_weights:
+                    quant_s += n_full * cal.quantize_bytes.get("qwz", 3.0) / hbm / M
+                if z.quantized_gradients:
+                    quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm / (
+                        M if z.grads_reduced_once else 1)
             chunks.append(dict(cc=cc, tp_f=tp_f, tp_b=tp_b, exp=exp, exp_first=exp_first,
                                quant=quant_s, tail=rd[-1] if rd else 0.0, units=cu))
         stages.append(dict(units=units, chunks=chunks))
@@ -308,20 +324,28 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     # the step's first forward gathers cross nodes under hpZ: extra time, once per chunk
     first_extra = max(sum(ch["exp_first"]["weight_gather_fwd"] - ch["exp"]["weight_gather_fwd"]
                           for ch in st["chunks"]) for st in stages) if z.stage == 3 else 0.0
-    # the last reduction (the first unit's, after backward's end: finish_grad_sync waits)
+    # the last reduction (the first unit's, after backward's end: finish_grad_sync waits);
+    # stage 1 (grads reduced once): every reduction of the step
     tail = max(st["chunks"][0]["tail"] for st in stages)
+    if z.weights_resident and z.grads_reduced_once:
+        tail = max(sum(unit_times(u)[2].total for u in st["units"]) for st in stages)
+    # stages 1 and 2: the one all-gather of the updated weights after the optimizer step
+    step_gather = max(sum(unit_times(u)[0].total for u in st["units"]) for st in stages) \
+        if z.weights_resident else 0.0
     # optimizer: the fused AdamW over this rank's shard
-    shard_params = max(sum(u.shard_numel(g.n, z.block_size) if z.stage == 3 else u.numel
+    shard_params = max(sum(u.shard_numel(g.n, z.block_size) if z.stage else u.numel
                            for u in st["units"]) for st in stages)
     optimizer_s = shard_params * cal.optimizer_bytes_per_param / hbm
     deltas_s = 0.0
     if z.weight_deltas:
-        # the exchange, then the kernels that make and apply the differences
-        deltas_s = max(sum(traffic.delta_time(u, g, z, cluster, link_eff).total
-                           + traffic.delta_kernel_bytes(u, g, z, elem) / hbm
-                           for u in st["units"]) for st in stages)
+        # the exchange's exposed waits, and the kernels that make and apply the differences
+        deltas_s = max(_delta_exchange_waits(
+            [traffic.delta_time(u, g, z, cluster, link_eff).total for u in st["units"]],
+            [t for ch in st["chunks"] for t in ch["exp_first"]["unit_spans"]])
+            + sum(traffic.delta_kernel_bytes(u, g, z, elem) / hbm for u in st["units"])
+            for st in stages)
     step = sim.makespan_s + max(first_extra, 0.0) + tail + optimizer_s + deltas_s \
-        + cal.fixed_step_overhead_s
+        + step_gather + cal.fixed_step_overhead_s
 
     # ---- breakdowns: on the busiest stage
     crit = max(range(pi.pp), key=lambda s: sim.busy_s[s])
@@ -332,6 +356,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
         + max(first_extra, 0.0),
         "weight_gather_bwd": sum(M * ch["exp"]["weight_gather_bwd"] for ch in stages[crit]["chunks"]),
         "weight_delta_gather": deltas_s,
+        "weight_gather_step": step_gather,
         "grad_reduce": sum(M * ch["exp"]["grad_reduce"] for ch in stages[crit]["chunks"]) + tail,
         "tp": sum(M * (ch["tp_f"] + ch["tp_b"]) for ch in stages[crit]["chunks"]),
         # the waits the stage's activation / gradient transfers add to its idle time
@@ -375,6 +400,24 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
         hbm_gib=gpu.hbm_gib, layout=layout, notes=notes)
 
 
+def _delta_exchange_waits(exchange_s: list[float], spans_s: list[float]) -> float:
+    """Seconds the step's first forward waits for weight deltas' differences.
+
+    megaq.zero.zeropp.deltas posts every unit's exchange at the step's first gather, in
+    engine order, and waits for unit i's at unit i's gather: the exchanges queue on the
+    link one after another (unit i's lands at the sum of the first i + 1), while the
+    forward runs through the units before i (their spans: compute and exposed gather)."""
+    waits = now = landed = 0.0
+    for i, x in enumerate(exchange_s):
+        if i:
+            now += spans_s[i - 1]
+        landed += x
+        wait = max(0.0, landed - now)
+        waits += wait
+        now += wait
+    return waits
+
+
 def fits_on(peak_bytes: float, gpu, cal: Calibration) -> bool:
     """Whether a peak fits the device beside what the CUDA context and NCCL take."""
     return peak_bytes / memory.GIB <= gpu.hbm_gib - cal.runtime_reserved_gib
@@ -407,6 +450,14 @@ def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
         k = 1 + z.prefetch
         parts["gathered_weights"] = max(sum(fulls[i:i + k]) for i in range(len(fulls)))
         parts["grad_buckets"] = min(z.reduce_bucket_size, sum(fulls)) + max(fulls)
+    elif z.weights_resident:
+        # the whole weights, resident; stage 1 keeps full fp32 gradients over the step and
+        # reduces each in the gather dtype, stage 2 fills buckets of whole units as stage 3
+        fulls = [u.padded_numel(g.n, B) * pi.elem for u in units]
+        parts["gathered_weights"] = sum(fulls)
+        parts["grad_buckets"] = (sum(4 * f // pi.elem for f in fulls) + max(fulls)
+                                 if z.grads_reduced_once else
+                                 min(z.reduce_bucket_size, sum(fulls)) + max(fulls))
     else:
         parts["grad_buckets"] = min(z.reduce_bucket_size, eng.params) + max(
             u.numel * pi.elem for u in units)

@@ -37,7 +37,9 @@ def _parser(name: str) -> _Parser:
                        help="bench_kernels.py results (default: kernels_h200.json)")
         p.add_argument("--emulated", default=emulated, metavar="F.json",
                        help="the emulated-cluster benchmark whose ZeRO-3 rows fit the emulated "
-                            "link (default: emulated_cluster_gpu.json); 'none' to skip")
+                            "link (default: emulated_cluster_gpu.json), with the host time per "
+                            "step of the GPU-rank step profile beside it "
+                            "(emulated_step_profile_gpu.json) when there is one; 'none' to skip")
         p.add_argument("-o", "--out", required=True, metavar="F.json",
                        help="calibration file to write (the committed one: "
                             "megaq/planner/calibration_h200.json)")

@@ -11,7 +11,9 @@ quantized difference per shard and every gather is in-node.
 Time: a collective's bytes go over the slowest of its links. DP groups run their
 collectives at the same time, so a node's NICs carry the cross-node bytes of every
 group with members on the node; an in-node link carries its GPU's own bytes. Rings take
-one latency per step (n - 1 steps), all-to-all hops one per hop.
+one latency per step (n - 1 steps); all-to-all hops and the weight-delta exchange one
+per message a rank posts (a hop: one to every other member of its group; the exchange:
+one per hpZ group it sends to), one after another on the sender.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .shapes import UnitShape
 
 # comm's phase tags (weight deltas: the forward gather is weight_ref_gather)
 PHASES = ("weight_gather_fwd", "weight_ref_gather", "weight_delta_gather", "weight_gather_bwd",
-          "grad_reduce")
+          "grad_reduce", "weight_gather_step")
 ZERO = {INTRA: 0, INTER: 0}
 
 
@@ -98,6 +100,13 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
         if cfg.stage == 0:
             add("grad_reduce", unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
                 ["grad_reduce"], micro_batches * count)
+            continue
+        if cfg.weights_resident:  # stages 1, 2: one gather after the step, no per-site ones
+            S = u.shard_numel(g.n, cfg.block_size)
+            one = volume.step(S, g.k, g.m, elem, grad_elem, cfg)
+            add("weight_gather_step", one["weight_gather_step"], count)
+            add("grad_reduce", one["grad_reduce"],
+                (1 if cfg.grads_reduced_once else micro_batches) * count)
             continue
         first = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=False)
         later = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
@@ -183,7 +192,8 @@ def reduce_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, grad_elem: int,
     """One gradient reduction of one unit: a ring (reduce-scatter, or all-reduce under
     stage 0), or qgZ's two all-to-all hops per chunk, where chunk i's cross-node hop
     overlaps chunk i+1's in-node hop (each hop's link carries its bytes; the chunks add
-    one chunk's shorter hop and a latency per hop)."""
+    one chunk's shorter hop, and each hop a latency per message: m - 1 in the node,
+    k - 1 across nodes)."""
     links = unit_phase_bytes(u, g, cfg, 2, grad_elem, backward=True)["grad_reduce"]
     if not cfg.quantized_gradients:
         passes = 2 if cfg.stage == 0 else 1
@@ -192,17 +202,31 @@ def reduce_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, grad_elem: int,
     S = u.shard_numel(g.n, cfg.block_size)
     chunks = len(chunk_bounds(S, cfg.block_size, cfg.grad_chunk))
     t = link_seconds(links, g, cluster, link_eff)
-    lat = (cluster.intra_node_latency_s if g.m > 1 else 0.0) + (
-        cluster.inter_node_latency_s if g.k > 1 else 0.0)
+    # each hop an all-to-all: one message to every other member of its group
+    lat = (g.m - 1) * cluster.intra_node_latency_s + (g.k - 1) * cluster.inter_node_latency_s
     return LinkTime(t.intra, t.inter, min(t.intra, t.inter) / chunks + chunks * lat)
+
+
+def delta_messages(g: DPGroupShape, cfg: ZeroConfig) -> dict[str, float]:
+    """Messages one rank posts for one unit's difference exchange, per link, averaged
+    over the DP group's members: one per hpZ group whose covering member is another
+    rank (megaq.zero.zeropp.deltas.delta_routes), n/h - 1 or n/h. The byte count of
+    one-byte differences is the message count."""
+    counts = volume.weight_deltas(1, g.k, g.m, cfg, delta_elem_bytes=1)
+    return {link: counts[link] / g.n for link in (INTRA, INTER)}
 
 
 def delta_time(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, cluster: Cluster,
                link_eff: dict) -> LinkTime:
-    """Weight deltas: each shard's packed difference to the members of every hpZ group."""
+    """Weight deltas: each shard's packed difference to the members of every hpZ group.
+    The engine posts one message per destination (one batch of point-to-point sends per
+    unit); each pays its link's per-message latency, one after another on the sender,
+    as a ring's steps do."""
     S = u.shard_numel(g.n, cfg.block_size)
-    return link_seconds(_weight_deltas(S, g.k, g.m, cfg), g, cluster, link_eff,
-                        cluster.inter_node_latency_s if g.k > 1 else cluster.intra_node_latency_s)
+    msgs = delta_messages(g, cfg)
+    latency = (msgs[INTER] * cluster.inter_node_latency_s
+               + msgs[INTRA] * cluster.intra_node_latency_s)
+    return link_seconds(_weight_deltas(S, g.k, g.m, cfg), g, cluster, link_eff, latency)
 
 
 def delta_kernel_bytes(u: UnitShape, g: DPGroupShape, cfg: ZeroConfig, elem: int) -> float:

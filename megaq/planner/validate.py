@@ -57,7 +57,7 @@ def emulated_validation(calibration, link: dict, path=None) -> tuple[list[dict],
     path = path or os.path.join(RESULTS, VALIDATE_EMULATED_FILE)
     rows, by_rate = [], {}
     for r in emulated_rows(path):
-        p = _predict(r["argv"], emulated_calibration(calibration, link),
+        p = _predict(r["argv"], emulated_calibration(calibration, link, r["config"]),
                      emulated_cluster(r["rate_gbit"], link))
         spread = (max(r["passes_ms"]) - min(r["passes_ms"])) / r["step_ms"]
         row = _row("emulated", f"{r['rate']} {r['config']}", os.path.basename(path),

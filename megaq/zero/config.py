@@ -2,7 +2,8 @@
 OptimizerSettings: the sharded optimizer's update rule, passed to the engine beside it.
 
 Stage 0 is plain data parallelism (replicated weights, all-reduced gradients);
-stage 3 shards weights, gradients and optimizer state over the DP group. The ZeRO++
+stage 1 shards the optimizer state (fp32 master and moments) over the DP group,
+stage 2 the gradients too, stage 3 the weights too (docs/ZERO.md "Stages"). The ZeRO++
 settings (qwZ, hpZ, qgZ; implemented in megaq.zero.zeropp) are fields of the same
 frozen dataclass, each with one name and one default; docs/ZERO.md lists them all.
 """
@@ -48,26 +49,52 @@ class ZeroConfig:
 
     FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"
 
-    stage: int = flag(  # 0: plain DP (all-reduce), 3: ZeRO-3
-        "--zero-stage", "3: ZeRO-3 sharded params/grads/optimizer; 0: replicated, all-reduce",
-        3, type=int, choices=[0, 3])
+    stage: int = flag(  # 0: plain DP (all-reduce), 1: + optimizer sharded, 2: + grads, 3: + weights
+        "--zero-stage", "what is sharded over DP: 0 nothing (plain DP, all-reduce); 1 the "
+        "optimizer state (Megatron's --use-distributed-optimizer); 2 the optimizer state and "
+        "the gradients (reduce-scattered); 3 also the weights (ZeRO-3, the default). Under 1 "
+        "and 2 the weights are whole on every rank, all-gathered once after each step",
+        3, value=lambda ns: 3 if ns.zero_stage is None else ns.zero_stage,
+        type=int, choices=[0, 1, 2, 3])
     # How many sites (units gathered together) ahead to all-gather while the
     # current one computes; 0 = no prefetch. Live gathered memory is bounded by
     # (1 + prefetch) sites plus a borrowed tied embedding.
-    prefetch: int = 1
+    prefetch: int = flag(
+        "--zero-prefetch", "sites (units gathered together) whose weight all-gather starts "
+        "while the current one computes; 0 = none. Live gathered weights are at most "
+        "1 + this many sites. DeepSpeed's nearest key, stage3_prefetch_bucket_size, counts "
+        "elements instead (docs/TRAINING.md 'Coming from DeepSpeed')", 1, type=int,
+        metavar="SITES")
     # Bytes of full-size gradient buffers allowed in flight (reduce launched,
-    # not finished) before backward waits for the oldest reduction.
-    reduce_bucket_size: int = 500_000_000
+    # not finished) before backward waits for the oldest reduction. The flag counts
+    # elements, as DeepSpeed's reduce_bucket_size and Megatron-DeepSpeed's flag do; the
+    # buffers hold the training dtype (RunConfig.from_flags converts).
+    reduce_bucket_size: int = flag(
+        "--zero-reduce-bucket-size", "gradient elements whose reduction may be in flight "
+        "(launched, not finished) before backward waits for the oldest; DeepSpeed's "
+        "reduce_bucket_size (default: 500 MB of buckets, 250M elements in bf16, 125M in fp32)",
+        500_000_000, value=lambda ns: ns.zero_reduce_bucket_size, type=int,
+        metavar="ELEMENTS")
     gather_dtype: torch.dtype = torch.float32  # weights as gathered / as the model sees them
     # Parameters with fewer elements than this stay replicated on every DP rank
     # (fp32 master + AdamW state replicated, grads all-reduced, tag 'dp_misc').
     # 0 = shard everything. Tied / shared embeddings are always sharded.
-    param_persistence_threshold: int = 0
+    param_persistence_threshold: int = flag(
+        "--zero-param-persistence-threshold", "parameters with fewer elements stay "
+        "replicated on every DP rank (weights, AdamW state; gradients all-reduced) instead of "
+        "sharded; 0 = shard all; tied embeddings are always sharded. DeepSpeed's "
+        "stage3_param_persistence_threshold (whose own default is 1e5)", 0, type=int,
+        metavar="ELEMENTS")
     # per_microbatch: reduce-scatter each micro-batch's grads into the fp32 shard
     #   accumulator as they become ready (lowest memory; DeepSpeed's behaviour).
     # last_microbatch: keep full fp32 grads across micro-batches and reduce once
     #   in finish_grad_sync (one grad reduction per step, full-size grad memory).
-    grad_sync: str = "per_microbatch"
+    grad_sync: str = flag(
+        "--zero-grad-sync", "per_microbatch: reduce each micro-batch's gradients as backward "
+        "produces them (least memory; DeepSpeed's behaviour, which has no key for it); "
+        "last_microbatch: accumulate full fp32 gradients over the micro-batches and reduce "
+        "once per step (fewer bytes with gradient accumulation, full-size gradient memory)",
+        "per_microbatch", choices=list(GRAD_SYNC_MODES))
     use_apex: bool | None = None  # None: apex FusedAdam when importable
     # torch's fused AdamW (when apex is not used); None: on CUDA only (CPU: foreach)
     fused_adamw: bool | None = None
@@ -83,7 +110,10 @@ class ZeroConfig:
         "E4M3 with the GEMM's scale and feed the FP8 GEMMs directly (docs/ZEROPP.md)",
         False, value=lambda ns: ns.zero_quantized_weights == "int8",
         nargs="?", const="int8", choices=["int8", "fp8"])
-    weight_bits: int = 8                # qwZ: bits per weight (8 or 4)
+    weight_bits: int = flag(  # qwZ: bits per weight (8 or 4)
+        "--zero-quantized-weights-bits", "qwZ (int8 mode of --zero-quantized-weights): bits "
+        "per weight of the quantized gather, 8 or 4 (4: half the bytes, coarser weights; "
+        "DeepSpeed's ZeRO++ has int8 only)", 8, type=int, choices=[4, 8])
     # FP8 weight gathers (--zero-quantized-weights fp8, with FP8 GEMMs): the weights of the
     # FP8 GEMM layers travel as E4M3 with the GEMM's per-tensor scale and feed the GEMMs
     # as they arrive (megaq.zero.zeropp.fp8_weights); other weights travel as before.
@@ -158,16 +188,23 @@ class ZeroConfig:
         "(--zero-weight-deltas)", 4, type=int, choices=[4, 8])
 
     def __post_init__(self):
-        if self.stage not in (0, 3):
-            raise ZeroConfigError(f"zero stage {self.stage} is not supported; use 0 (plain DP) or 3")
+        if self.stage not in (0, 1, 2, 3):
+            raise ZeroConfigError(f"zero stage {self.stage} is not supported; use 0 (plain DP), "
+                                  f"1, 2 or 3")
         if self.block_size < 1 or self.block_size % 2:
             raise ZeroConfigError(f"block_size {self.block_size} (--zero-quantization-block-size) must "
                                   f"be a positive even number (int4 packs two values per byte); "
                                   f"e.g. {DEFAULT_BLOCK_SIZE}")
         if self.prefetch < 0:
-            raise ZeroConfigError(f"prefetch {self.prefetch} must be >= 0")
+            raise ZeroConfigError(f"prefetch {self.prefetch} (--zero-prefetch) must be >= 0 sites "
+                                  f"(0 = no prefetch)")
         if self.reduce_bucket_size < 1:
-            raise ZeroConfigError(f"reduce_bucket_size {self.reduce_bucket_size} must be >= 1 byte")
+            raise ZeroConfigError(f"reduce_bucket_size {self.reduce_bucket_size} bytes "
+                                  f"(--zero-reduce-bucket-size, in elements) must be >= 1")
+        if self.param_persistence_threshold < 0:
+            raise ZeroConfigError(f"--zero-param-persistence-threshold "
+                                  f"{self.param_persistence_threshold} must be >= 0 elements "
+                                  f"(0 = shard every parameter)")
         if self.gather_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ZeroConfigError(f"gather_dtype {self.gather_dtype} unsupported; use "
                                   f"torch.float32 or torch.bfloat16")
@@ -177,6 +214,10 @@ class ZeroConfig:
             if getattr(self, name) not in QMAX:
                 raise ZeroConfigError(f"ZeRO++ {name}={getattr(self, name)} is not supported; "
                                       f"use 8 or 4")
+        if self.weight_bits != 8 and not self.quantized_weights:
+            raise ZeroConfigError(f"--zero-quantized-weights-bits {self.weight_bits} sets the "
+                                  f"bits of qwZ's quantized gather, which is off; add "
+                                  f"--zero-quantized-weights (its int8 mode)")
         if self.grad_code not in INT4_CODES:
             raise ZeroConfigError(f"grad_code {self.grad_code!r} (--zero-quantized-gradients-code) "
                                   f"is not supported; use one of {', '.join(INT4_CODES)}")
@@ -200,6 +241,14 @@ class ZeroConfig:
             raise ZeroConfigError("FP8 weight gathers and int8 qwZ both quantize the weight "
                                   "gather; choose one: --zero-quantized-weights fp8 (FP8 GEMMs) "
                                   "or --zero-quantized-weights (int8, bf16 GEMMs)")
+        if self.stage != 3 and (self.hpz or self.weight_deltas or self.fp8_weights):
+            given = [f for f, on in (("--zero-hpz-partition-size", self.hpz),
+                                     ("--zero-weight-deltas", self.weight_deltas),
+                                     ("--zero-quantized-weights fp8", self.fp8_weights)) if on]
+            raise ZeroConfigError(f"{' and '.join(given)}: ZeRO-3's per-layer weight gathers, "
+                                  f"which --zero-stage {self.stage} does not have (its weights "
+                                  f"stay whole on every rank): use --zero-stage 3 or drop "
+                                  f"{given[0]}")
         if self.weight_deltas and not self.hpz:
             raise ZeroConfigError("--zero-weight-deltas keeps hpZ's in-node secondary partition "
                                   "as the reference weights; add --zero-hpz-partition-size N "
@@ -209,8 +258,22 @@ class ZeroConfig:
                                   "(it sends quantized differences instead); drop "
                                   "--zero-quantized-weights")
         if self.stage == 0 and self.zeropp_enabled:
-            raise ZeroConfigError("ZeRO++ switches need --zero-stage 3 (they change how ZeRO-3 "
-                                  "gathers weights and reduces gradients)")
+            raise ZeroConfigError("ZeRO++ switches need --zero-stage 1, 2 or 3 (they quantize "
+                                  "the sharded stages' weight gathers and gradient "
+                                  "reduce-scatters; stage 0 all-reduces)")
+
+    @property
+    def weights_resident(self) -> bool:
+        """Stages 1 and 2: weights whole on every rank (sharded for the optimizer only),
+        all-gathered once after each step instead of per site."""
+        return self.stage in (1, 2)
+
+    @property
+    def grads_reduced_once(self) -> bool:
+        """Full fp32 gradients kept across micro-batches and reduce-scattered once per
+        step: stage 1 (its gradients are not sharded during the step, as Megatron's
+        distributed optimizer's grad buffer) and grad_sync='last_microbatch'."""
+        return self.stage == 1 or self.grad_sync == "last_microbatch"
 
     @property
     def hpz(self) -> bool:

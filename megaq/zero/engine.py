@@ -1,5 +1,20 @@
-"""The ZeRO-3 engine (and its stage-0 plain-DP baseline), wrapped around the model
-from outside with hooks.
+"""The ZeRO engine (stages 0 to 3), wrapped around the model from outside with hooks.
+
+What is sharded over DP (``ZeroConfig.stage``): 0 nothing (plain DP: replicated
+partitions, gradients all-reduced); 1 the optimizer state; 2 the optimizer state and
+the gradients; 3 the weights too. Stages 1 to 3 share the same sharded flat partitions,
+optimizer, gradient reducer (megaq.zero.collectives.make_reducer: plain or qgZ) and
+weight gatherer (make_gatherer: plain or qwZ); they differ in when they run:
+
+* stage 3 gathers each site's weights before its forward and backward and releases
+  them after (the hooks below);
+* stages 1 and 2 keep every partition's gathered buffer resident (the model's
+  weights, whole on every rank) and refill it once after each optimizer step, and
+  once at build and after a state load ('weight_gather_step');
+* stages 2 and 3 reduce-scatter each micro-batch's gradients in buckets as backward
+  produces them; stage 1 keeps the full fp32 gradients across the step's
+  micro-batches and reduce-scatters them once in ``finish_grad_sync``
+  (``ZeroConfig.grads_reduced_once``), as Megatron's distributed optimizer does.
 
 Per step::
 
@@ -71,6 +86,7 @@ from megaq.zero.partition import FlatPartition
 from megaq.zero.units import Site, Unit, all_partitions, build_sites, check_params
 
 FWD, BWD = "weight_gather_fwd", "weight_gather_bwd"
+STEP_GATHER = "weight_gather_step"  # stages 1 and 2: the one gather after each step
 
 
 def _tensors(obj):
@@ -122,8 +138,9 @@ class ZeroEngine:
             model_chunks = [model_chunks]
         check_params(model_chunks, cfg)
         self.chunks, self.topo, self.cfg = list(model_chunks), topo, cfg
-        self.stage3 = cfg.stage == 3
-        self.reducer = make_reducer(topo, cfg) if self.stage3 else None
+        self.stage3 = cfg.stage == 3            # per-site gathers and releases
+        self.resident = cfg.weights_resident    # stages 1, 2: one gather after each step
+        self.reducer = make_reducer(topo, cfg) if cfg.stage else None
         self.sites: list[Site] = build_sites(self.chunks, topo, cfg)
         # Sites, units and partitions are keyed by name (unique on a rank) everywhere.
         self._site_index = {s.name: i for i, s in enumerate(self.sites)}
@@ -147,11 +164,11 @@ class ZeroEngine:
             self._release_after_bwd[site.name] = [
                 (u.name, u.sharded) for u in units if self._users[u.name][0] == i]
         self.partitions = all_partitions(self.sites)
-        self.gatherer = make_gatherer(topo, cfg, self.partitions) if self.stage3 else None
+        self.gatherer = make_gatherer(topo, cfg, self.partitions) if cfg.stage else None
         self._owner: dict[str, tuple[FlatPartition, Site]] = {  # partition name -> (it, its site)
             part.name: (part, site) for site in self.sites for unit in site.owned for part in unit.parts}
         # The one owner of gradient state: reduce buckets, fp32 accumulators, staleness.
-        replicated = ReplicatedReducer(topo.dp, "dp_misc" if self.stage3 else "grad_reduce")
+        replicated = ReplicatedReducer(topo.dp, "dp_misc" if cfg.stage else "grad_reduce")
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
         self.optimizer = build_optimizer(self.partitions, cfg, optimizer or OptimizerSettings(),
                                          topo, self.grads)
@@ -168,6 +185,8 @@ class ZeroEngine:
                         if (self.stage3 and self.device.type == "cuda") else None)
         self._hooks = []
         self._register_hooks()
+        if self.resident:  # every rank's weights from the shards, as after every step
+            self._gather_resident()
 
     # ================================================================ hooks
     def _register_hooks(self) -> None:
@@ -292,6 +311,16 @@ class ZeroEngine:
         for part in self.partitions:
             part.release()
 
+    def _gather_resident(self) -> None:
+        """Stages 1 and 2: refill every sharded partition's resident weights from the
+        DP shards (all gathers in flight together, then waited in order)."""
+        if self.gatherer is None:
+            return
+        self.gatherer.invalidate()  # qwZ's packed shards are of the old weights
+        pending = [self.gatherer.start_gather(p, STEP_GATHER) for p in self.partitions if p.sharded]
+        for handle in pending:
+            handle.wait()
+
     def live_gathered_bytes(self) -> int:
         return sum(p.full_storage_bytes() for p in self.partitions)
 
@@ -360,7 +389,9 @@ class ZeroEngine:
         if not skipped:
             self.optimizer.step(lr, self._clip.coef)
         # the post-step hooks (torchtitan's post-optimizer hooks), applied or skipped alike
-        if not skipped and self.gatherer is not None:  # the shards moved
+        if not skipped and self.resident:  # the shards moved: every rank's weights follow
+            self._gather_resident()
+        elif not skipped and self.gatherer is not None:  # the shards moved
             # weight deltas keep their references (after_step); the others drop copies
             getattr(self.gatherer, "after_step", self.gatherer.invalidate)()
         # delayed FP8 scaling: this step's amaxes into the histories (dropped when skipped)
@@ -398,7 +429,9 @@ class ZeroEngine:
         """Call after the shard buffers were overwritten (load_full_state,
         load_sharded_state)."""
         self._clip = _Clip()
-        if self.gatherer is not None:
+        if self.resident:
+            self._gather_resident()  # the model's weights from the loaded shards
+        elif self.gatherer is not None:
             self.gatherer.invalidate()  # hpZ / qwZ copies of the old weights are stale
         reset = getattr(self.reducer, "reset_error_feedback", None)
         if reset is not None:  # qgZ residuals belong to the old trajectory
@@ -429,7 +462,8 @@ class ZeroEngine:
         return sum(p.numel for p in self.partitions)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes on this rank: params (model shards + live gathered), grads, optimizer,
+        """Bytes on this rank: params (model shards + live gathered: under stages 1 and 2
+        the resident whole weights), grads, optimizer,
         and whatever the ZeRO++ seams report holding (``zeropp``, itemised too)."""
         def nb(t):
             return t.numel() * t.element_size()
@@ -448,7 +482,7 @@ class ZeroEngine:
 
 
 def build_engine(model_chunks, topo, cfg: ZeroConfig | None = None, optimizer=None) -> ZeroEngine:
-    """Wrap the model chunks of this rank in a ZeRO-3 (or stage-0) engine. `optimizer`:
+    """Wrap the model chunks of this rank in a ZeRO engine (cfg.stage: 0 to 3). `optimizer`:
     the update rule beside the engine's settings, an OptimizerSettings or a run's
     megaq.config.run.OptimizerConfig (the same attribute names); None: OptimizerSettings()."""
     return ZeroEngine(model_chunks, topo, cfg or ZeroConfig(), optimizer)

@@ -6,7 +6,8 @@ holds:
 
 * the *reduce bucket*: the unit's padded flat gradient being filled by the
   parameters' hooks (``grad_sync="per_microbatch"``), or the full fp32 gradient kept
-  across micro-batches (``"last_microbatch"``);
+  across micro-batches (``"last_microbatch"``, and always under ZeRO stage 1:
+  ``ZeroConfig.grads_reduced_once``);
 * the *fp32 accumulator*: ``shard_numel`` elements, the reduced gradient of this
   rank's shard, which the optimizer's leaves view;
 * whether the accumulator is *stale*: from ``zero()`` until it is settled, its
@@ -70,7 +71,7 @@ class GradState:
         self.inflight_bytes = 0
         # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
         # (qgZ too: at DP=1 it has nothing to exchange and adds exactly, residuals unused)
-        self.direct = topo.dp.size == 1 and cfg.grad_sync == "per_microbatch"
+        self.direct = topo.dp.size == 1 and not cfg.grads_reduced_once
 
     # ------------------------------------------------------------ from the engine
     def add(self, part: FlatPartition, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -80,7 +81,7 @@ class GradState:
         flat = grad.reshape(-1)
         if self.direct:
             self._add_slot(part.name, slot.offset, flat)
-        elif self.cfg.grad_sync == "per_microbatch":
+        elif not self.cfg.grads_reduced_once:
             bucket = self._buckets.get(part.name)
             if bucket is None:
                 buf = torch.zeros(part.padded_numel, dtype=grad.dtype, device=grad.device)

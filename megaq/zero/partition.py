@@ -11,7 +11,10 @@ ranges stay few). Two kinds:
   ``full`` is the gathered buffer: the parameters' ``.data`` are views into it, and
   releasing it resizes its storage to 0 bytes (the views keep their shapes, so
   autograd's saved tensors stay valid and see the data again once re-gathered).
-* replicated (stage 0, and small persistent params under stage 3): ``full`` is
+* sharded and resident (ZeRO stages 1 and 2): laid out and sharded as above, but
+  ``full`` stays allocated: the model's weights are whole on every rank, and the
+  engine refills ``full`` from the shards once after each optimizer step.
+* replicated (stage 0, and small persistent params under stages 1-3): ``full`` is
   always allocated and ``shard`` is the whole of it.
 
 Padding elements are zero in weights and gradients, so they never move the norm or
@@ -74,8 +77,10 @@ class FlatPartition:
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]],
                  dtype: torch.dtype, world: int, rank: int, block_size: int, sharded: bool,
-                 counted_fn, shared_embedding: bool = False, fp8_params: frozenset = frozenset()):
+                 counted_fn, shared_embedding: bool = False, fp8_params: frozenset = frozenset(),
+                 resident: bool = False):
         self.name, self.dtype, self.sharded = name, dtype, sharded
+        self.resident = sharded and resident  # full never released (stages 1 and 2)
         self.world, self.rank = (world, rank) if sharded else (1, 0)
         self.shared_embedding = shared_embedding
         self.block_size = block_size
@@ -138,7 +143,7 @@ class FlatPartition:
         self._gathered_bytes = [t.numel() * t.element_size() for t in self._gathered]
         for s in self.slots[len(self.fp8_slots):]:
             s.param.data = self.full[s.offset - F:s.offset - F + s.numel].view(s.shape)
-        if sharded:
+        if sharded and not self.resident:
             self.release()
 
     # ------------------------------------------------------------------ buffers
@@ -168,7 +173,7 @@ class FlatPartition:
         return self.full
 
     def release(self) -> None:
-        if self.sharded and self.is_materialized:
+        if self.sharded and not self.resident and self.is_materialized:
             for t in self._gathered:
                 t.untyped_storage().resize_(0)
 

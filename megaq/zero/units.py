@@ -4,7 +4,8 @@ A *site* is a run of modules executed together in forward: per chunk, the
 embedding; each transformer layer; the head (final_norm + output_layer). A *unit*
 is a set of parameters gathered and released together, with one sharded
 :class:`FlatPartition` (and a replicated one for parameters below the persistence
-threshold; under stage 0 everything is replicated). Each unit is *owned* by the site
+threshold; under stage 0 everything is replicated; under stages 1 and 2 the sharded
+partition keeps its gathered weights resident). Each unit is *owned* by the site
 whose modules hold its parameters; a site may also *borrow* another site's unit:
 
 * tied embeddings on one stage (PP = 1): the head's output layer reads the word
@@ -112,7 +113,8 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
         parts = []
         if big:
             parts.append(FlatPartition(name, big, cfg.gather_dtype, dp.size, dp.rank, cfg.block_size,
-                                       True, counted, shared_embedding=shared, fp8_params=fp8_ids))
+                                       True, counted, shared_embedding=shared, fp8_params=fp8_ids,
+                                       resident=cfg.weights_resident))
             _bind_fp8_weights(parts[-1], fp8_layers)
         if small:
             parts.append(FlatPartition(name + ".replicated", small, cfg.gather_dtype, dp.size,

@@ -54,6 +54,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -144,7 +145,11 @@ class RefLlama(nn.Module):
     def forward(self, idx, targets):
         x = self.wte(idx)
         for blk in self.blocks:
-            x = blk(x, self.cos, self.sin)
+            if getattr(self, "recompute", False):  # full recompute: keep each block's input
+                x = torch.utils.checkpoint.checkpoint(blk, x, self.cos, self.sin,
+                                                      use_reentrant=False)
+            else:
+                x = blk(x, self.cos, self.sin)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
@@ -192,18 +197,52 @@ def cpu_megaq_model(size):
     return _CPU_MODELS[size]
 
 
-def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False):
-    """The megaq variants: a copy of the size's CPU model on `dev`, with parallelism applied
-    as pretrain_gpt.py applies it (megaq.parallelize: FP8 GEMMs, compiled blocks, engine)."""
+RECOMPUTE_FULL = dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+
+
+def device_megaq_model(config, dev):
+    """A model of `config` initialised on `dev` (std 0.02; norms 1), for sizes whose CPU
+    init would take minutes: built on the meta device, its buffers (RoPE's inverse
+    frequencies) taken from a one-layer CPU build. Speed and memory as the CPU-initialised
+    model's; not its exact weights."""
+    import dataclasses
+
+    from megaq.model import GPTModel
+
+    with torch.device("meta"):
+        model = GPTModel(config)
+    model = model.to_empty(device=dev)
+    small = dict(GPTModel(dataclasses.replace(config, num_layers=1, vocab_size=128)).named_buffers())
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # layer i's buffer is layer 0's
+            parts = name.split(".")
+            if parts[0] == "layers":
+                parts[1] = "0"
+            src = small.get(".".join(parts))
+            if src is not None:
+                buf.copy_(src)
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() >= 2 else p.fill_(1.0)
+    return model
+
+
+def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False, recompute=False,
+                init_on_device=False):
+    """The megaq variants: a copy of the size's CPU model on `dev` (or one initialised there:
+    init_on_device), with parallelism applied as pretrain_gpt.py applies it
+    (megaq.parallelize: FP8 GEMMs, compiled blocks, engine); recompute: full, per layer."""
     import copy
 
     from megaq.parallel.topology import Layout, build_topology
     from megaq.parallelize import parallelize
     from megaq.zero import OptimizerSettings, ZeroConfig
 
-    model = copy.deepcopy(cpu_megaq_model(size)).to(dev)
     fp8_kw = dict(fp8_format=fp8[0], fp8_recipe=fp8[1]) if fp8 else {}
-    config = megaq_config(size, compile_blocks=compiled, **fp8_kw)
+    config = megaq_config(size, compile_blocks=compiled, **fp8_kw,
+                          **(RECOMPUTE_FULL if recompute else {}))
+    model = (device_megaq_model(megaq_config(size), dev) if init_on_device
+             else copy.deepcopy(cpu_megaq_model(size)).to(dev))
     topo = build_topology(Layout(world_size=1), 0)
     (model,), engine = parallelize(
         config, topo, ZeroConfig(stage=stage, gather_dtype=torch.bfloat16, fp8_weights=fp8_gathers),
@@ -230,15 +269,25 @@ def free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-def build_ref(size, compiled, dev, ao_recipe=None):
+def build_ref(size, compiled, dev, ao_recipe=None, recompute=False, init_on_device=False):
     L, h, nh, _ = SIZES[size]
-    model = RefLlama(L, h, nh).to(dev)
+    if init_on_device:
+        with torch.device(dev):
+            model = RefLlama(L, h, nh)
+    else:
+        model = RefLlama(L, h, nh).to(dev)
+    model.recompute = recompute
     if ao_recipe:  # torchao's own FP8 training, on the blocks' linears (the head stays bf16)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(ao_recipe),
                                    module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
-    run = torch.compile(model) if compiled else model
+    if compiled and recompute:  # each block compiled (one graph for all), as megaq's
+        for blk in model.blocks:  # compile_blocks: compiling 40 checkpointed blocks as one
+            blk.compile()         # graph takes minutes
+        run = model
+    else:
+        run = torch.compile(model) if compiled else model
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -260,13 +309,14 @@ def build_ref(size, compiled, dev, ao_recipe=None):
     return (model, opt), fwd_bwd, opt_step, "torch fused AdamW"
 
 
-def build(size, variant, dev):
+def build(size, variant, dev, **kw):
+    """kw: recompute, init_on_device (see build_megaq)."""
     if variant.startswith("megaq"):
         fp8 = next((v for k, v in FP8_VARIANTS.items() if f"-{k}" in variant), None)
         return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev, fp8,
-                           fp8_gathers="-fp8g" in variant)
+                           fp8_gathers="-fp8g" in variant, **kw)
     ao = next((v for k, v in AO_VARIANTS.items() if variant.startswith(k)), None)
-    return build_ref(size, variant.endswith("comp"), dev, ao)
+    return build_ref(size, variant.endswith("comp"), dev, ao, **kw)
 
 
 # ----------------------------------------------------------------- timing
@@ -277,13 +327,13 @@ def make_batches(size, dev, n=4):
     return [(d[:, :-1].contiguous().to(dev), d[:, 1:].contiguous().to(dev)) for d in data]
 
 
-def time_variant(size, variant, dev, steps, warmup, profile_dir=None):
+def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t0 = time.time()
     breaks0 = sum(torch._dynamo.utils.counters["graph_break"].values())
-    keep, fwd_bwd, opt_step, opt_kind = build(size, variant, dev)
+    keep, fwd_bwd, opt_step, opt_kind = build(size, variant, dev, **build_kw)
     batches = make_batches(size, dev)
     for i in range(warmup):
         fwd_bwd(*batches[i % len(batches)])

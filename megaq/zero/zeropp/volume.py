@@ -1,4 +1,4 @@
-"""The analytical byte model of ZeRO-3 and ZeRO++ for one unit, per DP group.
+"""The analytical byte model of ZeRO stages 1 to 3 and ZeRO++ for one unit, per DP group.
 
 It follows megaq.parallel.comm's accounting: gathers and reduce-scatters are
 node-contiguous rings (each member sends (g-1)/g of the full tensor to its ring
@@ -128,7 +128,13 @@ def reference_gather(S: int, k: int, m: int, elem: int, cfg: ZeroConfig) -> dict
 def step(S: int, k: int, m: int, elem: int, grad_elem: int, cfg: ZeroConfig) -> dict[str, dict[str, int]]:
     """Per phase, one step with one micro-batch: forward gather, backward gather, reduce.
     Weight deltas: a step after the first (the first re-synchronises with a plain forward
-    gather, ``weight_gather(..., backward=False)`` without qwZ)."""
+    gather, ``weight_gather(..., backward=False)`` without qwZ). Stages 1 and 2: the
+    reduce and the one gather after the optimizer step (qwZ's when it is on)."""
+    if cfg.weights_resident:
+        return {
+            "grad_reduce": grad_reduce(S, k, m, grad_elem, cfg),
+            "weight_gather_step": weight_gather(S, k, m, elem, cfg, backward=False),
+        }
     if cfg.weight_deltas:
         return {
             "weight_delta_gather": weight_deltas(S, k, m, cfg),
