@@ -272,12 +272,17 @@ class _FP8Linear(torch.autograd.Function):
         if rw:  # backward casts along other dims: keep the originals
             ctx.save_for_backward(x2, weight)
         else:
-            # one scale per tensor: x's FP8 copy serves backward as it is (half the bytes
-            # of x); the weight, in memory anyway, is cast again there with the same scale
-            # (an FP8 copy kept from forward would be one more byte per parameter); ZeRO's
-            # gathered FP8 weight is kept as it is (the engine's buffer, not a copy)
+            # one scale per tensor: backward's casts are the forward's, bit for bit. The
+            # weight, in memory anyway, is cast again there (an FP8 copy kept from forward
+            # would be one more byte per parameter); ZeRO's gathered FP8 weight is kept as
+            # it is (the engine's buffer, not a copy). x: eager keeps its FP8 copy (half
+            # the bytes of x, which nothing else keeps); a compiled block keeps x and
+            # casts it again in backward, where inductor's partitioner recomputes x from
+            # what the norm, SwiGLU and attention backward keep anyway (the FP8 copy
+            # would be one more byte per element of every GEMM input)
+            x_keep, x_scale_keep = (x2, x_scale) if torch.compiler.is_compiling() else (xq, None)
             w_keep = weight if w_scale is not None else wq
-            ctx.save_for_backward(xq, None, xs, w_keep, w_scale, ws)
+            ctx.save_for_backward(x_keep, x_scale_keep, xs, w_keep, w_scale, ws)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
