@@ -279,8 +279,12 @@ class _FP8Linear(torch.autograd.Function):
             # the bytes of x, which nothing else keeps); a compiled block keeps x and
             # casts it again in backward, where inductor's partitioner recomputes x from
             # what the norm, SwiGLU and attention backward keep anyway (the FP8 copy
-            # would be one more byte per element of every GEMM input)
-            x_keep, x_scale_keep = (x2, x_scale) if torch.compiler.is_compiling() else (xq, None)
+            # would be one more byte per element of every GEMM input). Not the input of
+            # a column-parallel layer at TP > 1: under sequence parallelism it comes out
+            # of an all-gather, which the partitioner never recomputes, so it would keep
+            # the gathered bf16 x, twice the FP8 copy's bytes
+            recompute_x = torch.compiler.is_compiling() and (not col or group.size == 1)
+            x_keep, x_scale_keep = (x2, x_scale) if recompute_x else (xq, None)
             w_keep = weight if w_scale is not None else wq
             ctx.save_for_backward(x_keep, x_scale_keep, xs, w_keep, w_scale, ws)
         return y.reshape(*x.shape[:-1], y.shape[-1])
