@@ -14,7 +14,10 @@ CPU's would differ in what is saved:
 
 * backend ``aot_eager_decomp_partition``: inductor's decompositions and its min-cut
   partitioner (which, not ``save_for_backward``, decides what a compiled block keeps),
-  without inductor's code generation;
+  without inductor's code generation (``backend="inductor"`` runs inductor itself on
+  the CPU, slower; it also applies inductor's joint-graph passes, and keeps as much or
+  less: on the tests' block the same in bf16, and with FP8 without the partitioner's
+  one FP8 copy of the attention output);
 * the FP8 GEMMs take the ``torch._scaled_mm`` path (torch's CPU build has the op) rather
   than the fp32 emulation, whose upcasts the partitioner would see as other ops;
 * megaq's FP8 transpose is an opaque custom op, as the GPU's Triton kernel is to the
@@ -105,10 +108,10 @@ def gpu_gemm_path():
 PARTITIONED = "aot_eager_decomp_partition"  # inductor's partitioner, no code generation
 
 
-def count_saved(fn, args, resident: set, compiled: bool) -> SavedBytes:
-    """One forward of fn(*args) (compiled with inductor's partitioner or eager) under the
-    counting hooks, then its backward (so a compiled region's backward is traced too)."""
-    run = torch.compile(fn, backend=PARTITIONED, dynamic=False) if compiled else fn
+def count_saved(fn, args, resident: set, compiled: bool, backend: str = PARTITIONED) -> SavedBytes:
+    """One forward of fn(*args) (compiled with `backend`, or eager) under the counting
+    hooks, then its backward (so a compiled region's backward is traced too)."""
+    run = torch.compile(fn, backend=backend, dynamic=False) if compiled else fn
     counter = SavedBytes(resident=resident)
     with counter.counting():
         out = run(*args)
@@ -116,7 +119,8 @@ def count_saved(fn, args, resident: set, compiled: bool) -> SavedBytes:
     return counter
 
 
-def block_saved_bytes(config, *, compiled: bool, micro_batch: int = 2, seed: int = 0) -> SavedBytes:
+def block_saved_bytes(config, *, compiled: bool, micro_batch: int = 2, seed: int = 0,
+                      backend: str = PARTITIONED) -> SavedBytes:
     """The bytes one transformer block of `config` (one process, TP 1, its FP8 recipe if
     any) keeps for backward at `micro_batch` x config.seq_length tokens (module docstring).
     The block's input counts (the residual stream each block keeps), the RoPE tables not
@@ -137,7 +141,7 @@ def block_saved_bytes(config, *, compiled: bool, micro_batch: int = 2, seed: int
     if rotary is not None:
         resident |= {t.untyped_storage().data_ptr() for t in rotary}
     with gpu_gemm_path() if compiled else contextlib.nullcontext():
-        return count_saved(block.forward, (x, rotary), resident, compiled)
+        return count_saved(block.forward, (x, rotary), resident, compiled, backend)
 
 
 __all__ = ["SavedBytes", "resident_storages", "opaque_transpose", "gpu_gemm_path",

@@ -29,17 +29,17 @@ MEGAQ_FP8 = {"fp8tw": ("hybrid", "tensorwise"), "fp8dl": ("hybrid", "delayed"),
              "fp8rw": ("e4m3", "rowwise")}  # as bench_train's FP8_VARIANTS
 
 
-def megaq_block(size: str, variant: str, tokens: int, compiled: bool):
+def megaq_block(size: str, variant: str, tokens: int, compiled: bool, backend: str):
     from megaq.testing.saved_bytes import block_saved_bytes
     from tools.bench import bench_train
 
     fp8 = MEGAQ_FP8.get(variant)
     kw = dict(fp8_format=fp8[0], fp8_recipe=fp8[1]) if fp8 else {}
     config = dataclasses.replace(bench_train.megaq_config(size, **kw), seq_length=tokens)
-    return block_saved_bytes(config, compiled=compiled, micro_batch=1)
+    return block_saved_bytes(config, compiled=compiled, micro_batch=1, backend=backend)
 
 
-def reference_block(size: str, variant: str, tokens: int, compiled: bool):
+def reference_block(size: str, variant: str, tokens: int, compiled: bool, backend: str):
     """bench_train's RefBlock (fp32 weights, bf16 autocast), torchao-converted for ao-tw."""
     from megaq.testing.saved_bytes import count_saved, resident_storages
     from tools.bench import bench_train
@@ -65,12 +65,12 @@ def reference_block(size: str, variant: str, tokens: int, compiled: bool):
             return block(x, cos, sin)
 
     # the GPU's autocast runs bf16 residual adds on an fp32 stream; here the same
-    return count_saved(fwd, (x, cos, sin), resident, compiled)
+    return count_saved(fwd, (x, cos, sin), resident, compiled, backend)
 
 
-def measure(size: str, variant: str, tokens: int, compiled: bool):
+def measure(size: str, variant: str, tokens: int, compiled: bool, backend: str):
     run = reference_block if variant in ("ao-tw", "ref") else megaq_block
-    return run(size, variant, tokens, compiled)
+    return run(size, variant, tokens, compiled, backend)
 
 
 def torchao_importable() -> bool:
@@ -83,6 +83,7 @@ def torchao_importable() -> bool:
 
 
 def main(argv=None) -> int:
+    from megaq.testing.saved_bytes import PARTITIONED
     from tools.bench import bench_train
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--eager", action="store_true", help="eager blocks only")
     mode.add_argument("--compiled", action="store_true", help="compiled blocks only")
+    p.add_argument("--backend", default=PARTITIONED, choices=[PARTITIONED, "inductor"],
+                   help="compiled blocks' backend: inductor's partitioner alone (default) or "
+                        "inductor itself (C++ code generation on the CPU: slower)")
     args = p.parse_args(argv)
     if args.tokens < 16 or args.tokens % 16:
         print(f"error: --tokens {args.tokens} must be a positive multiple of 16 (FP8 GEMM "
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
           f"B/token by dtype")
     for compiled in modes:
         for variant in variants:
-            small, large = (measure(args.size, variant, n, compiled)
+            small, large = (measure(args.size, variant, n, compiled, args.backend)
                             for n in (args.tokens, 2 * args.tokens))
             per_token = (large.total - small.total) / args.tokens
             fixed = small.total - per_token * args.tokens
