@@ -1,6 +1,6 @@
-"""What a transformer block keeps for backward with FP8 GEMMs (megaq.testing.saved_bytes,
-the CPU proxy of a GPU step's activation memory; tools/dev/saved_bytes.py prints it for
-bench_train's sizes).
+"""What a transformer block keeps for backward: with FP8 GEMMs, and attention's v
+(megaq.testing.saved_bytes, the CPU proxy of a GPU step's activation memory;
+tools/dev/saved_bytes.py prints it for bench_train's sizes).
 
 The budget, per block, for the tensorwise and delayed recipes:
 
@@ -57,3 +57,13 @@ def test_eager_fp8_block_keeps_one_fp8_copy_of_each_gemm_input_and_no_weight_cop
     gemm_inputs = TOKENS * (3 * H + cfg.ffn_hidden_size)  # QKV, proj, fc1, fc2: 1 byte each
     assert counted.total <= bf16_kept[False].total, (counted.by_dtype, bf16_kept[False].by_dtype)
     assert _fp8_bytes(counted) == gemm_inputs, counted.by_dtype
+
+
+@pytest.mark.slow  # the fixture compiles a block on the CPU
+def test_attention_keeps_v_and_not_the_whole_qkv_output(bf16_kept):
+    """SDPA keeps v for backward; as a slice of the QKV GEMM's output it kept that whole
+    buffer (3x v's bytes here, MHA). No kept storage has the QKV output's size."""
+    qkv_bytes = TOKENS * 3 * H * 2  # bf16
+    for compiled, counted in bf16_kept.items():
+        sizes = [n for n, _ in counted.storages.values()]
+        assert qkv_bytes not in sizes, (compiled, sorted(sizes))
