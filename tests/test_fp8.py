@@ -54,8 +54,8 @@ def capture_scales():
     plain, delayed = fp8.quantize, fp8.quantize_delayed
 
     def recorded(cast):
-        def run(*args):
-            out = cast(*args)
+        def run(*args, **kwargs):
+            out = cast(*args, **kwargs)
             log.append((args[-1], out[1].detach().clone()))  # role (last), inverse scale
             return out
         return run

@@ -77,6 +77,10 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if rotary is not None or self.q_layernorm is not None:
+            # q and k are new tensors: v alone would keep the whole QKV output alive for
+            # attention's backward, 3x its own bytes (MHA); its own copy keeps only v
+            v = v.contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         dropout = self.attention_dropout if self.training else 0.0
         out = self.core_attention(q, k, v, dropout, self.repeat_kv)

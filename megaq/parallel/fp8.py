@@ -130,8 +130,9 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
-             group: Group | None = None, role: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """Cast x to FP8 with dynamic scaling; returns (x_fp8, inverse scale).
+             group: Group | None = None, role: str = "", with_scale: bool = False) -> tuple:
+    """Cast x to FP8 with dynamic scaling; returns (x_fp8, inverse scale), and the scale
+    itself third with `with_scale` (to cast again, bit for bit: :func:`recast`).
 
     dim None: one scale (a 0-d tensor); else one per slice along `dim` (keepdim
     shape). `group`: the amax is MAX-reduced over it first (x is one TP shard of a
@@ -145,7 +146,20 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
         amax = amax.contiguous()
         comm.all_reduce(amax, group, PHASE, op=dist.ReduceOp.MAX)
     scale = scale_from_amax(amax, dtype, pow2)
+    if with_scale:
+        return cast(x, scale, dtype), scale.reciprocal(), scale
     return cast(x, scale, dtype), scale.reciprocal()
+
+
+def recast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`cast` again, for backward: the same bits (a product of two floats does not
+    depend on their order), with the operands in the other order so that a compiled graph
+    does not merge it with the forward's cast (common-subexpression elimination). Merged,
+    the forward's FP8 copy would feed megaq's transpose op in backward, an op the
+    partitioner cannot recompute into, so it would keep that copy from forward next to the
+    bf16 tensors it keeps anyway; apart, backward casts again from what it keeps."""
+    fmax = torch.finfo(dtype).max
+    return (scale * x.float()).clamp(-fmax, fmax).to(dtype)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -233,19 +247,22 @@ class _FP8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         delayed = amax_scale is not None
         if delayed and ready:  # the history's scale; this x's amax on the side, same pass
-            xq, xs, x_amax = quantize_delayed(x2, fwd, amax_scale[0], "input")
+            x_scale = amax_scale[0]
+            xq, xs, x_amax = quantize_delayed(x2, fwd, x_scale, "input")
         else:
             # rowwise: scales along the input features, split only in a row-parallel layer;
             # tensorwise: the weight is split in both kinds of layer, x only in row-parallel
-            xq, xs = quantize(x2, fwd, -1 if rw else None, rw, _maybe(group, not col), "input")
+            xq, xs, x_scale = quantize(x2, fwd, -1 if rw else None, rw, _maybe(group, not col),
+                                       "input", with_scale=True)
             x_amax = tensor_amax(x2) if delayed else None
         if delayed and record:  # this step's running max (the history: fp8_delayed)
             amax_now[0].copy_(torch.maximum(amax_now[0], x_amax))
+        w_scale = None  # the weight's cast scale when this function casts it
         if weight_fp8 is not None:  # gathered in FP8 by the ZeRO engine: cast already
             wq, ws = weight_fp8, weight_inv
         else:
-            wq, ws = quantize(weight, fwd, 1 if rw else None, rw, _maybe(group, not (rw and col)),
-                              "weight")
+            wq, ws, w_scale = quantize(weight, fwd, 1 if rw else None, rw,
+                                       _maybe(group, not (rw and col)), "weight", with_scale=True)
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype, fast_accum=True)
         ctx.recipe, ctx.group, ctx.col = recipe, group, col
         # delayed: dY's scale, and whether to report dY's amax (as the grad of amax.grad_sink)
@@ -254,8 +271,22 @@ class _FP8Linear(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         if rw:  # backward casts along other dims: keep the originals
             ctx.save_for_backward(x2, weight)
-        else:   # one scale per tensor: the FP8 copies serve backward as they are (half the bytes)
-            ctx.save_for_backward(xq, xs, wq, ws)
+        else:
+            # one scale per tensor: backward's casts are the forward's, bit for bit. The
+            # weight, in memory anyway, is cast again there (an FP8 copy kept from forward
+            # would be one more byte per parameter); ZeRO's gathered FP8 weight is kept as
+            # it is (the engine's buffer, not a copy). x: eager keeps its FP8 copy (half
+            # the bytes of x, which nothing else keeps); a compiled block keeps x and
+            # casts it again in backward, where inductor's partitioner recomputes x from
+            # what the norm, SwiGLU and attention backward keep anyway (the FP8 copy
+            # would be one more byte per element of every GEMM input). Not the input of
+            # a column-parallel layer at TP > 1: under sequence parallelism it comes out
+            # of an all-gather, which the partitioner never recomputes, so it would keep
+            # the gathered bf16 x, twice the FP8 copy's bytes
+            recompute_x = torch.compiler.is_compiling() and (not col or group.size == 1)
+            x_keep, x_scale_keep = (x2, x_scale) if recompute_x else (xq, None)
+            w_keep = weight if w_scale is not None else wq
+            ctx.save_for_backward(x_keep, x_scale_keep, xs, w_keep, w_scale, ws)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -276,7 +307,10 @@ class _FP8Linear(torch.autograd.Function):
                 xq, xs = quantize(x2, recipe.forward_dtype, 0, True, None, "input_for_grad_weight")
                 dw = scaled_mm(dyq.t(), xq, dys.t(), xs, ctx.w_dtype, fast_accum=False)
         else:
-            xq, xs, wq, ws = ctx.saved_tensors
+            x_keep, x_scale, xs, w, w_scale, ws = ctx.saved_tensors
+            fwd = recipe.forward_dtype
+            xq = x_keep if x_scale is None else recast(x_keep, x_scale, fwd)
+            wq = w if w_scale is None else recast(w, w_scale, fwd)
             if ctx.dy_scale is not None:
                 dyq, dys, dy_amax = quantize_delayed(dy2, gdt, ctx.dy_scale, "grad_output")
             else:
