@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -117,3 +118,40 @@ def _waits_in_backward(log) -> int:
             in_backward = e[0] == "zero_grad"
         count += in_backward and e[0] == "wait"
     return count
+
+
+def _accumulator_bytes_through_a_step(topo):
+    """Bytes the fp32 gradient accumulators hold after zero_grad, after the forward, and
+    after backward + finish_grad_sync, over two steps; and the losses."""
+    cfg = H.model_config()
+    torch.manual_seed(0)
+    zcfg, opt = H.engine_configs({"stage": 0 if topo.dp.size == 1 else 3})
+    chunks, engine = parallelize(cfg, topo, zcfg, optimizer=opt)
+    held = lambda: sum(t.untyped_storage().nbytes() for t in engine.grads._accum.values())  # noqa: E731
+    seen, losses = [], []
+    for step in range(2):
+        engine.zero_grad()
+        after_zero = held()
+        mb = H.microbatches(step, topo.dp_rank, topo.dp.size, 1, cfg.vocab_size)[0]
+        loss = chunks[0](mb["tokens"], labels=mb["labels"]).float().mean()
+        after_forward = held()
+        loss.backward()
+        engine.finish_grad_sync()
+        engine.clip_grad_norm(H.CLIP)
+        engine.step(opt.lr)
+        seen.append((after_zero, after_forward, held()))
+        losses.append(float(loss))
+    full = sum(t.numel() * 4 for t in engine.grads._accum.values())
+    return seen, full, losses
+
+
+def test_gradient_accumulators_hold_no_memory_through_the_forward():
+    """zero_grad hands the fp32 accumulators' memory back to the allocator, so the
+    forward's activations never share the peak with a full set of gradients; backward
+    takes it back and the step is the same as with accumulators held throughout."""
+    for topo_ranks in (1, 2):
+        for seen, full, losses in run_on_ranks(_accumulator_bytes_through_a_step, topo_ranks):
+            assert full > 0 and all(np.isfinite(losses))
+            for after_zero, after_forward, after_step in seen:
+                assert after_zero == 0 and after_forward == 0
+                assert after_step == full

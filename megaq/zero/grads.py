@@ -14,6 +14,13 @@ holds:
   contents are last step's, and each slot's first write of the step overwrites
   instead of adding (no zeroing pass, no read of zeros: 8 bytes per element per
   step). Settling zeroes what no write reached (unused parameters, padding).
+  A stale accumulator holds no memory either: ``zero()`` hands its storage back to
+  the allocator, and its first write (or settling) takes it again. The forward's
+  activations and the step's gradients are then never held at once in full: a step
+  without recompute peaks at backward's start, when the activations are all kept
+  and no gradient exists yet (4 bytes per parameter of this rank's shard less than
+  with accumulators held through the forward). The optimizer's ``.grad`` views keep
+  pointing at the same storage, which is whole again once settled.
 
 Who calls what:
 
@@ -121,8 +128,11 @@ class GradState:
                     comm.all_reduce(self._accum[name], self.topo.embedding, "embedding")
 
     def zero(self) -> None:
-        """Start a step: accumulators become stale (nothing runs), buckets are dropped."""
+        """Start a step: accumulators become stale and give their memory back (nothing
+        runs), buckets are dropped."""
         self._stale = set(self.parts)
+        for t in self._accum.values():
+            t.untyped_storage().resize_(0)
         self._written = {name: set() for name in self.parts}
         self._buckets.clear()
         self._full.clear()
@@ -148,7 +158,7 @@ class GradState:
     def _add_slot(self, name: str, offset: int, src: torch.Tensor) -> None:
         """Add a parameter's flat grad into its slice (upcasting): the first write of a
         step to a stale accumulator copies instead."""
-        dst = self._accum[name][offset:offset + src.numel()]
+        dst = self._live(name)[offset:offset + src.numel()]
         if name in self._stale and offset not in self._written[name]:
             dst.copy_(src)
             self._written[name].add(offset)
@@ -159,7 +169,7 @@ class GradState:
         """End the stale state: zero what no write reached (unused slots, padding)."""
         if name not in self._stale:
             return
-        grad, written, end = self._accum[name], self._written[name], 0
+        grad, written, end = self._live(name), self._written[name], 0
         for slot in self.parts[name].slots:  # in offset order
             if slot.offset in written:
                 if end < slot.offset:
@@ -169,6 +179,14 @@ class GradState:
             grad[end:].zero_()
         self._stale.discard(name)
         written.clear()
+
+    def _live(self, name: str) -> torch.Tensor:
+        """The accumulator with its memory (taken back from the allocator after zero())."""
+        t = self._accum[name]
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(t.numel() * t.element_size())
+        return t
 
     def _settle_all(self) -> None:
         for name in self.parts:
