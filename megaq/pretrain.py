@@ -276,16 +276,20 @@ def dry_run(argv) -> int | None:
     """--dry-run: parse and check the flags, the data and tokenizer files and --load, and
     print this run's plan; returns the exit code (0: it fits; 2: a problem, each printed
     as one `error:` line, all of them at once, or a plan that does not fit) without
-    starting a process group; None without --dry-run. The world is --num-nodes x
+    starting a process group; None without --dry-run. argparse's own problems (an
+    unknown flag, a bad value, a missing flag) are among the lines; without --dry-run
+    the first of them stops the launch, as always. The world is --num-nodes x
     --gpus-per-node when given, else the launcher's."""
     from megaq.config.arguments import (build_parser, print_deepspeed_mapping, print_notes_once,
                                         run_problems)
     from megaq.parallel.topology import ranks_per_node_from_env
     from megaq.plan_cli import dry_run as print_plan
     from megaq.planner.hardware import gpu_preset
-    flags = build_parser().parse_args(argv)
-    if not flags.dry_run:
+    flags, problems = build_parser().parse_all(argv)
+    if not (flags.dry_run if flags is not None else "--dry-run" in (argv or sys.argv[1:])):
         return None
+    if flags is None:  # argparse could not go on: what it found
+        return _print_problems(problems)
     if flags.num_nodes is not None:
         per_node = flags.gpus_per_node or gpu_preset(flags.gpu).gpus_per_node
         world = flags.num_nodes * per_node
@@ -294,15 +298,20 @@ def dry_run(argv) -> int | None:
         per_node = ranks_per_node_from_env(world, int(os.environ.get("RANK", "0")),
                                            flags.gpus_per_node)
     config, flags, problems, notes = run_problems(argv, world_size=world,
-                                                  ranks_per_node=per_node)
+                                                  ranks_per_node=per_node, parse_all=True)
     problems += launch_file_problems(flags)
     print_deepspeed_mapping(flags)  # what a --deepspeed-config file was read as, refused or not
     if problems:
-        for line in problems:
-            print(f"error: {line}", file=sys.stderr, flush=True)
-        return 2
+        return _print_problems(problems)
     print_notes_once(flags, notes)
     return print_plan(config, flags)
+
+
+def _print_problems(problems: list[str]) -> int:
+    """--dry-run's verdict on a bad launch: one `error:` line per problem; exit code 2."""
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    return 2
 
 
 def launch_file_problems(flags) -> list[str]:
@@ -331,7 +340,8 @@ def launch_file_problems(flags) -> list[str]:
                      if not IndexedDataset.exists(p)]
     tokenizer_type = infer_tokenizer_type(flags.tokenizer_type, flags.tokenizer_model,
                                           flags.vocab_file, flags.merge_file)
-    if any(b for _, b in blends) and tokenizer_type != "NullTokenizer":
+    given = (flags.tokenizer_model, flags.vocab_file, flags.merge_file)  # none: the config said so
+    if any(b for _, b in blends) and tokenizer_type != "NullTokenizer" and any(given):
         try:
             build_tokenizer(tokenizer_type, flags.tokenizer_model, flags.vocab_file,
                             flags.merge_file)

@@ -18,7 +18,7 @@ export NCCL_MNNVL_ENABLE=0
 export PYTHONUNBUFFERED=1
 # $PYTHON if set, else the active virtualenv's python, else python3
 if [ -n "${VIRTUAL_ENV:-}" ]; then PY="${PYTHON:-python}"; else PY="${PYTHON:-python3}"; fi
-# The driver puts this checkout first on its children's PYTHONPATH (megaq/ serves
-# megaq.kernels from the top-level kernels/), installed copy or not.
+# The driver and its workers import this checkout's megaq (tools/_checkout.py; megaq/
+# serves megaq.kernels from the top-level kernels/), installed copy or not.
 cd "$repo"
 exec "$PY" tools/cluster/multigpu_check.py "$@"

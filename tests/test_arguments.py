@@ -380,6 +380,45 @@ def test_run_problems_lists_every_class_error_and_refusal_at_once():
     assert len(problems) == 1 and "3" in problems[0] and "8" in problems[0], problems
 
 
+def test_dry_run_lists_argparse_problems_with_the_rest(tmp_path, monkeypatch, capsys):
+    """pretrain_gpt.py --dry-run: an invalid choice, a bad int, an unknown flag and a
+    missing required flag are listed with a refusal, a class error and a missing data
+    file, one `error:` line each, exit 2, the other flags still checked; without
+    --dry-run the same command line stops at argparse's first problem, one line."""
+    from megaq.pretrain import dry_run
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--num-layers", "2", "--hidden-size", "x", "--num-attention-heads", "2",
+            "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1",
+            "--zero-stage", "7", "--no-such-flag", "--fp16", "--min-lr", "1",
+            "--data-path", str(tmp_path / "none"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "64"]
+    assert dry_run(["--dry-run"] + argv) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.splitlines() == [
+        "error: argument --hidden-size: invalid int value: 'x' (see --help)",
+        "error: argument --zero-stage: invalid choice: 7 (choose from 0, 3) (see --help)",
+        "error: unrecognized arguments: --no-such-flag (see --help)",
+        "error: the following arguments are required: --lr (see --help)",
+        "error: --fp16 is not supported (megaq has no loss scaling); use --bf16 or fp32 "
+        "(neither)",
+        # --lr checked as its default (1e-4): the class error is still found
+        "error: --min-lr 1.0 is above --lr 0.0001; use a --min-lr <= --lr",
+        f"error: --data-path {tmp_path / 'none'}: {tmp_path / 'none'}.bin / "
+        f"{tmp_path / 'none'}.idx not found; check the prefix (tools/preprocess_data.py "
+        f"writes them)"]
+    # a flag whose value is missing is dropped and the rest parsed again
+    assert build_parser().parse_all(BASE + ["--zero-stage", "5", "--lr"])[1] == [
+        "argument --lr: expected one argument (see --help)",
+        "argument --zero-stage: invalid choice: 5 (choose from 0, 3) (see --help)"]
+    assert build_parser().parse_all(BASE)[1] == []
+    # without --dry-run: no dry run, and the parser stops at the first problem
+    assert dry_run(argv) is None
+    with pytest.raises(ArgumentsError) as e:
+        build_parser().parse_args(argv)
+    assert str(e.value) == "argument --hidden-size: invalid int value: 'x' (see --help)"
+
+
 def test_dry_run_file_checks_name_each_missing_or_damaged_file(tmp_path):
     """launch_file_problems (pretrain_gpt.py --dry-run's file checks): a data prefix
     without its files, a tokenizer model that does not exist, and a --load whose newest

@@ -4,10 +4,8 @@ output written whole (no temporary file left behind)."""
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "bench"))
-import usrshare_corpus  # noqa: E402
+import usrshare_corpus  # tools/bench (pyproject.toml: pytest's pythonpath)
 
 
 def test_usrshare_corpus_skips_stubs_and_stops_at_the_cap(tmp_path, capsys):

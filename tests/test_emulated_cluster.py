@@ -12,11 +12,11 @@ import time
 
 import pytest
 
+import emulate_cluster as emu  # tools/cluster (pyproject.toml: pytest's pythonpath)
+import netns_link
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools", "cluster")
-sys.path.insert(0, TOOLS)
-import emulate_cluster as emu  # noqa: E402
-import netns_link  # noqa: E402
 
 _REASON = netns_link.why_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None,

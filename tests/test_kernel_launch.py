@@ -301,10 +301,7 @@ def test_cached_launch_passes_what_the_jit_passes():
     Triton's JIT launch hands it for the same call (the same compiled function, metadata,
     grid, stream and arguments, constexprs included), hooks aside (none set: None)."""
     pytest.importorskip("triton.backends.nvidia.driver")
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "bench"))
-    from host_driver import host_driver
+    from host_driver import host_driver  # tools/bench (pyproject.toml: pytest's pythonpath)
     from triton.runtime.jit import JITFunction
 
     kernel = JITFunction(getattr(_axpb_kernel, "fn", _axpb_kernel))  # compiled mode, whatever TRITON_INTERPRET says

@@ -5,7 +5,9 @@ megatron-core 0.16.1 itself: a 2-layer GPT trained 5 steps on two gloo ranks (DP
 the distributed optimizer, saved in torch_dist (dp_reshardable optimizer state), then
 3 more steps whose losses, and Megatron's own digests of its Adam moments at the save,
 are in continuation.json. megaq imports it at another layout (TP 2; TP 1 x DP 2) and
-must continue with Megatron's losses; the imported moments must be Megatron's.
+must continue with Megatron's losses; the imported moments must be Megatron's. The same
+run saved with the fully_reshardable optimizer state (megatron_fully_reshardable/,
+Megatron-LM's --dist-ckpt-optim-fully-reshardable) passes the same checks at TP 2.
 """
 
 import argparse
@@ -26,12 +28,13 @@ from megaq.checkpoint import safe_unpickle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "megatron_torch_dist")
-SOURCE = os.path.join(FIXTURE, "megatron")
+SOURCE = os.path.join(FIXTURE, "megatron")  # dp_reshardable
+FULLY_RESHARDABLE = os.path.join(FIXTURE, "megatron_fully_reshardable")
 RECORD = json.load(open(os.path.join(FIXTURE, "continuation.json")))
 
 
-def _convert(out: str, tp: int = 1, **kw) -> str:
-    a = argparse.Namespace(input=SOURCE, output=out, overwrite=False, tensor_model_parallel_size=tp,
+def _convert(out: str, tp: int = 1, source: str = SOURCE, **kw) -> str:
+    a = argparse.Namespace(input=source, output=out, overwrite=False, tensor_model_parallel_size=tp,
                            pipeline_model_parallel_size=1, virtual_pipeline_size=1,
                            seq_length=None, make_vocab_size_divisible_by=1, no_optimizer=False)
     for k, v in kw.items():
@@ -43,6 +46,13 @@ def _convert(out: str, tp: int = 1, **kw) -> str:
 def imported_tp2(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mq") / "tp2")
     msg = _convert(out, tp=2)
+    return out, msg
+
+
+@pytest.fixture(scope="module")
+def imported_fully_reshardable_tp2(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mq") / "fr_tp2")
+    msg = _convert(out, tp=2, source=FULLY_RESHARDABLE)
     return out, msg
 
 
@@ -68,10 +78,12 @@ def _continue(topo, argv):
     return state.iteration, state.consumed_samples, dict(state.losses)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)])
-def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp, pp):
+@pytest.mark.parametrize("tp,pp,imported", [(2, 1, "imported_tp2"), (1, 1, None), (1, 2, None),
+                                             (2, 1, "imported_fully_reshardable_tp2")])
+def test_megaq_continues_megatrons_run(tmp_path, request, tp, pp, imported):
     """megaq resumes Megatron's iteration 5 at TP 2, TP 1 x DP 2 or PP 2 with Megatron's
-    moments, step, LR and position, and its next 3 losses are Megatron's.
+    moments, step, LR and position, and its next 3 losses are Megatron's (from either
+    optimizer layout of the same run: dp_reshardable; fully_reshardable at TP 2).
 
     Tolerance 1e-5 absolute on losses near 4: both runs are fp32 and differ only in
     summation order (TP all-reduce vs one matmul, the DP gradient reduction), a few
@@ -79,8 +91,10 @@ def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp, pp):
     step count (bias correction) or LR changes them by more than 1e-2 (checked below
     with fresh moments)."""
     from megaq.testing.ranks import run_on_ranks
-    out = imported_tp2[0] if tp == 2 else str(tmp_path / "layout")
-    if tp == 1:
+    if imported:
+        out = request.getfixturevalue(imported)[0]
+    else:
+        out = str(tmp_path / "layout")
         _convert(out, tp=1, pipeline_model_parallel_size=pp)
     flags = open(os.path.join(out, "megaq_args.txt")).read().split()
     train = RECORD["training"]
@@ -93,7 +107,7 @@ def test_megaq_continues_megatrons_run(tmp_path, imported_tp2, tp, pp):
     assert it == 8 and consumed == 32
     got = [losses[i] for i in (6, 7, 8)]
     assert got == pytest.approx(RECORD["next_losses"], abs=1e-5), (got, RECORD["next_losses"])
-    if tp == 1:
+    if imported != "imported_tp2":
         return
     # the same weights with fresh moments (--no-load-optim, step 0) continue differently:
     # the comparison above can tell a lost optimizer state
@@ -121,12 +135,14 @@ def _megaq_full_state(ckpt: str) -> dict:
     return out, saved, state
 
 
-def test_imported_moments_are_megatrons(imported_tp2):
+@pytest.mark.parametrize("imported", ["imported_tp2", "imported_fully_reshardable_tp2"])
+def test_imported_moments_are_megatrons(request, imported):
     """Every parameter's exp_avg / exp_avg_sq after the import (at TP 2, resharded) equals
     what Megatron's optimizer held at the save (continuation.json's digests, taken from
-    megatron-core's own per-parameter ranges, not from the checkpoint's buckets): exact
-    values at five positions, sums to float64 rounding. The step and position too."""
-    out, msg = imported_tp2
+    megatron-core's own per-parameter ranges, not from the checkpoint's buckets or model-
+    space tensors): exact values at five positions, sums to float64 rounding. The step
+    and position too. Either optimizer layout of the run."""
+    out, msg = request.getfixturevalue(imported)
     assert "optimizer state imported" in msg and "step 5" in msg and "TP 2" in msg
     full, saved, state = _megaq_full_state(out)
     assert state["step"] == 5
@@ -232,6 +248,21 @@ def test_crafted_chunk_and_escaping_path_are_refused(tmp_path):
         pickle.dump(index, f)
     r = _cli("--input", src, "--output", str(tmp_path / "out"), cwd=str(tmp_path))
     assert r.returncode == 2 and "not a __N_M.distcp file" in r.stderr, r.stderr
+
+
+def test_other_optimizer_layouts_are_refused_in_one_line(tmp_path):
+    """An optimizer state in a layout megaq does not read (megatron-core's deprecated
+    fully_sharded_model_space: flattened slices of each parameter) is refused in one
+    line naming the layouts that import and --no-optimizer, writing nothing."""
+    src = _copy_fixture(tmp_path)
+    path = os.path.join(src, "iter_0000005", "common.pt")
+    common = safe_unpickle.load(path, safe_unpickle.MEGATRON)
+    common["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
+    torch.save(common, path)
+    r = _cli("--input", src, "--output", str(tmp_path / "out"), cwd=str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "'fully_sharded_model_space' layout" in r.stderr and "--no-optimizer" in r.stderr
+    assert "'fully_reshardable'" in r.stderr and not os.path.exists(tmp_path / "out")
 
 
 def test_layout_flags_are_honoured_or_refused(tmp_path, imported_tp2):

@@ -11,9 +11,9 @@ import os
 import subprocess
 import sys
 
+import multigpu_check as M  # tools/cluster (pyproject.toml: pytest's pythonpath)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools", "cluster"))
-import multigpu_check as M  # noqa: E402
 
 
 def test_layouts_and_variants():

@@ -4,19 +4,15 @@ the main thread's CPU clock, and their CPU is split into the reference quantizer
 the rest. (The link itself is covered by tests/test_emulated_cluster.py.)"""
 
 import cProfile
-import os
-import sys
 import time
 
 import torch
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "cluster")
-sys.path.insert(0, TOOLS)
-import netns_step_profile  # noqa: E402
-import profiled_pretrain  # noqa: E402
+import netns_step_profile  # tools/cluster (pyproject.toml: pytest's pythonpath)
+import profiled_pretrain
 
-from megaq import training  # noqa: E402
-from megaq.kernels import reference  # noqa: E402
+from megaq import training
+from megaq.kernels import reference
 
 
 def _spin(seconds):

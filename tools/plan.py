@@ -9,12 +9,12 @@ Takes pretrain_gpt.py's own model / layout / batch / ZeRO / FP8 flags and the ha
 flags; --help lists them. The code is megaq.plan_cli (the model: megaq.planner).
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megaq.plan_cli import plan_main  # noqa: E402
+import _checkout
 
 if __name__ == "__main__":
+    _checkout.use_checkout()
+    from megaq.plan_cli import plan_main
+
     sys.exit(plan_main())

@@ -11,7 +11,8 @@ them come the rest of Megatron-LM's dense-GPT flags (megaq.config.megatron_flags
 Megatron-LM launch script parses unchanged: a flag that means nothing for megaq is
 accepted (rank 0 prints one note naming them all; --quiet-notes hides it), a flag for a
 feature megaq lacks is refused with one line naming it. run_problems collects every
-problem (pretrain_gpt.py --dry-run prints them all); parse_config raises the first.
+problem (pretrain_gpt.py --dry-run prints them all, argparse's own among them:
+_Parser.parse_all); parse_config raises the first.
 
 Every refusal is an :class:`ArgumentsError` whose message is one line naming the flag
 and the fix; the command-line entry prints it as ``error: ...`` and exits with 2.
@@ -26,7 +27,7 @@ import contextlib
 import os
 import sys
 
-from megaq.config.flags import add_flags, from_flags
+from megaq.config.flags import add_flags, dest, flag_fields, from_flags
 from megaq.config import deepspeed_config, megatron_flags
 from megaq.config.megatron_flags import add_megatron_flags, megatron_flag_problems
 from megaq.config.run import CONFIG_ERRORS, FLAG_CLASSES, RunConfig
@@ -145,6 +146,65 @@ class DeepSpeedIntake:
                          f"(the same value in both is fine)")
         return [line for line in lines if line]
 
+    _bad_values: list[str] | None = None  # set by parse_all while it parses
+    _given_dests: set[str] | None = None
+
+    def parse_all(self, argv: list[str] | None = None):
+        """(flags or None, problems): parse for --dry-run, listing every problem argparse
+        finds, one line each in its own words, where parse_args stops at the first. A
+        bad value (an invalid choice, a wrong type) leaves its flag at the default, an
+        unknown flag is skipped, a missing required flag is listed, and a flag that
+        cannot be read at all (a missing value, a conflict) is dropped and the rest
+        parsed again. The flags are None only when argparse could not go on."""
+        args = list(sys.argv[1:] if argv is None else argv)
+        required = [a for a in self._actions if a.required]
+        problems: list[str] = []
+        exit_on_error = self.exit_on_error
+        try:
+            self.exit_on_error = False  # an ArgumentError names the flag to drop
+            for a in required:
+                a.required = False  # listed below, after the other flags were read
+            for _ in range(len(args) + 1):
+                self._bad_values, self._given_dests = [], set()
+                try:
+                    flags, unknown = self.parse_known_args(args)
+                except argparse.ArgumentError as e:
+                    problems.append(f"{e} (see --help)")
+                    drop = _unreadable_flag(args, (e.argument_name or "").split("/"))
+                    if drop is None:
+                        break
+                    del args[drop]
+                    continue
+                except ArgumentsError as e:  # argparse stopped without naming a flag
+                    problems.append(str(e))
+                    break
+                problems += self._bad_values
+                if unknown:
+                    problems.append(f"unrecognized arguments: {' '.join(unknown)} (see --help)")
+                missing = [a for a in required if a.dest not in self._given_dests]
+                if missing:
+                    problems.append("the following arguments are required: " + ", ".join(
+                        "/".join(a.option_strings) for a in missing) + " (see --help)")
+                return flags, list(dict.fromkeys(problems))
+            return None, list(dict.fromkeys(problems))
+        finally:
+            self.exit_on_error = exit_on_error
+            for a in required:
+                a.required = True
+            self._bad_values = self._given_dests = None
+
+    def _get_values(self, action, arg_strings):
+        """argparse's conversion of one flag's values; in parse_all a bad value is a
+        problem line and the flag keeps its default."""
+        if self._bad_values is None:
+            return super()._get_values(action, arg_strings)
+        self._given_dests.add(action.dest)
+        try:
+            return super()._get_values(action, arg_strings)
+        except argparse.ArgumentError as e:
+            self._bad_values.append(f"{e} (see --help)")
+            return action.default
+
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default when it has a meaningful one (not None / False)."""
@@ -156,6 +216,12 @@ class _HelpFormatter(argparse.HelpFormatter):
                 and "default" not in text):
             text += " (default: %(default)s)"
         return text
+
+
+# the configuration's own default of each required flag: what --dry-run checks the other
+# flags against when that flag is missing or unreadable (its own line says so)
+_REQUIRED_STAND_INS = {dest(f): f.default for cls in FLAG_CLASSES for f in flag_fields(cls)
+                       if f.metadata["argparse"].get("required")}
 
 
 def build_parser(prog: str = "pretrain_gpt.py", description: str | None = None, *,
@@ -174,6 +240,14 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str | None = None, 
     return p
 
 
+def _unreadable_flag(args: list[str], names: list[str]) -> int | None:
+    """The position of the flag argparse could not read: of its occurrences, the one
+    with no value after it, else the last; None if it is not there as spelled."""
+    hits = [i for i, a in enumerate(args) if a.split("=", 1)[0] in names]
+    bare = [i for i in hits if i + 1 == len(args) or args[i + 1].startswith("--")]
+    return (bare or hits or [None])[0 if bare else -1]
+
+
 def default_world_size() -> int:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -182,15 +256,28 @@ def default_world_size() -> int:
 
 
 def run_problems(argv: list[str] | None = None, world_size: int | None = None,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, *, parse_all: bool = False):
     """(config or None, parsed flags, problems, notes): every problem of the flags that
     can be found without stopping at the first (refused Megatron-LM flags, each
     configuration class's bad values, the checks across classes), one line each; and
     the note lines (megaq.config.megatron_flags). A flag argparse cannot parse (an
-    unknown flag, a value of the wrong type) still raises ArgumentsError at once."""
-    flags = build_parser().parse_args(argv)
+    unknown flag, a value of the wrong type, a missing required flag) raises
+    ArgumentsError at once, or with `parse_all` (--dry-run) is one more line, the rest
+    checked as if that flag were not given (flags None: argparse could not go on)."""
+    problems: list[str] = []
+    if parse_all:
+        flags, problems = build_parser().parse_all(argv)
+        if flags is None:
+            return None, None, problems, []
+    else:
+        flags = build_parser().parse_args(argv)
     world_size = world_size or default_world_size()
-    problems, ds_notes = deepspeed_problems(flags, world_size, ranks_per_node)
+    ds_problems, ds_notes = deepspeed_problems(flags, world_size, ranks_per_node)
+    problems += ds_problems
+    if parse_all:
+        for name, value in _REQUIRED_STAND_INS.items():  # missing or bad: reported above
+            if getattr(flags, name) is None:
+                setattr(flags, name, value)
     if flags.micro_batch_size is None:  # a ds_config's train_batch_size it could not split
         return None, flags, problems, ds_notes
     refusals, notes = megatron_flag_problems(flags)  # first: its aliases set megaq's flags

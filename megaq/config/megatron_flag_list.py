@@ -3,11 +3,17 @@ takes ("-": a switch; "1": one value; "?": an optional value; "+": several value
 
 Recorded from Megatron-LM at tag core_v0.16.1 (the megatron-core release megaq's tests pin):
 megatron.training.arguments.add_megatron_arguments(argparse.ArgumentParser()), every
-option string of the parser it builds. megaq.config.megatron_flags classifies each one
-(implemented, noted, refused); tests/test_megatron_import_flags.py asserts none is unknown.
+option string of the parser it builds. Then the same probe of Megatron-LM's main branch
+at commit d98e8a64dd (2026-08-22; the parser there is built partly from megatron-core's
+config dataclasses): the flags it added are the second list. The flags main dropped (28,
+e.g. --use-legacy-models, --legacy-tokenizer) stay: scripts written for the release still
+pass them. --lazy-mpu-init took a value in the release and is a switch on main: it takes
+an optional value here. megaq.config.megatron_flags classifies each one (implemented,
+alias, noted, refused); tests/test_megatron_import_flags.py asserts none is unknown.
 """
 
-RECORDED_AT = "NVIDIA/Megatron-LM core_v0.16.1, megatron/training/arguments.py"
+RECORDED_AT = ("NVIDIA/Megatron-LM core_v0.16.1 and main at d98e8a64ddf34856e74b24714e3bedb2f5a39553, "
+               "megatron/training/arguments.py")
 
 _RECORDED = """\
 --account-for-embedding-in-pipeline-split -
@@ -693,5 +699,234 @@ _RECORDED = """\
 --yaml-cfg 1
 """
 
+# added on Megatron-LM main since core_v0.16.1 (d98e8a64dd)
+_RECORDED_MAIN = """\
+--activation-offload-fraction 1
+--async-ckpt-cpu-priority 1
+--async-ckpt-io-priority 1
+--async-ckpt-use-cpu-shm -
+--async-strategy 1
+--batch-invariant-backend 1
+--chat-template 1
+--ckpt-drop-redundant-extra-state -
+--ckpt-fully-parallel-load-exchange-algo 1
+--ckpt-fully-parallel-load-per-rank-objects -
+--ckpt-fully-parallel-load-process-group 1
+--ckpt-fully-parallel-save-process-group 1
+--ckpt-pg-tensors-cache-create -
+--ckpt-pg-tensors-cache-path 1
+--cpu-offloading-retain-pinned-cpu-buffers -
+--cuda-graph-modules +
+--dataloader-inter-document-masking -
+--ddp-param-name-patterns-for-fp32-local-accumulation +
+--delay-offload-until-cuda-graph -
+--delta-offload-bytes-across-pp-ranks 1
+--disable-align-grad-reduce -
+--disable-ckpt-load-validate-sharding-integrity -
+--disable-dsa-indexer-rotate-activation -
+--disable-dsa-indexer-scoring-relu -
+--disable-flight-recorder-dump-on-timeout -
+--disable-flight-recorder-extra-dump-on-exec -
+--disable-flight-recorder-include-only-active -
+--disable-pad-vocab-size -
+--disable-save-tokenizer-assets -
+--disable-tokenizer-sentencepiece-ignore-extra-whitespaces -
+--dist-ckpt-workers 1
+--dsa-indexer-k-norm-epsilon 1
+--dsa-indexer-k-norm-fp32 -
+--dsa-indexer-rope-interleaved -
+--dsa-indexer-skip-topk-offset 1
+--dsa-indexer-topk-freq 1
+--dsa-kernel-backend 1
+--enable-mhc-connections -
+--enable-msc -
+--eval-global-batch-size 1
+--eval-micro-batch-size 1
+--exit-signal-handler-for-training -
+--expert-tensor-parallel-num-weight-shards 1
+--fault-injector-delay-start-iteration 1
+--fault-injector-fault-delay 1
+--fault-injector-fault-probabilities 1
+--fault-injector-fault-types 1
+--fault-injector-mtti-seconds 1
+--fault-injector-num-ranks 1
+--fault-injector-offset-seconds 1
+--fault-injector-ranks 1
+--fault-injector-seed 1
+--fine-grained-offloading-max-inflight-offloads 1
+--flash-attention-version 1
+--flight-recorder-dump-path 1
+--flight-recorder-include-stack-trace -
+--flight-recorder-trace-buffer-size 1
+--fp8-output-proj -
+--freeze-all-layers -
+--fsdp-db-use-persist-buf-on-alloc-fail -
+--fused-residual-rmsnorm -
+--gdp-cutedsl-kernel -
+--gdp-num-chunk-states-to-recompute 1
+--gdp-num-householder 1
+--gpu-sniff-test-interval 1
+--gtp-expert-remat-nccl-ub -
+--gtp-remat-nccl-ub -
+--gtp-remat-opt-in-modules +
+--gtp-remat-reduce-scatter-with-fp32-accumulation -
+--high-priority-a2a-comm-stream -
+--hybrid-layer-pattern 1
+--inference-cuda-graph-all-prefills -
+--inference-cuda-graph-max-tokens 1
+--inference-cuda-graph-scope 1
+--inference-disable-ep-consensus -
+--inference-disable-triton-nvls-kernels -
+--inference-dynamic-batching-async-sched-mode 1
+--inference-dynamic-batching-cuda-graph-sizing-distribution 1
+--inference-dynamic-batching-logprobs-mode 1
+--inference-dynamic-batching-mamba-memory-ratio 1
+--inference-dynamic-batching-prefix-caching -
+--inference-dynamic-batching-prefix-caching-coordinator-policy 1
+--inference-dynamic-batching-prefix-caching-eviction-policy 1
+--inference-dynamic-batching-prefix-caching-mamba-gb 1
+--inference-dynamic-batching-prefix-caching-routing-alpha 1
+--inference-dynamic-batching-sampling-backend 1
+--inference-dynamic-batching-track-generated-token-events -
+--inference-grouped-gemm-backend 1
+--inference-moe-disable-fused-quant-kernels -
+--inference-moe-token-dispatcher-type 1
+--inference-shards 1
+--inference-text-gen-server-logging -
+--inference-use-synchronous-zmq-collectives -
+--lion-beta1 1
+--lion-beta2 1
+--logits-load-decode-threads 1
+--logits-load-dir 1
+--logits-load-ignore-errors -
+--logits-load-kd-loss-alpha 1
+--logits-load-msc-prefetch-depth 1
+--logits-load-prefetch-factor 1
+--logits-save-dir 1
+--logits-save-dtype 1
+--logits-save-top-k 1
+--logits-save-top-p 1
+--logits-save-top-p-min-k 1
+--mamba-inference-conv-states-dtype 1
+--mamba-inference-ssm-states-dtype 1
+--mamba-training-ssm-states-dtype 1
+--megatron-fsdp-enable-fine-grained-param-gather -
+--megatron-fsdp-grad-comm-dtype 1
+--megatron-fsdp-main-grads-dtype 1
+--megatron-fsdp-main-params-dtype 1
+--megatron-fsdp-max-pool-double-buffer -
+--megatron-fsdp-version 1
+--mhc-init-gating-factor 1
+--mhc-num-residual-streams 1
+--mhc-recompute-layer-num 1
+--mhc-sinkhorn-iterations 1
+--mla-down-proj-fusion -
+--mlp-chunks-for-training 1
+--moe-combine-bwd-dtype 1
+--moe-dispatch-fwd-dtype 1
+--moe-expert-rank-capacity-factor 1
+--moe-flex-dispatcher-num-sms 1
+--moe-hybridep-num-blocks-permute 1
+--moe-hybridep-num-blocks-unpermute 1
+--moe-hybridep-num-sms-preprocessing 1
+--moe-hybridep-pad-uneven-dispatch-inputs -
+--moe-mlp-glu-interleave-size 1
+--moe-ncclep-zero-copy -
+--moe-paged-stash -
+--moe-paged-stash-buffer-size-factor-cpu 1
+--moe-paged-stash-buffer-size-factor-cuda 1
+--moe-paged-stash-page-size 1
+--moe-permute-fusion-into-hybridep -
+--moe-router-force-biased 1
+--moe-router-quantile-balancing-ema 1
+--moe-routing-trace-capture-hidden-states -
+--moe-routing-trace-capture-logits -
+--moe-routing-trace-dump-weights -
+--moe-routing-trace-max-training-iters 1
+--moe-routing-trace-path 1
+--moe-shared-expert-glu-interleave-size 1
+--moe-single-grouped-bias -
+--moe-single-grouped-weight -
+--moe-use-grouped-tensor -
+--mtp-detach-heads -
+--mtp-hsm -
+--mtp-hybrid-override-pattern 1
+--mtp-use-repeated-layer -
+--muon-coefficient-type 1
+--muon-nesterov -
+--muon-scalar-optimizer 1
+--muon-use-syrk -
+--mup-attn-scale-power 1
+--mup-base-head-dim 1
+--mup-base-hidden-size 1
+--mup-embedding-mult 1
+--mup-output-mult 1
+--mup-width-mult 1
+--no-ckpt-load-validate-sharding-integrity -
+--no-dsa-indexer-rotate-activation -
+--no-dsa-indexer-scoring-relu -
+--no-flight-recorder-dump-on-timeout -
+--no-flight-recorder-extra-dump-on-exec -
+--no-flight-recorder-include-only-active -
+--no-inference-disable-ep-consensus -
+--no-inference-dynamic-batching-prefix-caching -
+--no-inference-text-gen-server-logging -
+--no-inference-use-synchronous-zmq-collectives -
+--no-pad-vocab-size -
+--no-rl-persist-cuda-graphs -
+--no-save-tokenizer-assets -
+--no-tokenizer-sentencepiece-ignore-extra-whitespaces -
+--no-use-layer-wise-param-layout -
+--no-yarn-correction-range-round-to-int -
+--null-tokenizer-eod-id 1
+--null-tokenizer-pad-id 1
+--num-speculative-tokens 1
+--nvtx-ranges -
+--optimizer-cuda-graph -
+--otel-enabled -
+--otel-service-name 1
+--otel-span-groups 1
+--output-logit-dtype 1
+--overlap-dispatch-backward-with-experts-wgrad -
+--override-ckpt-iteration 1
+--pytorch-profiler-collect-callstack -
+--pytorch-profiler-collect-chakra -
+--pytorch-profiler-collect-shapes -
+--record-shapes -
+--rl-consumption-granularity 1
+--rl-durable-rollout-bank -
+--rl-generation-lag 1
+--rl-inference-parsers +
+--rl-kv-cache-management-mode 1
+--rl-max-inflight-requests 1
+--rl-persist-cuda-graphs -
+--rl-profile -
+--rl-profile-dir 1
+--rl-rollout-bank-dir 1
+--rl-rollout-bank-max-bytes 1
+--rl-submission-granularity 1
+--save-activations-interval 1
+--save-params-interval 1
+--save-tokens-per-expert-interval 1
+--start-eval-at-iter 1
+--step-batch-size-schedule 1
+--tensor-parallel-num-weight-shards 1
+--tokenizer-hf-no-include-special-tokens -
+--tokenizer-hf-no-use-fast -
+--use-gigatoken -
+--use-grouped-gemm-for-dense-mlp -
+--use-grouped-gemm-for-shared-expert -
+--use-mup -
+--use-same-sampling-seed-across-dp-ranks -
+--use-transformer-engine-op-fuser -
+--validation-set-names +
+--verify-integrity -
+--yarn-beta-fast 1
+--yarn-beta-slow 1
+--yarn-correction-range-round-to-int -
+--yarn-original-max-position-embeddings 1
+"""
+
 # flag -> what it takes
-MEGATRON_ARGUMENTS: dict[str, str] = dict(line.split() for line in _RECORDED.splitlines())
+MEGATRON_ARGUMENTS: dict[str, str] = dict(line.split() for line in (_RECORDED + _RECORDED_MAIN).splitlines())
+MEGATRON_ARGUMENTS["--lazy-mpu-init"] = "?"  # a value in the release, a switch on main

@@ -441,6 +441,67 @@ _FAMILIES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# Flags Megatron-LM's main branch added since core_v0.16.1 (megatron_flag_list's second
+# recording): the same families, extended, and a few flags one by one.
+_FAMILIES += (
+    (r"--(overlap-dispatch-)", REFUSED, _MOE),
+    (r"--(gdp-)", REFUSED, "linear-attention layers (gated delta product)"),
+    (r"--(yarn-|no-yarn-)", REFUSED, "YaRN RoPE"),
+    (r"--(no-dsa-|disable-dsa-)", REFUSED, "attention variant of this kind (sparse)"),
+    (r"--(enable-mhc-|mhc-|use-mup$|mup-|output-logit-dtype)", REFUSED,
+     "model variant of this kind (hyper-connections, muP scaling, logits in another dtype)"),
+    (r"--(fp8-output-proj)", REFUSED,
+     "FP8 setting of this kind (megaq's FP8 is --fp8-format / --fp8-recipe)"),
+    (r"--(activation-offload-fraction|cpu-offloading-|delay-offload-|delta-offload-"
+     r"|fine-grained-offloading-)", REFUSED, "CPU offloading"),
+    (r"--(logits-load-|logits-save-|freeze-all-layers|start-eval-at-iter|eval-global-batch-size"
+     r"|eval-micro-batch-size|validation-set-names|step-batch-size-schedule"
+     r"|dataloader-inter-document-masking)", REFUSED,
+     "training-loop feature of this kind (saved logits or distillation from them, frozen "
+     "layers, an evaluation batch size or start of its own, named validation sets, a "
+     "batch-size schedule, attention cut at document boundaries)"),
+    (r"--(override-ckpt-iteration)", REFUSED,
+     "checkpoint feature of this kind (megaq resumes at the checkpoint's own iteration)"),
+    (r"--(tensor-parallel-num-weight-shards|gtp-)", REFUSED,
+     "parallel layout of this kind (weights sharded beyond TP: generalized TP)"),
+    (r"--(chat-template|null-tokenizer-|no-tokenizer-sentencepiece-"
+     r"|disable-tokenizer-sentencepiece-)", REFUSED,
+     "tokenizer option of this kind (megaq's types are --tokenizer-type's choices)"),
+    (r"--(lion-)", NOTE, "a setting of --optimizer lion, which megaq's --optimizer choices "
+     "refuse"),
+    (r"--(num-speculative-tokens|use-same-sampling-seed-across-dp-ranks)", NOTE, _INFER),
+    (r"--(fault-injector-|otel-|gpu-sniff-test-interval)", NOTE,
+     _TELEMETRY + " (megaq checks for and skips non-finite steps itself)"),
+    (r"--(disable-align-|high-priority-a2a-comm-stream|no-use-layer-wise-param-layout"
+     r"|megatron-fsdp-)", NOTE, _DP),
+    (r"--(flight-recorder-|no-flight-recorder-|disable-flight-recorder-|nvtx-ranges"
+     r"|pytorch-profiler-collect-|record-shapes|save-activations-interval"
+     r"|save-params-interval|save-tokens-per-expert-interval|fused-residual-rmsnorm"
+     r"|mla-down-proj-fusion|use-transformer-engine-op-fuser|optimizer-cuda-graph"
+     r"|mlp-chunks-for-training|flash-attention-version|use-grouped-gemm-for-"
+     r"|batch-invariant-backend)", NOTE,
+     "megaq picks its kernels, memory handling and debug output itself"),
+    (r"--(async-ckpt-|async-strategy|ckpt-drop-redundant-extra-state"
+     r"|ckpt-fully-parallel-load-|ckpt-fully-parallel-save-|ckpt-pg-tensors-cache-"
+     r"|no-ckpt-load-validate-|disable-ckpt-load-validate-|enable-msc)", NOTE, _CKPT),
+)
+MEGATRON_FLAGS += (
+    _refuse("--no-pad-vocab-size", "unpadded vocabulary switch: pass "
+            "--make-vocab-size-divisible-by 1 for no padding"),
+    _refuse("--disable-pad-vocab-size", "unpadded vocabulary switch: pass "
+            "--make-vocab-size-divisible-by 1 for no padding"),
+    _note("--exit-signal-handler-for-training", "megaq stops cleanly on SIGTERM / SIGINT "
+          "(--exit-signal-handler also saves first)"),
+    _note("--verify-integrity", "megaq's checkpoints always carry a SHA-256 manifest, checked "
+          "at load (--no-verify-checkpoint skips the check)"),
+    _note("--use-gigatoken", "megaq's tokenizers are its own (--tokenizer-type)"),
+    _note("--no-save-tokenizer-assets", "megaq's checkpoints keep a copy of the tokenizer's "
+          "files"),
+    _note("--disable-save-tokenizer-assets", "megaq's checkpoints keep a copy of the "
+          "tokenizer's files"),
+)
+
+
 def _family(name: str) -> MegatronFlag | None:
     """`name`'s classification by family (None: no family matches)."""
     for pattern, kind, why in _FAMILIES:

@@ -27,8 +27,9 @@ column-parallel weights and the vocabulary, columns for row-parallel ones; fc1 w
 SwiGLU holds [gate_r; up_r] per rank).
 
 Optimizer state: from torch_dist, the distributed optimizer's `dp_reshardable` buckets
-are cut into parameters (megatron_dist.optimizer_state) and imported with the step, the
-LR schedule, the iteration and the consumed samples. The torch format's is not: it keeps
+are cut into parameters, or its `fully_reshardable` model-space tensors read as they are
+(megatron_dist.optimizer_state), and imported with the step, the LR schedule, the
+iteration and the consumed samples. The torch format's is not: it keeps
 AdamW moments by param-group position (or in distrib_optim.pt buckets without the
 sizes that place them), so asking for it is refused.
 
@@ -486,7 +487,7 @@ def _load_torch_dist(path: str, iter_dir: str, it: str, optimizer: bool):
         full = {}
         for gname, parts in state.pop("shards").items():
             d = dims[gname]
-            full[gname] = {k: parts[0][k] if d < 0 or tp == 1 else
+            full[gname] = {k: parts[0][k] if d < 0 or len(parts) == 1 else
                            concat_tp_shards([p[k] for p in parts], d, stride(gname), name=gname)
                            for k in parts[0]}
         missing = sorted(set(weights) - set(full))

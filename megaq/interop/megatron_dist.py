@@ -26,6 +26,12 @@ inside a layer depends on the layer spec (local or Transformer Engine), which th
 checkpoint does not record: both are tried and the one whose `param` slices equal the
 model's weights (the fp32 main params round to them) is taken; none matching is refused.
 
+In the `fully_reshardable` layout (Megatron-LM's --dist-ckpt-optim-fully-reshardable)
+the state is in model space instead: one global tensor per parameter and state, named
+and stacked as the model's, ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``,
+with the param groups (and their step) in common.pt; its main params must equal the
+weights too.
+
 Every byte is read through megaq.checkpoint.safe_unpickle; a chunk must lie inside a
 regular `__*.distcp` file of the directory (no path, no symlink).
 """
@@ -47,7 +53,8 @@ METADATA_JSON = "metadata.json"
 INDEX = ".metadata"
 COMMON = "common.pt"
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
-SUPPORTED_OPTIM = "dp_reshardable"
+# the distributed optimizer's checkpoint layouts megaq reads (param_state_sharding_type)
+BUCKETS, MODEL_SPACE = "dp_reshardable", "fully_reshardable"
 
 
 class MegatronImportError(InteropError):
@@ -165,25 +172,30 @@ class DistCheckpoint:
 
 
 # --------------------------------------------------------------- the model's weights
-def model_tensors(ck: DistCheckpoint, arch: dict, name_of) -> dict:
+def model_tensors(ck: DistCheckpoint, arch: dict, name_of, prefix: str = "") -> dict:
     """{megaq global name: full tensor} of the model; `name_of(mcore name, layer)` maps a
-    megatron-core per-layer name to megaq's (megatron._megaq_name's rule)."""
+    megatron-core per-layer name to megaq's (megatron._megaq_name's rule). With `prefix`
+    ("optimizer.state.exp_avg."), the tensors stored in model space under that prefix
+    (the fully_reshardable optimizer state) instead of the model's."""
     out = {}
     layers = arch["num_layers"]
     for fqn in ck.names():
-        if fqn.startswith("optimizer.") or "_extra_state" in fqn or fqn.startswith("rng_state"):
+        if not fqn.startswith(prefix):
             continue
-        if fqn.startswith("decoder.layers."):
+        key = fqn[len(prefix):]
+        if key.startswith("optimizer.") or "_extra_state" in key or key.startswith("rng_state"):
+            continue
+        if key.startswith("decoder.layers."):
             t = ck.tensor(fqn)
             if t.shape[0] != layers:
                 raise MegatronImportError(f"{ck.dir}: {fqn} stacks {t.shape[0]} layers, args say "
                                       f"--num-layers {layers}; the checkpoint is inconsistent")
             for i in range(layers):
-                mapped = name_of(fqn.replace("decoder.layers.", f"decoder.layers.{i}.", 1))
+                mapped = name_of(key.replace("decoder.layers.", f"decoder.layers.{i}.", 1))
                 if mapped is not None:
                     out[mapped[0]] = t[i].clone()
         else:
-            mapped = name_of(fqn)
+            mapped = name_of(key)
             if mapped is not None:
                 out[mapped[0]] = ck.tensor(fqn)
     return out
@@ -238,29 +250,31 @@ def _bucket_places(order: list[tuple[str, int]], numel: list[int], unpadded: lis
 
 def optimizer_state(ck: DistCheckpoint, arch: dict, tp: int, pp: int, full_weights: dict,
                     name_of, tp_split) -> dict:
-    """{"step", "moments": {megaq name: (exp_avg, exp_avg_sq) full fp32},
-    "main_params": {megaq name: full fp32}}. `tp_split(megaq name, full, rank)` is the
-    TP shard megatron-core holds on `rank`; `full_weights` the model's (to place and
-    check the bucket slices)."""
-    kind = (ck.common.get("optimizer") or {}).get("param_state_sharding_type") \
-        if isinstance(ck.common.get("optimizer"), dict) else None
+    """{"step", "shards": {megaq name: [{"param", "exp_avg", "exp_avg_sq"} fp32, one per
+    TP rank of the checkpoint, or one full tensor]}}. `tp_split(megaq name, full, rank)`
+    is the TP shard megatron-core holds on `rank`; `full_weights` the model's (to place
+    and check the bucket slices, or the model-space main params)."""
+    optim = ck.common.get("optimizer")
+    kind = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
     if kind is None:
         raise MegatronImportError(f"{ck.dir} holds no optimizer state (saved with --no-save-optim?); "
                               "import it with --no-optimizer (weights only)")
-    if kind != SUPPORTED_OPTIM:
+    if kind not in (BUCKETS, MODEL_SPACE):
         raise MegatronImportError(f"{ck.dir} keeps the distributed optimizer's state in the {kind!r} "
-                              f"layout; megaq imports {SUPPORTED_OPTIM!r} (megatron-core's default: "
-                              "re-save without --dist-ckpt-optim-fully-reshardable) or import "
-                              "with --no-optimizer")
+                              f"layout; megaq imports {BUCKETS!r} (megatron-core's default) and "
+                              f"{MODEL_SPACE!r} (--dist-ckpt-optim-fully-reshardable): re-save with "
+                              "one of them, or import with --no-optimizer")
     if pp > 1:
         raise MegatronImportError(f"{ck.dir} was saved at pipeline size {pp}; the distributed "
                               "optimizer's state imports from pipeline size 1 only (import with "
                               "--no-optimizer for the weights)")
+    if kind == MODEL_SPACE:
+        groups = (optim.get("optimizer") or {}).get("param_groups") \
+            if isinstance(optim.get("optimizer"), dict) else None
+        return {"step": _one_step(ck, groups), "shards": _model_space_state(ck, arch, full_weights,
+                                                                             name_of)}
     groups = ck.obj("optimizer.distributed.dp_group_idx_0.optimizer").get("param_groups")
-    steps = {int(g.get("step", 0)) for g in groups} if isinstance(groups, list) else set()
-    if len(steps) != 1:
-        raise MegatronImportError(f"{ck.dir}: the optimizer's param groups hold steps {sorted(steps)}, "
-                              "not one; the checkpoint is damaged")
+    step = _one_step(ck, groups)
     shards = {}  # megaq name -> [per TP rank {"param", "exp_avg", "exp_avg_sq"}]
     for rank in range(tp):
         pre = f"optimizer.distributed.dp_group_idx_{rank}"
@@ -299,4 +313,31 @@ def optimizer_state(ck: DistCheckpoint, arch: dict, tp: int, pp: int, full_weigh
             gname, w = local[m]
             shards.setdefault(gname, []).append(
                 {k: buckets[b][k][s:e].view_as(w).clone() for k in buckets[b]})
-    return {"step": steps.pop(), "shards": shards}
+    return {"step": step, "shards": shards}
+
+
+def _one_step(ck: DistCheckpoint, groups) -> int:
+    """The AdamW step of the saved param groups (one for all of them)."""
+    steps = {int(g.get("step", 0)) for g in groups if isinstance(g, dict)} \
+        if isinstance(groups, list) else set()
+    if len(steps) != 1:
+        raise MegatronImportError(f"{ck.dir}: the optimizer's param groups hold steps {sorted(steps)}, "
+                              "not one; the checkpoint is damaged")
+    return steps.pop()
+
+
+def _model_space_state(ck: DistCheckpoint, arch: dict, full_weights: dict, name_of) -> dict:
+    """The fully_reshardable state: {megaq name: [{"param", "exp_avg", "exp_avg_sq"}]}, the
+    full fp32 tensors; every main param must round to its saved weight."""
+    state = {k: model_tensors(ck, arch, name_of, prefix=f"optimizer.state.{k}.")
+             for k in ("param", "exp_avg", "exp_avg_sq")}
+    shards = {}
+    for gname, w in full_weights.items():
+        if not all(gname in state[k] for k in state):
+            continue  # the caller names what has no state
+        parts = {k: state[k][gname].float() for k in state}
+        if parts["param"].shape != w.shape or not parts["param"].to(w.dtype).equal(w):
+            raise MegatronImportError(f"{ck.dir}: the optimizer's main parameter for {gname} is not "
+                                      "the saved weight; the checkpoint is inconsistent or damaged")
+        shards[gname] = [parts]
+    return shards

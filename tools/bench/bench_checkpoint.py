@@ -33,7 +33,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 
 FORMATS = ("torch", "torch_dist", "async")
 

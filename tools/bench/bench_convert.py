@@ -28,8 +28,10 @@ import time
 
 import torch
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # repo root
-sys.path.insert(0, REPO)
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
+REPO = _checkout.ROOT
 
 
 def _bench_train():

@@ -55,7 +55,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 
 DEFAULT_SIZES = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
 # The quantization block of the kernel table (docs/KERNELS.md; training's own is

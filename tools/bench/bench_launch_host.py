@@ -27,7 +27,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 
 K_NODES, M_RANKS = 2, 4
 
@@ -63,7 +65,6 @@ def main(argv=None):
     if gpu:
         device_ctx = contextlib.nullcontext()
     else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from host_driver import host_driver
 
         device_ctx = host_driver()
@@ -85,7 +86,6 @@ def main(argv=None):
              for op, call in ops.items() for mode in ("jit", "cached")}
     ds_ops = {}
     if args.deepspeed:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_kernels import load_deepspeed
 
         ds_ops = load_deepspeed().cases(torch, x, block, k, m, [])

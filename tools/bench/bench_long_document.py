@@ -23,8 +23,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, REPO)
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
+REPO = _checkout.ROOT
 
 WRAPPER = ("import resource, subprocess, sys; "
            "subprocess.run([sys.executable] + sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "

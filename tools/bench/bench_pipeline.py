@@ -52,7 +52,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 from megaq.parallel import comm  # noqa: E402
 from megaq.testing.ranks import run_on_ranks  # noqa: E402
 from megaq.parallel.pipeline import StepTimer, build_stage_chunks, get_forward_backward_func  # noqa: E402

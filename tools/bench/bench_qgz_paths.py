@@ -27,7 +27,9 @@ import sys
 import time
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 
 K_NODES, M_RANKS = 2, 4
 PATHS = {  # name -> (error_feedback, grad_exact_own_rows)

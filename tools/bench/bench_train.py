@@ -58,7 +58,9 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 SEQ, VOCAB = 2048, 32000

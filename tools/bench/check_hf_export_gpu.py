@@ -41,9 +41,10 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, REPO)
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
+REPO = _checkout.ROOT
 
 import bench_convert  # noqa: E402  (measure: a converter process's time and peak memory)
 import bench_train  # noqa: E402  (the 1.3B preset, its optimizer settings)

@@ -53,12 +53,12 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # a plain checkout: megaq/ lives at the repository root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
+REPO = _checkout.ROOT
 
 DEFAULT_SEEDS = "1234,4321,777"  # issue 22's seeds
 # Part of every run's cache key: bump it when the same argv starts to mean another

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Callable, Iterable
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 from megaq.data.fsutil import atomic_write  # noqa: E402
 
 MIN_CHARS = 200  # shorter texts are stubs (no POD, an empty copyright file), not prose

@@ -15,11 +15,11 @@ launch__registers_per_thread,launch__grid_size,launch__block_size \\
 """
 
 import argparse
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 
 
 def main(argv=None):

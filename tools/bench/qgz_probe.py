@@ -30,11 +30,11 @@ import hashlib
 import json
 import os
 import re
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 
 import convergence as cv  # noqa: E402
 

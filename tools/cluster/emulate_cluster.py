@@ -30,7 +30,9 @@ import time
 from netns_link import EmulatedLink, NetnsError, sweep_stale, why_unavailable  # noqa: E402
 from netns_measure import IterationSampler, Segment, plan_segments, whole_run, window  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: where the checkout is)
+
+REPO = _checkout.ROOT
 RDZV_PORT = 29400        # free by construction: the namespaces have nothing else listening
 
 
@@ -83,7 +85,6 @@ def node_env(link: EmulatedLink, node: int) -> dict:
         PYTHONFAULTHANDLER="1",
         EMULATED_NODE=str(node),
     )
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     return env
 
 

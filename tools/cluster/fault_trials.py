@@ -38,9 +38,11 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
+REPO = _checkout.ROOT
 SCRIPT = os.path.join(REPO, "pretrain_gpt.py")
-sys.path.insert(0, REPO)
 
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--micro-batch-size", "1", "--lr", "1e-3", "--eval-iters", "0",

@@ -50,7 +50,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
+REPO = _checkout.ROOT
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1", "NCCL_MNNVL_ENABLE": "0"}
 PHASES = ("weight_gather_fwd", "weight_gather_bwd", "grad_reduce")
@@ -133,9 +136,6 @@ def child_env(device: str, gpus: int) -> dict:
     else:  # torchrun would set 1; the model is initialised on the CPU before moving
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, gpus))))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    # the checkout first on the path, installed copy or not: its megaq/ (whose kernels
-    # link is the top-level kernels/) answers for megaq and megaq.kernels
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (REPO, env.get("PYTHONPATH", "")) if x)
     return env
 
 
@@ -548,7 +548,6 @@ def worker(plan_path: str) -> int:
     split = plan.get("split_hosts")
     if split:  # each half of the host is its own "host" to NCCL: NET between halves
         os.environ["NCCL_HOSTID"] = f"megaq-half{local // split}"
-    sys.path.insert(0, REPO)  # the checkout's megaq, as the driver's
     import torch
     from megaq import pretrain
     from megaq.parallel.launch import init_from_env

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # repo root
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
 from megaq.runtime.metrics import MetricsWriter, comm_per_node_per_iteration  # noqa: E402
 from megaq.parallel import comm  # noqa: E402
 from megaq.parallel.launch import DEFAULT_TIMEOUT_MINUTES, group_timeout, init_from_env  # noqa: E402

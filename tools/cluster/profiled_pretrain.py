@@ -17,8 +17,11 @@ import os
 import sys
 import time
 
-from megaq import training
-from megaq.pretrain import cli, exit_now
+import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's megaq first)
+
+_checkout.use_checkout()
+from megaq import training  # noqa: E402
+from megaq.pretrain import cli, exit_now  # noqa: E402
 
 
 def profile_steps(prof: cProfile.Profile, step_cpu_s: list, step_process_cpu_s: list) -> None:
