@@ -397,7 +397,7 @@ def test_dry_run_lists_argparse_problems_with_the_rest(tmp_path, monkeypatch, ca
     assert out.out == ""
     assert out.err.splitlines() == [
         "error: argument --hidden-size: invalid int value: 'x' (see --help)",
-        "error: argument --zero-stage: invalid choice: 7 (choose from 0, 3) (see --help)",
+        "error: argument --zero-stage: invalid choice: 7 (choose from 0, 1, 2, 3) (see --help)",
         "error: unrecognized arguments: --no-such-flag (see --help)",
         "error: the following arguments are required: --lr (see --help)",
         "error: --fp16 is not supported (megaq has no loss scaling); use --bf16 or fp32 "
@@ -410,7 +410,7 @@ def test_dry_run_lists_argparse_problems_with_the_rest(tmp_path, monkeypatch, ca
     # a flag whose value is missing is dropped and the rest parsed again
     assert build_parser().parse_all(BASE + ["--zero-stage", "5", "--lr"])[1] == [
         "argument --lr: expected one argument (see --help)",
-        "argument --zero-stage: invalid choice: 5 (choose from 0, 3) (see --help)"]
+        "argument --zero-stage: invalid choice: 5 (choose from 0, 1, 2, 3) (see --help)"]
     assert build_parser().parse_all(BASE)[1] == []
     # without --dry-run: no dry run, and the parser stops at the first problem
     assert dry_run(argv) is None

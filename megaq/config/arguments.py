@@ -122,30 +122,6 @@ class _Parser(ArgumentParser):
         return next((a.option_strings[0] for a in self._actions
                      if a.dest == dest and a.option_strings), dest)
 
-
-def _shown(value) -> str:
-    return "(on)" if value is True or value is None else str(value)
-
-
-class DeepSpeedIntake:
-    """A --deepspeed-config file as read: its path, its mapping, the conflicts with the
-    command line (lines); run_problems reports and completes it."""
-
-    def __init__(self, path, mapping, conflicts, given):
-        self.path, self.mapping, self.conflicts = path, mapping, conflicts
-        self.given = given  # the destinations the command line set
-
-    def __repr__(self):  # the arguments block shows the path
-        return self.path
-
-    def problems(self) -> list[str]:
-        lines = [self.mapping.refusal(self.path)]
-        if self.conflicts:
-            lines.append(f"--deepspeed-config {self.path} and the command line disagree: "
-                         f"{'; '.join(self.conflicts)}; drop the flag or change the file "
-                         f"(the same value in both is fine)")
-        return [line for line in lines if line]
-
     _bad_values: list[str] | None = None  # set by parse_all while it parses
     _given_dests: set[str] | None = None
 
@@ -205,6 +181,28 @@ class DeepSpeedIntake:
             self._bad_values.append(f"{e} (see --help)")
             return action.default
 
+def _shown(value) -> str:
+    return "(on)" if value is True or value is None else str(value)
+
+
+class DeepSpeedIntake:
+    """A --deepspeed-config file as read: its path, its mapping, the conflicts with the
+    command line (lines); run_problems reports and completes it."""
+
+    def __init__(self, path, mapping, conflicts, given):
+        self.path, self.mapping, self.conflicts = path, mapping, conflicts
+        self.given = given  # the destinations the command line set
+
+    def __repr__(self):  # the arguments block shows the path
+        return self.path
+
+    def problems(self) -> list[str]:
+        lines = [self.mapping.refusal(self.path)]
+        if self.conflicts:
+            lines.append(f"--deepspeed-config {self.path} and the command line disagree: "
+                         f"{'; '.join(self.conflicts)}; drop the flag or change the file "
+                         f"(the same value in both is fine)")
+        return [line for line in lines if line]
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default when it has a meaningful one (not None / False)."""
