@@ -167,7 +167,7 @@ def test_without_flock_the_lock_is_an_exclusive_file_with_a_note(tmp_path, monke
         json.dump({"pid": _dead_pid(), "host": socket.gethostname(), "start_time": "then"}, f)
     note = guard.lock_directory(root)
     assert "took over the stale lock" in note and json.load(open(path))["pid"] == os.getpid()
-    guard.unlock_directory(root)  # the end of the job removes it
+    guard.unlock_all()  # the end of the job removes it
     assert not os.path.exists(path)
 
 

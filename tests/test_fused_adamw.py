@@ -68,9 +68,9 @@ def _train(fused_step, steps, stage=0, start=None, dtype=torch.bfloat16):
     (model, engine)."""
     model = _Net().to(dtype)
     engine = build_engine([model], build_topology(Layout(1), 0),
-                          ZeroConfig(stage=stage, block_size=4, fused_step=fused_step,
-                                     gather_dtype=dtype),
-                          OptimizerSettings(weight_decay=0.1, lr=1e-2, adam_beta2=0.95))
+                          ZeroConfig(stage=stage, block_size=4, gather_dtype=dtype),
+                          OptimizerSettings(weight_decay=0.1, lr=1e-2, adam_beta2=0.95,
+                                            fused_step=fused_step))
     assert engine.optimizer.kind == ("onepass" if fused_step else "foreach")
     done = 0
     if start is not None:

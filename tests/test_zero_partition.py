@@ -251,8 +251,8 @@ def test_fused_adamw_applies_the_clip_factor_in_its_own_pass():
     def run(fused: bool):
         model = _Chunk()
         engine = build_engine([model], build_topology(Layout(1), 0),
-                              ZeroConfig(stage=3, block_size=4, fused_adamw=fused),
-                              OptimizerSettings(weight_decay=0.1, lr=1e-2))
+                              ZeroConfig(stage=3, block_size=4),
+                              OptimizerSettings(weight_decay=0.1, lr=1e-2, fused_adamw=fused))
         assert engine.optimizer.kind == ("fused" if fused else "foreach")
         g = torch.Generator().manual_seed(0)
         coefs = []

@@ -149,7 +149,7 @@ def _process_gone(owner: dict) -> bool:
 def _lock_with_file(root: str) -> str:
     """The job lock where the filesystem refuses flock: ``root/.megaq_job.lock.excl``,
     created with O_EXCL (exactly one creator wins) and removed when the job ends
-    (unlock_directory). A crashed job leaves it: on the same host a file whose process
+    (unlock_all). A crashed job leaves it: on the same host a file whose process
     is gone is taken over, elsewhere the next job refuses until someone removes it."""
     path = os.path.join(root, EXCLUSIVE_LOCK_NAME)
     me = _owner_record()
@@ -192,7 +192,7 @@ def _lock_with_file(root: str) -> str:
                               f"{root}; pass another --save directory")
 
 
-def unlock_directory(root: str) -> None:
+def _unlock_directory(root: str) -> None:
     """Release this process's lock on `root` (the kernel also drops a flock at exit; a
     lock file is removed here, if it is still this process's)."""
     held = _held.pop(os.path.abspath(root), None)
@@ -215,7 +215,7 @@ def unlock_directory(root: str) -> None:
 def unlock_all() -> None:
     """Release every lock this process holds (the end of a run, however it ended)."""
     for root in list(_held):
-        unlock_directory(root)
+        _unlock_directory(root)
 
 
 def claim_save_directory(root: str, topo) -> None:

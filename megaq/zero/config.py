@@ -43,9 +43,12 @@ class ZeroConfigError(ValueError):
 @dataclass(frozen=True)
 class ZeroConfig:
     """Fields made with flag()/switch() are pretrain_gpt.py's --zero-* flags (DeepSpeed's
-    names; their --help section is FLAG_GROUP); megaq.config.run.RunConfig.from_flags fills
-    gather_dtype from the training flags. The optimizer's values are not here: the
-    engine takes them beside this (build_engine(chunks, topo, zero, optimizer=...))."""
+    names; their --help section is FLAG_GROUP). The two others are derived by
+    megaq.config.run.RunConfig.from_flags: fp8_weights from --zero-quantized-weights fp8,
+    gather_dtype from the training dtype (--bf16 / --fp16: the weights the model computes
+    with, which the engine gathers and writes). The optimizer's values, its kernel choice
+    included, are not here: the engine takes them beside this
+    (build_engine(chunks, topo, zero, optimizer=...))."""
 
     FLAG_GROUP: ClassVar[str] = "ZeRO / ZeRO++ (data parallelism)"
 
@@ -95,12 +98,6 @@ class ZeroConfig:
         "last_microbatch: accumulate full fp32 gradients over the micro-batches and reduce "
         "once per step (fewer bytes with gradient accumulation, full-size gradient memory)",
         "per_microbatch", choices=list(GRAD_SYNC_MODES))
-    use_apex: bool | None = None  # None: apex FusedAdam when importable
-    # torch's fused AdamW (when apex is not used); None: on CUDA only (CPU: foreach)
-    fused_adamw: bool | None = None
-    # megaq's one-pass AdamW (megaq.kernels.fused_adamw): the update and the write of the
-    # gather-dtype weights in one kernel; None: on CUDA unless use_apex=True
-    fused_step: bool | None = None
     # ---- ZeRO++ (megaq.zero.zeropp; DeepSpeed's switch names, docs/ZEROPP.md) ----
     # (in the order of their --help lines)
     quantized_weights: bool = flag(  # qwZ: blockwise-quantized forward all-gather
@@ -295,7 +292,8 @@ class OptimizerSettings:
     beside its ZeroConfig. The attribute names are those of megaq.config.run's
     OptimizerConfig (the --optimizer, --lr, --weight-decay, --adam-* and --sgd-momentum
     flags), which a run passes itself, so no value is copied; this class is the engine's
-    own default for library callers, tools and tests (weight decay off)."""
+    own default for library callers, tools and tests (weight decay off). Its last three
+    fields, AdamW's kernel, have no flag and are read only from here."""
 
     optimizer: str = "adam"  # "adam" (AdamW) or "sgd" (megaq.zero.optimizer.OPTIMIZERS)
     lr: float = 1e-4  # the initial learning rate; each step passes its own (engine.step)
@@ -304,6 +302,15 @@ class OptimizerSettings:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9  # sgd only
+    # AdamW's kernel, which no flag picks (a run's OptimizerConfig has none of these three:
+    # the device decides, as with None here); tests and benchmarks pin one:
+    # megaq's one-pass AdamW (megaq.kernels.fused_adamw): the update and the write of the
+    # gather-dtype weights in one kernel; None: on CUDA unless use_apex=True
+    fused_step: bool | None = None
+    use_apex: bool | None = None  # without fused_step; None: apex FusedAdam when importable
+    # torch's fused AdamW (without fused_step, when apex is not used); None: on CUDA only
+    # (CPU: foreach)
+    fused_adamw: bool | None = None
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_NAMES:

@@ -170,7 +170,7 @@ class ZeroEngine:
         # The one owner of gradient state: reduce buckets, fp32 accumulators, staleness.
         replicated = ReplicatedReducer(topo.dp, "dp_misc" if cfg.stage else "grad_reduce")
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
-        self.optimizer = build_optimizer(self.partitions, cfg, optimizer or OptimizerSettings(),
+        self.optimizer = build_optimizer(self.partitions, optimizer or OptimizerSettings(),
                                          topo, self.grads)
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
         self.zero_model_bytes = sum(p.model_bytes for p in self.partitions if p.sharded)

@@ -15,11 +15,11 @@ tensors that view* these buffers, one per (partition, decay group): at most two 
 partition because partitions are laid out decay-first; the inner torch optimizer's
 per-parameter state is pointed at views of the same named buffers, so it updates them
 in place. AdamW on CUDA runs megaq's one-pass step (megaq.kernels.fused_adamw;
-``ZeroConfig.fused_step``): per leaf one kernel reads the fp32 grad, master and
+``OptimizerSettings.fused_step``): per leaf one kernel reads the fp32 grad, master and
 moments, applies the clip factor, and writes the master, the moments and the
 gather-dtype weights (the bf16 model copy) in the same pass. Otherwise the inner
 optimizer is apex FusedAdam (adam_w_mode; ``use_apex``), or torch.optim.AdamW with
-``fused=True`` on CUDA (``ZeroConfig.fused_adamw``) and ``foreach=True`` elsewhere;
+``fused=True`` on CUDA (``fused_adamw``) and ``foreach=True`` elsewhere;
 torch's fused one also applies the clip factor (as AMP's ``grad_scale``). SGD is
 torch.optim.SGD (foreach). After an inner optimizer's update the new weights are
 written back into the gather-dtype shards as a separate pass.
@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from megaq.kernels import fused_adamw
-from megaq.zero.config import ZeroConfig
 from megaq.zero.grads import GradState
 from megaq.zero.partition import FlatPartition
 
@@ -79,10 +78,9 @@ class ShardedOptimizer:
     NAME = ""
     STATE_NAMES: tuple[str, ...] = ()
 
-    def __init__(self, partitions: list[FlatPartition], cfg: ZeroConfig, opt, topo,
-                 grads: GradState):
+    def __init__(self, partitions: list[FlatPartition], opt, topo, grads: GradState):
         # opt: the update rule (OptimizerSettings, or a run's megaq.config.run.OptimizerConfig)
-        self.cfg, self.opt, self.topo, self.grads = cfg, opt, topo, grads
+        self.opt, self.topo, self.grads = opt, topo, grads
         self.states = [PartitionState(p, self.STATE_NAMES) for p in partitions]
         self.step_count = 0
         device = partitions[0].device if partitions else torch.device("cpu")
@@ -195,17 +193,21 @@ class ShardedAdamW(ShardedOptimizer):
         return self.opt.adam_beta1, self.opt.adam_beta2
 
     def _build_inner(self, param_groups, device):
-        cfg, opt = self.cfg, self.opt
+        opt = self.opt
         on_cuda = device.type == "cuda"
-        if cfg.fused_step or (cfg.fused_step is None and on_cuda and not cfg.use_apex):
+        # The kernel: OptimizerSettings may pin one; a run's OptimizerConfig has no flag for
+        # it (none of the three names), and the device decides, as None does.
+        fused_step, use_apex, fused_adamw = (getattr(opt, name, None)
+                                             for name in ("fused_step", "use_apex", "fused_adamw"))
+        if fused_step or (fused_step is None and on_cuda and not use_apex):
             self.kind = "onepass"  # no inner optimizer: _update runs megaq's kernel
             self._leaf_decay = {id(p): g["weight_decay"] for g in param_groups for p in g["params"]}
             return None
-        fused_adam = _apex_fused_adam() if (cfg.use_apex is not False and on_cuda) else None
-        if cfg.use_apex and fused_adam is None:
+        fused_adam = _apex_fused_adam() if (use_apex is not False and on_cuda) else None
+        if use_apex and fused_adam is None:
             raise RuntimeError("use_apex=True but apex.optimizers.FusedAdam is not importable on "
                                "CUDA; install apex or leave use_apex unset")
-        fused = on_cuda if cfg.fused_adamw is None else cfg.fused_adamw
+        fused = on_cuda if fused_adamw is None else fused_adamw
         self.kind = "apex" if fused_adam else ("fused" if fused else "foreach")
         if fused_adam is not None:
             return fused_adam(param_groups, lr=opt.lr, betas=self._betas, eps=opt.adam_eps,
@@ -249,10 +251,10 @@ class ShardedSGD(ShardedOptimizer):
     NAME = "sgd"
     STATE_NAMES = ("momentum_buffer",)
 
-    def __init__(self, partitions, cfg: ZeroConfig, opt, topo, grads: GradState):
+    def __init__(self, partitions, opt, topo, grads: GradState):
         if opt.sgd_momentum == 0:
             self.STATE_NAMES = ()  # plain SGD keeps no state
-        super().__init__(partitions, cfg, opt, topo, grads)
+        super().__init__(partitions, opt, topo, grads)
 
     def _build_inner(self, param_groups, device):
         return torch.optim.SGD(param_groups, lr=self.opt.lr, momentum=self.opt.sgd_momentum,
@@ -270,6 +272,6 @@ def optimizer_state_names(optimizer: str, sgd_momentum: float = 0.9) -> tuple[st
     return OPTIMIZERS[optimizer].STATE_NAMES
 
 
-def build_optimizer(partitions, cfg: ZeroConfig, opt, topo, grads: GradState) -> ShardedOptimizer:
+def build_optimizer(partitions, opt, topo, grads: GradState) -> ShardedOptimizer:
     """The sharded optimizer ``opt.optimizer`` names ("adam" or "sgd")."""
-    return OPTIMIZERS[opt.optimizer](partitions, cfg, opt, topo, grads)
+    return OPTIMIZERS[opt.optimizer](partitions, opt, topo, grads)
