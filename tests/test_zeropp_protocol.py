@@ -203,7 +203,7 @@ def _check(results, cases, hpz, tp_pp):
     for name, kw in cases.items():
         if name.endswith("@aligned"):
             continue
-        if os.environ.get("MEGAQ_PROTOCOL_REPORT"):  # the figures in docs/PERFORMANCE.md
+        if os.environ.get("MEGAQ_PROTOCOL_REPORT"):  # the figures in docs/ZEROPP.md
             print(f"[protocol] k={k} m={m} tp_pp={tp_pp} {name}: worst error / bound: weights "
                   f"{max(r[name]['w_ratio'] for r in results):.3f}, "
                   f"gradients {max(r[name]['g_ratio'] for r in results):.3f}")
