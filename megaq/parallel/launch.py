@@ -117,9 +117,11 @@ def init_from_env(backend: str | None = None,
     if "RANK" in env or "SLURM_PROCID" in env or "LOCAL_RANK" in env:
         die_with_parent()  # not for a plain `python pretrain_gpt.py` (nohup keeps working)
     rank_env_from_slurm()
-    if "RANK" not in env:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
+    # One process without a launcher: its group's store lives in the process (no port:
+    # a port picked free can be taken by another process before the store binds it)
+    alone = "RANK" not in env
+    if alone:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if backend is None:  # --device cpu on a GPU host: CPU ranks, so gloo
         backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
@@ -130,8 +132,9 @@ def init_from_env(backend: str | None = None,
         require_cuda()
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
+        store = {"store": dist.HashStore()} if alone else {}
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=group_timeout(timeout_minutes))
+                                timeout=group_timeout(timeout_minutes), **store)
     return rank, world
 
 
