@@ -390,6 +390,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     if pi.vocab_assumed:
         notes.append(f"vocabulary assumed {DEFAULT_VOCAB} (the tokenizer's is known only once "
                      f"it is loaded); pass --vocab-size N for another")
+    if parts.get("grads") == 0:
+        notes.append("memory peaks at backward's start, before the fp32 gradient "
+                     "accumulators come back (the engine frees them between steps)")
     return Prediction(
         step_time_s=step, tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops, mfu=tflops / peak_tf, memory_gib=peak / memory.GIB,
