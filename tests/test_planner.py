@@ -502,6 +502,10 @@ def test_memory_peak_follows_when_the_engine_holds_its_gradients():
     assert accum["grads"] == full["grads"] and accum["activations"] == plain["activations"]
     fp8 = _bench_parts("megaq-fp8dl-comp")
     assert fp8["activations"] < 0.75 * plain["activations"]
+    # stage 1's full fp32 gradients, kept over the step, come back with the accumulators
+    s1, s1_accum = (_bench_parts(extra=["--zero-stage", "1"], micro_batches=m) for m in (1, 2))
+    assert s1["grads"] == 0 and s1_accum["grads"] == full["grads"]
+    assert s1_accum["grad_buckets"] - s1["grad_buckets"] == pytest.approx(full["grads"], rel=0.01)
 
 
 @pytest.mark.slow  # torch.compile on the CPU

@@ -487,5 +487,7 @@ def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
         start["logits"] = memory.head_activation_bytes(cfg, tokens, pi.tp)
     if not grads_with_activations:
         start["grads"] = 0.0
+        if z.weights_resident and z.grads_reduced_once:  # stage 1's full fp32 grads: the same
+            start["grad_buckets"] = max(fulls)
     end = dict(parts, activations=left)
     return max((start, end), key=lambda p: sum(p.values()))
