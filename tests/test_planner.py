@@ -476,3 +476,54 @@ def test_hardware_presets():
         gpu_preset("TPU")
     for g in ("V100-32GB", "A100-40GB", "A100-80GB", "H100-SXM", "H800", "H200"):
         gpu_preset(g)
+
+
+def _bench_parts(variant="megaq-s0-comp", extra=(), micro_batches=1):
+    from megaq.planner.bench_rows import bench_argv
+    from megaq.planner.calibrate import _predict
+    argv = bench_argv("1.3B", variant)
+    gb = argv.index("--global-batch-size") + 1
+    argv[gb] = str(int(argv[gb]) * micro_batches)
+    return _predict([*argv, *extra], CAL).memory_parts_gib
+
+
+def test_memory_peak_follows_when_the_engine_holds_its_gradients():
+    """The fp32 accumulators are handed back between steps (megaq.zero.grads): without
+    recompute the peak is backward's start, all activations and no accumulator; with
+    full recompute it is backward's end, every accumulator and one layer's recompute;
+    with accumulation the second micro-batch's forward runs with them held."""
+    plain = _bench_parts()
+    assert plain["grads"] == 0 and plain["activations"] > 10 and plain["logits"] > 0
+    full = _bench_parts(extra=["--recompute-granularity", "full", "--recompute-method",
+                               "uniform", "--recompute-num-layers", "1"])
+    assert full["grads"] == pytest.approx(plain["weights"] * 2)  # fp32 against bf16 weights
+    assert "logits" not in full and full["activations"] == pytest.approx(plain["activations"] / 24)
+    accum = _bench_parts(micro_batches=2)
+    assert accum["grads"] == full["grads"] and accum["activations"] == plain["activations"]
+    fp8 = _bench_parts("megaq-fp8dl-comp")
+    assert fp8["activations"] < 0.75 * plain["activations"]
+    # stage 1's full fp32 gradients, kept over the step, come back with the accumulators
+    s1, s1_accum = (_bench_parts(extra=["--zero-stage", "1"], micro_batches=m) for m in (1, 2))
+    assert s1["grads"] == 0 and s1_accum["grads"] == full["grads"]
+    assert s1_accum["grad_buckets"] - s1["grad_buckets"] == pytest.approx(full["grads"], rel=0.01)
+
+
+@pytest.mark.slow  # torch.compile on the CPU
+@pytest.mark.parametrize("fp8", [None, ("hybrid", "delayed")], ids=["bf16", "fp8-delayed"])
+def test_activation_terms_equal_what_a_compiled_block_saves(fp8):
+    """memory.activation_bytes_per_layer against the saved tensors that
+    megaq.testing.saved_bytes counts for one compiled block (inductor's partitioner, as
+    on the GPU), byte for byte. FP8: that backend also keeps an FP8 copy of attention's
+    output, which inductor's own passes (the GPU's compile) drop and the model leaves out."""
+    from megaq.testing.saved_bytes import block_saved_bytes
+    seq, mb = 32, 2
+    kw = dict(fp8_format=fp8[0], fp8_recipe=fp8[1]) if fp8 else {}
+    cfg = GPTConfig.llama(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                          seq_length=seq, params_dtype=torch.bfloat16, **kw)
+    counted = block_saved_bytes(cfg, compiled=True, micro_batch=mb)
+    model = memory.activation_bytes_per_layer(cfg, seq * mb, 1, False, fp8=bool(fp8),
+                                              compiled=True)
+    partitioner_only = seq * mb * cfg.hidden_size if fp8 else 0  # the FP8 attention output
+    # FP8 also keeps its 0-d scales and their inverses (a few bytes a GEMM, left out)
+    scalars = 16 * 4 if fp8 else 0
+    assert 0 <= counted.total - (model + partitioner_only) <= scalars, counted.by_dtype

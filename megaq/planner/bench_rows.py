@@ -24,8 +24,10 @@ BENCH_SEQ, BENCH_VOCAB = 2048, 32000
 # bench_train.py's FP8_VARIANTS: variant tag -> (--fp8-format, --fp8-recipe)
 BENCH_FP8 = {"fp8tw": ("hybrid", "tensorwise"), "fp8rw": ("e4m3", "rowwise"),
              "fp8dl": ("hybrid", "delayed")}
+# GPTConfig.llama, as bench_train.py builds it: no dropout (Megatron-LM's flags default to 0.1)
 LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16"]
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16",
+               "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 class BenchFileError(ValueError):
@@ -63,11 +65,13 @@ class TrainRow:
         return f"{self.size} {self.variant}"
 
 
-def bench_argv(size: str, variant: str, micro_batch: int | None = None) -> list[str]:
-    """pretrain_gpt.py's flags for bench_train.py's (size, variant) on one GPU."""
-    if size not in BENCH_SIZES:
+def bench_argv(size: str, variant: str, micro_batch: int | None = None,
+               shape: tuple | None = None) -> list[str]:
+    """pretrain_gpt.py's flags for bench_train.py's (size, variant) on one GPU; `shape`
+    (layers, hidden, heads, micro-batch) for a size bench_train.py adds at run time."""
+    if shape is None and size not in BENCH_SIZES:
         raise BenchFileError(f"unknown bench_train size {size!r} (known: {', '.join(BENCH_SIZES)})")
-    layers, hidden, heads, mb = BENCH_SIZES[size]
+    layers, hidden, heads, mb = shape or BENCH_SIZES[size]
     mb = micro_batch or mb
     argv = ["--num-layers", str(layers), "--hidden-size", str(hidden),
             "--num-attention-heads", str(heads), "--seq-length", str(BENCH_SEQ),

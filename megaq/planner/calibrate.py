@@ -11,7 +11,6 @@ Every number of the calibration comes from a measurement named in its `provenanc
 - **optimizer bytes per parameter**: the one-pass AdamW step's measured time.
 - **element-wise byte scale** (compiled and eager): the rest of the profiled step, as
   the factor on the model's analytic element-wise bytes that reproduces it.
-- **activation byte scale**: the peak memory of the fitted runs, least squares.
 - **the emulated link** (`emulated_link`, only for replaying the two-node emulation):
   each configuration's host time per step (the ranks' main-thread CPU in the training
   step, from the GPU-rank step profile, a separate run: with gloo and CUDA tensors every
@@ -291,16 +290,6 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
                                                             dtype: tuple(sorted(dims.items()))})
             notes[f"gemm_efficiency.{dtype}.step_fitted"] = sorted(unprofiled)
 
-    # activations: least squares of the peak memory over the fitted rows
-    mem_rows = [r for r in rows if r.compiled]
-    vals = []
-    for r in mem_rows:
-        def mem(x, r=r):
-            return _allocated_gib(_predict(r.argv, dataclasses.replace(cal, activation_bytes_scale=x)))
-        vals.append(_bisect(mem, r.peak_mem_gib, 0.05, 20.0))
-    cal = dataclasses.replace(cal, activation_bytes_scale=_r(_median(vals)))
-    notes["activation_bytes_scale"] = f"peak allocated memory of {len(mem_rows)} compiled runs"
-
     provenance = {
         "fitted_on": {"bench_train": [os.path.basename(p) for p in train_files],
                       "bench_kernels": [os.path.basename(p) for p in kernel_files]},
@@ -308,6 +297,9 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
         "how": notes,
         "not_fitted": {"allocator_slack": "the benchmarks record allocated, not reserved, "
                                           "memory: the model's default is kept",
+                       "activations": "counted from the tensors the code saves for backward "
+                                      "(megaq/planner/memory.py), not fitted: the fitted "
+                                      "files' memory was measured on an earlier tree",
                        "link_efficiency": "no multi-node measurement at speed: the model's "
                                           "default is kept"},
     }

@@ -38,7 +38,6 @@ class Calibration:
     elementwise_bytes_scale: dict   # {"eager": .., "compiled": ..}
     layer_overhead_s: dict          # per layer per micro-batch, fwd + bwd: launches, hooks
     optimizer_bytes_per_param: float  # HBM bytes the fused AdamW step + grad norm move
-    activation_bytes_scale: float   # saved activations = analytic count x this
     allocator_slack: float          # reserved beyond live tensors, fraction of the peak
     link_efficiency: dict           # {"intra_node": .., "inter_node": ..} of nominal
     runtime_reserved_gib: float = 1.5  # device memory the CUDA context / NCCL take

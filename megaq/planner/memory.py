@@ -10,6 +10,20 @@ units in flight ((1 + prefetch) sites, plus a tied embedding kept between its tw
 uses; stages 1 and 2: the resident weights), the reduce buckets in flight (stage 1:
 the full fp32 gradients kept over the step), and the activations the pipeline schedule keeps
 (by recompute mode). The allocator's slack is a fraction on top.
+
+When they are held matters as much as their size: the engine hands the fp32 gradient
+accumulators' storage back at the start of a step and takes it again at their first
+write in backward (megaq.zero.grads). The peak is then the larger of two moments:
+backward's start, with every activation the schedule keeps and no accumulator yet
+(unless a later micro-batch's forward runs after an earlier one's backward, as in
+1F1B's steady state or plain gradient accumulation), and backward's end, with every
+accumulator and only the last layer's saved tensors (or its recomputation) left.
+Between the two, backward frees activations as it allocates accumulators.
+
+The activations are what megaq's block saves for backward, tensor by tensor
+(megaq.testing.saved_bytes counts them on the CPU; tests/test_planner.py checks the count
+against it): FP8 blocks keep no bf16 copy of a GEMM input that backward can recompute
+(the norms' outputs, the FC2 input), and keep FP8 copies only where their code says.
 """
 
 from __future__ import annotations
@@ -65,19 +79,53 @@ def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
                        zeropp=zeropp)
 
 
-def activation_bytes_per_layer(cfg: GPTConfig, tokens: int, tp: int, sp: bool) -> float:
+def activation_bytes_per_layer(cfg: GPTConfig, tokens: int, tp: int, sp: bool, *,
+                                fp8: bool = False, compiled: bool = True) -> float:
     """Bytes one layer saves for backward for one micro-batch of `tokens` tokens, on one
-    TP rank, without recomputation (16-bit activations; flash attention saves its
-    output and a per-row statistic, not the s x s scores)."""
+    TP rank, without recomputation: what the block's code keeps (megaq.model,
+    megaq.parallel.fp8), flash attention's output and per-row statistic, not the s x s
+    scores.
+
+    16-bit: the block's input, the two norms' outputs (the QKV and FC1 inputs) and the
+    residual between them (the residual stream: split over TP under sequence
+    parallelism); q and k after RoPE and a copy of v (not the whole QKV output);
+    attention's output (the output projection's input); FC1's output and the FC2 input;
+    each block's own 16-bit RoPE tables (per position). fp32: attention's log-sum-exp per head and each
+    norm's statistics (mean and) reciprocal RMS.
+
+    FP8 (every recipe): the norms' outputs and the FC2 input are kept by nothing but
+    their GEMM, which keeps an FP8 copy instead (eager), or none at all (a compiled
+    block: inductor recomputes the input from what the norm and SwiGLU backward keep
+    and casts it again), except a column-parallel layer's input at TP > 1, which comes
+    out of a collective and is kept as its FP8 copy. megaq.testing.saved_bytes's
+    default partitioner-only backend also keeps an FP8 copy of attention's output,
+    which inductor's own passes (the GPU's compile) drop: `tools/dev/saved_bytes.py
+    --size 1.3B` gives 17.93 GiB, with --backend inductor 17.18, this count (17.02 here:
+    the tool charges the per-position RoPE tables per token)."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    q = cfg.num_attention_heads * cfg.kv_channels // tp
-    kv = cfg.num_query_groups * cfg.kv_channels // tp
+    d = cfg.kv_channels
+    q = cfg.num_attention_heads * d // tp
+    kv = cfg.num_query_groups * d // tp
     hs = h / tp if sp and tp > 1 else h
     fc1 = (2 * f if cfg.swiglu else f) / tp
-    # norm inputs (2), QKV input, FC1 input: the residual stream (SP: split over TP)
-    elems = 4 * hs + (q + 2 * kv) + q + fc1 + f / tp
+    # cos and sin: per position, not per token (one copy for the micro-batch's sequences)
+    rope = 2 * 2 * d * cfg.seq_length if cfg.position_embedding_type == "rope" else 0
+    # block input, residual; q, k, v; attention output; FC1 output
+    wide = 2 * hs + (q + 2 * kv) + q + fc1
+    gemm_inputs = 2 * hs + f / tp            # QKV input, FC1 input, FC2 input
+    norm_stats = 1 if cfg.normalization == "RMSNorm" else 2
+    fp32 = cfg.num_attention_heads // tp + 2 * norm_stats
+    if not fp8:
+        fp8_bytes, bf16 = 0.0, wide + gemm_inputs
+    else:
+        bf16 = wide
+        column_inputs = 2 * h  # the QKV and FC1 inputs as the GEMM sees them (gathered)
+        if not compiled:
+            fp8_bytes = column_inputs + q + f / tp
+        else:
+            fp8_bytes = column_inputs if tp > 1 else 0.0
     masks = 2 * hs / 2 if cfg.hidden_dropout else 0  # two 1-byte dropout masks
-    return tokens * (2 * elems + 2 * masks)
+    return tokens * (2 * bf16 + fp8_bytes + 4 * fp32 + 2 * masks) + rope
 
 
 def layer_input_bytes(cfg: GPTConfig, tokens: int, tp: int, sp: bool) -> float:
@@ -85,20 +133,22 @@ def layer_input_bytes(cfg: GPTConfig, tokens: int, tp: int, sp: bool) -> float:
     return tokens * 2 * (cfg.hidden_size / tp if sp and tp > 1 else cfg.hidden_size)
 
 
-def chunk_activation_bytes(cfg: GPTConfig, tokens: int, tp: int, sp: bool, layers: int,
-                           scale: float) -> tuple[float, float]:
+def chunk_activation_bytes(cfg: GPTConfig, tokens: int, tp: int, sp: bool, layers: int, *,
+                           fp8: bool = False, compiled: bool = True) -> tuple[float, float, float]:
     """(kept per micro-batch in flight, extra while one micro-batch's backward
-    recomputes) for a chunk of `layers` blocks, by --recompute-granularity."""
-    full = activation_bytes_per_layer(cfg, tokens, tp, sp) * scale
+    recomputes, left at the end of backward) for a chunk of `layers` blocks, by
+    --recompute-granularity. What is left at the end is the first layer's saved
+    tensors while its backward runs (recomputed ones under full recompute)."""
+    full = activation_bytes_per_layer(cfg, tokens, tp, sp, fp8=fp8, compiled=compiled)
     inp = layer_input_bytes(cfg, tokens, tp, sp)
     if cfg.recompute_granularity != "full":
-        return layers * full, 0.0
+        return layers * full, 0.0, full
     n = cfg.recompute_num_layers
     if cfg.recompute_method == "block":
         r = min(n, layers)
-        return r * inp + (layers - r) * full, full
+        return r * inp + (layers - r) * full, full, full
     groups = -(-layers // n)
-    return groups * inp, n * full
+    return groups * inp, n * full, n * full
 
 
 def head_activation_bytes(cfg: GPTConfig, tokens: int, tp: int) -> float:

@@ -390,6 +390,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     if pi.vocab_assumed:
         notes.append(f"vocabulary assumed {DEFAULT_VOCAB} (the tokenizer's is known only once "
                      f"it is loaded); pass --vocab-size N for another")
+    if parts.get("grads") == 0:
+        notes.append("memory peaks at backward's start, before the fp32 gradient "
+                     "accumulators come back (the engine frees them between steps)")
     return Prediction(
         step_time_s=step, tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops, mfu=tflops / peak_tf, memory_gib=peak / memory.GIB,
@@ -425,7 +428,9 @@ def fits_on(peak_bytes: float, gpu, cal: Calibration) -> bool:
 
 def memory_peak(pi: PlanInput, cal: Calibration, g: traffic.DPGroupShape | None = None
                 ) -> tuple[dict[str, float], float]:
-    """(bytes by part, peak bytes) of the fullest pipeline stage, allocator slack included."""
+    """(bytes by part, peak bytes) of the fullest pipeline stage at its fuller moment
+    (backward's start or end: memory.py), allocator slack included; a part the peak
+    moment does not hold (the gradient accumulators at backward's start) is 0."""
     g = g or dp_group_shape(pi.world_size, pi.tp, pi.pp, pi.gpus_per_node,
                             pi.zero.hpz_partition_size, pi.rank_order)
     by_stage = [_memory_parts(pi, cal, stage_units(pi.model, pi.tp, pi.pp, pi.vp, s,
@@ -438,6 +443,7 @@ def memory_peak(pi: PlanInput, cal: Calibration, g: traffic.DPGroupShape | None 
 
 def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
                   g: traffic.DPGroupShape) -> dict[str, float]:
+    """The parts one stage holds at the larger of backward's start and end."""
     cfg, z = pi.model, pi.zero
     eng = memory.engine_bytes(units, g.n, z, pi.elem, optimizer=pi.optimizer)
     parts = {"weights": eng.params, "optimizer": eng.optimizer, "grads": eng.grads}
@@ -463,16 +469,25 @@ def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
             u.numel * pi.elem for u in units)
     tokens = pi.micro_batch_size * pi.seq_length
     layers = cfg.num_layers // (pi.pp * pi.vp)
-    kept, recompute = memory.chunk_activation_bytes(cfg, tokens, pi.tp, pi.sequence_parallel,
-                                                    layers, cal.activation_bytes_scale)
+    kept, recompute, left = memory.chunk_activation_bytes(
+        cfg, tokens, pi.tp, pi.sequence_parallel, layers, fp8=bool(pi.fp8), compiled=pi.compiled)
     M = pi.num_micro_batches
     if pi.vp == 1:
+        total = M
         in_flight = min(pi.pp - stage, M)
     else:
         total = M * pi.vp
         warm = total if M == pi.pp else min((pi.pp - stage - 1) * 2 + (pi.vp - 1) * pi.pp, total)
         in_flight = min(warm + 1, total)
-    parts["activations"] = kept * in_flight + recompute
+    # the accumulators come back at the stage's first backward (megaq.zero.grads): a
+    # forward after it (1F1B's steady state, accumulation) runs with them held
+    grads_with_activations = in_flight < total
+    start = dict(parts, activations=kept * in_flight + recompute)
     if stage == pi.pp - 1:
-        parts["logits"] = memory.head_activation_bytes(cfg, tokens, pi.tp)
-    return parts
+        start["logits"] = memory.head_activation_bytes(cfg, tokens, pi.tp)
+    if not grads_with_activations:
+        start["grads"] = 0.0
+        if z.weights_resident and z.grads_reduced_once:  # stage 1's full fp32 grads: the same
+            start["grad_buckets"] = max(fulls)
+    end = dict(parts, activations=left)
+    return max((start, end), key=lambda p: sum(p.values()))
