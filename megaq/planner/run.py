@@ -94,10 +94,11 @@ def comparison_line(record: dict | None, step_s: float | None, peak_bytes: int |
         parts.append(f"step {step_s * 1e3:.0f} ms measured / {pred_s * 1e3:.0f} ms predicted "
                      f"({step_s / pred_s:.2f}x)")
     pred_gib = record["memory_gib"]
-    if peak_bytes:
+    if peak_bytes:  # torch's max allocated: against the prediction without allocator slack
         gib = peak_bytes / 2 ** 30
-        parts.append(f"peak memory {gib:.1f} GiB measured / {pred_gib:.1f} GiB predicted "
-                     f"({gib / pred_gib:.2f}x)")
+        allocated = pred_gib - record.get("memory_parts_gib", {}).get("allocator_slack", 0.0)
+        parts.append(f"peak memory allocated {gib:.1f} GiB measured / {allocated:.1f} GiB "
+                     f"predicted ({gib / allocated:.2f}x)")
     else:
         parts.append(f"peak memory {pred_gib:.1f} GiB predicted (not measured on CPU ranks)")
     return f" plan ({record.get('gpu', '?')}): " + "; ".join(parts)
