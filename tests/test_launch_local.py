@@ -4,6 +4,7 @@ start-up banner names the device, backend, world size and layout."""
 import os
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -70,3 +71,20 @@ def test_banner_names_device_backend_world_and_layout(tmp_path, capfd):
     line = next(x for x in out.splitlines() if x.startswith(" megaq: device"))
     assert line.startswith(" megaq: device cpu, backend gloo; world 2 = TP 2 x PP 1 x DP 1 on "
                            "1 node(s) of 2;"), line
+
+
+def test_one_process_without_a_launcher_needs_no_port_and_leaves_the_environment_alone():
+    """`python pretrain_gpt.py` (no torchrun): rank 0 of 1 on an in-process store, so no
+    free port can be taken by another process first, and no RANK / MASTER_* variables
+    are written for child processes to inherit half of."""
+    code = ("import os; before = dict(os.environ)\n"
+            "from megaq.parallel.launch import init_from_env\n"
+            "import torch.distributed as dist\n"
+            "assert init_from_env('gloo') == (0, 1) and dist.get_world_size() == 1\n"
+            "assert dict(os.environ) == before\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**env, "PYTHONPATH": REPO})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -117,12 +117,11 @@ def init_from_env(backend: str | None = None,
     if "RANK" in env or "SLURM_PROCID" in env or "LOCAL_RANK" in env:
         die_with_parent()  # not for a plain `python pretrain_gpt.py` (nohup keeps working)
     rank_env_from_slurm()
-    # One process without a launcher: its group's store lives in the process (no port:
-    # a port picked free can be taken by another process before the store binds it)
+    # One process without a launcher: rank 0 of 1, its group's store in the process (no
+    # port: one picked free can be taken by another process before the store binds it),
+    # and nothing written to the environment, which child processes would inherit
     alone = "RANK" not in env
-    if alone:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    rank, world = (0, 1) if alone else (int(env["RANK"]), int(env["WORLD_SIZE"]))
     if backend is None:  # --device cpu on a GPU host: CPU ranks, so gloo
         backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
     local_rank = int(env.get("LOCAL_RANK", 0))
