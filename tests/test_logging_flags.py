@@ -140,19 +140,21 @@ MEGATRON_TAGS = {
 
 
 class _FakeSummaryWriter:
+    """Records what megaq hands TensorBoard: the directory, the scalars, the close."""
     written: list = []
+    events: list = []
 
     def __init__(self, log_dir=None, max_queue=10):
-        pass
+        self.events.append(("open", log_dir))
 
     def add_scalar(self, tag, value, step):
         self.written.append((tag, value, step))
 
     def flush(self):
-        pass
+        self.events.append(("flush", None))
 
     def close(self):
-        pass
+        self.events.append(("close", None))
 
 
 def test_tensorboard_tags_and_start_up_report_are_megatrons(tmp_path, monkeypatch, capsys):
@@ -164,6 +166,7 @@ def test_tensorboard_tags_and_start_up_report_are_megatrons(tmp_path, monkeypatc
     module.SummaryWriter = _FakeSummaryWriter
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
     monkeypatch.setattr(_FakeSummaryWriter, "written", [])
+    monkeypatch.setattr(_FakeSummaryWriter, "events", [])
     main(_argv(tmp_path, ["--tensorboard-dir", str(tmp_path / "tb"), "--log-params-norm",
                           "--log-memory-to-tensorboard", "--eval-iters", "1",
                           "--eval-interval", "2", "--save", str(tmp_path / "ck")]),
@@ -187,6 +190,10 @@ def test_tensorboard_tags_and_start_up_report_are_megatrons(tmp_path, monkeypatc
     assert (" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
             f"{count}") in out
     assert not any("memory (MB)" in x for x in out)  # a CPU run: no CUDA allocator to report
+    # one writer on --tensorboard-dir, closed at the end (its events reach the disk)
+    events = _FakeSummaryWriter.events
+    assert events[0] == ("open", str(tmp_path / "tb")) and events[-1] == ("close", None)
+    assert [e for e in events if e[0] == "open"] == [events[0]]
     written = _FakeSummaryWriter.written
     tags = {tag for tag, _, _ in written}
     # megaq's own quantities keep their own names (no Megatron tag to take)
