@@ -52,24 +52,12 @@ def imported_tp2(tmp_path_factory):
 
 
 def _megaq_full_state(ckpt: str):
-    """{name: {param, exp_avg, exp_avg_sq}} full tensors of a megaq torch checkpoint, and
-    its optimizer state record."""
-    from megaq.checkpoint import torch_format
-    from megaq.checkpoint.integrity import Verifier
-    from megaq.checkpoint.reshard import concat_tp_shards
-    from megaq.interop.common import megaq_layout, resolve_checkpoint_dir
-    from megaq.model import GPTConfig
-    d = resolve_checkpoint_dir(ckpt)
-    files = Verifier(d)
-    tp, pp = torch_format.layout(d, files)
-    saved, state = torch_format.read_all_stages(d, tp, pp, files=files)
-    out = {}
-    for info in megaq_layout(GPTConfig.from_dict(saved["model"]), tp, pp):
-        parts = state["params"][info.name]
-        out[info.name] = {k: parts[0][k] if info.dim < 0 or tp == 1 else
-                          concat_tp_shards([p[k] for p in parts], info.dim, info.stride)
-                          for k in ("param", "exp_avg", "exp_avg_sq")}
-    return out, saved, state
+    """(full {name: {param, exp_avg, exp_avg_sq}}, saved config, {"step"}) of a megaq
+    checkpoint (megaq.interop.megatron_export.full_optimizer_state)."""
+    from megaq.interop.common import resolve_checkpoint_dir
+    from megaq.interop.megatron_export import full_optimizer_state
+    saved, record, full = full_optimizer_state(resolve_checkpoint_dir(ckpt))
+    return full, saved, record["model_optim"]
 
 
 def _sha(t: torch.Tensor) -> str:

@@ -115,24 +115,13 @@ def test_megaq_continues_megatrons_run(tmp_path, request, tp, pp, imported):
     assert max(abs(fresh[i] - m) for i, m in zip((6, 7, 8), RECORD["next_losses"])) > 1e-2
 
 
-def _megaq_full_state(ckpt: str) -> dict:
-    """{megaq name: {param, exp_avg, exp_avg_sq}} full tensors of a megaq torch checkpoint."""
-    from megaq.checkpoint import torch_format
-    from megaq.checkpoint.integrity import Verifier
-    from megaq.checkpoint.reshard import concat_tp_shards
-    from megaq.interop.common import megaq_layout, resolve_checkpoint_dir
-    from megaq.model import GPTConfig
-    d = resolve_checkpoint_dir(ckpt)
-    files = Verifier(d)
-    tp, pp = torch_format.layout(d, files)
-    saved, state = torch_format.read_all_stages(d, tp, pp, files=files)
-    out = {}
-    for info in megaq_layout(GPTConfig.from_dict(saved["model"]), tp, pp):
-        parts = state["params"][info.name]
-        out[info.name] = {k: parts[0][k] if info.dim < 0 or tp == 1 else
-                          concat_tp_shards([p[k] for p in parts], info.dim, info.stride)
-                          for k in ("param", "exp_avg", "exp_avg_sq")}
-    return out, saved, state
+def _megaq_full_state(ckpt: str):
+    """(full {name: {param, exp_avg, exp_avg_sq}}, saved config, {"step"}) of a megaq
+    checkpoint (megaq.interop.megatron_export.full_optimizer_state)."""
+    from megaq.interop.common import resolve_checkpoint_dir
+    from megaq.interop.megatron_export import full_optimizer_state
+    saved, record, full = full_optimizer_state(resolve_checkpoint_dir(ckpt))
+    return full, saved, record["model_optim"]
 
 
 @pytest.mark.parametrize("imported", ["imported_tp2", "imported_fully_reshardable_tp2"])
@@ -374,7 +363,7 @@ def test_qk_layernorm_and_rope_scaling_round_trip_through_megatron(tmp_path):
     (q_layernorm / k_layernorm in megatron-core's parameter order, the flags in its
     args) and read back --from megatron at TP 2: the same weights and Adam moments, and
     the flags among the architecture's."""
-    from megaq.interop.megatron_export import _full_state
+    from megaq.interop.megatron_export import full_optimizer_state as _full_state
     from megaq.testing.ranks import run_on_ranks
     save = str(tmp_path / "run")
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

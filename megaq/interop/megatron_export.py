@@ -45,9 +45,11 @@ _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.line
             "mlp.linear_fc2")
 
 
-def _full_state(ckpt_dir: str) -> tuple[dict, dict, dict]:
+def full_optimizer_state(ckpt_dir: str) -> tuple[dict, dict, dict]:
     """(saved config, record, {megaq name: {"param", "exp_avg", "exp_avg_sq"}}) of a
-    megaq checkpoint of either format, every file verified."""
+    megaq checkpoint of either format, every file verified (also what the interop tests
+    compare against the other frameworks' moments); the record's "model_optim" holds
+    only the optimizer's step."""
     files = integrity.Verifier(ckpt_dir)
     if is_dist_checkpoint(ckpt_dir):
         record = dcp_format.read_common(ckpt_dir, files)
@@ -145,7 +147,7 @@ def export_to_megatron(src: str, out_root: str, impl: str = "transformer_engine"
         raise InteropError(f"{out_root} exists; choose a new --output")
     ckpt_dir = resolve_checkpoint_dir(src)
     integrity.read_manifest(ckpt_dir)  # a directory without one is never read
-    saved, record, full = _full_state(ckpt_dir)
+    saved, record, full = full_optimizer_state(ckpt_dir)
     if (saved.get("optimizer") or {}).get("optimizer", "adam") != "adam":
         raise InteropError(f"{ckpt_dir} holds --optimizer {saved['optimizer']['optimizer']} state; "
                            "--to megatron writes the distributed optimizer's Adam state only")
