@@ -35,6 +35,35 @@ class InteropError(RuntimeError):
     """A conversion that cannot be done as asked; the message names the reason and the fix."""
 
 
+def read_foreign(path: str, fmt, error_class=InteropError, data: bytes | None = None):
+    """Another framework's pickled file (or `data`, a chunk of one) through
+    megaq.checkpoint.safe_unpickle's allow-list `fmt`: a refused class or a damaged file is
+    one `error_class` line (the importer's own error, which the converter prints)."""
+    from megaq.checkpoint import safe_unpickle
+    try:
+        if data is None:
+            return safe_unpickle.load(path, fmt)
+        return safe_unpickle.load_bytes(data, path, fmt)
+    except safe_unpickle.UnpicklingRefused as e:
+        raise error_class(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
+        raise error_class(f"{path} cannot be read ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
+                          "damaged or incomplete") from None
+
+
+def target_layout(a, error_class=InteropError) -> tuple[int, int, int]:
+    """(TP, PP, VP) a converter writes, from its layout flags (absent: 1); below 1 is one
+    `error_class` line."""
+    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
+    pp = getattr(a, "pipeline_model_parallel_size", 1) or 1
+    vp = getattr(a, "virtual_pipeline_size", 1) or 1
+    if min(tp, pp, vp) < 1:
+        raise error_class(f"--tensor-model-parallel-size {tp}, --pipeline-model-parallel-size "
+                          f"{pp} and --virtual-pipeline-size {vp} must be at least 1")
+    return tp, pp, vp
+
+
 def progress(items, desc: str, total: int | None = None, unit: str = "tensor"):
     """`items`, with a progress bar on stderr while they are consumed (tqdm; none when
     stderr is not a terminal, so logs and captured output stay clean)."""

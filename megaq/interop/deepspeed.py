@@ -49,7 +49,7 @@ import stat
 import torch
 
 from megaq.checkpoint import safe_unpickle
-from megaq.interop.common import InteropError
+from megaq.interop.common import InteropError, read_foreign, target_layout
 
 UNIVERSAL_LATEST, LATEST = "latest_universal", "latest"
 ZERO_DIR, OPTIMIZER_STATE = "zero", "optimizer_state.pt"
@@ -87,14 +87,7 @@ def _entry(directory: str, name: str, want_dir: bool = False) -> str:
 
 
 def _load(path: str):
-    try:
-        return safe_unpickle.load(path, safe_unpickle.DEEPSPEED)
-    except safe_unpickle.UnpicklingRefused as e:
-        raise DeepSpeedImportError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
-        raise DeepSpeedImportError(f"{path} cannot be read ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint "
-                                   "is damaged or incomplete") from None
+    return read_foreign(path, safe_unpickle.DEEPSPEED, DeepSpeedImportError)
 
 
 def _read_tag(root: str) -> str | None:
@@ -472,12 +465,7 @@ def convert_to_megaq(a) -> str:
     import shlex
 
     from megaq.interop.megatron import write_megaq_checkpoint
-    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
-    pp = getattr(a, "pipeline_model_parallel_size", 1) or 1
-    vp = getattr(a, "virtual_pipeline_size", 1) or 1
-    if min(tp, pp, vp) < 1:
-        raise DeepSpeedImportError(f"--tensor-model-parallel-size {tp}, --pipeline-model-parallel-"
-                                   f"size {pp} and --virtual-pipeline-size {vp} must be at least 1")
+    tp, pp, vp = target_layout(a, DeepSpeedImportError)
     if (getattr(a, "make_vocab_size_divisible_by", 1) or 1) != 1:
         raise DeepSpeedImportError("--make-vocab-size-divisible-by is read from the checkpoint "
                                    "(its embedding rows are kept); drop it for --from deepspeed")

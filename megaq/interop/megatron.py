@@ -55,7 +55,7 @@ from megaq.checkpoint import safe_unpickle
 from megaq.checkpoint.integrity import MANIFEST_NAME
 from megaq.checkpoint.reshard import concat_tp_shards, fit_rows
 from megaq.interop import megatron_dist
-from megaq.interop.common import InteropError, progress
+from megaq.interop.common import InteropError, progress, target_layout
 from megaq.interop.megatron_dist import MegatronImportError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -658,12 +658,7 @@ def _with_flag(flags: list[str], flag: str, value: str) -> list[str]:
 def convert_to_megaq(a) -> str:
     """tools/convert_checkpoint.py --from megatron --to megaq: `a.input` (a Megatron-LM
     --save directory) -> `a.output` (megaq checkpoint); returns the report lines."""
-    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
-    pp = getattr(a, "pipeline_model_parallel_size", 1) or 1
-    vp = getattr(a, "virtual_pipeline_size", 1) or 1
-    if min(tp, pp, vp) < 1:
-        raise MegatronImportError(f"--tensor-model-parallel-size {tp}, --pipeline-model-parallel-"
-                                  f"size {pp} and --virtual-pipeline-size {vp} must be at least 1")
+    tp, pp, vp = target_layout(a, MegatronImportError)
     if getattr(a, "seq_length", None) is not None or \
             (getattr(a, "make_vocab_size_divisible_by", 1) or 1) != 1:
         raise MegatronImportError("--seq-length and --make-vocab-size-divisible-by are read from "

@@ -47,7 +47,7 @@ import stat
 import torch
 
 from megaq.checkpoint import safe_unpickle
-from megaq.interop.common import InteropError
+from megaq.interop.common import InteropError, read_foreign
 
 METADATA_JSON = "metadata.json"
 INDEX = ".metadata"
@@ -66,16 +66,7 @@ class MegatronImportError(InteropError):
 def unpickle(path: str, fmt, data: bytes | None = None):
     """A Megatron-LM file (or `data`, a chunk of one) through megaq.checkpoint.safe_unpickle's
     allow-list `fmt`: a refused class or a damaged file is one MegatronImportError line."""
-    try:
-        if data is None:
-            return safe_unpickle.load(path, fmt)
-        return safe_unpickle.load_bytes(data, path, fmt)
-    except safe_unpickle.UnpicklingRefused as e:
-        raise MegatronImportError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
-        raise MegatronImportError(f"{path} cannot be read ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is "
-                                  "damaged or incomplete") from None
+    return read_foreign(path, fmt, MegatronImportError, data)
 
 
 class DistCheckpoint:
