@@ -254,20 +254,53 @@ def test_help_lists_megatron_and_zeropp_flags():
         assert flag in text, flag
 
 
-def test_cli_refusal_is_one_line_and_nonzero():
+ONE_RANK = {"WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+# The CLI launches of this file (name -> extra flags, environment): independent, so the
+# module starts them side by side (each is mostly one single-threaded `import torch`: two
+# cores halve the wait), and each test reads its own.
+CLI_LAUNCHES = {
+    "refusal": (BASE + ["--global-batch-size", "3"], ONE_RANK),
+    "non_finite_lr": (BASE + ["--lr", "inf", "--vocab-size", "64"], ONE_RANK),
+    # NCCL asked for on a node with fewer GPUs than ranks (here: none, the CPU box)
+    "nccl_without_gpus": (BASE + ["--distributed-backend", "nccl", "--mock-data"],
+                          {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599",
+                           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}),
+    "help": (["--help"], {}),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_runs():
+    """name -> the finished `python pretrain_gpt.py ...` of CLI_LAUNCHES (the real entry
+    point, as a user runs it)."""
+    procs = {name: subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **env})
+             for name, (argv, env) in CLI_LAUNCHES.items()}
+    runs = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            runs[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:  # none outlives a failed wait
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
+
+
+def test_cli_refusal_is_one_line_and_nonzero(cli_runs):
     # The real entry point, as a user runs it: exit status 2, one "error:" line on stderr.
-    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + BASE
-                       + ["--global-batch-size", "3"], capture_output=True, text=True,
-                       env={**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, timeout=120)
+    r = cli_runs["refusal"]
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: --global-batch-size 3")
 
 
-def test_cli_non_finite_lr_is_one_line_before_any_step():
-    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + BASE
-                       + ["--lr", "inf", "--vocab-size", "64"], capture_output=True, text=True,
-                       env={**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, timeout=120)
+def test_cli_non_finite_lr_is_one_line_before_any_step(cli_runs):
+    r = cli_runs["non_finite_lr"]
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == ["error: argument --lr: 'inf' is not a finite number: every float setting "
@@ -282,15 +315,10 @@ def test_device_flag():
         parse(["--distributed-backend", "nccl", "--device", "cpu"])
 
 
-def test_more_ranks_than_gpus_is_one_line_not_a_cuda_error():
+def test_more_ranks_than_gpus_is_one_line_not_a_cuda_error(cli_runs):
     # NCCL asked for on a node with fewer GPUs than ranks (here: none, the CPU box):
     # one line naming the fix, not CUDA's "invalid device ordinal" traceback.
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599", "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py")] + BASE
-                       + ["--distributed-backend", "nccl", "--mock-data"], capture_output=True,
-                       text=True, env=env, timeout=120)
+    r = cli_runs["nccl_without_gpus"]
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "local rank 0 has no GPU" in lines[0], r.stderr
@@ -316,9 +344,8 @@ def test_gpu_of_local_rank_works_for_both_slurm_gpu_bindings(monkeypatch):
         _gpu_of_local_rank(9)
 
 
-def test_help_keeps_working_from_the_command_line():
-    r = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+def test_help_keeps_working_from_the_command_line(cli_runs):
+    r = cli_runs["help"]
     assert r.returncode == 0 and "--zero-quantized-gradients-chunk" in r.stdout
     assert "elements per quantization block (default: " in r.stdout
 

@@ -294,15 +294,53 @@ def test_gpt3_example_dry_run_lists_every_problem_in_one_launch(tmp_path, gpt2_f
     --fp16 and --rampup-batch-size, the missing data and tokenizer files), one `error:`
     line each, exit 2, before any process group; the same flags with those fixed plan
     the run and exit 0 (the tokenizer type inferred from --vocab-file / --merge-file)."""
-    argv = gpt3_example_flags(tmp_path)
+    import shutil
+
+    import numpy as np
+
+    from megaq.data.indexed import IndexedDatasetWriter
+
     env = {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
     script = os.path.join(REPO, "pretrain_gpt.py")
     machine = ["--dry-run", "--num-nodes", "16", "--gpus-per-node", "8"]
-    r = subprocess.run([sys.executable, script, *machine, *argv], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path, env=env)
-    assert r.returncode == 2, r.stderr
-    prefix = tmp_path / "data" / "corpus_text_document"
-    assert r.stderr.strip().splitlines() == [
+    # three independent launches, each in a directory of its own, started side by side:
+    # each is mostly one single-threaded `import torch`, so two cores halve the wait
+    launches = {}  # name -> (directory, its flags, the process)
+    for name in ("as_written", "fixed_quiet", "fixed"):
+        d = tmp_path / name
+        d.mkdir()
+        argv = gpt3_example_flags(d)
+        if name != "as_written":
+            # fixed: bf16, no ramp-up, real files (a tiny GPT-2 BPE and one preprocessed
+            # document)
+            shutil.copy(gpt2_files[0], d / "gpt2-vocab.json")
+            shutil.copy(gpt2_files[1], d / "gpt2-merges.txt")
+            (d / "data").mkdir()
+            w = IndexedDatasetWriter(str(d / "data" / "corpus_text_document"), np.uint16)
+            w.add_document(np.arange(10, dtype=np.uint16))
+            w.finish()
+            w.commit()
+            i = argv.index("--rampup-batch-size")
+            argv = [a if a != "--fp16" else "--bf16" for a in argv[:i] + argv[i + 4:]]
+            argv += ["--quiet-notes"] if name == "fixed_quiet" else []
+        launches[name] = (d, subprocess.Popen(
+            [sys.executable, script, *machine, *argv], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, cwd=d, env=env))
+    done = {}
+    try:
+        for name, (d, proc) in launches.items():
+            out, err = proc.communicate(timeout=120)
+            done[name] = (d, proc.returncode, out, err)
+    finally:  # none outlives a failed wait
+        for _, proc in launches.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    d, code, out, err = done["as_written"]
+    assert code == 2, err
+    prefix = d / "data" / "corpus_text_document"
+    assert err.strip().splitlines() == [
         "error: --fp16 is not supported (megaq has no loss scaling); use --bf16 or fp32 "
         "(neither)",
         "error: --rampup-batch-size 16 16 5859375: megaq has no batch-size ramp-up (a run's "
@@ -310,33 +348,16 @@ def test_gpt3_example_dry_run_lists_every_problem_in_one_launch(tmp_path, gpt2_f
         "LR schedule's step assume it; train at the final --global-batch-size); drop the flag",
         f"error: --data-path {prefix}: {prefix}.bin / {prefix}.idx not found; check the prefix "
         f"(tools/preprocess_data.py writes them)",
-        f"error: {tmp_path / 'gpt2-vocab.json'}: file not found; check --vocab-file"]
-    assert r.stdout == ""  # no plan, no notes
+        f"error: {d / 'gpt2-vocab.json'}: file not found; check --vocab-file"]
+    assert out == ""  # no plan, no notes
 
-    # fixed: bf16, no ramp-up, real files (a tiny GPT-2 BPE and one preprocessed document)
-    import shutil
-
-    import numpy as np
-
-    from megaq.data.indexed import IndexedDatasetWriter
-    shutil.copy(gpt2_files[0], tmp_path / "gpt2-vocab.json")
-    shutil.copy(gpt2_files[1], tmp_path / "gpt2-merges.txt")
-    (tmp_path / "data").mkdir()
-    w = IndexedDatasetWriter(str(prefix), np.uint16)
-    w.add_document(np.arange(10, dtype=np.uint16))
-    w.finish()
-    w.commit()
-    i = argv.index("--rampup-batch-size")
-    fixed = [a if a != "--fp16" else "--bf16" for a in argv[:i] + argv[i + 4:]]
-    r = subprocess.run([sys.executable, script, *machine, *fixed, "--quiet-notes"],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stderr
-    assert r.stderr == "" and r.stdout.startswith("plan: ")  # the plan of this run
+    _, code, out, err = done["fixed_quiet"]
+    assert code == 0, err
+    assert err == "" and out.startswith("plan: ")  # the plan of this run
     # --quiet-notes: neither the flags' summary nor the tokenizer's inference
-    assert "accepted without effect" not in r.stdout and "inferred" not in r.stdout
-    r = subprocess.run([sys.executable, script, *machine, *fixed], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stderr
+    assert "accepted without effect" not in out and "inferred" not in out
+    _, code, out, err = done["fixed"]
+    assert code == 0, err
     assert ("note: 1 Megatron-LM flag(s) accepted without effect: --attention-backend (why: "
-            "--help or docs/TRAINING.md; --quiet-notes hides this)") in r.stdout.splitlines()
-    assert "note: --tokenizer-type GPT2BPETokenizer inferred from --vocab-file" in r.stdout
+            "--help or docs/TRAINING.md; --quiet-notes hides this)") in out.splitlines()
+    assert "note: --tokenizer-type GPT2BPETokenizer inferred from --vocab-file" in out
