@@ -151,6 +151,23 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
     return cast(x, scale, dtype), scale.reciprocal()
 
 
+_COMPILED_CAST = None
+
+
+def cast_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """:func:`cast` to E4M3 of a stored weight, once per optimizer step (ZeRO-3's FP8
+    weight gathers, stage 0's E4M3-only weights). On CUDA compiled: one fused pass per
+    weight instead of four with fp32 temporaries, the same operations, so the same bits,
+    as the GEMM's own cast, which inductor fuses the same way inside a compiled block;
+    dynamic shapes, so one graph serves every weight size."""
+    global _COMPILED_CAST
+    if not w.is_cuda:
+        return cast(w, scale, E4M3)
+    if _COMPILED_CAST is None:
+        _COMPILED_CAST = torch.compile(cast, dynamic=True)
+    return _COMPILED_CAST(w, scale, E4M3)
+
+
 def recast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`cast` again, for backward: the same bits (a product of two floats does not
     depend on their order), with the operands in the other order so that a compiled graph
@@ -398,4 +415,4 @@ def use_fp8_weight(layer: nn.Module, weight_fp8: torch.Tensor, weight_inv: torch
 
 __all__ = ["FP8Recipe", "FP8GEMM", "linear", "quantize", "quantize_delayed", "tensor_amax",
            "AMAX_ALGOS", "scale_from_amax", "cast", "scaled_mm", "fp8_gemm_available",
-           "fp8_gemm_layers", "use_fp8_weight", "FORMATS", "RECIPES"]
+           "fp8_gemm_layers", "use_fp8_weight", "cast_weight", "FORMATS", "RECIPES"]

@@ -34,7 +34,7 @@ from megaq.kernels.format import packed_len
 from megaq.model.config import GPTConfig
 from megaq.zero.config import ZeroConfig
 
-from .shapes import UnitShape
+from .shapes import FP8_WEIGHTS_PER_LAYER, UnitShape
 
 GIB = 2 ** 30
 
@@ -42,7 +42,8 @@ GIB = 2 ** 30
 @dataclass(frozen=True)
 class EngineBytes:
     """What megaq.zero.ZeroEngine.memory_report() reports, before any gather."""
-    params: int      # weight shards (replicated weights under stage 0; stages 1 and 2
+    params: int      # weight shards (replicated weights under stage 0, those of FP8 GEMMs
+    #                  in E4M3 where megaq.zero.fp8_resident keeps them; stages 1 and 2
     #                  add the resident whole weights, reported as gathered)
     grads: int       # fp32 accumulators
     optimizer: int   # moments + fp32 master
@@ -57,9 +58,13 @@ def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
     if cfg.stage == 0:
         shard = sum(u.numel for u in units)
         numels = [u.numel for u in units]
+        # weights kept in E4M3 (megaq.zero.fp8_resident): 1 byte and a 16-byte scale slot
+        e4m3 = sum(u.fp8_numel * (elem - 1) - 16 * FP8_WEIGHTS_PER_LAYER * u.layers
+                   for u in units if u.fp8_numel)
     else:
         numels = [u.shard_numel(dp, B) for u in units]
         shard = sum(numels)
+        e4m3 = 0
     master = 0 if elem == 4 else 4 * shard
     moments = (2 if optimizer == "adam" else 1) * 4 * shard
     zeropp: dict[str, int] = {}
@@ -75,7 +80,7 @@ def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
             zeropp["fp8_shards"] = sum(u.shard_numel(dp, B) for u in units if u.fp8_numel)
     if cfg.error_feedback:
         zeropp["qgz_error_feedback"] = 4 * sum(u.padded_numel(dp, B) for u in units)
-    return EngineBytes(params=shard * elem, grads=4 * shard, optimizer=master + moments,
+    return EngineBytes(params=shard * elem - e4m3, grads=4 * shard, optimizer=master + moments,
                        zeropp=zeropp)
 
 

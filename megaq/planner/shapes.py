@@ -21,7 +21,7 @@ from megaq.zero.partition import padded
 class UnitShape:
     name: str
     numel: int           # parameters of this TP rank in the unit
-    fp8_numel: int = 0   # of which weights of FP8 GEMM layers (laid out first)
+    fp8_numel: int = 0   # of which weights of FP8 GEMM layers held in E4M3 (laid out first)
     layers: int = 0      # transformer layers in it (1 for a layer unit)
 
     def padded_numel(self, dp: int, block: int) -> int:
@@ -30,6 +30,11 @@ class UnitShape:
 
     def shard_numel(self, dp: int, block: int) -> int:
         return self.padded_numel(dp, block) // dp
+
+
+# the FP8 GEMM layers of a transformer layer (QKV, attention output, FC1, FC2): each
+# holds one E4M3 weight with one inverse scale when weights are kept in E4M3
+FP8_WEIGHTS_PER_LAYER = 4
 
 
 def norm_params(cfg: GPTConfig) -> int:
@@ -57,10 +62,11 @@ def embedding_params(cfg: GPTConfig, tp: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=512)
 def stage_units(cfg: GPTConfig, tp: int, pp: int, vp: int, stage: int,
-                fp8_gathers: bool = False) -> tuple[UnitShape, ...]:
-    """The units of pipeline stage `stage` on one TP rank, in forward order per chunk."""
+                e4m3_weights: bool = False) -> tuple[UnitShape, ...]:
+    """The units of pipeline stage `stage` on one TP rank, in forward order per chunk
+    (`e4m3_weights`: the FP8 GEMMs' weights are held in E4M3: each layer's fp8_numel)."""
     per_layer, fp8 = layer_params(cfg, tp)
-    fp8 = fp8 if fp8_gathers else 0
+    fp8 = fp8 if e4m3_weights else 0
     word, pos = embedding_params(cfg, tp)
     tied = cfg.tie_embeddings
     units = []

@@ -21,13 +21,13 @@ from megaq.data.config import MOCK_VOCAB_SIZE
 from megaq.model.config import GPTConfig
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.topology import Layout, check_hpz_size, validate_layout
-from megaq.zero.config import ZeroConfig
+from megaq.zero.config import ZeroConfig, fp8_weights_kept_in_e4m3
 
 from . import bubble as bubble_mod
 from . import compute, memory, traffic
 from .calibration import Calibration
 from .hardware import Cluster, HardwareError
-from .shapes import stage_units, total_params
+from .shapes import FP8_WEIGHTS_PER_LAYER, stage_units, total_params
 
 DEFAULT_VOCAB = 32000  # when neither the model nor --vocab-size says (a Llama tokenizer's)
 
@@ -88,6 +88,13 @@ class PlanInput:
     @property
     def fp8(self) -> bool:
         return self.model.fp8_format is not None
+
+    @property
+    def e4m3_weights(self) -> bool:
+        """The FP8 GEMMs' weights held in E4M3 (1 byte): ZeRO-3's FP8 weight gathers, or
+        stage 0's E4M3-only weights (megaq.zero.fp8_resident)."""
+        scaling = self.model.fp8_recipe if self.fp8 else None
+        return self.zero.fp8_weights or fp8_weights_kept_in_e4m3(self.zero.stage, self.elem, scaling)
 
     @property
     def compiled(self) -> bool:
@@ -213,7 +220,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     # per stage and chunk: compute, and the exposed gathers / reduces of one micro-batch
     stages = []
     for s in range(pi.pp):
-        units = stage_units(cfg, pi.tp, pi.pp, pi.vp, s, z.fp8_weights)
+        units = stage_units(cfg, pi.tp, pi.pp, pi.vp, s, pi.e4m3_weights)
         chunks = []
         for c in range(pi.vp):
             prefix = f"chunk{c}." if pi.vp > 1 else ""
@@ -366,7 +373,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
 
     # ---- bytes (per DP group, every group of the world)
     groups_per_stage = pi.world_size // pi.pp // g.n
-    fp8_tensors = 4 * layers_per_chunk * pi.vp if (z.fp8_weights and pi.fp8) else 0
+    fp8_tensors = FP8_WEIGHTS_PER_LAYER * layers_per_chunk * pi.vp if (z.fp8_weights and pi.fp8) else 0
     phase_bytes: dict[str, dict[str, int]] = {}
     for st in stages:
         for ph, links in traffic.step_phase_bytes(st["units"], g, z, elem, elem, M,
@@ -434,7 +441,7 @@ def memory_peak(pi: PlanInput, cal: Calibration, g: traffic.DPGroupShape | None 
     g = g or dp_group_shape(pi.world_size, pi.tp, pi.pp, pi.gpus_per_node,
                             pi.zero.hpz_partition_size, pi.rank_order)
     by_stage = [_memory_parts(pi, cal, stage_units(pi.model, pi.tp, pi.pp, pi.vp, s,
-                                                   pi.zero.fp8_weights), s, g)
+                                                   pi.e4m3_weights), s, g)
                 for s in range(pi.pp)]
     parts = max(by_stage, key=lambda p: sum(p.values()))
     parts["allocator_slack"] = sum(parts.values()) * cal.allocator_slack

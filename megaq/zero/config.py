@@ -335,3 +335,13 @@ def check_fp8_weight_gathers(fp8_recipe, cfg: ZeroConfig) -> None:
         raise ZeroConfigError("int8 qwZ (--zero-quantized-weights) dequantizes to bf16, which the "
                               "FP8 GEMMs (--fp8-format) would cast again: use "
                               "--zero-quantized-weights fp8 with FP8 GEMMs")
+
+
+def fp8_weights_kept_in_e4m3(stage: int, weight_bytes: int, fp8_scaling: str | None) -> bool:
+    """Does the engine keep the FP8 GEMMs' weights in E4M3 only, cast from the fp32
+    masters once per step (megaq.zero.fp8_resident)? Under stage 0 (every weight whole
+    on every rank, never gathered), with 16-bit weights (`weight_bytes` 2: an fp32 one is
+    its own master) and a per-tensor weight scale (`fp8_scaling`: GPTConfig.fp8_recipe,
+    None without FP8 GEMMs; rowwise scales the weight per row, differently forward and
+    backward). The engine and the planner's memory model both ask this."""
+    return stage == 0 and weight_bytes == 2 and fp8_scaling in ("tensorwise", "delayed")

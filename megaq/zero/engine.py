@@ -26,7 +26,8 @@ Per step::
 
 ``step`` with the step's loss (a float the caller already has on the host) reads the
 grad norm and skips the update when either is not finite (the grads are dropped);
-either way its post-step hooks run: the weight gatherer learns the shards moved, and
+either way its post-step hooks run: the weight gatherer learns the shards moved (stage
+0 casts its FP8 GEMM weights from the masters: megaq.zero.fp8_resident), and
 delayed FP8 scaling rolls this step's amaxes into its histories (or drops them).
 The clipping state (the norm, the factor) lives in the engine, from
 ``clip_grad_norm`` to the optimizer's step; the norm is GradState's
@@ -80,6 +81,7 @@ from megaq.parallel.comm import Handle
 from megaq.zero import state as state_io
 from megaq.zero.collectives import ReplicatedReducer, make_gatherer, make_reducer
 from megaq.zero.config import OptimizerSettings, ZeroConfig
+from megaq.zero.fp8_resident import ResidentFP8Weights
 from megaq.zero.grads import GradState
 from megaq.zero.optimizer import build_optimizer
 from megaq.zero.partition import FlatPartition
@@ -172,6 +174,9 @@ class ZeroEngine:
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
         self.optimizer = build_optimizer(self.partitions, optimizer or OptimizerSettings(),
                                          topo, self.grads)
+        # stage 0 with FP8 GEMMs: their weights in E4M3 only, cast from the masters
+        self.fp8_resident = ResidentFP8Weights(self.optimizer.states, topo.tp)
+        self.fp8_resident.refresh()
         # M: bytes of the weights this DP group shards, in the gather dtype (padded).
         self.zero_model_bytes = sum(p.model_bytes for p in self.partitions if p.sharded)
         self._clip = _Clip()
@@ -389,6 +394,8 @@ class ZeroEngine:
         if not skipped:
             self.optimizer.step(lr, self._clip.coef)
         # the post-step hooks (torchtitan's post-optimizer hooks), applied or skipped alike
+        if not skipped:  # stage 0's E4M3-only weights follow the masters
+            self.fp8_resident.refresh()
         if not skipped and self.resident:  # the shards moved: every rank's weights follow
             self._gather_resident()
         elif not skipped and self.gatherer is not None:  # the shards moved
@@ -429,6 +436,7 @@ class ZeroEngine:
         """Call after the shard buffers were overwritten (load_full_state,
         load_sharded_state)."""
         self._clip = _Clip()
+        self.fp8_resident.refresh()
         if self.resident:
             self._gather_resident()  # the model's weights from the loaded shards
         elif self.gatherer is not None:
@@ -465,9 +473,7 @@ class ZeroEngine:
         """Bytes on this rank: params (model shards + live gathered: under stages 1 and 2
         the resident whole weights), grads, optimizer,
         and whatever the ZeRO++ seams report holding (``zeropp``, itemised too)."""
-        def nb(t):
-            return t.numel() * t.element_size()
-        shards = sum(nb(p.shard) for p in self.partitions)
+        shards = sum(p.own_weight_bytes for p in self.partitions)
         gathered = self.live_gathered_bytes()
         rep = {"params": shards + gathered, "gathered": gathered,
                "grads": self.grads.memory_bytes(), "optimizer": self.optimizer.memory_bytes()}

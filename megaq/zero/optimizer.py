@@ -65,8 +65,22 @@ class PartitionState:
         return {"param": self.master, **self.state}
 
     def write_back(self) -> None:
+        """The gather-dtype weights from the master (replicated FP8 weights, which have
+        none, are cast by megaq.zero.fp8_resident)."""
         if self.master is not self.part.shard:
-            self.part.shard.copy_(self.master)
+            self.part.shard.copy_(self.master[self.part.shard_from:])
+
+
+def _split_at(groups: list[tuple[int, int, bool]], cut: int) -> list[tuple[int, int, bool]]:
+    """The (start, end, decay) groups cut at `cut`, so that no leaf spans both the
+    elements without a gather-dtype copy (replicated FP8 weights) and those with one."""
+    out = []
+    for a, b, decay in groups:
+        if a < cut < b:
+            out += [(a, cut, decay), (cut, b, decay)]
+        else:
+            out.append((a, b, decay))
+    return out
 
 
 class ShardedOptimizer:
@@ -87,7 +101,7 @@ class ShardedOptimizer:
         groups = {True: [], False: []}
         self._leaves: list[tuple[torch.nn.Parameter, PartitionState, int, int]] = []
         for st in self.states:
-            for a, b, decay in st.part.local_groups():
+            for a, b, decay in _split_at(st.part.local_groups(), st.part.shard_from):
                 leaf = torch.nn.Parameter(st.master[a:b])  # aliases the master buffer
                 leaf.grad = grads.accumulator(st.part.name)[a:b]  # a view: GradState writes it
                 groups[decay].append(leaf)
@@ -228,7 +242,8 @@ class ShardedAdamW(ShardedOptimizer):
                                                 self.step_count)
                    for wd in set(self._leaf_decay.values())}
         for leaf, st, a, b in self._leaves:
-            out = None if st.master is st.part.shard else st.part.shard[a:b]
+            f = st.part.shard_from  # elements before it have no gather-dtype copy
+            out = None if (st.master is st.part.shard or b <= f) else st.part.shard[a - f:b - f]
             fused_adamw.adamw_step(leaf.data, leaf.grad, st.state["exp_avg"][a:b],
                                    st.state["exp_avg_sq"][a:b], out, scale,
                                    scalars[self._leaf_decay[id(leaf)]])

@@ -20,13 +20,19 @@ ranges stay few). Two kinds:
 Padding elements are zero in weights and gradients, so they never move the norm or
 the optimizer.
 
-FP8 weight gathers (``fp8_params``, ``--zero-quantized-weights fp8``): the weights of
-FP8 GEMM layers are laid out first, in ``[0, fp8_numel)``. The gathered form of that
-region is ``full_fp8`` (E4M3, ``padded_numel`` bytes: every rank's FP8 shard, as
-gathered), and each such weight's layer reads its E4M3 view (``slot.fp8_weight``) and
-inverse scale (``slot.fp8_inv``) from here. ``full`` then holds only the rest,
-``[fp8_numel, numel)``, in the gather dtype; the FP8 weights' parameters view a
-gather-dtype buffer that is never allocated (they only carry shapes and receive grads).
+FP8 weights (``fp8_params``): the weights of FP8 GEMM layers are laid out first, in
+``[0, fp8_numel)``, and held in E4M3 only: ``full_fp8`` (``padded_numel`` bytes), where
+each such weight's layer reads its E4M3 view (``slot.fp8_weight``) and inverse scale
+(``slot.fp8_inv``). ``full`` then holds only the rest, ``[fp8_numel, numel)``, in the
+gather dtype; the FP8 weights' parameters view a gather-dtype buffer that is never
+allocated (they only carry shapes and receive grads). Two users:
+
+* sharded (``--zero-quantized-weights fp8``, ZeRO-3's FP8 weight gathers): ``shard``
+  keeps every element in the gather dtype; ``full_fp8`` is every rank's FP8 shard as
+  gathered (megaq.zero.zeropp.fp8_weights);
+* replicated (stage 0 with FP8 GEMMs, megaq.zero.fp8_resident): ``shard`` is ``full``,
+  the rest only (``shard_from`` = ``fp8_numel``), and ``full_fp8`` is cast from the
+  fp32 master after every optimizer step: no 16-bit copy of those weights exists.
 """
 
 from __future__ import annotations
@@ -85,10 +91,14 @@ class FlatPartition:
         self.shared_embedding = shared_embedding
         self.block_size = block_size
         self.device = named_params[0][1].device
-        fp8_ids = fp8_params if sharded else frozenset()
+        fp8_ids = fp8_params
         for pname, p in named_params:
             if id(p) in fp8_ids and not wants_weight_decay(pname, p):
-                raise ValueError(f"{pname}: an FP8-gathered weight must be a 2-D weight matrix")
+                raise ValueError(f"{pname}: an FP8 weight must be a 2-D weight matrix")
+        if fp8_ids and not sharded and dtype == torch.float32:
+            raise ValueError("FP8 weights of a replicated partition are cast from the fp32 "
+                             "master, which an fp32 partition does not keep apart: use 16-bit "
+                             "weights")
         # decay first, then no-decay; inside decay, FP8-gathered weights first; then
         # TP-split before TP-replicated
         order = sorted(named_params, key=lambda np_: (not wants_weight_decay(*np_),
@@ -122,10 +132,16 @@ class FlatPartition:
             flat32[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         self.initial_master = flat32[self.lo:self.hi].clone()  # taken by the optimizer
         flat = flat32.to(dtype) if dtype != torch.float32 else flat32
-        self.shard = flat[self.lo:self.hi].clone() if sharded else flat
         F = self.fp8_numel
+        # where ``shard`` starts, in shard coordinates (the master's): replicated FP8
+        # weights have no gather-dtype copy, so its first F elements are not in it
+        self.shard_from = 0 if sharded else F
+        self.shard = flat[self.lo:self.hi].clone() if sharded else None
         if F:
-            self.full_fp8 = torch.zeros(self.padded_numel, dtype=torch.float8_e4m3fn, device=self.device)
+            # sharded: every rank's whole shard lands here (FP8 weights and the rest's
+            # place); replicated: the FP8 weights only
+            self.full_fp8 = torch.zeros(self.padded_numel if sharded else F,
+                                        dtype=torch.float8_e4m3fn, device=self.device)
             # one inverse scale per FP8 weight, each in its own 16-byte slot (column 0): the
             # GEMM hands cuBLASLt a pointer to it, and cuBLASLt wants 16-byte alignment
             self.fp8_inv_scales = torch.ones(len(self.fp8_slots), 4, dtype=torch.float32,
@@ -139,6 +155,8 @@ class FlatPartition:
             never_allocated.untyped_storage().resize_(0)
         else:
             self.full = flat
+        if self.shard is None:
+            self.shard = self.full
         self._gathered = [self.full_fp8, self.full] if F else [self.full]
         self._gathered_bytes = [t.numel() * t.element_size() for t in self._gathered]
         for s in self.slots[len(self.fp8_slots):]:
@@ -151,6 +169,15 @@ class FlatPartition:
     def full_bytes(self) -> int:
         """Bytes a gather materializes (with FP8 gathers: the E4M3 buffer and the rest)."""
         return sum(self._gathered_bytes)
+
+    @property
+    def own_weight_bytes(self) -> int:
+        """Bytes of this rank's own copy of the weights: the shard, and a replicated
+        partition's E4M3 weights with their scales (a sharded one's are gathered)."""
+        nb = self.shard.numel() * self.shard.element_size()
+        if self.fp8_numel and not self.sharded:
+            nb += self.full_fp8.numel() + self.fp8_inv_scales.untyped_storage().nbytes()
+        return nb
 
     @property
     def model_bytes(self) -> int:

@@ -19,8 +19,9 @@ Parameters of a chunk that no site covers (none in GPTModel) become a replicated
 partition of the chunk's first site, so they are never released.
 
 With FP8 weight gathers (``ZeroConfig.fp8_weights``) the weights of the FP8 GEMM
-layers in a unit's sharded partition are gathered in E4M3, and each such layer is
-pointed at its weight's gathered E4M3 view and scale (:func:`_bind_fp8_weights`).
+layers in a unit's sharded partition are gathered in E4M3; under stage 0 they are held
+in E4M3 only (megaq.zero.fp8_resident). Either way each such layer is pointed at its
+weight's E4M3 view and scale (:func:`_bind_fp8_weights`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from megaq.parallel.fp8 import fp8_gemm_layers, use_fp8_weight
-from megaq.zero.config import ZeroConfig, check_fp8_weight_gathers
+from megaq.zero.config import ZeroConfig, check_fp8_weight_gathers, fp8_weights_kept_in_e4m3
 from megaq.zero.partition import FlatPartition
 
 
@@ -99,8 +100,15 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
     # the model's FP8 recipe (a rowwise layer if any) against the weight gather settings
     recipes = sorted({m.gemm.recipe for m in fp8_layers.values()}, key=lambda r: not r.rowwise)
     check_fp8_weight_gathers(recipes[0] if recipes else None, cfg)
-    if not (cfg.stage == 3 and cfg.fp8_weights):
-        fp8_layers = {}  # id(weight) -> its FP8 GEMM layer, for FP8 weight gathers
+    # id(weight) -> its FP8 GEMM layer, for the weights held in E4M3: ZeRO-3's FP8 weight
+    # gathers, or stage 0's E4M3-only weights (each a multiple of 16 elements, the
+    # alignment cuBLASLt reads them with; else stage 0 keeps 16-bit weights as before)
+    scaling = recipes[0].scaling if recipes else None
+    e4m3 = (cfg.stage == 3 and cfg.fp8_weights) or (
+        fp8_weights_kept_in_e4m3(cfg.stage, cfg.gather_dtype.itemsize, scaling)
+        and all(m.weight.numel() % 16 == 0 for m in fp8_layers.values()))
+    if not e4m3:
+        fp8_layers = {}
     fp8_ids = frozenset(fp8_layers)
 
     def make_unit(name: str, named: list[tuple[str, nn.Parameter]], shared: bool = False) -> Unit:
@@ -118,7 +126,9 @@ def build_sites(model_chunks: list[nn.Module], topo, cfg: ZeroConfig) -> list[Si
             _bind_fp8_weights(parts[-1], fp8_layers)
         if small:
             parts.append(FlatPartition(name + ".replicated", small, cfg.gather_dtype, dp.size,
-                                       dp.rank, cfg.block_size, False, counted, shared_embedding=shared))
+                                       dp.rank, cfg.block_size, False, counted, shared_embedding=shared,
+                                       fp8_params=fp8_ids if cfg.stage == 0 else frozenset()))
+            _bind_fp8_weights(parts[-1], fp8_layers)
         return Unit(name, parts)
 
     sites: list[Site] = []

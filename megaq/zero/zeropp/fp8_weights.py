@@ -60,20 +60,6 @@ def rest_layout(part) -> tuple[list[tuple[int, int]], int]:
     return pieces, max(n for _, n in pieces)
 
 
-_FUSED_CAST = None
-
-
-def _fused_cast():
-    """fp8.cast compiled (one fused pass per weight instead of four with fp32
-    temporaries): the same operations, so the same bits, as the GEMM's own cast, which
-    inductor fuses the same way inside a compiled block. Dynamic shapes: one graph for
-    every weight size."""
-    global _FUSED_CAST
-    if _FUSED_CAST is None:
-        _FUSED_CAST = torch.compile(fp8.cast, dynamic=True)
-    return _FUSED_CAST
-
-
 class FP8WeightGatherer:
     """Engine seam (megaq.zero.collectives): ``start_gather``, ``on_forward_gathered``,
     ``invalidate``, ``memory_bytes``; `partitions`: every partition of the engine."""
@@ -170,7 +156,6 @@ class FP8WeightGatherer:
         comm.all_reduce(amax, self.dp, FWD, op=dist.ReduceOp.MAX)
         comm.all_reduce(amax, self.tp, fp8.PHASE, op=dist.ReduceOp.MAX)
         scale = fp8.scale_from_amax(amax, fp8.E4M3, pow2=False)
-        cast = _fused_cast() if amax.is_cuda else fp8.cast
         k = 0
         for part in self._parts:
             m = len(part.fp8_slots)
@@ -179,8 +164,8 @@ class FP8WeightGatherer:
             for j, s in enumerate(part.fp8_slots):
                 a, b = max(s.offset, part.lo), min(s.offset + s.numel, part.hi)
                 if b > a:
-                    q[a - part.lo:b - part.lo] = cast(part.shard[a - part.lo:b - part.lo],
-                                                      scale[k + j], fp8.E4M3)
+                    piece = part.shard[a - part.lo:b - part.lo]
+                    q[a - part.lo:b - part.lo] = fp8.cast_weight(piece, scale[k + j])
             k += m
             self._fp8_shard[part.name] = q.view(torch.uint8)
             self._rest_send[part.name] = self._rest_piece(part)

@@ -1,0 +1,61 @@
+"""Stage 0 with FP8 GEMMs: the GEMM weights held in E4M3 only, cast from the fp32 masters.
+
+Under ZeRO stage 0 every rank holds every weight whole. The weight of a layer whose
+GEMMs run in FP8 with a per-tensor weight scale (the tensorwise and delayed recipes of
+megaq.parallel.fp8) is read by those GEMMs only as E4M3, forward and backward. So the
+engine keeps no 16-bit copy of it: its replicated partition lays these weights out
+first and holds them in ``full_fp8`` with one inverse scale each (megaq.zero.partition),
+and :meth:`ResidentFP8Weights.refresh` casts them from the fp32 masters after every
+optimizer step (and at build and after a load). Each layer reads its E4M3 view as
+ZeRO-3's FP8 weight gathers deliver theirs (``fp8.use_fp8_weight``), so its GEMM casts
+nothing. Per such parameter: 1 byte instead of 2, and no weight cast in forward or
+backward.
+
+The same bits as the GEMM's own cast of the 16-bit weight: the master is rounded to
+the gather dtype first (the value the optimizer would have written into the 16-bit
+copy), the amax is taken of that and MAX-reduced over TP (the GEMM reduces a weight's
+amax over its TP group), and the scale and the cast are ``fp8.scale_from_amax`` and
+``fp8.cast``. tests/test_fp8_resident.py checks that training is bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megaq.parallel import comm, fp8
+
+
+class ResidentFP8Weights:
+    """The E4M3 weights of the engine's replicated partitions that have FP8 weights
+    (``fp8_slots``), kept in step with the masters. `states`: the optimizer's
+    PartitionStates (master and partition); `tp`: the TP group."""
+
+    def __init__(self, states, tp):
+        self.states = [st for st in states if st.part.fp8_numel and not st.part.sharded]
+        self.tp = tp
+
+    def refresh(self) -> None:
+        """Cast every FP8 weight from its master (two passes: the amaxes, one all-reduce
+        over TP, then the casts; no 16-bit copy of more than one weight at a time)."""
+        if not self.states:
+            return
+        amax = []
+        for st in self.states:
+            for s in st.part.fp8_slots:
+                w = st.master[s.offset:s.offset + s.numel]
+                # the 16-bit copy's max |x| is max |x| rounded: rounding is monotonic
+                amax.append(torch.linalg.vector_norm(w, math.inf).to(st.part.dtype).float())
+        amax = torch.stack(amax)
+        comm.all_reduce(amax, self.tp, fp8.PHASE, op=dist.ReduceOp.MAX)
+        scale = fp8.scale_from_amax(amax, fp8.E4M3, pow2=False)
+        k = 0
+        for st in self.states:
+            part = st.part
+            part.fp8_inv_scales.copy_(scale[k:k + len(part.fp8_slots)].reciprocal())
+            for s in part.fp8_slots:
+                w16 = st.master[s.offset:s.offset + s.numel].to(part.dtype)
+                part.full_fp8[s.offset:s.offset + s.numel] = fp8.cast_weight(w16, scale[k])
+                k += 1
