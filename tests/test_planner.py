@@ -2,9 +2,11 @@
 
 * bytes: the step's bytes per ZeRO phase and link equal what megaq.parallel.comm counts
   on gloo ranks posing as 2 nodes x 4, for ZeRO-3, qwZ + hpZ + qgZ, weight deltas,
-  stages 0, 1 and 2 (and 2 with qwZ + qgZ), and TP x PP (interleaved) layouts, over a
+  stages 0, 1 and 2 (and 2 with qwZ + qgZ), stages 0 and 3 reducing gradients once per
+  step (--zero-grad-sync last_microbatch), and TP x PP (interleaved) layouts, over a
   step of two micro-batches;
-* memory: the engine's allocations (memory_report) equal the memory model's, per kind;
+* memory: the engine's allocations (memory_report) equal the memory model's, per kind,
+  and so do the gradients it holds at the end of the step's backward;
 * FLOPs: the model's FLOP terms add up to megaq.model.flops.num_flops;
 * bubble: the pass order equals the one megaq's schedules issue (recorded by running
   them on stand-in runners), and its idle slots are Megatron's (p-1)(F+B)/v;
@@ -58,6 +60,9 @@ DP_CASES = {
     "deltas": dict(Z3, hpz_partition_size=PER_NODE, weight_deltas=True,
                    quantized_gradients=True, grad_chunk=128),
     "stage0": dict(Z3, stage=0),
+    # full fp32 grads kept over the micro-batches, reduced once in finish_grad_sync
+    "stage0_last": dict(Z3, stage=0, grad_sync="last_microbatch"),
+    "zero3_last": dict(Z3, grad_sync="last_microbatch"),
     "stage1": dict(Z3, stage=1),
     "stage2": dict(Z3, stage=2),
     "stage2_qwz_qgz": dict(Z3, stage=2, quantized_weights=True, quantized_gradients=True,
@@ -83,7 +88,8 @@ def _step(topo, chunks, engine, step, fb, shape, cfg):
 def _one_case(topo, model_kw, zero_kw, vp=1):
     """Counted bytes of the last step, and the engine's memory right after its first
     forward (hpZ's slices and qwZ's packed shards alive, nothing gathered but the
-    units still in use)."""
+    units still in use) and right after its last backward (the gradients it holds
+    until finish_grad_sync)."""
     cfg = model_config(**model_kw)
     torch.manual_seed(0)
     chunks, engine = parallelize(cfg, topo, ZeroConfig(**zero_kw), vp_size=vp)
@@ -92,7 +98,7 @@ def _one_case(topo, model_kw, zero_kw, vp=1):
     for step in range(STEPS - 1):
         _step(topo, chunks, engine, step, fb, shape, cfg)
     comm.STATS.reset()
-    mem = None
+    mem = after_backward = None
     if topo.layout.pp == 1:  # by hand, to look at the engine between forward and backward
         engine.zero_grad()
         for mb in microbatches(STEPS - 1, topo.dp_rank, topo.dp.size, N_MICRO, cfg.vocab_size):
@@ -101,11 +107,13 @@ def _one_case(topo, model_kw, zero_kw, vp=1):
             if mem is None:
                 mem = engine.memory_report()
             loss.backward()
+        after_backward = engine.memory_report()
         engine.finish_grad_sync()
         engine.step(1e-3)
     else:
         _step(topo, chunks, engine, STEPS - 1, fb, shape, cfg)
-    return {"bytes": comm.per_node_totals(topo.world), "mem": mem}
+    return {"bytes": comm.per_node_totals(topo.world), "mem": mem,
+            "after_backward": after_backward}
 
 
 def _dp_cases(topo):
@@ -124,7 +132,8 @@ def measured():
                                order="tp-pp-dp")):
         for name in ranks[0]:
             out[name] = {"bytes": world_totals(ranks[0][name]["bytes"]),
-                         "mem": [r[name]["mem"] for r in ranks]}
+                         "mem": [r[name]["mem"] for r in ranks],
+                         "after_backward": [r[name]["after_backward"] for r in ranks]}
     return out
 
 
@@ -155,7 +164,7 @@ def test_byte_terms_equal_the_counted_bytes(measured, name):
 @pytest.mark.parametrize("name", list(DP_CASES))
 def test_memory_terms_equal_the_engine_allocations(measured, name):
     pi = _plan_input(name)
-    units = stage_units(pi.model, pi.tp, pi.pp, pi.vp, 0, pi.zero.fp8_weights)
+    units = stage_units(pi.model, pi.tp, pi.pp, pi.vp, 0, pi.e4m3_weights)
     model = memory.engine_bytes(units, pi.dp, pi.zero, pi.elem)
     for rep in measured[name]["mem"]:
         assert rep["params"] - rep["gathered"] == model.params, (name, rep)
@@ -164,6 +173,12 @@ def test_memory_terms_equal_the_engine_allocations(measured, name):
         engine_zeropp = {k: v for k, v in rep.items() if k not in (
             "params", "gathered", "grads", "optimizer", "zeropp", "total") and v}
         assert engine_zeropp == {k: v for k, v in model.zeropp.items() if v}, (name, rep)
+    # after the last backward: the accumulators (which memory_report counts whole even
+    # while their storage is handed back) and, when the gradients are reduced once per
+    # step, the full fp32 gradients kept until finish_grad_sync
+    assert (model.full_grads > 0) == pi.zero.grads_reduced_once
+    for rep in measured[name]["after_backward"]:
+        assert rep["grads"] == model.grads + model.full_grads, (name, rep)
 
 
 @pytest.mark.parametrize("kw,tp", [(dict(), 1), (dict(swiglu=True, num_query_groups=2,
@@ -292,6 +307,29 @@ def test_prefetch_limit_exposes_what_is_not_fetched_ahead():
     assert fwd == sorted(fwd) and fwd[0] < fwd[-1]
     nothing_ahead = _predict(argv, CAL, cluster, prefetch_limit=0)
     assert nothing_ahead.step_time_s > megaq_own.step_time_s
+
+
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_gradients_reduced_once_are_exposed_once_after_backward(stage):
+    """--zero-grad-sync last_microbatch: the engine reduces every unit's gradient once, in
+    finish_grad_sync after the last backward (megaq.zero.grads), with nothing left to
+    hide it behind: the same exposed seconds for 1 or 4 micro-batches, fewer than
+    reducing each of 4 micro-batches' gradients, more than reducing 1 behind backward."""
+    from megaq.planner.calibrate import _predict
+    argv = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16",
+            "--seq-length", "1024", "--max-position-embeddings", "1024", "--vocab-size", "32000",
+            "--micro-batch-size", "1", "--bf16", "--lr", "1e-4", "--train-iters", "1",
+            "--mock-data", "--zero-stage", stage]
+    cluster = Cluster(gpu_preset("H100-SXM"), num_nodes=4, gpus_per_node=8,
+                      inter_node_gbit_per_s=100.0)
+
+    def reduce_s(sync, micro_batches):
+        plan = _predict(argv + ["--zero-grad-sync", sync,
+                                "--global-batch-size", str(32 * micro_batches)], CAL, cluster)
+        return plan.exposed_comm_s["grad_reduce"]
+    once = reduce_s("last_microbatch", 1)
+    assert reduce_s("last_microbatch", 4) == pytest.approx(once, rel=1e-12)
+    assert reduce_s("per_microbatch", 1) < once < reduce_s("per_microbatch", 4)
 
 
 # ----------------------------------------------------------------------------- bubble
@@ -502,10 +540,14 @@ def test_memory_peak_follows_when_the_engine_holds_its_gradients():
     assert accum["grads"] == full["grads"] and accum["activations"] == plain["activations"]
     fp8 = _bench_parts("megaq-fp8dl-comp")
     assert fp8["activations"] < 0.75 * plain["activations"]
-    # stage 1's full fp32 gradients, kept over the step, come back with the accumulators
-    s1, s1_accum = (_bench_parts(extra=["--zero-stage", "1"], micro_batches=m) for m in (1, 2))
-    assert s1["grads"] == 0 and s1_accum["grads"] == full["grads"]
-    assert s1_accum["grad_buckets"] - s1["grad_buckets"] == pytest.approx(full["grads"], rel=0.01)
+    # gradients reduced once per step (stage 1; stages 0 and 3 with last_microbatch): the
+    # full fp32 gradients come at the first backward and are held through the second
+    # micro-batch's forward, the accumulators only in finish_grad_sync
+    for extra in (["--zero-stage", "1"], ["--zero-grad-sync", "last_microbatch"],
+                  ["--zero-stage", "3", "--zero-grad-sync", "last_microbatch"]):
+        once, once_accum = (_bench_parts(extra=extra, micro_batches=m) for m in (1, 2))
+        assert once["grads"] == 0 and once_accum["grads"] == 0, extra
+        assert once_accum["grad_buckets"] == pytest.approx(full["grads"], rel=0.01), extra
 
 
 @pytest.mark.slow  # torch.compile on the CPU

@@ -7,9 +7,10 @@ secondary slices, qwZ's packed shards, weight deltas' references, qgZ's residual
 FP8 shards). Stage 0 replicates all of them; stages 1 and 2 shard them as stage 3
 does and add the whole weights, resident. The transient parts are the gathered
 units in flight ((1 + prefetch) sites, plus a tied embedding kept between its two
-uses; stages 1 and 2: the resident weights), the reduce buckets in flight (stage 1:
-the full fp32 gradients kept over the step), and the activations the pipeline schedule keeps
-(by recompute mode). The allocator's slack is a fraction on top.
+uses; stages 1 and 2: the resident weights), the reduce buckets in flight (stage 1
+and --zero-grad-sync last_microbatch: the full fp32 gradients kept over the step), and
+the activations the pipeline schedule keeps (by recompute mode). The allocator's slack
+is a fraction on top.
 
 When they are held matters as much as their size: the engine hands the fp32 gradient
 accumulators' storage back at the start of a step and takes it again at their first
@@ -18,7 +19,9 @@ backward's start, with every activation the schedule keeps and no accumulator ye
 (unless a later micro-batch's forward runs after an earlier one's backward, as in
 1F1B's steady state or plain gradient accumulation), and backward's end, with every
 accumulator and only the last layer's saved tensors (or its recomputation) left.
-Between the two, backward frees activations as it allocates accumulators.
+Between the two, backward frees activations as it allocates accumulators. Gradients
+reduced once per step hold the full fp32 gradients instead, from the first backward to
+finish_grad_sync, which hands them over to the accumulators one unit at a time.
 
 The activations are what megaq's block saves for backward, tensor by tensor
 (megaq.testing.saved_bytes counts them on the CPU; tests/test_planner.py checks the count
@@ -48,6 +51,9 @@ class EngineBytes:
     grads: int       # fp32 accumulators
     optimizer: int   # moments + fp32 master
     zeropp: dict     # hpz_secondary, qwz_packed_shards, weight_delta_own_reference, ...
+    full_grads: int = 0  # the full fp32 gradients ZeroConfig.grads_reduced_once keeps over
+    #                      the micro-batches, from the step's first backward to
+    #                      finish_grad_sync (memory_report adds them to grads)
 
 
 def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
@@ -80,8 +86,17 @@ def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
             zeropp["fp8_shards"] = sum(u.shard_numel(dp, B) for u in units if u.fp8_numel)
     if cfg.error_feedback:
         zeropp["qgz_error_feedback"] = 4 * sum(u.padded_numel(dp, B) for u in units)
+    full = sum(flat_numels(units, dp, cfg)) if cfg.grads_reduced_once else 0
     return EngineBytes(params=shard * elem - e4m3, grads=4 * shard, optimizer=master + moments,
-                       zeropp=zeropp)
+                       zeropp=zeropp, full_grads=4 * full)
+
+
+def flat_numels(units: list[UnitShape], dp: int, cfg: ZeroConfig) -> list[int]:
+    """Each unit's whole flat buffer (megaq.zero.partition): padded to the DP group's blocks
+    when sharded (stages 1-3), the bare parameters when replicated (stage 0)."""
+    if cfg.stage == 0:
+        return [u.numel for u in units]
+    return [u.padded_numel(dp, cfg.block_size) for u in units]
 
 
 def activation_bytes_per_layer(cfg: GPTConfig, tokens: int, tp: int, sp: bool, *,

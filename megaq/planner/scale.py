@@ -45,6 +45,8 @@ CONFIGS = {
                              "--zero-weight-deltas", "--zero-quantized-gradients"]),
     "TP8 + ZeRO-3": (8, 1, ["--zero-stage", "3"]),
     "TP8 + PP8 + ZeRO-0": (8, 8, ["--zero-stage", "0"]),
+    "TP8 + PP8 + ZeRO-0, last_microbatch": (8, 8, ["--zero-stage", "0",
+                                                   "--zero-grad-sync", "last_microbatch"]),
 }
 # the step's terms besides the GEMMs, in the model's breakdown, named for a reader
 TERMS = {"weight_gather_fwd": "cross-node weight gathers (forward)",

@@ -6,7 +6,9 @@ each model chunk (compute.py), the ZeRO gathers and reductions of each unit
 (traffic.py) of which only what megaq overlaps is hidden -- a unit's gather behind the
 previous unit's compute (prefetch), a unit's reduction behind the next units' backward
 (async reduce) -- and TP's collectives, which run in line; the schedule's idle slots
-(bubble.py); the last reduction, the optimizer step and the weight deltas after it.
+(bubble.py); the last reduction (every reduction when gradients are reduced once per
+step: stage 1, --zero-grad-sync last_microbatch), the optimizer step and the weight
+deltas after it.
 Memory: memory.py.
 """
 
@@ -266,7 +268,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
                 rev_ahead = list(reversed(ahead))
                 exp["weight_gather_bwd"] = unit_times(rev[0])[1].total
                 for i in range(len(rev) - 1):
-                    gt, rt = unit_times(rev[i + 1])[1], unit_times(rev[i])[2]
+                    gt = unit_times(rev[i + 1])[1]
+                    # grads_reduced_once: no reduction in backward (all in the tail below)
+                    rt = traffic.LinkTime() if z.grads_reduced_once else unit_times(rev[i])[2]
                     if not pre:
                         exp["weight_gather_bwd"] += gt.total
                         exp["grad_reduce"] += max(0.0, rt.total - per_unit_bwd)
@@ -279,27 +283,20 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
                     exp["weight_gather_bwd"] += over * share
                     exp["grad_reduce"] += over * (1 - share)
                 rd = [unit_times(u)[2].total for u in rev]
-                if z.quantized_weights or z.quantized_gradients:
-                    n_full = sum(u.padded_numel(g.n, z.block_size) for u in cu)
-                    if z.quantized_weights:
-                        quant_s += n_full * cal.quantize_bytes.get("qwz", 3.0) / hbm
-                    if z.quantized_gradients:
-                        quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm
-            elif z.weights_resident and z.grads_reduced_once:
-                # stage 1: the reduce-scatters after the last backward, in
-                # finish_grad_sync; charged to the step's tail below
-                rd = [unit_times(u)[2].total for u in reversed(cu)]
             else:
                 rd = [unit_times(u)[2].total for u in reversed(cu)]
-                # stages 0 and 2: the reductions overlap the rest of backward
-                exp["grad_reduce"] = sum(max(0.0, r - per_unit_bwd) for r in rd[:-1])
-            if z.weights_resident:  # qwZ's kernels once per step, qgZ's per reduction
-                n_full = sum(u.padded_numel(g.n, z.block_size) for u in cu)
-                if z.quantized_weights:
-                    quant_s += n_full * cal.quantize_bytes.get("qwz", 3.0) / hbm / M
-                if z.quantized_gradients:
-                    quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm / (
-                        M if z.grads_reduced_once else 1)
+                # stages 0 and 2: the reductions overlap the rest of backward; reduced
+                # once (stage 1, last_microbatch) they all run after the last backward,
+                # in finish_grad_sync: the step's tail below
+                if not z.grads_reduced_once:
+                    exp["grad_reduce"] = sum(max(0.0, r - per_unit_bwd) for r in rd[:-1])
+            n_full = sum(u.padded_numel(g.n, z.block_size) for u in cu)
+            if z.quantized_weights:  # qwZ's kernels per gather: per micro-batch, or per step
+                quant_s += n_full * cal.quantize_bytes.get("qwz", 3.0) / hbm / (
+                    M if z.weights_resident else 1)
+            if z.quantized_gradients:  # qgZ's per reduction
+                quant_s += n_full * cal.quantize_bytes.get("qgz", 6.0) / hbm / (
+                    M if z.grads_reduced_once else 1)
             chunks.append(dict(cc=cc, tp_f=tp_f, tp_b=tp_b, exp=exp, exp_first=exp_first,
                                quant=quant_s, tail=rd[-1] if rd else 0.0, units=cu))
         stages.append(dict(units=units, chunks=chunks))
@@ -332,9 +329,10 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     first_extra = max(sum(ch["exp_first"]["weight_gather_fwd"] - ch["exp"]["weight_gather_fwd"]
                           for ch in st["chunks"]) for st in stages) if z.stage == 3 else 0.0
     # the last reduction (the first unit's, after backward's end: finish_grad_sync waits);
-    # stage 1 (grads reduced once): every reduction of the step
+    # grads reduced once (stage 1, last_microbatch): every reduction of the step, one
+    # after another on the DP group
     tail = max(st["chunks"][0]["tail"] for st in stages)
-    if z.weights_resident and z.grads_reduced_once:
+    if z.grads_reduced_once:
         tail = max(sum(unit_times(u)[2].total for u in st["units"]) for st in stages)
     # stages 1 and 2: the one all-gather of the updated weights after the optimizer step
     step_gather = max(sum(unit_times(u)[0].total for u in st["units"]) for st in stages) \
@@ -456,24 +454,25 @@ def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
     parts = {"weights": eng.params, "optimizer": eng.optimizer, "grads": eng.grads}
     for k, v in eng.zeropp.items():
         parts[k] = v
-    B = z.block_size
+    # each unit's whole flat buffer in the gather dtype: a gathered unit, a reduce bucket
+    fulls = [n * pi.elem for n in memory.flat_numels(units, g.n, z)]
     if z.stage == 3:
         # gathered units in flight: (1 + prefetch) consecutive units, a kept tied embedding
-        fulls = [u.padded_numel(g.n, B) * pi.elem for u in units]
         k = 1 + z.prefetch
         parts["gathered_weights"] = max(sum(fulls[i:i + k]) for i in range(len(fulls)))
-        parts["grad_buckets"] = min(z.reduce_bucket_size, sum(fulls)) + max(fulls)
-    elif z.weights_resident:
-        # the whole weights, resident; stage 1 keeps full fp32 gradients over the step and
-        # reduces each in the gather dtype, stage 2 fills buckets of whole units as stage 3
-        fulls = [u.padded_numel(g.n, B) * pi.elem for u in units]
+    elif z.weights_resident:  # the whole weights, resident
         parts["gathered_weights"] = sum(fulls)
-        parts["grad_buckets"] = (sum(4 * f // pi.elem for f in fulls) + max(fulls)
-                                 if z.grads_reduced_once else
-                                 min(z.reduce_bucket_size, sum(fulls)) + max(fulls))
+    # reductions in flight (up to reduce_bucket_size) and the one being launched
+    reducing = min(z.reduce_bucket_size, sum(fulls)) + max(fulls)
+    if z.grads_reduced_once:
+        # the full fp32 grads, kept over the step instead of the accumulators:
+        # finish_grad_sync reduces them unit by unit (cast to the gather dtype), each
+        # unit's accumulator coming back as its full grad goes, so at most one unit
+        # holds both, beside the reductions in flight (megaq.zero.grads)
+        parts["grads"] = 4 * max(fulls) // pi.elem // (g.n if z.stage else 1)
+        parts["grad_buckets"] = eng.full_grads + reducing
     else:
-        parts["grad_buckets"] = min(z.reduce_bucket_size, eng.params) + max(
-            u.numel * pi.elem for u in units)
+        parts["grad_buckets"] = reducing
     tokens = pi.micro_batch_size * pi.seq_length
     layers = cfg.num_layers // (pi.pp * pi.vp)
     kept, recompute, left = memory.chunk_activation_bytes(
@@ -492,9 +491,11 @@ def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
     start = dict(parts, activations=kept * in_flight + recompute)
     if stage == pi.pp - 1:
         start["logits"] = memory.head_activation_bytes(cfg, tokens, pi.tp)
-    if not grads_with_activations:
+    if z.grads_reduced_once:
+        # no accumulator before finish_grad_sync; the full grads from the first backward on
         start["grads"] = 0.0
-        if z.weights_resident and z.grads_reduced_once:  # stage 1's full fp32 grads: the same
-            start["grad_buckets"] = max(fulls)
+        start["grad_buckets"] = eng.full_grads if grads_with_activations else max(fulls)
+    elif not grads_with_activations:
+        start["grads"] = 0.0
     end = dict(parts, activations=left)
     return max((start, end), key=lambda p: sum(p.values()))

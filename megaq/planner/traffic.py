@@ -4,9 +4,10 @@ Bytes come from the ZeRO byte model (megaq.zero.zeropp.volume), which the tests 
 equal to megaq.parallel.comm's accounting: per unit and DP group, for one gather or
 reduction. A step repeats them as the engine does: every micro-batch gathers each unit
 in forward and again in backward and reduces its gradient (``grad_sync`` per
-micro-batch, the default); with hpZ only the step's first forward gather crosses nodes,
-later ones read the in-node secondary copy; with weight deltas each step sends one
-quantized difference per shard and every gather is in-node.
+micro-batch, the default; stage 1 and ``last_microbatch`` reduce it once per step);
+with hpZ only the step's first forward gather crosses nodes, later ones read the
+in-node secondary copy; with weight deltas each step sends one quantized difference
+per shard and every gather is in-node.
 
 Time: a collective's bytes go over the slowest of its links. DP groups run their
 collectives at the same time, so a node's NICs carry the cross-node bytes of every
@@ -96,17 +97,18 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
     for u in units:
         key = UnitShape("", u.numel, u.fp8_numel)
         same[key] = same.get(key, 0) + 1
+    # grads_reduced_once: every unit's gradient reduced once, in finish_grad_sync
+    reductions = 1 if cfg.grads_reduced_once else micro_batches
     for u, count in same.items():
         if cfg.stage == 0:
             add("grad_reduce", unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
-                ["grad_reduce"], micro_batches * count)
+                ["grad_reduce"], reductions * count)
             continue
         if cfg.weights_resident:  # stages 1, 2: one gather after the step, no per-site ones
             S = u.shard_numel(g.n, cfg.block_size)
             one = volume.step(S, g.k, g.m, elem, grad_elem, cfg)
             add("weight_gather_step", one["weight_gather_step"], count)
-            add("grad_reduce", one["grad_reduce"],
-                (1 if cfg.grads_reduced_once else micro_batches) * count)
+            add("grad_reduce", one["grad_reduce"], reductions * count)
             continue
         first = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=False)
         later = unit_phase_bytes(u, g, cfg, elem, grad_elem, backward=True)
@@ -118,7 +120,7 @@ def step_phase_bytes(units: list[UnitShape], g: DPGroupShape, cfg: ZeroConfig, e
         fwd_later = later["weight_gather_bwd"] if cfg.hpz else first["weight_gather_fwd"]
         add(fwd_phase, fwd_later, (micro_batches - 1) * count)
         add("weight_gather_bwd", later["weight_gather_bwd"], micro_batches * count)
-        add("grad_reduce", later["grad_reduce"], micro_batches * count)
+        add("grad_reduce", later["grad_reduce"], reductions * count)
         if cfg.weight_deltas:
             add("weight_delta_gather", _weight_deltas(S, g.k, g.m, cfg), count)
     if cfg.stage == 3 and cfg.fp8_weights and fp8_tensors:
