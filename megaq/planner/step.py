@@ -24,6 +24,7 @@ from megaq.model.config import GPTConfig
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.topology import Layout, check_hpz_size, validate_layout
 from megaq.zero.config import ZeroConfig, fp8_weights_kept_in_e4m3
+from megaq.zero.fp8_resident import REFRESH_BYTES_PER_PARAM
 
 from . import bubble as bubble_mod
 from . import compute, memory, traffic
@@ -341,6 +342,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     shard_params = max(sum(u.shard_numel(g.n, z.block_size) if z.stage else u.numel
                            for u in st["units"]) for st in stages)
     optimizer_s = shard_params * cal.optimizer_bytes_per_param / hbm
+    if z.stage == 0:  # then the E4M3-only weights are cast from the masters (fp8_resident)
+        optimizer_s += max(sum(u.fp8_numel for u in st["units"]) for st in stages) \
+            * REFRESH_BYTES_PER_PARAM / hbm
     deltas_s = 0.0
     if z.weight_deltas:
         # the exchange's exposed waits, and the kernels that make and apply the differences

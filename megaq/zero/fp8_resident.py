@@ -28,6 +28,13 @@ import torch.distributed as dist
 from megaq.parallel import comm, fp8
 
 
+# HBM bytes per E4M3 weight element of one refresh, net: the amax pass reads the fp32
+# master (4), the rounding reads it again and writes 16 bits (4 + 2), the cast reads those
+# and writes E4M3 (2 + 1); the optimizer no longer writes a 16-bit copy (-2). The
+# planner charges it to the optimizer step (megaq.planner.step).
+REFRESH_BYTES_PER_PARAM = 4 + (4 + 2) + (2 + 1) - 2
+
+
 class ResidentFP8Weights:
     """The E4M3 weights of the engine's replicated partitions that have FP8 weights
     (``fp8_slots``), kept in step with the masters. `states`: the optimizer's
