@@ -136,7 +136,6 @@ class FlatPartition:
         # where ``shard`` starts, in shard coordinates (the master's): replicated FP8
         # weights have no gather-dtype copy, so its first F elements are not in it
         self.shard_from = 0 if sharded else F
-        self.shard = flat[self.lo:self.hi].clone() if sharded else None
         if F:
             # sharded: every rank's whole shard lands here (FP8 weights and the rest's
             # place); replicated: the FP8 weights only
@@ -155,8 +154,7 @@ class FlatPartition:
             never_allocated.untyped_storage().resize_(0)
         else:
             self.full = flat
-        if self.shard is None:
-            self.shard = self.full
+        self.shard = flat[self.lo:self.hi].clone() if sharded else self.full
         self._gathered = [self.full_fp8, self.full] if F else [self.full]
         self._gathered_bytes = [t.numel() * t.element_size() for t in self._gathered]
         for s in self.slots[len(self.fp8_slots):]:
