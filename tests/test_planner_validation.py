@@ -119,6 +119,8 @@ def test_published_speedups_keep_their_order_and_tolerance():
      "pass it with --bench-train"),
     (["calibrate", "--bench-kernels", "{tmp}/missing.json", "-o", "{tmp}/c.json"], "missing.json"),
     (["calibrate", "-o", "{tmp}/no/such/dir/c.json"], "does not exist"),
+    (["scale", "--out", "{tmp}/no/such/dir/s.json"], "does not exist; create it"),
+    (["validate", "--out", "{tmp}/no/such/dir/v.json"], "does not exist; create it"),
     (["validate", "--calibration", "{tmp}/missing.json"], "missing.json"),
     (["published", "--bogus"], "unrecognized arguments"),
 ])

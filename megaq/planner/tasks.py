@@ -74,10 +74,12 @@ def run(name: str, argv: list[str]) -> int:
     from megaq.planner import calibrate, published, scale, validate
     from megaq.planner.calibration import load_calibration
     a = _parser(name).parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(out_dir):  # before the work, not after it
+        flag = "-o" if name == "calibrate" else "--out"
+        raise TaskError(f"{flag} {a.out}: directory {out_dir} does not exist; create it "
+                        "or name a file in an existing one")
     if name == "calibrate":
-        out_dir = os.path.dirname(os.path.abspath(a.out))
-        if not os.path.isdir(out_dir):
-            raise TaskError(f"-o {a.out}: directory {out_dir} does not exist")
         emulated = None if a.emulated == "none" else a.emulated
         cal, extra = calibrate.fit(a.bench_train, a.bench_kernels, emulated)
         calibrate.write_atomic(a.out, calibrate.calibration_json(cal, extra))
