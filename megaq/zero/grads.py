@@ -224,7 +224,8 @@ class GradState:
         return total.sqrt()
 
     def memory_bytes(self) -> int:
-        """fp32 accumulators + buckets being filled + full grads kept across micro-batches."""
-        return (sum(_nbytes(t) for t in self._accum.values())
+        """fp32 accumulators (as held now: none between zero() and backward's first write)
+        + buckets being filled + full grads kept across micro-batches."""
+        return (sum(t.untyped_storage().nbytes() for t in self._accum.values())
                 + sum(_nbytes(b[0]) for b in self._buckets.values())
                 + sum(_nbytes(t) for t in self._full.values()))
