@@ -314,3 +314,16 @@ def test_damaged_model_states_are_one_line(tmp_path, damage, expect):
              cwd=str(tmp_path))
     _one_error_line(r, "zero_pp_rank_0_mp_rank_00_model_states.pt", expect)
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("ds_config, bf16", [({"bf16": {"enabled": True}}, True),
+                                             ({"bf16": {"enabled": False}}, False), ({}, False)])
+def test_a_bf16_runs_flags_carry_bf16(monkeypatch, ds_config, bf16):
+    """A DeepSpeed run in bf16 mode continues in bf16: --bf16 is among the flags written
+    to megaq_args.txt (the fixture ran in fp32; its ds_config is set here)."""
+    from megaq.interop import deepspeed
+    real = deepspeed.model_states
+    monkeypatch.setattr(deepspeed, "model_states",
+                        lambda tag: dict(real(tag), ds_config=ds_config))
+    config, _ = deepspeed.load_deepspeed_checkpoint(ROOT, heads=int(HEADS), optimizer=False)
+    assert ("--bf16" in config["flags"]) == bf16

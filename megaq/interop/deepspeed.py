@@ -422,6 +422,9 @@ def load_deepspeed_checkpoint(path: str, *, heads: int | None, optimizer: bool =
     iteration = states.get("global_steps")
     samples = states.get("global_samples")
     ds_config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
+    bf16 = ds_config.get("bf16")
+    if isinstance(bf16, dict) and bf16.get("enabled") is True and "--bf16" not in flags:
+        flags.append("--bf16")  # DeepSpeed's bf16 mode: bf16 weights and compute, fp32 masters
     config = dict(arch, flags=flags, iteration=iteration,
                   source=os.path.abspath(path), vocab_rows=arch["padded_vocab_size"],
                   has_optimizer=optimizer, format=kind,
