@@ -154,3 +154,41 @@ def test_one_process_e4m3_weights_equal_the_gemms_own_cast(device, recipe):
     s3, bf16_cast = _one_process_losses(3, recipe, device)
     assert e4m3 and not bf16_cast  # stage 3 without FP8 weight gathers: the GEMMs cast
     assert s0 == s3, (s0, s3)
+
+
+def test_round_to_bf16_is_the_dtype_conversion():
+    """fp8.round_to_bf16 (integer operations on the bits) gives exactly
+    ``x.to(bfloat16).float()``: ties to even, both signs, subnormals, the top of the
+    range (rounding up to inf) and exact half-ulp ties."""
+    from megaq.parallel import fp8
+    torch.manual_seed(0)
+    x = torch.randn(1 << 18) * torch.logspace(-40, 38, 1 << 18)
+    ties = (x.to(torch.bfloat16).float().view(torch.int32) + 0x8000).view(torch.float32)
+    edge = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.3895e38, -3.3895e38, 3.4e38,
+                         float("inf"), float("-inf")])
+    xs = torch.cat([x, ties, edge])
+    got = fp8.round_to_bf16(xs).view(torch.int32)
+    assert torch.equal(got, xs.to(torch.bfloat16).float().view(torch.int32))
+
+
+def test_compiled_refresh_cast_keeps_the_bf16_rounding():
+    """The refresh's fused cast (fp8.cast_weight's compiled graph, here on the CPU
+    backend) gives the bits of rounding to bf16 and then casting. (A plain ``w.to(bf16)``
+    in that graph does not: inductor elides the downcast-upcast pair and casts the fp32
+    value, as on the H100, where the refresh's first draft failed the CUDA case above.)
+    The data holds values at and just past bf16 ties, where the two differ."""
+    import math
+    from megaq.parallel import fp8
+    torch.manual_seed(0)
+    m = torch.randn(1 << 16) * 0.02
+    b = m.to(torch.bfloat16).float()
+    m[: 1 << 14] = (b[: 1 << 14].view(torch.int32) + 0x8000).view(torch.float32)  # ties
+    m[1 << 14: 1 << 15] = (b[1 << 14: 1 << 15].view(torch.int32) + 0x8001).view(torch.float32)
+    scale = fp8.scale_from_amax(torch.linalg.vector_norm(m, math.inf).to(torch.bfloat16).float(),
+                                fp8.E4M3, pow2=False)
+    want = fp8.cast(m.to(torch.bfloat16), scale, fp8.E4M3).view(torch.uint8)
+    out = torch.empty(1 << 16, dtype=fp8.E4M3)
+    torch.compile(fp8._round_and_cast, dynamic=True)(out, m, scale, torch.bfloat16)
+    assert torch.equal(out.view(torch.uint8), want)
+    # the data tells the two apart: casting the fp32 values unrounded gives other bits
+    assert not torch.equal(fp8.cast(m, scale, fp8.E4M3).view(torch.uint8), want)

@@ -151,21 +151,53 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool,
     return cast(x, scale, dtype), scale.reciprocal()
 
 
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32: the same
+    values as ``x.to(torch.bfloat16).float()`` for finite `x`, in integer operations on
+    the bits, which inductor keeps inside a fused kernel (it elides a bf16 downcast
+    followed by an upcast, so ``x.to(bf16)`` there does not round)."""
+    bits = x.view(torch.int32)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000
+    return bits.view(torch.float32)
+
+
+def _round_and_cast(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                    via: torch.dtype | None) -> None:
+    out.copy_(cast(w if via is None else round_to_bf16(w), scale, E4M3))
+
+
+# compiled once per process on first CUDA use
 _COMPILED_CAST = None
 
 
-def cast_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """:func:`cast` to E4M3 of a stored weight, once per optimizer step (ZeRO-3's FP8
-    weight gathers, stage 0's E4M3-only weights). On CUDA compiled: one fused pass per
-    weight instead of four with fp32 temporaries, the same operations, so the same bits,
-    as the GEMM's own cast, which inductor fuses the same way inside a compiled block;
-    dynamic shapes, so one graph serves every weight size."""
+def cast_weight(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                via: torch.dtype | None = None) -> None:
+    """:func:`cast` to E4M3 of a stored weight into `out`, once per optimizer step (ZeRO-3's
+    FP8 weight gathers, stage 0's E4M3-only weights). `via`: round `w` to this 16-bit dtype
+    first (stage 0 casts from the fp32 master the value a 16-bit copy would hold). On CUDA
+    compiled: one fused pass per weight, reading `w` and writing `out`, the same
+    operations, so the same bits, as the GEMM's own cast, which inductor fuses the same way
+    inside a compiled block; dynamic shapes, so one graph serves every weight size
+    (tests/test_fp8_resident.py: the compiled graph on the CPU backend, and the CUDA
+    case of the one-process test, bit for bit)."""
     global _COMPILED_CAST
+    if via is not None and (via, w.dtype) != (torch.bfloat16, torch.float32):
+        w, via = w.to(via), None  # a separate pass: only bf16 has the in-kernel rounding
     if not w.is_cuda:
-        return cast(w, scale, E4M3)
+        return _round_and_cast(out, w, scale, via)
     if _COMPILED_CAST is None:
-        _COMPILED_CAST = torch.compile(cast, dynamic=True)
-    return _COMPILED_CAST(w, scale, E4M3)
+        _COMPILED_CAST = torch.compile(_round_and_cast, dynamic=True)
+    _COMPILED_CAST(out, w, scale, via)
+
+
+def weight_scales(amax: torch.Tensor, groups) -> torch.Tensor:
+    """The E4M3 scales of weights cast once per step (ZeRO-3's FP8 weight gathers, stage
+    0's E4M3-only weights) from their local fp32 amaxes (1-D): one MAX all-reduce per
+    ``(group, phase)`` in `groups` (the groups the weight is split over), so every rank
+    casts with the scale the GEMM's own cast of the whole weight would use."""
+    for group, phase in groups:  # in place
+        comm.all_reduce(amax, group, phase, op=dist.ReduceOp.MAX)
+    return scale_from_amax(amax, E4M3, pow2=False)
 
 
 def recast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

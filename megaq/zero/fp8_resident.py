@@ -23,16 +23,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-from megaq.parallel import comm, fp8
+from megaq.parallel import fp8
 
 
 # HBM bytes per E4M3 weight element of one refresh, net: the amax pass reads the fp32
-# master (4), the rounding reads it again and writes 16 bits (4 + 2), the cast reads those
-# and writes E4M3 (2 + 1); the optimizer no longer writes a 16-bit copy (-2). The
-# planner charges it to the optimizer step (megaq.planner.step).
-REFRESH_BYTES_PER_PARAM = 4 + (4 + 2) + (2 + 1) - 2
+# master (4), the fused cast reads it again and writes E4M3 (4 + 1); the optimizer no
+# longer writes a 16-bit copy (-2). The planner charges it to the optimizer step
+# (megaq.planner.step).
+REFRESH_BYTES_PER_PARAM = 4 + (4 + 1) - 2
 
 
 class ResidentFP8Weights:
@@ -45,24 +44,21 @@ class ResidentFP8Weights:
         self.tp = tp
 
     def refresh(self) -> None:
-        """Cast every FP8 weight from its master (two passes: the amaxes, one all-reduce
-        over TP, then the casts; no 16-bit copy of more than one weight at a time)."""
+        """Cast every FP8 weight from its master: the amaxes (one multi-tensor pass), one
+        all-reduce over TP, then one fused round-and-cast pass per weight."""
         if not self.states:
             return
-        amax = []
-        for st in self.states:
-            for s in st.part.fp8_slots:
-                w = st.master[s.offset:s.offset + s.numel]
-                # the 16-bit copy's max |x| is max |x| rounded: rounding is monotonic
-                amax.append(torch.linalg.vector_norm(w, math.inf).to(st.part.dtype).float())
-        amax = torch.stack(amax)
-        comm.all_reduce(amax, self.tp, fp8.PHASE, op=dist.ReduceOp.MAX)
-        scale = fp8.scale_from_amax(amax, fp8.E4M3, pow2=False)
+        masters = [st.master[s.offset:s.offset + s.numel]
+                   for st in self.states for s in st.part.fp8_slots]
+        (dtype,) = {st.part.dtype for st in self.states}  # the engine's one gather dtype
+        # the 16-bit copy's max |x| is max |x| rounded: rounding is monotonic
+        amax = torch.stack(torch._foreach_norm(masters, math.inf)).to(dtype).float()
+        scale = fp8.weight_scales(amax, [(self.tp, fp8.PHASE)])
         k = 0
         for st in self.states:
             part = st.part
             part.fp8_inv_scales.copy_(scale[k:k + len(part.fp8_slots)].reciprocal())
             for s in part.fp8_slots:
-                w16 = st.master[s.offset:s.offset + s.numel].to(part.dtype)
-                part.full_fp8[s.offset:s.offset + s.numel] = fp8.cast_weight(w16, scale[k])
+                fp8.cast_weight(part.full_fp8[s.offset:s.offset + s.numel], masters[k],
+                                scale[k], via=part.dtype)
                 k += 1

@@ -38,7 +38,6 @@ embedding, the head) go through :class:`ZeroPPWeightGatherer` as before (bf16, h
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megaq.parallel import comm, fp8
 from megaq.parallel.comm import Handle
@@ -152,10 +151,7 @@ class FP8WeightGatherer:
                     amax.append(torch.linalg.vector_norm(piece, float("inf")).float())
                 else:
                     amax.append(part.shard.new_zeros((), dtype=torch.float32))
-        amax = torch.stack(amax)
-        comm.all_reduce(amax, self.dp, FWD, op=dist.ReduceOp.MAX)
-        comm.all_reduce(amax, self.tp, fp8.PHASE, op=dist.ReduceOp.MAX)
-        scale = fp8.scale_from_amax(amax, fp8.E4M3, pow2=False)
+        scale = fp8.weight_scales(torch.stack(amax), [(self.dp, FWD), (self.tp, fp8.PHASE)])
         k = 0
         for part in self._parts:
             m = len(part.fp8_slots)
@@ -165,7 +161,7 @@ class FP8WeightGatherer:
                 a, b = max(s.offset, part.lo), min(s.offset + s.numel, part.hi)
                 if b > a:
                     piece = part.shard[a - part.lo:b - part.lo]
-                    q[a - part.lo:b - part.lo] = fp8.cast_weight(piece, scale[k + j])
+                    fp8.cast_weight(q[a - part.lo:b - part.lo], piece, scale[k + j])
             k += m
             self._fp8_shard[part.name] = q.view(torch.uint8)
             self._rest_send[part.name] = self._rest_piece(part)
