@@ -39,6 +39,11 @@ EARLIER_TREE_FILES = ("fp8final_h200_1.3B.json", "fp8final_h200_1.3B_recheck.jso
 VALIDATE_TRAIN_FILES = CURRENT_TREE_FILES + EARLIER_TREE_FILES
 EARLIER_TREE = ("earlier tree: memory measured before the engine freed its gradient "
                 "accumulators between steps and before FP8 / attention kept fewer tensors")
+# files measured before stage 0 held its FP8 GEMMs' weights in E4M3 only
+# (megaq.zero.fp8_resident): their stage-0 tensorwise / delayed FP8 memory is shown, not bounded
+BEFORE_E4M3_FILES = ("bench_train_h200_1.3B_current.json", "largest_model_h200.json")
+BEFORE_E4M3 = ("earlier tree: stage-0 FP8 memory measured before the GEMMs' weights were "
+               "held in E4M3 only")
 # largest_model.py: megaq's variants at the largest depth that trained (full recompute)
 VALIDATE_LARGEST_FILE = "largest_model_h200.json"
 # the emulated runs: both rates in one process (the rate switched in place), and 1 Gbit/s
@@ -57,6 +62,14 @@ def _row(kind, label, source, predicted, measured, fitted=False, excluded=None, 
             **extra}
 
 
+def _before_e4m3(name: str, argv: list[str]) -> bool:
+    """A stage-0 tensorwise / delayed FP8 run in a file measured before E4M3-only weights."""
+    def flag(f):
+        return argv[argv.index(f) + 1] if f in argv else None
+    return (os.path.basename(name) in BEFORE_E4M3_FILES and flag("--zero-stage") == "0"
+            and flag("--fp8-recipe") in ("tensorwise", "delayed"))
+
+
 def single_gpu_rows(calibration, files=None) -> list[dict]:
     out = []
     for name in files or VALIDATE_TRAIN_FILES:
@@ -68,7 +81,8 @@ def single_gpu_rows(calibration, files=None) -> list[dict]:
             out.append(_row("step", r.label, r.source, p.step_time_s * 1e3, r.step_ms, unit="ms"))
             earlier = os.path.basename(name) in EARLIER_TREE_FILES
             out.append(_row("memory", r.label, r.source, _allocated_gib(p), r.peak_mem_gib,
-                            excluded=EARLIER_TREE if earlier else None, unit="GiB"))
+                            excluded=EARLIER_TREE if earlier else
+                            BEFORE_E4M3 if _before_e4m3(name, r.argv) else None, unit="GiB"))
     return out
 
 
@@ -89,7 +103,8 @@ def largest_model_rows(calibration, path=None) -> list[dict]:
             "--recompute-num-layers", "1"]
         p = _predict(argv, calibration)
         out.append(_row("memory", f"{best['layers']}x{fam['hidden']} {variant} (recompute)",
-                        os.path.basename(path), _allocated_gib(p), best["peak_gib"], unit="GiB"))
+                        os.path.basename(path), _allocated_gib(p), best["peak_gib"], unit="GiB",
+                        excluded=BEFORE_E4M3 if _before_e4m3(path, argv) else None))
     return out
 
 
