@@ -192,3 +192,37 @@ def test_compiled_refresh_cast_keeps_the_bf16_rounding():
     assert torch.equal(out.view(torch.uint8), want)
     # the data tells the two apart: casting the fp32 values unrounded gives other bits
     assert not torch.equal(fp8.cast(m, scale, fp8.E4M3).view(torch.uint8), want)
+
+
+def test_refresh_cast_falls_back_to_two_passes_where_compiling_loses_the_rounding():
+    """fp8._RefreshCast checks its fused graph once against the two-pass form (round,
+    then cast the bf16 tensor). A graph that drops the rounding, as inductor does with a
+    plain ``w.to(bf16)``, is caught on the first call, warned about once, and every
+    weight, that one included, gets the two-pass bits; a faithful graph is kept."""
+    import math
+    import warnings
+    from megaq.parallel import fp8
+    torch.manual_seed(0)
+    m = torch.randn(4096) * 0.02
+    b = m.to(torch.bfloat16).float()
+    m[:1024] = (b[:1024].view(torch.int32) + 0x8000).view(torch.float32)  # bf16 ties
+    scale = fp8.scale_from_amax(torch.linalg.vector_norm(m, math.inf).to(torch.bfloat16).float(),
+                                fp8.E4M3, pow2=False)
+    want = fp8.cast(m.to(torch.bfloat16), scale, fp8.E4M3).view(torch.uint8)
+
+    def lossy(out, w, s, via):  # what the compiled graph of w.to(bf16) computes
+        out.copy_(fp8.cast(w.float(), s, fp8.E4M3))
+
+    def faithful(out, w, s, via):
+        out.copy_(fp8.cast(w if via is None else w.to(via), s, fp8.E4M3))
+
+    for graph, ok in ((lossy, False), (faithful, True)):
+        rc = fp8._RefreshCast(compiled=graph)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                out = torch.empty(m.numel(), dtype=fp8.E4M3)
+                rc(out, m, scale, torch.bfloat16)
+                assert torch.equal(out.view(torch.uint8), want), graph.__name__
+        assert rc.fused_ok is ok
+        assert len(caught) == (0 if ok else 1), [str(w.message) for w in caught]

@@ -43,6 +43,7 @@ as the benchmark's reference).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -166,8 +167,36 @@ def _round_and_cast(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     out.copy_(cast(w if via is None else round_to_bf16(w), scale, E4M3))
 
 
-# compiled once per process on first CUDA use
-_COMPILED_CAST = None
+class _RefreshCast:
+    """The compiled cast of :func:`cast_weight`, built on first use. Its fused rounding
+    (``via``) is checked once per process against the two-pass form (round to bf16 in its
+    own pass, then the compiled cast of the bf16 tensor, the GEMM's own path): should a
+    torch version's inductor compile the rounding differently, the weights keep the GEMM's
+    bits through the two-pass form, with one warning, rather than drift from them."""
+
+    def __init__(self, compiled=None):
+        self.compiled = compiled
+        self.fused_ok = None  # None: not checked yet
+
+    def __call__(self, out, w, scale, via) -> None:
+        if self.compiled is None:
+            self.compiled = torch.compile(_round_and_cast, dynamic=True)
+        if via is None or self.fused_ok:
+            return self.compiled(out, w, scale, via)
+        if self.fused_ok is None:
+            self.compiled(out, w, scale, via)
+            two_pass = torch.empty_like(out)
+            self.compiled(two_pass, w.to(via), scale, None)
+            self.fused_ok = torch.equal(out.view(torch.uint8), two_pass.view(torch.uint8))
+            if not self.fused_ok:
+                warnings.warn("megaq: this torch's compiled E4M3 weight cast does not round "
+                              "to bf16 as the GEMMs do; casting in two passes instead")
+            out.copy_(two_pass)
+            return
+        self.compiled(out, w.to(via), scale, None)
+
+
+_REFRESH_CAST = _RefreshCast()
 
 
 def cast_weight(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
@@ -178,16 +207,13 @@ def cast_weight(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     compiled: one fused pass per weight, reading `w` and writing `out`, the same
     operations, so the same bits, as the GEMM's own cast, which inductor fuses the same way
     inside a compiled block; dynamic shapes, so one graph serves every weight size
-    (tests/test_fp8_resident.py: the compiled graph on the CPU backend, and the CUDA
-    case of the one-process test, bit for bit)."""
-    global _COMPILED_CAST
+    (tests/test_fp8_resident.py: the compiled graph on the CPU backend, the check of
+    :class:`_RefreshCast`, and the CUDA case of the one-process test, bit for bit)."""
     if via is not None and (via, w.dtype) != (torch.bfloat16, torch.float32):
         w, via = w.to(via), None  # a separate pass: only bf16 has the in-kernel rounding
     if not w.is_cuda:
         return _round_and_cast(out, w, scale, via)
-    if _COMPILED_CAST is None:
-        _COMPILED_CAST = torch.compile(_round_and_cast, dynamic=True)
-    _COMPILED_CAST(out, w, scale, via)
+    _REFRESH_CAST(out, w, scale, via)
 
 
 def weight_scales(amax: torch.Tensor, groups) -> torch.Tensor:
