@@ -98,7 +98,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     try:
         flags = plan_parser().parse_args(argv)
         hw = from_flags(HardwareFlags, flags)
-        gpu = gpu_preset(hw.gpu)
+        gpu = gpu_preset(hw.preset)
         per_node = flags.gpus_per_node or gpu.gpus_per_node
         nodes = hw.num_nodes or 1
         if flags.top < 1:

@@ -127,7 +127,7 @@ def build_trainer(config, topo, t_start: float | None = None, hardware=None):
     `config` is a megaq.config.run.RunConfig; `topo` this rank's Topology; `t_start` the
     perf_counter() the setup time printed counts from (default: now); `hardware` the
     machine of the plan written into the metrics file (megaq.planner.run.HardwareFlags;
-    default: the H200 preset)."""
+    without --gpu: the preset of the CUDA device it trains on, else H200)."""
     from megaq.runtime import failure
     from megaq.checkpoint import guard
     from megaq.checkpoint.errors import CheckpointError
@@ -268,8 +268,11 @@ def _hardware_flags(argv):
 
 
 def _plan_record(config, hardware) -> dict:
+    """The plan for the machine this rank trains on: --gpu, else the CUDA device's preset."""
     from megaq.planner.run import HardwareFlags, plan_record
-    return plan_record(config, hardware or HardwareFlags())
+    dev = _device(config.parallel)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    return plan_record(config, (hardware or HardwareFlags()).on_device(name))
 
 
 def dry_run(argv) -> int | None:
@@ -284,14 +287,14 @@ def dry_run(argv) -> int | None:
                                         run_problems)
     from megaq.parallel.topology import ranks_per_node_from_env
     from megaq.plan_cli import dry_run as print_plan
-    from megaq.planner.hardware import gpu_preset
+    from megaq.planner.hardware import DEFAULT_GPU, gpu_preset
     flags, problems = build_parser().parse_all(argv)
     if not (flags.dry_run if flags is not None else "--dry-run" in (argv or sys.argv[1:])):
         return None
     if flags is None:  # argparse could not go on: what it found
         return _print_problems(problems)
     if flags.num_nodes is not None:
-        per_node = flags.gpus_per_node or gpu_preset(flags.gpu).gpus_per_node
+        per_node = flags.gpus_per_node or gpu_preset(flags.gpu or DEFAULT_GPU).gpus_per_node
         world = flags.num_nodes * per_node
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))

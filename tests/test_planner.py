@@ -519,6 +519,22 @@ def test_hardware_presets():
         gpu_preset(g)
 
 
+@pytest.mark.parametrize("device_name,preset", [
+    ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H200", "H200"), ("NVIDIA H800", "H800"),
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("Tesla V100-SXM2-32GB", "V100-32GB"), ("Tesla V100-SXM2-16GB", None),
+    ("NVIDIA H100 PCIe", None), ("NVIDIA GeForce RTX 4090", None)])
+def test_a_run_plans_for_the_gpu_it_trains_on(device_name, preset):
+    """pretrain_gpt.py's plan (metrics file, end-of-run line) is for its own GPU unless --gpu
+    names one: an H100 run compared with the H200's prediction said nothing about either."""
+    from megaq.planner.hardware import preset_of_device
+    from megaq.planner.run import HardwareFlags
+    assert preset_of_device(device_name) == preset
+    assert HardwareFlags().on_device(device_name).preset == (preset or "H200")
+    assert HardwareFlags(gpu="A100-40GB").on_device(device_name).preset == "A100-40GB"
+    assert HardwareFlags().on_device(None).preset == "H200"
+
+
 def _bench_parts(variant="megaq-s0-comp", extra=(), micro_batches=1):
     from megaq.planner.bench_rows import bench_argv
     from megaq.planner.calibrate import _predict

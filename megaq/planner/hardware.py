@@ -51,6 +51,25 @@ DEFAULT_INTER_NODE_LATENCY_S = 10e-6
 DEFAULT_INTRA_NODE_LATENCY_S = 3e-6
 
 
+DEFAULT_GPU = "H200"
+
+
+def preset_of_device(device_name: str) -> str | None:
+    """The preset of a CUDA device as torch names it (``"NVIDIA H100 80GB HBM3"`` ->
+    ``"H100-SXM"``); None for a part no preset describes (PCIe boards: other clocks,
+    memory and links; a 16 GB V100)."""
+    name = device_name.upper()
+    if "PCIE" in name:
+        return None
+    for part, preset in (("H200", "H200"), ("H800", "H800"), ("H100", "H100-SXM"),
+                         ("V100", "V100-32GB" if "32GB" in name else None)):
+        if part in name:
+            return preset
+    if "A100" in name:
+        return "A100-80GB" if "80GB" in name else "A100-40GB"
+    return None
+
+
 def gpu_preset(name: str) -> GPU:
     """The preset called `name` (case-insensitive)."""
     for key, gpu in PRESETS.items():

@@ -3,14 +3,15 @@ a parsed run, the metrics file's plan record and the end-of-run comparison line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from megaq.config.flags import add_flags, flag
 
 from .calibration import Calibration, load_calibration
-from .hardware import (DEFAULT_INTER_NODE_GBIT_PER_S, DEFAULT_INTER_NODE_LATENCY_S,
-                       DEFAULT_INTRA_NODE_LATENCY_S, PRESETS, Cluster, HardwareError, gpu_preset)
+from .hardware import (DEFAULT_GPU, DEFAULT_INTER_NODE_GBIT_PER_S, DEFAULT_INTER_NODE_LATENCY_S,
+                       DEFAULT_INTRA_NODE_LATENCY_S, PRESETS, Cluster, HardwareError, gpu_preset,
+                       preset_of_device)
 from .step import PlanInput, Prediction, predict
 
 
@@ -21,7 +22,9 @@ class HardwareFlags:
 
     FLAG_GROUP: ClassVar[str] = "hardware (for the plan: --dry-run, tools/plan.py)"
 
-    gpu: str = flag("--gpu", f"GPU preset: {', '.join(PRESETS)}", "H200", metavar="NAME")
+    gpu: str | None = flag(
+        "--gpu", f"GPU preset: {', '.join(PRESETS)} (default: the GPU pretrain_gpt.py trains "
+        f"on, where a preset describes it; else {DEFAULT_GPU})", metavar="NAME")
     num_nodes: int | None = flag(
         "--num-nodes", "nodes of the cluster (pretrain_gpt.py: default world size / "
         "--gpus-per-node; tools/plan.py: default 1)", type=int)
@@ -38,8 +41,18 @@ class HardwareFlags:
         "--intra-node-latency", "microseconds of one in-node message",
         DEFAULT_INTRA_NODE_LATENCY_S * 1e6, type=float, metavar="US")
 
+    @property
+    def preset(self) -> str:
+        return self.gpu or DEFAULT_GPU
+
+    def on_device(self, device_name: str | None) -> "HardwareFlags":
+        """These flags for a run training on the CUDA device `device_name`: without --gpu,
+        its preset, so the end-of-run comparison is against the machine that ran."""
+        detected = preset_of_device(device_name) if device_name else None
+        return self if self.gpu or not detected else replace(self, gpu=detected)
+
     def cluster(self, num_nodes: int, gpus_per_node: int) -> Cluster:
-        return Cluster(gpu_preset(self.gpu), num_nodes, gpus_per_node,
+        return Cluster(gpu_preset(self.preset), num_nodes, gpus_per_node,
                        self.inter_node_bandwidth, self.inter_node_latency * 1e-6,
                        self.intra_node_bandwidth, self.intra_node_latency * 1e-6)
 
@@ -80,7 +93,7 @@ def plan_record(run, hw: HardwareFlags) -> dict:
         pred = plan_of_run(run, hw)
     except (ValueError, HardwareError) as e:
         return {"type": "plan", "error": str(e)}
-    return {"type": "plan", "gpu": hw.gpu, **pred.to_json()}
+    return {"type": "plan", "gpu": hw.preset, **pred.to_json()}
 
 
 def comparison_line(record: dict | None, step_s: float | None, peak_bytes: int | None) -> str:

@@ -4,7 +4,7 @@ Builds the built-in corpus (megaq.data.builtin: the Python standard library's te
 SentencePiece BPE tokenizer of 4096 tokens trained on it, all on this machine), then
 trains the same Llama-style model from the same seed on the same data order, once per
 variant, each through pretrain_gpt.py's own entry point (megaq.pretrain.main) in a
-fresh process, ZeRO-3 at DP=1, bf16 weights with fp32 masters, compiled blocks:
+fresh process, ZeRO-3 at DP=1 (--zero-stage), bf16 weights with fp32 masters, compiled blocks:
 
   bf16   bf16 GEMMs
   fp8    FP8 GEMMs in the blocks (--fp8-format hybrid --fp8-recipe tensorwise)
@@ -67,7 +67,7 @@ def train_argv(a, data_prefix: str, tokenizer: str, variant: str, metrics: str) 
         "--tokenizer-model", tokenizer, "--split", "95,5,0",
         "--data-cache-path", os.path.join(a.cache_dir, "index_cache"),
         "--log-interval", "1", "--eval-interval", str(a.eval_interval),
-        "--eval-iters", str(a.eval_iters), "--metrics-file", metrics, "--zero-stage", "3",
+        "--eval-iters", str(a.eval_iters), "--metrics-file", metrics, "--zero-stage", str(a.zero_stage),
     ]
     if a.device != "cpu":
         argv += ["--bf16", "--compile-blocks"]
@@ -115,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=10)
+    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+                   help="the engine's stage at DP=1 (0: stage 0 holds the FP8 GEMMs' weights "
+                        "in E4M3 only, refreshed from the masters each step)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--corpus-bytes", type=int, default=12_000_000,
                    help="standard-library text to take (about 11 MB is all of it)")
