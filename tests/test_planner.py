@@ -511,6 +511,21 @@ def test_pretrain_dry_run_prints_the_plan_without_ranks(capsys):
     assert not dist.is_initialized()
 
 
+def test_elementwise_kernels_run_at_the_reference_rate_or_the_gpus_hbm_rate():
+    """The element-wise term: on the H200 its fitted rate (HBM over the byte scale), carried
+    as a ceiling; a GPU with less usable HBM than that ceiling is HBM-bound."""
+    from megaq.planner.compute import elementwise_rate
+    h200, h100, v100 = (gpu_preset(g) for g in ("H200", "H100-SXM", "V100-32GB"))
+    scale, eff = CAL.elementwise_bytes_scale["compiled"], CAL.hbm_efficiency
+    ceiling = h200.hbm_gb_per_s * 1e9 * eff / scale
+    assert elementwise_rate(h200, CAL, "compiled") == pytest.approx(ceiling)
+    assert elementwise_rate(h100, CAL, "compiled") == pytest.approx(
+        min(ceiling, h100.hbm_gb_per_s * 1e9 * eff))
+    assert elementwise_rate(v100, CAL, "compiled") == pytest.approx(v100.hbm_gb_per_s * 1e9 * eff)
+    flat = dataclasses.replace(CAL, elementwise_bytes_scale={"compiled": 0.0, "eager": 0.5})
+    assert elementwise_rate(h200, flat, "compiled") == pytest.approx(h200.hbm_gb_per_s * 1e9 * eff)
+
+
 def test_hardware_presets():
     assert gpu_preset("h100-sxm").name == "H100-SXM"
     with pytest.raises(HardwareError, match="V100-32GB, A100-40GB"):

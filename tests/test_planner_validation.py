@@ -84,11 +84,18 @@ def test_validation_rows_hold_their_bounds():
     # memory measured on an earlier tree is shown, not bounded; its step times are
     earlier = [r for r in doc["rows"] if r["source"] in validate.EARLIER_TREE_FILES]
     assert earlier and all(bool(r["excluded"]) == (r["kind"] == "memory") for r in earlier)
-    largest = [r for r in doc["rows"] if r["source"] == validate.VALIDATE_LARGEST_FILE]
-    assert len(largest) == 4 and all(r["within"] for r in largest), largest
+    # the same steps on an H100, predicted for its preset from the H200 calibration
+    other = [r for r in doc["rows"] if r["source"] in validate.OTHER_GPU_FILES]
+    assert {(r["kind"], r["label"]) for r in other} == {
+        (k, f"{s} megaq-{v}-comp (H100-SXM)") for k in ("step", "memory")
+        for s in ("1.3B", "3B") for v in ("s0", "fp8dl")}
+    assert all(r["within"] and not r["excluded"] for r in other), other
+    largest = [r for r in doc["rows"] if r["source"] in validate.VALIDATE_LARGEST_FILES]
+    assert len(largest) == 8 and all(r["within"] for r in largest), largest
+    assert sum(r["label"].endswith("(H100-SXM)") for r in largest) == 4
     assert [r["label"] for r in largest if r["excluded"]] == ["39x4096 megaq-fp8dl-comp (recompute)"]
     assert doc["summary"]["memory"]["rows"] == sum(
-        1 for r in current + largest if r["kind"] == "memory" and not r["excluded"])
+        1 for r in current + other + largest if r["kind"] == "memory" and not r["excluded"])
     # every emulated file's fastest configuration named at each rate (or one tied with it
     # within the pass spread); a file's 5 configurations are rows of the table
     assert {(w["source"], w["rate"]) for w in doc["winners"]} == {
@@ -122,6 +129,8 @@ def test_published_speedups_keep_their_order_and_tolerance():
     (["calibrate", "--bench-kernels", "{results}/fp8final_h200_3B.json", "-o", "{tmp}/c.json"],
      "pass it with --bench-train"),
     (["calibrate", "--bench-kernels", "{tmp}/missing.json", "-o", "{tmp}/c.json"], "missing.json"),
+    (["calibrate", "--bench-train", "{results}/bench_train_h100_1.3B_current.json", "-o",
+      "{tmp}/c.json"], "was measured on an H100-SXM; the calibration fits H200 runs only"),
     (["calibrate", "-o", "{tmp}/no/such/dir/c.json"], "does not exist"),
     (["scale", "--out", "{tmp}/no/such/dir/s.json"], "does not exist; create it"),
     (["validate", "--out", "{tmp}/no/such/dir/v.json"], "does not exist; create it"),

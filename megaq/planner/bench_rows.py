@@ -101,6 +101,14 @@ def _load_json(path: str) -> dict:
     return doc
 
 
+def file_gpu(path: str) -> str | None:
+    """The planner's preset of the GPU a bench file was measured on (its "device", as torch
+    names it), None when no preset describes it or the file does not say."""
+    from megaq.planner.hardware import preset_of_device
+    device = _load_json(path).get("device")
+    return preset_of_device(device) if isinstance(device, str) else None
+
+
 def read_train_rows(path: str) -> list[TrainRow]:
     """The megaq rows of one bench_train.py JSON (failed and reference rows left out)."""
     doc = _load_json(path)

@@ -31,7 +31,7 @@ import math
 import os
 import statistics
 
-from megaq.planner.bench_rows import (BenchFileError, TrainRow, read_kernel_rows,
+from megaq.planner.bench_rows import (BenchFileError, TrainRow, file_gpu, read_kernel_rows,
                                       read_train_rows, read_zeropp_kernels)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -164,6 +164,12 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
     from megaq.planner.hardware import gpu_preset
 
     gpu = gpu_preset(REFERENCE_GPU)
+    for path in train_files:  # another GPU's figures would be fitted as this one's
+        other = file_gpu(path)
+        if other not in (None, REFERENCE_GPU):
+            raise BenchFileError(f"{path} was measured on an {other}; the calibration fits "
+                                 f"{REFERENCE_GPU} runs only (tools/plan.py validate checks "
+                                 f"other GPUs against it)")
     rows = [r for path in train_files for r in read_train_rows(path)]
     zeropp = [read_zeropp_kernels(path) for path in train_files]
     kernels = [k for path in kernel_files for k in read_kernel_rows(path)]

@@ -3,7 +3,9 @@
 Three kinds of row, each with the bound docs/PLANNING.md states for it:
 
 - `step`: one H200, bench_train.py's measured step (median of its timed steps), 1.3B
-  and 3B, bf16 and FP8, ZeRO stage 0 and stage 3 at DP 1; within 10%.
+  and 3B, bf16 and FP8, ZeRO stage 0 and stage 3 at DP 1; within 10%. Files measured on
+  another GPU (an H100) are predicted for that GPU's preset from the H200 calibration,
+  their label naming the GPU: the check of carrying the calibration to other hardware.
 - `memory`: the same runs' peak allocated memory; within 10%. The model follows the
   current code (memory.py); the files measured on an earlier tree (before the engine
   handed its fp32 gradient accumulators back between steps, and before FP8 and attention
@@ -25,18 +27,21 @@ from __future__ import annotations
 import json
 import os
 
-from megaq.planner.bench_rows import bench_argv, read_train_rows
-from megaq.planner.calibrate import (EMULATED_FIT_CONFIGS, FIT_EMULATED_FILE, RESULTS,
-                                     _allocated_gib, _predict, emulated_calibration,
+from megaq.planner.bench_rows import bench_argv, file_gpu, read_train_rows
+from megaq.planner.calibrate import (EMULATED_FIT_CONFIGS, FIT_EMULATED_FILE, REFERENCE_GPU,
+                                     RESULTS, _allocated_gib, _predict, emulated_calibration,
                                      emulated_cluster, emulated_rows)
+from megaq.planner.hardware import Cluster, gpu_preset
 
 # held-out bench_train.py files: the current tree's steps, the earlier final FP8 / bf16
 # runs (fp8final*) and the ZeRO-3 / FP8-gather runs at DP 1; no 3B run is in the
 # calibration's files
 CURRENT_TREE_FILES = ("bench_train_h200_1.3B_current.json", "bench_train_h200_3B_current.json")
+# the same steps on an H100 (the current tree): predicted for the H100-SXM preset
+OTHER_GPU_FILES = ("bench_train_h100_1.3B_current.json", "bench_train_h100_3B_current.json")
 EARLIER_TREE_FILES = ("fp8final_h200_1.3B.json", "fp8final_h200_1.3B_recheck.json",
                       "fp8final_h200_3B.json", "fp8_gather_h200_1.3B.json")
-VALIDATE_TRAIN_FILES = CURRENT_TREE_FILES + EARLIER_TREE_FILES
+VALIDATE_TRAIN_FILES = CURRENT_TREE_FILES + OTHER_GPU_FILES + EARLIER_TREE_FILES
 EARLIER_TREE = ("earlier tree: memory measured before the engine freed its gradient "
                 "accumulators between steps and before FP8 / attention kept fewer tensors")
 # files measured before stage 0 held its FP8 GEMMs' weights in E4M3 only
@@ -45,7 +50,7 @@ BEFORE_E4M3_FILES = ("bench_train_h200_1.3B_current.json", "largest_model_h200.j
 BEFORE_E4M3 = ("earlier tree: stage-0 FP8 memory measured before the GEMMs' weights were "
                "held in E4M3 only")
 # largest_model.py: megaq's variants at the largest depth that trained (full recompute)
-VALIDATE_LARGEST_FILE = "largest_model_h200.json"
+VALIDATE_LARGEST_FILES = ("largest_model_h200.json", "largest_model_h100.json")
 # the emulated runs: both rates in one process (the rate switched in place), and 1 Gbit/s
 # alone in another device call; the first holds the ZeRO-3 rows the link was fitted on
 VALIDATE_EMULATED_FILES = ("emulated_cluster_gpu.json", "emulated_cluster_gpu_1gbit.json")
@@ -70,6 +75,14 @@ def _before_e4m3(name: str, argv: list[str]) -> bool:
             and flag("--fp8-recipe") in ("tensorwise", "delayed"))
 
 
+def _on_its_gpu(path: str, label: str):
+    """(the one-GPU cluster a file was measured on, the row label naming a GPU other than
+    the calibration's)."""
+    gpu = file_gpu(path) or REFERENCE_GPU
+    cluster = Cluster(gpu_preset(gpu), num_nodes=1, gpus_per_node=1)
+    return cluster, label if gpu == REFERENCE_GPU else f"{label} ({gpu})"
+
+
 def single_gpu_rows(calibration, files=None) -> list[dict]:
     out = []
     for name in files or VALIDATE_TRAIN_FILES:
@@ -77,18 +90,25 @@ def single_gpu_rows(calibration, files=None) -> list[dict]:
         for r in read_train_rows(path):
             if r.fp8 is not None and r.fp8[1] == "rowwise":
                 continue
-            p = _predict(r.argv, calibration)
-            out.append(_row("step", r.label, r.source, p.step_time_s * 1e3, r.step_ms, unit="ms"))
+            cluster, label = _on_its_gpu(path, r.label)
+            p = _predict(r.argv, calibration, cluster)
+            out.append(_row("step", label, r.source, p.step_time_s * 1e3, r.step_ms, unit="ms"))
             earlier = os.path.basename(name) in EARLIER_TREE_FILES
-            out.append(_row("memory", r.label, r.source, _allocated_gib(p), r.peak_mem_gib,
+            out.append(_row("memory", label, r.source, _allocated_gib(p), r.peak_mem_gib,
                             excluded=EARLIER_TREE if earlier else
                             BEFORE_E4M3 if _before_e4m3(name, r.argv) else None, unit="GiB"))
     return out
 
 
-def largest_model_rows(calibration, path=None) -> list[dict]:
+def largest_model_rows(calibration, paths=None) -> list[dict]:
     """Peak memory of largest_model.py's megaq runs at the largest depth that trained."""
-    path = path or os.path.join(RESULTS, VALIDATE_LARGEST_FILE)
+    out = []
+    for path in paths or [os.path.join(RESULTS, name) for name in VALIDATE_LARGEST_FILES]:
+        out += _largest_rows(calibration, path)
+    return out
+
+
+def _largest_rows(calibration, path: str) -> list[dict]:
     with open(path) as f:
         doc = json.load(f)
     fam = doc["family"]
@@ -101,8 +121,9 @@ def largest_model_rows(calibration, path=None) -> list[dict]:
         argv = bench_argv(f"L{best['layers']}", variant, shape=shape) + [
             "--recompute-granularity", "full", "--recompute-method", "uniform",
             "--recompute-num-layers", "1"]
-        p = _predict(argv, calibration)
-        out.append(_row("memory", f"{best['layers']}x{fam['hidden']} {variant} (recompute)",
+        cluster, label = _on_its_gpu(path, f"{best['layers']}x{fam['hidden']} {variant} (recompute)")
+        p = _predict(argv, calibration, cluster)
+        out.append(_row("memory", label,
                         os.path.basename(path), _allocated_gib(p), best["peak_gib"], unit="GiB",
                         excluded=BEFORE_E4M3 if _before_e4m3(path, argv) else None))
     return out
