@@ -8,8 +8,8 @@ then the compiled cast of the bf16 tensor, the GEMM's own path), and reports:
   fused_ok   the cast's own once-per-process check (fp8._RefreshCast): True when this
              torch's inductor keeps the rounding, so the fused pass is used
   bits       the fused cast equals the eager two-pass cast bit for bit
-  ms         per call, median of --reps eager launches, each after a 256 MB write that
-             flushes the L2 (as the refresh sees its masters: not in cache)
+  ms         per call, eager, each launch after a 256 MB write that flushes the L2 (as
+             the refresh sees its masters: not in cache); triton's do_bench median
 
     python tools/bench/bench_refresh_cast.py --out refresh_cast.json
 """
@@ -32,25 +32,17 @@ _checkout.use_checkout()
 SIZES = [50_000_000, 2048 * 5440, 3072 * 3072]
 
 
-def cold_ms(fn, reps: int) -> float:
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def cold_ms(fn) -> float:
+    """Per call with a cold L2, as bench_kernels.py's `cold` column: triton's do_bench
+    (a 256 MB write before each call), median."""
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES, metavar="ELEMENTS")
-    p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON results")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -68,9 +60,8 @@ def main(argv=None) -> int:
             fp8.cast_weight(out, w, scale, via=torch.bfloat16)
         bits = torch.equal(out.view(torch.uint8),
                            fp8.cast(w.to(torch.bfloat16), scale, fp8.E4M3).view(torch.uint8))
-        fused = cold_ms(lambda: fp8.cast_weight(out, w, scale, via=torch.bfloat16), a.reps)
-        two = cold_ms(lambda: fp8._REFRESH_CAST.compiled(out, w.to(torch.bfloat16), scale, None),
-                      a.reps)
+        fused = cold_ms(lambda: fp8.cast_weight(out, w, scale, via=torch.bfloat16))
+        two = cold_ms(lambda: fp8._REFRESH_CAST.compiled(out, w.to(torch.bfloat16), scale, None))
         rows.append({"elements": n, "fused_ok": fp8._REFRESH_CAST.fused_ok, "bits": bits,
                      "fused_ms": fused, "two_pass_ms": two,
                      "fused_gb_per_s": 5 * n / fused / 1e6,
@@ -84,7 +75,7 @@ def main(argv=None) -> int:
     if a.out:
         report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "command": " ".join(["bench_refresh_cast.py"] + (argv or sys.argv[1:])),
-                  "timer": "per call, eager, cold L2 (256 MB write before each)", "rows": rows}
+                  "timer": "per call, eager, cold L2 (triton.testing.do_bench median)", "rows": rows}
         with open(a.out + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
         os.replace(a.out + ".tmp", a.out)
