@@ -138,8 +138,9 @@ def main(argv=None):
               f"({params_of(start) / 1e9:.2f}B)", flush=True)
         res = search(name, variant, start, dev, args.steps, args.warmup)
         res["planner_largest_layers"] = start
+        # the planner models megaq; torchao's search only starts at megaq bf16's depth
         res["planner_gib_at_largest"] = (planner_fits(res["largest"]["layers"], flags, args.gpu)[1]
-                                         if res["largest"] else None)
+                                         if res["largest"] and variant.startswith("megaq") else None)
         report["results"][name] = res
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
@@ -149,13 +150,16 @@ def main(argv=None):
     print("\n| variant | largest model | layers | step ms | tokens/s | MFU | peak GiB | planner: layers / GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for name, res in report["results"].items():
-        b = res["largest"]
+        b, gib = res["largest"], res["planner_gib_at_largest"]
+        planner = ("(megaq's model only)" if not res["variant"].startswith("megaq") else
+                   f"{res['planner_largest_layers']} / {gib:.1f}" if gib is not None else
+                   f"{res['planner_largest_layers']} / -")
         if b is None:
-            print(f"| {name} | none fits | | | | | | {res['planner_largest_layers']} / - |")
+            print(f"| {name} | none fits | | | | | | {planner} |")
             continue
         print(f"| {name} | {b['params_b']:.2f}B | {b['layers']} | {b['step_ms']:.0f} | "
               f"{b['tokens_per_s'] / 1e3:.1f}K | {100 * b['mfu']:.1f}% | {b['peak_gib']:.1f} | "
-              f"{res['planner_largest_layers']} / {res['planner_gib_at_largest']:.1f} |")
+              f"{planner} |")
 
 
 if __name__ == "__main__":
