@@ -538,7 +538,8 @@ def test_hardware_presets():
     ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H200", "H200"), ("NVIDIA H800", "H800"),
     ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
     ("Tesla V100-SXM2-32GB", "V100-32GB"), ("Tesla V100-SXM2-16GB", None),
-    ("NVIDIA H100 PCIe", None), ("NVIDIA GeForce RTX 4090", None)])
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA GH200 480GB", None),
+    ("NVIDIA GeForce RTX 4090", None)])
 def test_a_run_plans_for_the_gpu_it_trains_on(device_name, preset):
     """pretrain_gpt.py's plan (metrics file, end-of-run line) is for its own GPU unless --gpu
     names one: an H100 run compared with the H200's prediction said nothing about either."""

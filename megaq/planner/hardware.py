@@ -56,10 +56,10 @@ DEFAULT_GPU = "H200"
 
 def preset_of_device(device_name: str) -> str | None:
     """The preset of a CUDA device as torch names it (``"NVIDIA H100 80GB HBM3"`` ->
-    ``"H100-SXM"``); None for a part no preset describes (PCIe boards: other clocks,
-    memory and links; a 16 GB V100)."""
+    ``"H100-SXM"``); None for a part no preset describes (PCIe and NVL boards: other
+    clocks, memory and links; the Grace Hopper GH200; a 16 GB V100)."""
     name = device_name.upper()
-    if "PCIE" in name:
+    if any(other in name for other in ("PCIE", "NVL", "GH200")):
         return None
     for part, preset in (("H200", "H200"), ("H800", "H800"), ("H100", "H100-SXM"),
                          ("V100", "V100-32GB" if "32GB" in name else None)):

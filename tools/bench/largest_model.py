@@ -120,12 +120,16 @@ def main(argv=None):
                    metavar="NAME", help=f"of: {', '.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gpu", default="H200", help="the planner's preset for the start depths")
+    p.add_argument("--gpu", default=None, help="the planner's preset for the start depths "
+                   "(default: this GPU's, else H200)")
     p.add_argument("--out", default=None, help="JSON results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("largest_model.py needs a CUDA GPU")
     dev = torch.device("cuda")
+    if args.gpu is None:
+        from megaq.planner.hardware import DEFAULT_GPU, preset_of_device
+        args.gpu = preset_of_device(torch.cuda.get_device_name(dev)) or DEFAULT_GPU
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "hbm_gib": torch.cuda.get_device_properties(dev).total_memory / 2**30,
               "family": {"hidden": HIDDEN, "heads": HEADS, "seq": bt.SEQ, "vocab": bt.VOCAB,
