@@ -75,22 +75,23 @@ def _before_e4m3(name: str, argv: list[str]) -> bool:
             and flag("--fp8-recipe") in ("tensorwise", "delayed"))
 
 
-def _on_its_gpu(path: str, label: str):
-    """(the one-GPU cluster a file was measured on, the row label naming a GPU other than
-    the calibration's)."""
+def _on_its_gpu(path: str):
+    """(the one-GPU cluster a file was measured on, the suffix its row labels carry: the
+    GPU's name where it is not the calibration's)."""
     gpu = file_gpu(path) or REFERENCE_GPU
     cluster = Cluster(gpu_preset(gpu), num_nodes=1, gpus_per_node=1)
-    return cluster, label if gpu == REFERENCE_GPU else f"{label} ({gpu})"
+    return cluster, "" if gpu == REFERENCE_GPU else f" ({gpu})"
 
 
 def single_gpu_rows(calibration, files=None) -> list[dict]:
     out = []
     for name in files or VALIDATE_TRAIN_FILES:
         path = name if os.path.isabs(name) else os.path.join(RESULTS, name)
+        cluster, suffix = _on_its_gpu(path)
         for r in read_train_rows(path):
             if r.fp8 is not None and r.fp8[1] == "rowwise":
                 continue
-            cluster, label = _on_its_gpu(path, r.label)
+            label = r.label + suffix
             p = _predict(r.argv, calibration, cluster)
             out.append(_row("step", label, r.source, p.step_time_s * 1e3, r.step_ms, unit="ms"))
             earlier = os.path.basename(name) in EARLIER_TREE_FILES
@@ -112,6 +113,7 @@ def _largest_rows(calibration, path: str) -> list[dict]:
     with open(path) as f:
         doc = json.load(f)
     fam = doc["family"]
+    cluster, suffix = _on_its_gpu(path)
     out = []
     for name, res in doc["results"].items():
         variant, best = res.get("variant", ""), res.get("largest")
@@ -121,7 +123,7 @@ def _largest_rows(calibration, path: str) -> list[dict]:
         argv = bench_argv(f"L{best['layers']}", variant, shape=shape) + [
             "--recompute-granularity", "full", "--recompute-method", "uniform",
             "--recompute-num-layers", "1"]
-        cluster, label = _on_its_gpu(path, f"{best['layers']}x{fam['hidden']} {variant} (recompute)")
+        label = f"{best['layers']}x{fam['hidden']} {variant} (recompute){suffix}"
         p = _predict(argv, calibration, cluster)
         out.append(_row("memory", label,
                         os.path.basename(path), _allocated_gib(p), best["peak_gib"], unit="GiB",
