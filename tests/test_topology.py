@@ -127,3 +127,22 @@ def test_built_groups_match_layout(tp, pp, hpz, order):
             "hpz": next(g for g in lay.hpz_groups(dp, hpz) if rank in g),
         }
         assert groups == want, rank
+
+
+def _rank1_waits_forever_in_a_named_place(topo):
+    import time
+    if topo.rank == 1:
+        while True:
+            time.sleep(0.05)
+    return topo.rank
+
+
+def test_a_rank_that_never_reports_fails_with_its_stack_not_a_bare_timeout():
+    """run_on_ranks' timeout names the silent rank and shows where it stood (its Python
+    stack, from faulthandler), so a hang in CI is diagnosable from the log alone; the
+    rank is killed, not left behind."""
+    with pytest.raises(TimeoutError) as e:
+        run_on_ranks(_rank1_waits_forever_in_a_named_place, 2, timeout=5)
+    msg = str(e.value)
+    assert msg.startswith("rank(s) [1] reported nothing within 5 s"), msg
+    assert "--- rank 1's stacks ---" in msg and "_rank1_waits_forever_in_a_named_place" in msg, msg

@@ -15,9 +15,11 @@ layer).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import signal
 import sys
 import tempfile
@@ -42,7 +44,15 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
+def _stacks_file(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, f"stacks.{rank}")
+
+
 def _worker(rank, world_size, layout_kw, hpz_size, init_file, fn, args, queue):
+    # a rank that never reports has its Python stacks dumped here on SIGUSR1, so a hang
+    # fails with where every silent rank stood (run_on_ranks), not a bare queue timeout
+    stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         # Forked children share the parent's OpenMP pool state; one thread each avoids
         # oversubscribing CI's 2 cores and the classic fork-after-OpenMP hang.
@@ -84,9 +94,13 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
         for p in procs:
             p.start()
         results: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
         try:
             for _ in range(world_size):
-                rank, ok, value = queue.get(timeout=timeout)
+                try:
+                    rank, ok, value = queue.get(timeout=max(deadline - time.monotonic(), 0.1))
+                except queue_mod.Empty:
+                    raise TimeoutError(_silent_ranks_report(procs, results, tmp, timeout)) from None
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
                 # Not untrusted input, so not megaq.checkpoint.safe_unpickle's: these bytes come over a
@@ -95,12 +109,37 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
                 # no other user is in between. Every file megaq reads goes through
                 # safe_unpickle (tests/test_safe_unpickle.py checks that no other code does).
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        except BaseException:
+            # a failed or silent rank leaves the others waiting in a collective: end them
+            # now rather than wait out the join below
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise
         finally:
             for p in procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def _silent_ranks_report(procs, results: dict, tmp: str, timeout: float) -> str:
+    """Which ranks reported nothing within the timeout, and the Python stacks of those
+    still alive (faulthandler, armed in _worker), for the failure message."""
+    silent = [r for r in range(len(procs)) if r not in results]
+    alive = [r for r in silent if procs[r].is_alive()]
+    for r in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)  # faulthandler writes from the signal handler; give it a moment
+    lines = [f"rank(s) {silent} reported nothing within {timeout:.0f} s "
+             f"(alive: {alive}; exit codes of the others: "
+             f"{ {r: procs[r].exitcode for r in silent if r not in alive} })"]
+    for r in alive:
+        with contextlib.suppress(OSError), open(_stacks_file(tmp, r)) as f:
+            lines.append(f"--- rank {r}'s stacks ---\n{f.read().rstrip()}")
+    return "\n".join(lines)
 
 
 def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | None = None,
