@@ -3,6 +3,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import types
 
@@ -84,6 +85,25 @@ def _restore_triton_language_core():
     for name, value in _TL_CORE.items():
         if _tl_core.__dict__.get(name) is not value:
             setattr(_tl_core, name, value)
+
+
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """megaq's entry points install signal handlers in the process they run in (the
+    SIGTERM grace of megaq.runtime.failure, the training loop's --exit-signal-handler). A
+    test that runs one in-process must not hand them to later tests, whose forked ranks
+    and pool workers inherit them (seen: a preprocess pool worker that caught SIGTERM and
+    kept pool.terminate() waiting)."""
+    saved = {s: signal.getsignal(s) for s in _HANDLED_SIGNALS}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+    from megaq.runtime import failure
+    failure._reporting.clear()  # set by an in-process report of a lost peer
 
 
 # ---------------------------------------------------------------------------- markers

@@ -97,6 +97,24 @@ def test_bad_input_one_line_no_output(tmp_path, capsys, tiny_tokenizer, case):
         assert os.listdir(out) == []  # no partial output, not even temp files
 
 
+def test_workers_end_under_a_callers_sigterm_handler(tmp_path, tiny_tokenizer):
+    """A caller's SIGTERM handler that does not exit (a training loop's, say) is inherited
+    by the pool's forked workers; the pool must still end them when the input is bad.
+    Before the workers reset SIGTERM, about one run in ten hung (a worker killed while it
+    held the task queue's lock); 30 runs in one process make a regression all but certain
+    to show, as a timeout."""
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "a"}\n{"txt": "b"}\n')
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "x"), "--tokenizer-model",
+            tiny_tokenizer, "--workers", "2"]
+    code = ("import signal, sys; signal.signal(signal.SIGTERM, lambda *a: None); "
+            "from megaq.cli.preprocess_data import main; from megaq.data.errors import run_cli; "
+            f"sys.exit(max(run_cli(main, {argv!r}) for _ in range(30)))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)  # kills with SIGKILL, which no handler catches
+    assert r.returncode == 2 and r.stderr.count("missing json key 'text'") == 30, r.stderr[-2000:]
+
+
 def test_bad_tokenizer_and_dtype(tmp_path, capsys, tiny_corpus, tiny_tokenizer):
     src, _ = tiny_corpus
     rc, err = run_tool("preprocess_data", ["--input", src, "--output-prefix", tmp_path / "x",

@@ -26,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -243,6 +244,12 @@ _WORKER_ENCODER = None  # set in each pool worker by _init_worker; never used in
 
 def _init_worker(args):
     global _WORKER_ENCODER
+    # pool.terminate() ends a worker with SIGTERM: a handler inherited from the caller (a
+    # training loop's, a launcher's) would catch it and leave terminate() joining forever.
+    # Ctrl-C reaches the whole process group; the parent ends the pool, so the workers
+    # ignore it rather than each print a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_ENCODER = ChunkEncoder(*args)
 
 

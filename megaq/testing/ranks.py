@@ -95,6 +95,7 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
             p.start()
         results: dict[int, object] = {}
         deadline = time.monotonic() + timeout
+        failed = True
         try:
             for _ in range(world_size):
                 try:
@@ -109,18 +110,15 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
                 # no other user is in between. Every file megaq reads goes through
                 # safe_unpickle (tests/test_safe_unpickle.py checks that no other code does).
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-        except BaseException:
-            # a failed or silent rank leaves the others waiting in a collective: end them
-            # now rather than wait out the join below
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            raise
+            failed = False
         finally:
+            # Ranks that reported are exiting: give them time. After a failed or silent
+            # rank the others wait in a collective that never completes: end them now.
             for p in procs:
-                p.join(timeout=30)
+                p.join(timeout=0 if failed else 30)
                 if p.is_alive():
                     p.kill()
+                    p.join()
     return [results[r] for r in range(world_size)]
 
 
