@@ -46,11 +46,13 @@ EARLIER_TREE = ("earlier tree: memory measured before the engine freed its gradi
                 "accumulators between steps and before FP8 / attention kept fewer tensors")
 # files measured before stage 0 held its FP8 GEMMs' weights in E4M3 only
 # (megaq.zero.fp8_resident): their stage-0 tensorwise / delayed FP8 memory is shown, not bounded
-BEFORE_E4M3_FILES = ("bench_train_h200_1.3B_current.json", "largest_model_h200.json")
+BEFORE_E4M3_FILES = ("largest_model_h200.json",)
 BEFORE_E4M3 = ("earlier tree: stage-0 FP8 memory measured before the GEMMs' weights were "
                "held in E4M3 only")
-# largest_model.py: megaq's variants at the largest depth that trained (full recompute)
-VALIDATE_LARGEST_FILES = ("largest_model_h200.json", "largest_model_h100.json")
+# largest_model.py: megaq's variants at the largest depth that trained (full recompute); the
+# H200's stage-0 FP8 again with E4M3-only weights (largest_model_h200_fp8.json)
+VALIDATE_LARGEST_FILES = ("largest_model_h200.json", "largest_model_h200_fp8.json",
+                          "largest_model_h100.json")
 # the emulated runs: both rates in one process (the rate switched in place), and 1 Gbit/s
 # alone in another device call; the first holds the ZeRO-3 rows the link was fitted on
 VALIDATE_EMULATED_FILES = ("emulated_cluster_gpu.json", "emulated_cluster_gpu_1gbit.json")

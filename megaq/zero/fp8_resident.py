@@ -42,10 +42,20 @@ class ResidentFP8Weights:
     def __init__(self, states, tp):
         self.states = [st for st in states if st.part.fp8_numel and not st.part.sharded]
         self.tp = tp
+        self._graph = None  # the casts as one CUDA graph (see refresh)
+        self._graph_key = None
+        self._scale = None  # the graph's input: this step's scales
 
     def refresh(self) -> None:
         """Cast every FP8 weight from its master: the amaxes (one multi-tensor pass), one
-        all-reduce over TP, then one fused round-and-cast pass per weight."""
+        all-reduce over TP, then one fused round-and-cast pass per weight.
+
+        On a GPU the casts are replayed from a CUDA graph: launched one by one they cost
+        the host about 0.1 ms a weight (a compiled call each), and the host works through
+        them right after the step's one sync (the loss), while the device waits (1.3B,
+        96 weights: the device idled ~5 ms a step). The graph is recorded after the first
+        eager pass, which compiles the cast and checks its rounding, and again whenever
+        a buffer it reads or writes has moved."""
         if not self.states:
             return
         masters = [st.master[s.offset:s.offset + s.numel]
@@ -54,6 +64,25 @@ class ResidentFP8Weights:
         # the 16-bit copy's max |x| is max |x| rounded: rounding is monotonic
         amax = torch.stack(torch._foreach_norm(masters, math.inf)).to(dtype).float()
         scale = fp8.weight_scales(amax, [(self.tp, fp8.PHASE)])
+        if not scale.is_cuda:
+            self._cast_all(masters, scale)
+            return
+        key = tuple((st.master.data_ptr(), st.part.full_fp8.data_ptr(),
+                     st.part.fp8_inv_scales.data_ptr()) for st in self.states)
+        if self._graph is not None and key == self._graph_key:
+            self._scale.copy_(scale)
+            self._graph.replay()
+            return
+        self._cast_all(masters, scale)  # eager: compiles the cast, checks its rounding
+        self._scale = scale.clone()
+        graph = torch.cuda.CUDAGraph()
+        # records only (the eager pass above did the work); thread_local: a background
+        # thread (an async checkpoint save) may use CUDA meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._cast_all(masters, self._scale)
+        self._graph, self._graph_key = graph, key
+
+    def _cast_all(self, masters, scale) -> None:
         k = 0
         for st in self.states:
             part = st.part
