@@ -18,6 +18,14 @@ if os.environ["TRITON_INTERPRET"] == "1":
     # after a test touched CUDA cannot use it. TRITON_INTERPRET=0 is the GPU run
     # (compiled kernels; tests/test_kernels.py, test_kernel_launch.py, test_gloo_cuda.py).
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+else:
+    # The GPU run. torch.cuda.is_available() (a module's list of devices to test, say)
+    # would initialise the CUDA driver in this process, and ranks forked from it after
+    # that fail at their first CUDA query (torch.optim asks whether a graph is being
+    # captured): "CUDA error: initialization error" (seen on the H200, 2026-12-06,
+    # tests/test_fp8_resident.py). Asking NVML instead leaves the driver untouched until
+    # a test uses the GPU.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 # the data tests' session fixtures (tiny_corpus, tiny_tokenizer, tiny_dataset)
