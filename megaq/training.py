@@ -117,8 +117,6 @@ class Trainer:
         self._t_start = time.time()
         self._signal_received: str | None = None
         self._stop_agreed = False
-        if c.training.exit_signal_handler:
-            self._install_signal_handler()
 
     # ------------------------------------------------------------------ one step
     def _on_device(self, batches: list) -> list:
@@ -191,14 +189,19 @@ class Trainer:
             return True
         return bool(minutes and time.time() - self._t_start > minutes * 60)
 
-    def _install_signal_handler(self) -> None:
+    def _install_signal_handler(self) -> dict:
+        """--exit-signal-handler's handlers, for the length of train(); returns the ones
+        they replace, which train() puts back (a program that trains in-process, a
+        notebook, keeps its own Ctrl-C and SIGTERM afterwards)."""
         def handler(signum, frame):  # noqa: ARG001 - signal API
             if signum == signal.SIGINT and self._signal_received is not None:
                 failure.exit_now(130, f"[rank {self.topo.rank}] error: interrupted again "
                                       f"(second Ctrl-C): exiting at once, without saving")
             self._signal_received = signal.Signals(signum).name
+        previous = {}
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, handler)
+            previous[sig] = signal.signal(sig, handler)
+        return previous
 
     def train_step(self, batches) -> tuple[float, float, bool]:
         """Returns (loss, grad_norm, applied)."""
@@ -322,6 +325,7 @@ class Trainer:
     def train(self) -> TrainState:
         self.topo.comm_timing.on = self.logging.log_comm_time  # this run's, never the next one's
         watchdog.start(self.topo.rank, self.training.hang_timeout_minutes)
+        previous = self._install_signal_handler() if self.training.exit_signal_handler else {}
         try:
             return self._train_loop()
         except comm.CollectiveFailed as e:  # a peer vanished: say when (megaq.runtime.failure)
@@ -330,6 +334,8 @@ class Trainer:
         finally:
             watchdog.stop()
             self.topo.comm_timing.on = False
+            for sig, handler in previous.items():  # None: one not set from Python
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
     def _save_if_healthy(self) -> bool:
         """Save unless the last iteration was skipped (non-finite): a save that falls in

@@ -205,6 +205,28 @@ def test_signal_on_one_rank_stops_all_after_a_save(tmp_path):
     assert paths.read_tracker(str(tmp_path / "ck")) == 2
 
 
+def _handlers_around_training(topo, args):
+    def callers(signum, frame):  # noqa: ARG001 - signal API
+        pass
+    signal.signal(signal.SIGTERM, callers)
+    during = []
+
+    def on_step(step, micro_batches):
+        during.append(signal.getsignal(signal.SIGTERM) is not callers)
+        return micro_batches
+    _train_with(topo, args, on_step)
+    return {"during": bool(during) and all(during),
+            "after": signal.getsignal(signal.SIGTERM) is callers}
+
+
+def test_exit_signal_handler_gives_the_callers_handler_back_after_training(tmp_path):
+    """A program that trains in-process (a notebook, a sweep driver) has its own SIGTERM
+    and Ctrl-C handling again once train() returns."""
+    out = run_on_ranks(_handlers_around_training, 1,
+                       args=(argv(str(tmp_path), 2, ["--exit-signal-handler"]),))
+    assert out == [{"during": True, "after": True}]
+
+
 def test_plot_metrics_writes_png(tmp_path):
     from megaq.runtime.metrics import MetricsWriter
     paths = []
