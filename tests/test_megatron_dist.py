@@ -124,6 +124,22 @@ def _megaq_full_state(ckpt: str):
     return full, saved, record["model_optim"]
 
 
+def test_progress_bars_start_no_thread_that_forked_ranks_could_deadlock_on():
+    """The conversion's progress bars (megaq.interop.common.progress) start no thread.
+    tqdm's monitor thread takes tqdm's lock every 10 s: a process forked while it held the
+    lock (ranks forked from a test process whose fixture converted a checkpoint with bars,
+    as the test above's) would wait forever at its own first bar."""
+    import threading
+    from tqdm import tqdm
+    from megaq.interop.common import progress
+    if tqdm.monitor is not None:  # another library's bar started one: not this test's subject
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    before = {t.ident for t in threading.enumerate()}
+    assert list(progress(range(3), "converting")) == [0, 1, 2]
+    assert {t.ident for t in threading.enumerate()} == before
+
+
 @pytest.mark.parametrize("imported", ["imported_tp2", "imported_fully_reshardable_tp2"])
 def test_imported_moments_are_megatrons(request, imported):
     """Every parameter's exp_avg / exp_avg_sq after the import (at TP 2, resharded) equals

@@ -10,6 +10,7 @@ Hugging Face transformers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -67,9 +68,22 @@ def target_layout(a, error_class=InteropError) -> tuple[int, int, int]:
 def progress(items, desc: str, total: int | None = None, unit: str = "tensor"):
     """`items`, with a progress bar on stderr while they are consumed (tqdm; none when
     stderr is not a terminal, so logs and captured output stay clean)."""
+    return _bar_class()(items, desc=desc, total=total, unit=unit, file=sys.stderr,
+                        disable=None, leave=False, dynamic_ncols=True)
+
+
+@functools.cache
+def _bar_class():
+    """tqdm without its monitor thread. Every tqdm bar, even a disabled one, starts that
+    thread, which wakes every 10 s and takes tqdm's lock; a process forked while it holds
+    the lock (a test's ranks, forked after the parent converted a checkpoint) gets the
+    lock held by a thread it does not have, and its first bar waits forever. The
+    monitor only shortens the refresh of a stalled bar."""
     from tqdm import tqdm
-    return tqdm(items, desc=desc, total=total, unit=unit, file=sys.stderr, disable=None,
-                leave=False, dynamic_ncols=True)
+
+    class Bar(tqdm):
+        monitor_interval = 0
+    return Bar
 
 
 
