@@ -53,6 +53,7 @@ def step_scalars(lr: float, weight_decay: float, betas: tuple[float, float], eps
 def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, out, coef, scalars) -> None:
     """The torch definition of the fused step (in place on flat fp32 buffers)."""
     decay, beta1, omb1, beta2, omb2, step_size, inv_bc2_sqrt, eps = scalars
+    grad = grad.float()  # a 16-bit gradient upcast exactly (an fp32 one is itself)
     g = grad * coef if coef is not None else grad
     p = param - decay * param
     m = beta1 * exp_avg + omb1 * g
@@ -75,15 +76,17 @@ ADAMW_STEP = Op("adamw_step", adamw_step_reference, "fused_adamw_triton.adamw_st
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, out: torch.Tensor | None, coef: torch.Tensor | None,
                scalars: tuple[float, ...]) -> None:
-    """One AdamW step on flat, contiguous fp32 buffers of equal length, in place; `out`
-    (any float dtype, same length) receives the new weights; `coef` (0-d fp32 tensor)
-    multiplies the gradient first. Triton on CUDA, the reference elsewhere
-    (kernels/dispatch.py)."""
+    """One AdamW step on flat, contiguous fp32 buffers of equal length, in place; `grad`
+    may be 16-bit (bf16 or fp16: read upcast, so the same bits as its fp32 copy, at half
+    the bytes); `out` (any float dtype, same length) receives the new weights; `coef`
+    (0-d fp32 tensor) multiplies the gradient first. Triton on CUDA, the reference
+    elsewhere (kernels/dispatch.py)."""
     bufs = (param, grad, exp_avg, exp_avg_sq)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape
-           or t.dim() != 1 for t in bufs):
-        raise ValueError("adamw_step wants flat contiguous fp32 param, grad and moments "
-                         "of one length")
+    if any(not t.is_contiguous() or t.shape != param.shape or t.dim() != 1 for t in bufs) \
+            or any(t.dtype != torch.float32 for t in (param, exp_avg, exp_avg_sq)) \
+            or grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError("adamw_step wants flat contiguous fp32 param and moments and an "
+                         "fp32, bf16 or fp16 grad, all of one length")
     if out is not None and (out.shape != param.shape or not out.is_contiguous()):
         raise ValueError("adamw_step's out must be flat, contiguous and as long as param")
     ADAMW_STEP.pick(param)(param, grad, exp_avg, exp_avg_sq, out, coef, scalars)

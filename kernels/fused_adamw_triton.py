@@ -1,4 +1,5 @@
-"""Triton AdamW step over flat fp32 buffers, writing the model's copy in the same pass."""
+"""Triton AdamW step over flat fp32 buffers (the gradient fp32 or 16-bit), writing the
+model's copy in the same pass."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def _adamw_step(P, G, M, V, OUT, COEF, n, decay, beta1, one_minus_beta1, beta2,
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(P + offs, mask=mask, other=0.0)
-    g = tl.load(G + offs, mask=mask, other=0.0)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)  # 16-bit grads: exact
     m = tl.load(M + offs, mask=mask, other=0.0)
     v = tl.load(V + offs, mask=mask, other=0.0)
     if HAS_COEF:

@@ -42,6 +42,30 @@ def test_triton_step_matches_the_reference_bit_for_bit(monkeypatch, out_dtype, c
         assert torch.equal(out_got, got[0].to(out_dtype))  # round to nearest even
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_a_16bit_grad_gives_the_bits_of_its_fp32_copy(monkeypatch, grad_dtype, kernels):
+    """The engine may hand the step a 16-bit gradient (megaq.zero.grads, keep_16bit): read
+    upcast, it must update exactly as its fp32 copy does (the value an fp32 accumulator
+    of it would hold), clip factor included."""
+    monkeypatch.setenv("MEGAQ_KERNELS", kernels)
+    n = 2 * 2048 + 5
+    coef = torch.tensor(0.37, device=DEV)
+    got, want = _buffers(n, 1), _buffers(n, 1)
+    got[1] = got[1].to(grad_dtype)
+    want[1] = got[1].float()
+    out_got, out_want = (torch.zeros(n, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    scalars = fused_adamw.step_scalars(1e-3, 0.1, (0.9, 0.95), 1e-8, 3)
+    fused_adamw.adamw_step(*got, out_got, coef, scalars)
+    fused_adamw.adamw_step(*want, out_want, coef, scalars)
+    for i in (0, 2, 3):
+        assert torch.equal(got[i], want[i])
+    assert torch.equal(out_got, out_want)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16 grad"):
+        fused_adamw.adamw_step(*(t.clone() for t in want[:1]), want[1].to(torch.int32),
+                               *want[2:], None, None, scalars)
+
+
 def test_step_scalars_refuse_step_zero():
     with pytest.raises(ValueError, match="steps count from 1"):
         fused_adamw.step_scalars(1e-3, 0.0, (0.9, 0.95), 1e-8, 0)
@@ -63,28 +87,70 @@ class _Net(nn.Module):
         return self.output_layer(x)
 
 
-def _train(fused_step, steps, stage=0, start=None, dtype=torch.bfloat16):
+def _train(fused_step, steps, stage=0, start=None, dtype=torch.bfloat16, *, clip=0.05,
+           micro_batches=1, keep_16bit=None, seen=None):
     """`steps` clipped AdamW steps from `start` (a full_state) or from scratch; returns
-    (model, engine)."""
+    (model, engine). `keep_16bit`: override the engine's choice of 16-bit gradients;
+    `seen`: a list that gets (grad norm, gradient bytes held) of each step."""
     model = _Net().to(dtype)
     engine = build_engine([model], build_topology(Layout(1), 0),
                           ZeroConfig(stage=stage, block_size=4, gather_dtype=dtype),
                           OptimizerSettings(weight_decay=0.1, lr=1e-2, adam_beta2=0.95,
                                             fused_step=fused_step))
     assert engine.optimizer.kind == ("onepass" if fused_step else "foreach")
+    assert engine.grads.keep_16bit == bool(fused_step and dtype != torch.float32)
+    if keep_16bit is not None:
+        engine.grads.keep_16bit = keep_16bit
     done = 0
     if start is not None:
         engine.load_full_state(start)
         done = start["step"]
     for i in range(done, done + steps):
-        ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(i))
         engine.zero_grad()
-        out = model(ids[:, :-1])
-        nn.functional.cross_entropy(out.float().reshape(-1, 11), ids[:, 1:].reshape(-1)).backward()
+        for k in range(micro_batches):
+            ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(i * 7 + k))
+            out = model(ids[:, :-1])
+            nn.functional.cross_entropy(out.float().reshape(-1, 11), ids[:, 1:].reshape(-1)).backward()
         engine.finish_grad_sync()
-        engine.clip_grad_norm(0.05)  # active: the factor must reach the kernel
+        norm = engine.clip_grad_norm(clip)  # 0.05: active, the factor must reach the kernel
+        if seen is not None:
+            seen.append((float(norm), engine.grads.memory_bytes()))
         engine.step(1e-2)
     return model, engine
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_16bit_gradients_train_as_fp32_accumulators_in_half_the_memory(stage):
+    """At DP=1 the one-pass step's engine keeps a step's bf16 gradients as they come
+    (megaq.zero.grads, keep_16bit) instead of upcasting them into fp32 accumulators:
+    - one micro-batch, no clipping: the same bits as the fp32 accumulators, with 2 bytes
+      per parameter held instead of 4;
+    - two micro-batches (the second write moves each partition to fp32 first): the same
+      bits, 4 bytes per parameter;
+    - clipping: the norm is summed in another order (fp32 squares of the bf16 values), so
+      it and the weights agree to 1e-6 relative (one fp32 ulp is 1.2e-7; a norm of the
+      wrong values would be off by far more)."""
+    numel = sum(p.numel() for p in _Net().parameters())
+    for micro_batches, clip in ((1, None), (2, None), (1, 0.05)):
+        runs = {}
+        for keep in (True, False):
+            seen = []
+            _, eng = _train(True, 3, stage, clip=clip, micro_batches=micro_batches,
+                            keep_16bit=keep, seen=seen)
+            runs[keep] = (eng.full_state()["params"], seen)
+        (got, seen16), (want, seen32) = runs[True], runs[False]
+        held = 2 if micro_batches == 1 else 4
+        assert {b for _, b in seen16} == {held * numel} and {b for _, b in seen32} == {4 * numel}
+        for name in want:
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                if clip is None:
+                    assert torch.equal(got[name][key], want[name][key]), (micro_batches, name, key)
+                else:
+                    assert torch.allclose(got[name][key], want[name][key], rtol=1e-6, atol=1e-12), (name, key)
+        for (n16, _), (n32, _) in zip(seen16, seen32):
+            assert n16 == pytest.approx(n32, rel=1e-6)
+            if clip is None and micro_batches == 1:
+                assert n16 > 0.05  # the clipping case below is active
 
 
 @pytest.mark.parametrize("stage", [0, 3])

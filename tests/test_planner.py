@@ -560,17 +560,22 @@ def _bench_parts(variant="megaq-s0-comp", extra=(), micro_batches=1):
     return _predict([*argv, *extra], CAL).memory_parts_gib
 
 
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]
+
+
 def test_memory_peak_follows_when_the_engine_holds_its_gradients():
     """The fp32 accumulators are handed back between steps (megaq.zero.grads): without
     recompute the peak is backward's start, all activations and no accumulator; with
-    full recompute it is backward's end, every accumulator and one layer's recompute;
-    with accumulation the second micro-batch's forward runs with them held."""
+    full recompute and accumulation it is backward's end, every accumulator and one
+    layer's recompute; with accumulation the second micro-batch's forward runs with them
+    held. With one micro-batch the gradients are bf16 (keep_16bit): half the bytes."""
     plain = _bench_parts()
     assert plain["grads"] == 0 and plain["activations"] > 10 and plain["logits"] > 0
-    full = _bench_parts(extra=["--recompute-granularity", "full", "--recompute-method",
-                               "uniform", "--recompute-num-layers", "1"])
+    full = _bench_parts(extra=RECOMPUTE, micro_batches=2)
     assert full["grads"] == pytest.approx(plain["weights"] * 2)  # fp32 against bf16 weights
-    assert "logits" not in full and full["activations"] == pytest.approx(plain["activations"] / 24)
+    # the second forward: every layer's input and one layer's recompute, the accumulators held
+    assert full["activations"] == pytest.approx(plain["activations"] * 2.5 / 24.003, rel=1e-3)
     accum = _bench_parts(micro_batches=2)
     assert accum["grads"] == full["grads"] and accum["activations"] == plain["activations"]
     fp8 = _bench_parts("megaq-fp8dl-comp")
@@ -583,6 +588,35 @@ def test_memory_peak_follows_when_the_engine_holds_its_gradients():
         once, once_accum = (_bench_parts(extra=extra, micro_batches=m) for m in (1, 2))
         assert once["grads"] == 0 and once_accum["grads"] == 0, extra
         assert once_accum["grad_buckets"] == pytest.approx(full["grads"], rel=0.01), extra
+
+
+def test_gradients_are_planned_16bit_where_the_engine_keeps_them_so():
+    """PlanInput.grad_elem follows the engine's keep_16bit (megaq.zero.grads; the engine's
+    own bytes: tests/test_fused_adamw.py): DP = 1, one micro-batch, AdamW; anything that
+    writes or reduces a gradient twice, or SGD, holds fp32 accumulators."""
+    from megaq.planner.bench_rows import bench_argv
+    from megaq.planner.calibrate import _run_config
+
+    def plan(extra=(), micro_batches=1):
+        argv = bench_argv("1.3B", "megaq-s0-comp")
+        gb = argv.index("--global-batch-size") + 1
+        argv[gb] = str(int(argv[gb]) * micro_batches)
+        return PlanInput.from_config(_run_config([*argv, *extra]))
+
+    one = plan()
+    assert one.grad_elem == 2
+    for extra, m in (((), 2), (("--zero-grad-sync", "last_microbatch"), 1),
+                     (("--zero-stage", "1"), 1), (("--optimizer", "sgd"), 1)):
+        assert plan(extra, m).grad_elem == 4, (extra, m)
+    assert dataclasses.replace(one, bf16=False).grad_elem == 4  # fp32 weights: fp32 grads
+    assert plan(("--zero-stage", "3")).grad_elem == 2
+    units = stage_units(one.model, 1, 1, 1, 0, one.e4m3_weights)
+    numel = sum(u.numel for u in units)
+    assert memory.engine_bytes(units, 1, one.zero, 2, grad_elem=one.grad_elem).grads == 2 * numel
+    # full recompute, one micro-batch: backward's end (every gradient, 2 bytes each) is now
+    # below backward's start (the kept layer inputs and the logits), which is the peak
+    full16 = _bench_parts(extra=RECOMPUTE)
+    assert full16["grads"] == 0 and full16["logits"] > 0
 
 
 @pytest.mark.slow  # torch.compile on the CPU

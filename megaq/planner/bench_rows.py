@@ -46,6 +46,8 @@ class TrainRow:
     optimizer_ms: float
     peak_mem_gib: float
     optimizer: str              # "onepass" / "fused": the AdamW kernel the run used
+    grad_bytes: int = 4         # bytes per gradient element the engine held (files before
+    #                             megaq.zero.grads' 16-bit gradients: 4, its fp32 accumulators)
     profile_ms: dict = field(default_factory=dict)  # GPU ms per step by kernel kind, if profiled
 
     @property
@@ -126,7 +128,7 @@ def read_train_rows(path: str) -> list[TrainRow]:
                 argv=tuple(bench_argv(r["size"], r["variant"], int(r["micro_batch"]))),
                 step_ms=float(r["step_ms"]), fwd_bwd_ms=float(r["fwd_bwd_ms"]),
                 optimizer_ms=float(r["optimizer_ms"]), peak_mem_gib=float(r["peak_mem_gib"]),
-                optimizer=str(r.get("optimizer", "fused")),
+                optimizer=str(r.get("optimizer", "fused")), grad_bytes=int(r.get("grad_bytes", 4)),
                 profile_ms=dict(r.get("profile_ms_per_step_by_kind") or {})))
         except (KeyError, TypeError, ValueError) as e:
             raise BenchFileError(f"{path}: row {r.get('size')} {r.get('variant')} lacks or "

@@ -104,13 +104,16 @@ def _plan_input(argv: tuple, world_size: int, ranks_per_node: int):
     return PlanInput.from_config(_run_config(argv, world_size, ranks_per_node))
 
 
-def _predict(argv, calibration, cluster=None, prefetch_limit=None):
+def _predict(argv, calibration, cluster=None, prefetch_limit=None, grad_bytes=None):
     """The model's prediction for pretrain_gpt.py's flags `argv` on `cluster` (default: one
-    reference GPU); prefetch_limit as in megaq.planner.step.predict."""
+    reference GPU); prefetch_limit as in megaq.planner.step.predict; grad_bytes: as a
+    measured run held its gradients (PlanInput.grad_bytes)."""
     from megaq.planner.hardware import Cluster, gpu_preset
     from megaq.planner.step import predict
     cluster = cluster or Cluster(gpu_preset(REFERENCE_GPU), num_nodes=1, gpus_per_node=1)
     pi = _plan_input(tuple(argv), cluster.world_size, cluster.gpus_per_node)
+    if grad_bytes is not None:
+        pi = dataclasses.replace(pi, grad_bytes=grad_bytes)
     return predict(pi, cluster, calibration, prefetch_limit)
 
 
@@ -231,8 +234,10 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
     from megaq.planner.step import PlanInput
     onepass = [r for r in rows if r.optimizer == "onepass"]
     opt_rows = onepass or rows
+    # per parameter with fp32 gradients (the step model takes off what 16-bit ones save)
     opt_bpp = _median(r.optimizer_ms / 1e3 * gpu.hbm_gb_per_s * 1e9 * hbm_eff
-                      / total_params(PlanInput.from_config(_run_config(r.argv)).model) for r in opt_rows)
+                      / total_params(PlanInput.from_config(_run_config(r.argv)).model)
+                      + 2 * (4 - r.grad_bytes) for r in opt_rows)
     notes["optimizer_bytes_per_param"] = (f"{len(opt_rows)} {'one-pass ' if onepass else ''}"
                                           "AdamW step times")
 
@@ -265,7 +270,7 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
         for r in fit_rows:
             def step(x, r=r):
                 c = dataclasses.replace(cal, elementwise_bytes_scale={**scales, mode: x})
-                return _predict(r.argv, c).step_time_s
+                return _predict(r.argv, c, grad_bytes=r.grad_bytes).step_time_s
             vals.append(_bisect(step, r.step_ms / 1e3, 0.0, 50.0))
         scales[mode] = _r(_median(vals))
     cal = dataclasses.replace(cal, elementwise_bytes_scale=scales)
@@ -288,7 +293,7 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
             def step(e, r=r, d=d):
                 table = tuple(sorted({**dims, d: e}.items()))
                 c = dataclasses.replace(cal, gemm_efficiency={**cal.gemm_efficiency, dtype: table})
-                return -_predict(r.argv, c).step_time_s  # falls as the efficiency rises
+                return -_predict(r.argv, c, grad_bytes=r.grad_bytes).step_time_s  # falls as the efficiency rises
             unprofiled.setdefault(d, []).append(_bisect(step, -r.step_ms / 1e3, 0.05, 1.0))
         if unprofiled:
             dims.update({d: _r(_median(v)) for d, v in unprofiled.items()})

@@ -2,7 +2,8 @@
 
 The persistent parts are what the ZeRO engine allocates (megaq.zero): the weight
 shard in the gather dtype, the fp32 master (when the shard is not fp32 itself), the
-optimizer's moments, the fp32 gradient accumulators, and the ZeRO++ state (hpZ's
+optimizer's moments, the fp32 gradient accumulators (16-bit gradients at DP = 1 with
+one micro-batch: megaq.zero.grads), and the ZeRO++ state (hpZ's
 secondary slices, qwZ's packed shards, weight deltas' references, qgZ's residuals,
 FP8 shards). Stage 0 replicates all of them; stages 1 and 2 shard them as stage 3
 does and add the whole weights, resident. The transient parts are the gathered
@@ -48,7 +49,7 @@ class EngineBytes:
     params: int      # weight shards (replicated weights under stage 0, those of FP8 GEMMs
     #                  in E4M3 where megaq.zero.fp8_resident keeps them; stages 1 and 2
     #                  add the resident whole weights, reported as gathered)
-    grads: int       # fp32 accumulators
+    grads: int       # fp32 accumulators (or the step's 16-bit gradients: grad_elem)
     optimizer: int   # moments + fp32 master
     zeropp: dict     # hpz_secondary, qwz_packed_shards, weight_delta_own_reference, ...
     full_grads: int = 0  # the full fp32 gradients ZeroConfig.grads_reduced_once keeps over
@@ -57,9 +58,11 @@ class EngineBytes:
 
 
 def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
-                 *, optimizer: str = "adam", steady: bool = True) -> EngineBytes:
+                 *, optimizer: str = "adam", steady: bool = True, grad_elem: int = 4) -> EngineBytes:
     """The engine's allocations for these units on one rank. `steady`: between a
-    forward and its backward, when hpZ's slices and qwZ's packed shards exist."""
+    forward and its backward, when hpZ's slices and qwZ's packed shards exist.
+    `grad_elem`: bytes of a held gradient element (4: the fp32 accumulators; the gather
+    dtype's where the engine keeps 16-bit gradients: PlanInput.grad_elem)."""
     B = cfg.block_size
     if cfg.stage == 0:
         shard = sum(u.numel for u in units)
@@ -87,7 +90,7 @@ def engine_bytes(units: list[UnitShape], dp: int, cfg: ZeroConfig, elem: int,
     if cfg.error_feedback:
         zeropp["qgz_error_feedback"] = 4 * sum(u.padded_numel(dp, B) for u in units)
     full = sum(flat_numels(units, dp, cfg)) if cfg.grads_reduced_once else 0
-    return EngineBytes(params=shard * elem - e4m3, grads=4 * shard, optimizer=master + moments,
+    return EngineBytes(params=shard * elem - e4m3, grads=grad_elem * shard, optimizer=master + moments,
                        zeropp=zeropp, full_grads=4 * full)
 
 

@@ -54,6 +54,9 @@ class PlanInput:
     gpus_per_node: int = 8           # ranks per node of the layout (the node map)
     rank_order: str = "tp-dp-pp"
     optimizer: str = "adam"          # --optimizer: AdamW keeps two moments, SGD one
+    # bytes per gradient element as a measured run's engine held them (None: what the
+    # engine holds now, grad_elem's rule); replayed results from before 16-bit gradients: 4
+    grad_bytes: int | None = None
     # the vocabulary is DEFAULT_VOCAB because nothing said otherwise (a tokenizer's is
     # only known once it is loaded): the plan says so
     vocab_assumed: bool = field(default=False, compare=False)
@@ -98,6 +101,17 @@ class PlanInput:
         stage 0's E4M3-only weights (megaq.zero.fp8_resident)."""
         scaling = self.model.fp8_recipe if self.fp8 else None
         return self.zero.fp8_weights or fp8_weights_kept_in_e4m3(self.zero.stage, self.elem, scaling)
+
+    @property
+    def grad_elem(self) -> int:
+        """Bytes the engine holds per gradient element at backward's end: 16-bit where
+        the step has nothing to reduce (DP = 1), writes each gradient once (one
+        micro-batch) and its update reads them so (AdamW: megaq's one-pass kernel on a
+        GPU), else the fp32 accumulator (megaq.zero.grads, keep_16bit)."""
+        if self.grad_bytes is not None:
+            return self.grad_bytes
+        once = self.dp == 1 and not self.zero.grads_reduced_once and self.num_micro_batches == 1
+        return self.elem if once and self.optimizer == "adam" else 4
 
     @property
     def compiled(self) -> bool:
@@ -341,7 +355,9 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     # optimizer: the fused AdamW over this rank's shard
     shard_params = max(sum(u.shard_numel(g.n, z.block_size) if z.stage else u.numel
                            for u in st["units"]) for st in stages)
-    optimizer_s = shard_params * cal.optimizer_bytes_per_param / hbm
+    # (calibrated with fp32 gradients: 16-bit ones are read twice at fewer bytes, by the
+    # grad norm and the update)
+    optimizer_s = shard_params * (cal.optimizer_bytes_per_param - 2 * (4 - pi.grad_elem)) / hbm
     if z.stage == 0:  # then the E4M3-only weights are cast from the masters (fp8_resident)
         optimizer_s += max(sum(u.fp8_numel for u in st["units"]) for st in stages) \
             * REFRESH_BYTES_PER_PARAM / hbm
@@ -454,7 +470,8 @@ def _memory_parts(pi: PlanInput, cal: Calibration, units, stage: int,
                   g: traffic.DPGroupShape) -> dict[str, float]:
     """The parts one stage holds at the larger of backward's start and end."""
     cfg, z = pi.model, pi.zero
-    eng = memory.engine_bytes(units, g.n, z, pi.elem, optimizer=pi.optimizer)
+    eng = memory.engine_bytes(units, g.n, z, pi.elem, optimizer=pi.optimizer,
+                              grad_elem=pi.grad_elem)
     parts = {"weights": eng.params, "optimizer": eng.optimizer, "grads": eng.grads}
     for k, v in eng.zeropp.items():
         parts[k] = v

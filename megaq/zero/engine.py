@@ -174,6 +174,9 @@ class ZeroEngine:
         self.grads = GradState(self.partitions, topo, cfg, self.reducer, replicated)
         self.optimizer = build_optimizer(self.partitions, optimizer or OptimizerSettings(),
                                          topo, self.grads)
+        # DP = 1: a step's gradients stay 16-bit while written once each (the fp32 value
+        # exactly), if the update reads them so (megaq.zero.grads, keep_16bit)
+        self.grads.keep_16bit = self.grads.direct and self.optimizer.reads_16bit_grads
         # stage 0 with FP8 GEMMs: their weights in E4M3 only, cast from the masters
         self.fp8_resident = ResidentFP8Weights(self.optimizer.states, topo.tp)
         self.fp8_resident.refresh()

@@ -35,6 +35,18 @@ Who calls what:
 * the optimizer reads through :meth:`read` (settled accumulators), which its leaves'
   ``.grad`` view.
 
+*16-bit gradients* (``keep_16bit``, set by the engine at DP = 1 when the optimizer
+reads 16-bit gradients: megaq's one-pass AdamW): while each slot of a partition has
+been written once in the step, its gradient is held in the gradient's own 16-bit dtype
+instead of the fp32 accumulator. The fp32 accumulator of one write is that write
+upcast, exactly, so a reader that upcasts as it reads (the AdamW kernel) sees the same
+values, and the step keeps 2 bytes per parameter instead of 4 and moves 4 bytes fewer
+(the hook's copy writes 2, the update reads 2). A second write to a slot (gradient
+accumulation), a gradient of another dtype, or a reader that wants fp32 (:meth:`read`)
+moves the partition to its fp32 accumulator first (:meth:`_promote`: the same values).
+The grad norm then sums fp32 squares of the 16-bit values in another order than the
+fp32 path's dot products (about one fp32 ulp of the norm).
+
 Reductions in flight are bounded by ``cfg.reduce_bucket_size`` bytes of buckets: past
 it, the oldest is finished (FIFO: every rank finishes them in the order it started
 them, which is the order their collectives were issued).
@@ -74,6 +86,8 @@ class GradState:
         self._written: dict[str, set[int]] = {}    # name -> slot offsets written while stale
         self._buckets: dict[str, list] = {}        # name -> [padded flat grad, params seen]
         self._full: dict[str, torch.Tensor] = {}   # last_microbatch: name -> full fp32 grad
+        self._half: dict[str, torch.Tensor] = {}   # keep_16bit: name -> the step's 16-bit grad
+        self.keep_16bit = False                    # the engine sets it (see the docstring)
         self._pending: deque[tuple[object, int]] = deque()  # (reduction in flight, its bytes)
         self.inflight_bytes = 0
         # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
@@ -125,6 +139,7 @@ class GradState:
         if self.topo.embedding.size > 1:  # tied embedding copies on first and last stage
             for name, part in self.parts.items():
                 if part.shared_embedding:
+                    self._promote(name)  # summed in fp32
                     comm.all_reduce(self._accum[name], self.topo.embedding, "embedding")
 
     def zero(self) -> None:
@@ -136,6 +151,7 @@ class GradState:
         self._written = {name: set() for name in self.parts}
         self._buckets.clear()
         self._full.clear()
+        self._half.clear()
 
     # ------------------------------------------------------------ reductions
     def _launch(self, part: FlatPartition, flat: torch.Tensor) -> None:
@@ -157,19 +173,43 @@ class GradState:
     # ------------------------------------------------------------ fp32 accumulator
     def _add_slot(self, name: str, offset: int, src: torch.Tensor) -> None:
         """Add a parameter's flat grad into its slice (upcasting): the first write of a
-        step to a stale accumulator copies instead."""
+        step to a stale accumulator copies instead (into the 16-bit buffer while the
+        partition has one: see keep_16bit in the module docstring)."""
+        written = self._written[name]
+        first = name in self._stale and offset not in written
+        half = self._half.get(name)
+        if (half is None and self.keep_16bit and first and not written
+                and src.dtype == self.parts[name].dtype and src.element_size() < 4):
+            half = self._half[name] = torch.empty(self._accum[name].numel(), dtype=src.dtype,
+                                                  device=src.device)
+        if half is not None:
+            if first and src.dtype == half.dtype:
+                half[offset:offset + src.numel()].copy_(src)
+                written.add(offset)
+                return
+            self._promote(name)  # settled: this slot's write adds (to zero if it had none)
+            first = False
         dst = self._live(name)[offset:offset + src.numel()]
-        if name in self._stale and offset not in self._written[name]:
+        if first:
             dst.copy_(src)
-            self._written[name].add(offset)
+            written.add(offset)
         else:
             dst.add_(src)
 
+    def _promote(self, name: str) -> None:
+        """Move a partition's 16-bit gradient into its fp32 accumulator (exactly; settled)."""
+        if name not in self._half:
+            return
+        self._settle(name)
+        self._live(name).copy_(self._half.pop(name))
+
     def _settle(self, name: str) -> None:
-        """End the stale state: zero what no write reached (unused slots, padding)."""
+        """End the stale state: zero what no write reached (unused slots, padding), in
+        the 16-bit buffer while the partition has one."""
         if name not in self._stale:
             return
-        grad, written, end = self._live(name), self._written[name], 0
+        grad = self._half[name] if name in self._half else self._live(name)
+        written, end = self._written[name], 0
         for slot in self.parts[name].slots:  # in offset order
             if slot.offset in written:
                 if end < slot.offset:
@@ -200,8 +240,16 @@ class GradState:
 
     def read(self) -> dict[str, torch.Tensor]:
         """{name: settled fp32 accumulator}, in partition order."""
+        for name in list(self._half):
+            self._promote(name)
         self._settle_all()
         return self._accum
+
+    def read_any(self) -> dict[str, torch.Tensor]:
+        """{name: the settled gradient}, in partition order: the fp32 accumulator, or
+        the 16-bit buffer that holds it exactly (keep_16bit), for readers that upcast."""
+        self._settle_all()
+        return {name: self._half.get(name, t) for name, t in self._accum.items()}
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm of the step's gradient over every DP shard, TP and PP rank, each element
@@ -210,22 +258,29 @@ class GradState:
         only, and within those the ranges ``FlatPartition.counted_ranges`` names
         (TP-replicated params on TP rank 0 only, a tied embedding copy on the first stage
         only); one all-reduce over the world adds them up."""
-        accum = self.read()
+        accum = self.read_any()
         device = next(iter(accum.values())).device if accum else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=device)
+        halves = []  # 16-bit ranges: their fp32 norms in one multi-tensor pass
         for name, part in self.parts.items():
             if not part.sharded and self.topo.dp.rank != 0:
                 continue  # replicated over DP: counted once per DP group
             grad = accum[name]
             for a, b in self._counted[name]:
                 g = grad[a:b]
-                total += torch.dot(g, g)
+                if g.dtype == torch.float32:
+                    total += torch.dot(g, g)
+                else:
+                    halves.append(g)
+        if halves:
+            total += torch.stack(torch._foreach_norm(halves, 2, dtype=torch.float32)).square().sum()
         comm.all_reduce(total, self.topo.world, "dp_misc")
         return total.sqrt()
 
     def memory_bytes(self) -> int:
         """fp32 accumulators (as held now: none between zero() and backward's first write)
-        + buckets being filled + full grads kept across micro-batches."""
+        + 16-bit gradients (keep_16bit) + buckets being filled + full grads kept across micro-batches."""
         return (sum(t.untyped_storage().nbytes() for t in self._accum.values())
+                + sum(_nbytes(t) for t in self._half.values())
                 + sum(_nbytes(b[0]) for b in self._buckets.values())
                 + sum(_nbytes(t) for t in self._full.values()))

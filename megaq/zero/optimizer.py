@@ -168,19 +168,31 @@ class ShardedOptimizer:
         self.step_count += 1
         if not self._leaves:
             return
-        grads = self.grads.read()  # settled: the leaves' .grad view these accumulators
+        # settled; fp32 unless the update reads 16-bit gradients (the leaves' .grad view
+        # the fp32 accumulators)
+        grads = self.grads.read_any() if self.reads_16bit_grads else self.grads.read()
         if grad_scale is not None and not self._applies_grad_scale():
             for g in grads.values():
                 g.mul_(grad_scale)
             grad_scale = None
-        self._update(lr, grad_scale)
+        self._update(lr, grad_scale, grads)
+
+    @property
+    def reads_16bit_grads(self) -> bool:
+        """Does :meth:`_update` read a 16-bit gradient as its exact fp32 value (so GradState
+        may keep one: megaq.zero.grads, keep_16bit)? Not by default: a torch optimizer
+        wants its leaves' fp32 .grad."""
+        return False
 
     def _applies_grad_scale(self) -> bool:
         """Does :meth:`_update` apply a clip factor itself? (Not by default.)"""
         return False
 
-    def _update(self, lr: float, grad_scale: torch.Tensor | None) -> None:
-        """The inner optimizer's step on the leaves, then the gather-dtype write-back."""
+    def _update(self, lr: float, grad_scale: torch.Tensor | None,
+                grads: dict[str, torch.Tensor]) -> None:
+        """The inner optimizer's step on the leaves, then the gather-dtype write-back.
+        `grads`: GradState's settled gradients by partition name (the leaves' .grad view
+        the fp32 ones)."""
         for g in self.inner.param_groups:
             g["lr"] = lr
         self.inner.step()
@@ -232,11 +244,16 @@ class ShardedAdamW(ShardedOptimizer):
     def _applies_grad_scale(self):
         return self.kind in ("fused", "onepass")
 
-    def _update(self, lr: float, grad_scale: torch.Tensor | None) -> None:
+    @property
+    def reads_16bit_grads(self) -> bool:
+        return self.kind == "onepass"  # megaq's kernel upcasts as it loads
+
+    def _update(self, lr: float, grad_scale: torch.Tensor | None,
+                grads: dict[str, torch.Tensor]) -> None:
         if self.kind == "fused":  # torch's fused AdamW divides by it, as AMP's unscale
             self.inner.grad_scale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
         if self.kind != "onepass":
-            return super()._update(lr, None)
+            return super()._update(lr, None, grads)
         scale = None if grad_scale is None else grad_scale.to(torch.float32)  # megaq's kernel multiplies
         scalars = {wd: fused_adamw.step_scalars(lr, wd, self._betas, self.opt.adam_eps,
                                                 self.step_count)
@@ -244,7 +261,7 @@ class ShardedAdamW(ShardedOptimizer):
         for leaf, st, a, b in self._leaves:
             f = st.part.shard_from  # elements before it have no gather-dtype copy
             out = None if (st.master is st.part.shard or b <= f) else st.part.shard[a - f:b - f]
-            fused_adamw.adamw_step(leaf.data, leaf.grad, st.state["exp_avg"][a:b],
+            fused_adamw.adamw_step(leaf.data, grads[st.part.name][a:b], st.state["exp_avg"][a:b],
                                    st.state["exp_avg_sq"][a:b], out, scale,
                                    scalars[self._leaf_decay[id(leaf)]])
 

@@ -372,6 +372,9 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
                peak_mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
                setup_s=setup_s, optimizer=opt_kind, base_mem_gib=base / 2**30,
                loss_first=float(losses[0]), loss_last=float(losses[-1]), graph_breaks=graph_breaks)
+    if hasattr(keep[1], "grads"):  # megaq: bytes per gradient element held (megaq.zero.grads)
+        res["grad_bytes"] = keep[1].grads.memory_bytes() // sum(
+            p.shard_numel for p in keep[1].partitions)
     if profile:
         res["profile_ms_per_step_by_kind"] = profile
     del keep, fwd_bwd, opt_step, batches, losses

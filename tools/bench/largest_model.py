@@ -82,6 +82,8 @@ def attempt(variant: str, layers: int, dev, steps: int, warmup: int) -> dict:
         row.update(fits=True, step_ms=res["step_ms"], peak_gib=res["peak_mem_gib"],
                    tokens_per_s=res["tokens_per_s"], mfu=res["mfu"],
                    loss_first=res["loss_first"], loss_last=res["loss_last"])
+        if "grad_bytes" in res:
+            row["grad_bytes"] = res["grad_bytes"]
     except torch.OutOfMemoryError:
         row.update(fits=False)
     finally:
