@@ -147,8 +147,10 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = tuple(
               "megaq's fused attention computes the softmax in fp32"),
         _note("--apply-query-key-layer-scaling", "it only changes fp16 numerics; " + _FP16),
         _note("--accumulate-allreduce-grads-in-fp32",
-              "megaq accumulates gradients in fp32 always; its DP reductions carry the "
-              "training dtype (bf16 in bf16 runs), summed into the fp32 accumulator"),
+              "megaq accumulates gradients in fp32 always (a step that writes each "
+              "gradient once at DP = 1 keeps it bf16, which is the same value); its DP "
+              "reductions carry the training dtype (bf16 in bf16 runs), summed into the "
+              "fp32 accumulator"),
         _note("--loss-scale", _FP16, "float"),
         _note("--initial-loss-scale", _FP16, "float"),
         _note("--min-loss-scale", _FP16, "float"),

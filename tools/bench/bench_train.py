@@ -22,6 +22,9 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
                   the engine casts each weight to E4M3 once per step, the GEMMs read the
                   gathered E4M3 weights; no bf16 copy of the block weights)
   megaq-s3-fp8dl-fp8g-comp  the same with the delayed recipe
+  megaq-s0-f32g-comp, megaq-fp8dl-f32g-comp  megaq-s0-comp / megaq-fp8dl-comp with the
+                  step's gradients upcast into fp32 accumulators, as before the engine kept
+                  them bf16 at DP=1 (megaq.zero.grads, keep_16bit): that change's A/B
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -70,7 +73,7 @@ SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 16), "1.3B": (24, 204
 VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp",
             "megaq-fp8tw-comp", "megaq-fp8rw-comp", "ao-tw-comp", "ao-rw-comp",
             "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp", "megaq-fp8dl-comp",
-            "megaq-s3-fp8dl-fp8g-comp"]
+            "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -230,10 +233,11 @@ def device_megaq_model(config, dev):
 
 
 def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False, recompute=False,
-                init_on_device=False):
+                init_on_device=False, fp32_grads=False):
     """The megaq variants: a copy of the size's CPU model on `dev` (or one initialised there:
     init_on_device), with parallelism applied as pretrain_gpt.py applies it
-    (megaq.parallelize: FP8 GEMMs, compiled blocks, engine); recompute: full, per layer."""
+    (megaq.parallelize: FP8 GEMMs, compiled blocks, engine); recompute: full, per layer;
+    fp32_grads: fp32 gradient accumulators where the engine would keep bf16 gradients."""
     import copy
 
     from megaq.parallel.topology import Layout, build_topology
@@ -249,6 +253,8 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False, recompu
     (model,), engine = parallelize(
         config, topo, ZeroConfig(stage=stage, gather_dtype=torch.bfloat16, fp8_weights=fp8_gathers),
         optimizer=OptimizerSettings(lr=3e-4, adam_beta2=0.95, weight_decay=0.1), chunks=[model])
+    if fp32_grads:
+        engine.grads.keep_16bit = False
 
     def fwd_bwd(ids, labels):
         engine.zero_grad()
@@ -316,7 +322,7 @@ def build(size, variant, dev, **kw):
     if variant.startswith("megaq"):
         fp8 = next((v for k, v in FP8_VARIANTS.items() if f"-{k}" in variant), None)
         return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev, fp8,
-                           fp8_gathers="-fp8g" in variant, **kw)
+                           fp8_gathers="-fp8g" in variant, fp32_grads="-f32g" in variant, **kw)
     ao = next((v for k, v in AO_VARIANTS.items() if variant.startswith(k)), None)
     return build_ref(size, variant.endswith("comp"), dev, ao, **kw)
 
