@@ -78,8 +78,10 @@ class GradState:
             if p.name in self.parts:
                 raise ValueError(f"two partitions are named {p.name!r}; gradient state is keyed by name")
             self.parts[p.name] = p
-        self._accum = {name: torch.zeros(p.shard_numel, dtype=torch.float32, device=p.device)
-                       for name, p in self.parts.items()}
+        self._accum = {}
+        for name, p in self.parts.items():  # stale, holding no memory (below): one at a time
+            self._accum[name] = torch.empty(p.shard_numel, dtype=torch.float32, device=p.device)
+            self._accum[name].untyped_storage().resize_(0)
         # the accumulator ranges this rank adds to the global norm (fixed by the layout)
         self._counted = {name: p.counted_ranges() for name, p in self.parts.items()}
         self._stale: set[str] = set()              # names whose accumulator is stale
@@ -93,6 +95,10 @@ class GradState:
         # DP = 1: nothing to reduce, grads go straight into the fp32 accumulators
         # (qgZ too: at DP=1 it has nothing to exchange and adds exactly, residuals unused)
         self.direct = topo.dp.size == 1 and not cfg.grads_reduced_once
+        # stale from the start, holding no memory until backward's first write: building
+        # the engine never holds them beside the weights, masters and moments (the largest
+        # model with full recompute peaked there, 4 bytes a parameter above its steps)
+        self.zero()
 
     # ------------------------------------------------------------ from the engine
     def add(self, part: FlatPartition, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -175,7 +181,7 @@ class GradState:
         """Add a parameter's flat grad into its slice (upcasting): the first write of a
         step to a stale accumulator copies instead (into the 16-bit buffer while the
         partition has one: see keep_16bit in the module docstring)."""
-        written = self._written[name]
+        written = self._written.setdefault(name, set())  # (none before the first zero())
         first = name in self._stale and offset not in written
         half = self._half.get(name)
         if (half is None and self.keep_16bit and first and not written
@@ -233,10 +239,15 @@ class GradState:
             self._settle(name)
 
     # ------------------------------------------------------------ for the optimizer
-    def accumulator(self, name: str) -> torch.Tensor:
-        """The accumulator tensor itself (the optimizer's leaves view it once, at build);
-        read values through :meth:`read`."""
-        return self._accum[name]
+    def accumulator_views(self, name: str, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Views of the accumulator (the optimizer's leaves' .grad, made once, at build),
+        which stay valid as its memory comes and goes; read values through :meth:`read`.
+        (A view needs the memory while it is made: taken for the call, then given back.)"""
+        t = self._live(name)
+        views = [t[a:b] for a, b in ranges]
+        if name in self._stale:
+            t.untyped_storage().resize_(0)
+        return views
 
     def read(self) -> dict[str, torch.Tensor]:
         """{name: settled fp32 accumulator}, in partition order."""

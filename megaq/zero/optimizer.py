@@ -101,9 +101,11 @@ class ShardedOptimizer:
         groups = {True: [], False: []}
         self._leaves: list[tuple[torch.nn.Parameter, PartitionState, int, int]] = []
         for st in self.states:
-            for a, b, decay in _split_at(st.part.local_groups(), st.part.shard_from):
+            pieces = _split_at(st.part.local_groups(), st.part.shard_from)
+            views = grads.accumulator_views(st.part.name, [(a, b) for a, b, _ in pieces])
+            for (a, b, decay), grad in zip(pieces, views):
                 leaf = torch.nn.Parameter(st.master[a:b])  # aliases the master buffer
-                leaf.grad = grads.accumulator(st.part.name)[a:b]  # a view: GradState writes it
+                leaf.grad = grad  # a view: GradState writes it
                 groups[decay].append(leaf)
                 self._leaves.append((leaf, st, a, b))
         param_groups = [{"params": groups[d], "weight_decay": opt.weight_decay if d else 0.0}
