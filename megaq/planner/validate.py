@@ -50,9 +50,10 @@ BEFORE_E4M3_FILES = ("largest_model_h200.json",)
 BEFORE_E4M3 = ("earlier tree: stage-0 FP8 memory measured before the GEMMs' weights were "
                "held in E4M3 only")
 # largest_model.py: megaq's variants at the largest depth that trained (full recompute); the
-# H200's stage-0 FP8 again with E4M3-only weights (largest_model_h200_fp8.json)
+# H200's stage-0 FP8 again with E4M3-only weights (largest_model_h200_fp8.json); the H100's
+# with bf16 gradients (largest_model_h100_fp8.json, whose rows say grad_bytes 2)
 VALIDATE_LARGEST_FILES = ("largest_model_h200.json", "largest_model_h200_fp8.json",
-                          "largest_model_h100.json")
+                          "largest_model_h100.json", "largest_model_h100_fp8.json")
 # the emulated runs: both rates in one process (the rate switched in place), and 1 Gbit/s
 # alone in another device call; the first holds the ZeRO-3 rows the link was fitted on
 VALIDATE_EMULATED_FILES = ("emulated_cluster_gpu.json", "emulated_cluster_gpu_1gbit.json")

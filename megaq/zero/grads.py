@@ -14,7 +14,8 @@ holds:
   contents are last step's, and each slot's first write of the step overwrites
   instead of adding (no zeroing pass, no read of zeros: 8 bytes per element per
   step). Settling zeroes what no write reached (unused parameters, padding).
-  A stale accumulator holds no memory either: ``zero()`` hands its storage back to
+  The accumulators start stale (nothing held while the engine is built). A stale
+  accumulator holds no memory either: ``zero()`` hands its storage back to
   the allocator, and its first write (or settling) takes it again. The forward's
   activations and the step's gradients are then never held at once in full: a step
   without recompute peaks at backward's start, when the activations are all kept
