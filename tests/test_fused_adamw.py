@@ -183,3 +183,47 @@ def test_engine_resumes_exactly_with_the_one_pass_step():
     for name in a["params"]:
         for key in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a["params"][name][key], b["params"][name][key]), (name, key)
+
+
+def _pipeline_steps_both_ways(topo):
+    """On each of PP=2's ranks: 2 steps at 1 and at 2 micro-batches, with the engine's
+    16-bit gradients and with fp32 accumulators; {(keep_16bit, micro-batches): full_state}."""
+    import zero_harness as H
+    from megaq.parallel.pipeline import get_forward_backward_func, pipeline_tensor_shape
+    from megaq.parallelize import parallelize
+
+    out = {}
+    for n_micro in (1, 2):
+        for keep in (True, False):
+            cfg = H.model_config(params_dtype=torch.bfloat16)  # tied embedding: one per stage
+            torch.manual_seed(0)
+            chunks, engine = parallelize(cfg, topo, ZeroConfig(stage=0, gather_dtype=torch.bfloat16),
+                                         optimizer=OptimizerSettings(lr=H.LR, fused_step=True))
+            assert engine.grads.keep_16bit and topo.embedding.size == 2
+            engine.grads.keep_16bit = keep
+            fb = get_forward_backward_func(topo.layout.pp, 1)
+            shape = pipeline_tensor_shape(H.SEQ, H.MBS, cfg.hidden_size, 1, False)
+            for step in range(2):
+                engine.zero_grad()
+                fb(chunks, H.microbatches(step, 0, 1, n_micro, cfg.vocab_size), n_micro, topo,
+                   tensor_shape=shape, dtype=torch.bfloat16)
+                engine.finish_grad_sync()
+                engine.clip_grad_norm(None)
+                engine.step(H.LR)
+            out[(keep, n_micro)] = engine.full_state()["params"]
+    return out
+
+
+def test_16bit_gradients_under_a_pipeline_with_a_tied_embedding():
+    """PP=2 at DP=1 (the engine keeps 16-bit gradients): the tied embedding's two copies
+    are summed in fp32 (moved there first), and a second micro-batch's write moves each
+    partition to fp32; with no clipping every weight and moment is the fp32 accumulators'
+    to the bit, on both stages."""
+    from megaq.testing.ranks import run_on_ranks
+    for rank, out in enumerate(run_on_ranks(_pipeline_steps_both_ways, 2, pp=2)):
+        for n_micro in (1, 2):
+            got, want = out[(True, n_micro)], out[(False, n_micro)]
+            assert got.keys() == want.keys() and got
+            for name in want:
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(got[name][key], want[name][key]), (rank, n_micro, name, key)
