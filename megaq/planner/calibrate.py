@@ -231,13 +231,12 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
 
     # the optimizer: the current one-pass AdamW kernel's rows
     from megaq.planner.shapes import total_params
-    from megaq.planner.step import PlanInput
+    from megaq.planner.step import PlanInput, fp32_grad_extra_bytes
     onepass = [r for r in rows if r.optimizer == "onepass"]
     opt_rows = onepass or rows
-    # per parameter with fp32 gradients (the step model takes off what 16-bit ones save)
     opt_bpp = _median(r.optimizer_ms / 1e3 * gpu.hbm_gb_per_s * 1e9 * hbm_eff
                       / total_params(PlanInput.from_config(_run_config(r.argv)).model)
-                      + 2 * (4 - r.grad_bytes) for r in opt_rows)
+                      + fp32_grad_extra_bytes(r.grad_bytes) for r in opt_rows)
     notes["optimizer_bytes_per_param"] = (f"{len(opt_rows)} {'one-pass ' if onepass else ''}"
                                           "AdamW step times")
 

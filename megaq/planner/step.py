@@ -39,6 +39,13 @@ class PlanError(ValueError):
     """A plan that cannot be made (layout, model, hardware); one line with the fix."""
 
 
+def fp32_grad_extra_bytes(grad_elem: int) -> int:
+    """HBM bytes per parameter the optimizer phase moves beyond 16-bit gradients' with
+    fp32 ones: the grad norm and the update each read every gradient once. The
+    calibration's optimizer_bytes_per_param is for fp32 gradients."""
+    return 2 * (4 - grad_elem)
+
+
 @dataclass(frozen=True)
 class PlanInput:
     """Everything of a run the step model reads."""
@@ -355,9 +362,8 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     # optimizer: the fused AdamW over this rank's shard
     shard_params = max(sum(u.shard_numel(g.n, z.block_size) if z.stage else u.numel
                            for u in st["units"]) for st in stages)
-    # (calibrated with fp32 gradients: 16-bit ones are read twice at fewer bytes, by the
-    # grad norm and the update)
-    optimizer_s = shard_params * (cal.optimizer_bytes_per_param - 2 * (4 - pi.grad_elem)) / hbm
+    optimizer_s = shard_params * (cal.optimizer_bytes_per_param
+                                  - fp32_grad_extra_bytes(pi.grad_elem)) / hbm
     if z.stage == 0:  # then the E4M3-only weights are cast from the masters (fp8_resident)
         optimizer_s += max(sum(u.fp8_numel for u in st["units"]) for st in stages) \
             * REFRESH_BYTES_PER_PARAM / hbm

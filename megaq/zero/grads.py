@@ -182,7 +182,7 @@ class GradState:
         """Add a parameter's flat grad into its slice (upcasting): the first write of a
         step to a stale accumulator copies instead (into the 16-bit buffer while the
         partition has one: see keep_16bit in the module docstring)."""
-        written = self._written.setdefault(name, set())  # (none before the first zero())
+        written = self._written[name]
         first = name in self._stale and offset not in written
         half = self._half.get(name)
         if (half is None and self.keep_16bit and first and not written
