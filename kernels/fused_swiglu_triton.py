@@ -1,13 +1,17 @@
 """Triton SwiGLU: y [N, 2F] = [gate | up] -> silu(gate) * up [N, F]; fp32 math. `swiglu`
-is the autograd op with the signature of kernels/fused_swiglu.swiglu_reference."""
+is the autograd op with the signature of kernels/fused_swiglu.swiglu_reference (eager);
+`swiglu_backward` the backward alone, launched through `wrap_triton` (the triton_op that
+compiled blocks call: kernels/fused_swiglu.py)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from .fused_common import rows_view
+from .launch import interpreted
 from .tuning import DEFAULT_TUNING, Tuning
 
 
@@ -56,6 +60,20 @@ def swiglu_bwd(do2: torch.Tensor, y2: torch.Tensor, tuning: Tuning) -> torch.Ten
     _swiglu_bwd[(N, triton.cdiv(F, BLOCK))](do2, y2, dy, do2.stride(0), y2.stride(0), dy.stride(0),
                                             F, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=tuning.fp_fusion)
     return dy
+
+
+def swiglu_backward(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """d(silu(gate) * up) / d[gate | up] for the output gradient `do` [..., F] and the
+    input `y` [..., 2F]: kernels/fused_swiglu.swiglu_backward_reference's signature."""
+    y2, do2 = rows_view(y), rows_view(do)
+    N, F2 = y2.shape
+    F = F2 // 2
+    dy = torch.empty((N, F2), dtype=y2.dtype, device=y2.device)
+    # the interpreter's kernel is launched as it is (torch 2.11's wrap_triton refuses it)
+    kernel = _swiglu_bwd if interpreted(_swiglu_bwd) else wrap_triton(_swiglu_bwd)
+    kernel[(N, triton.cdiv(F, BLOCK))](do2, y2, dy, do2.stride(0), y2.stride(0), dy.stride(0), F,
+                                       BLOCK=BLOCK, num_warps=4)
+    return dy.view(y.shape)
 
 
 class _SwiGLU(torch.autograd.Function):

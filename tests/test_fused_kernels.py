@@ -107,6 +107,42 @@ def test_swiglu_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_kernel_matches_its_reference_and_autograd(dtype):
+    """The backward kernel that compiled blocks launch (a triton_op): equal to its fp32
+    reference within the fp32 ordering tolerance (both round once at the end), and to
+    autograd's derivative of silu(gate) * up (which rounds intermediates in bf16)."""
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(5, 3, 2 * 37, generator=g).to(dtype)  # f = 37: masked tail
+    do = torch.randn(5, 3, 37, generator=g).to(dtype)
+    dy = fsw.swiglu_backward_reference(do, y)
+    kernel = fsw.SWIGLU_BACKWARD.triton_function()(do.to(DEV), y.to(DEV)).cpu()
+    assert kernel.dtype == dtype and kernel.shape == y.shape
+    assert rel(kernel, dy) < 1e-5 if dtype == torch.float32 else rel(kernel, dy) < 8e-3
+    leaf = y.clone().requires_grad_(True)
+    fsw.swiglu_reference(leaf).backward(do)
+    assert rel(dy, leaf.grad) < TOL[dtype]
+
+
+def test_compiled_swiglu_is_one_graph_with_the_kernels_backward(monkeypatch):
+    """Under torch.compile (fullgraph) where the kernel runs (CUDA; forced here on the
+    CPU), swiglu traces the reference forward and the triton_op backward: one graph,
+    the reference's output bit for bit and its gradient within the fp32 tolerance. (On
+    the CPU the op's trace records its reference, as a fake tensor never goes to the
+    interpreter; on a GPU it records the kernel.)"""
+    monkeypatch.setattr(fsw, "use_triton", lambda t, under_compile: True)
+    y = torch.randn(4, 2 * 24, device=DEV)
+    do = torch.randn(4, 24, device=DEV)
+    leaf = y.clone().requires_grad_(True)
+    out = torch.compile(fsw.swiglu, backend="aot_eager", fullgraph=True)(leaf)
+    out.backward(do)
+    ref_leaf = y.clone().requires_grad_(True)
+    ref = fsw.swiglu_reference(ref_leaf)
+    ref.backward(do)
+    assert torch.equal(out, ref)
+    assert rel(leaf.grad, ref_leaf.grad) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_matches_reference_and_ignores_padding(dtype, faithful_interpreter):
     s, b, V, V_pad = 5, 3, 100, 128
     logits = (3 * torch.randn(s, b, V_pad)).to(dtype)

@@ -25,6 +25,9 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
   megaq-s0-f32g-comp, megaq-fp8dl-f32g-comp  megaq-s0-comp / megaq-fp8dl-comp with the
                   step's gradients upcast into fp32 accumulators, as before the engine kept
                   them bf16 at DP=1 (megaq.zero.grads, keep_16bit): that change's A/B
+  megaq-s0-isw-comp, megaq-fp8dl-isw-comp  the same with inductor's SwiGLU backward (the
+                  reference traced and fused), as before compiled blocks launched the
+                  hand kernel (kernels/fused_swiglu.py): that change's A/B
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -73,7 +76,8 @@ SIZES = {"125M": (12, 768, 12, 16), "350M": (24, 1024, 16, 16), "1.3B": (24, 204
 VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp",
             "megaq-fp8tw-comp", "megaq-fp8rw-comp", "ao-tw-comp", "ao-rw-comp",
             "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp", "megaq-fp8dl-comp",
-            "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp"]
+            "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp",
+            "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -333,6 +337,21 @@ def make_batches(size, dev, n=4):
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, VOCAB, (n, mb, SEQ + 1), generator=g)
     return [(d[:, :-1].contiguous().to(dev), d[:, 1:].contiguous().to(dev)) for d in data]
+
+
+@contextlib.contextmanager
+def inductor_swiglu_backward(on: bool):
+    """The -isw variants (an A/B, bench-only): while their blocks are traced, swiglu
+    records its reference, forward and backward, for inductor to fuse."""
+    from megaq.kernels import fused_swiglu
+
+    kept = fused_swiglu.use_triton
+    if on:
+        fused_swiglu.use_triton = lambda t, under_compile: False
+    try:
+        yield
+    finally:
+        fused_swiglu.use_triton = kept
 
 
 def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw):
@@ -869,7 +888,8 @@ def main(argv=None):
             try:
                 prof_dir = (os.path.dirname(os.path.abspath(args.out or "."))
                             if f"{size}:{variant}" in args.profile else None)
-                r = time_variant(size, variant, dev, args.steps, args.warmup, prof_dir)
+                with inductor_swiglu_backward("-isw" in variant):
+                    r = time_variant(size, variant, dev, args.steps, args.warmup, prof_dir)
             except Exception as e:  # noqa: BLE001 - report the failure, keep measuring the rest
                 r = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"FAILED {size} {variant}: {r['error']}")
