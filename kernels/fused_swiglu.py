@@ -29,22 +29,57 @@ def swiglu_reference(y: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward_reference(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """[dgate | dup] for the output gradient `do`: fp32 math, as the kernel."""
-    gate, up = y.float().chunk(2, dim=-1)
-    do, sig = do.float(), torch.sigmoid(gate)
-    dgate = do * up * sig * (1.0 + gate * (1.0 - sig))
-    return torch.cat([dgate, do * gate * sig], dim=-1).to(y.dtype)
+    """[dgate | dup] for the output gradient `do`: the ops, and so the bits, of autograd's
+    derivative of swiglu_reference (the kernel computes in fp32 and rounds once)."""
+    gate, up = y.chunk(2, dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(do * up, gate), do * F.silu(gate)], dim=-1)
+
+
+def swiglu_backward_fp8_reference(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
+                                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SwiGLU backward as fc1's FP8 backward GEMMs take it (delayed scaling: the
+    scale is known before dY): dY [N, 2F] cast with `scale` to the FP8 `dtype`, that
+    cast transposed ([2F, N], the weight-gradient GEMM's operand) and |dY|'s max (fp32,
+    0-d: the amax history's entry). megaq.parallel.fp8.cast and tensor_amax define the
+    cast and the max; this composes them (tests hold the kernel to it)."""
+    from megaq.parallel.fp8 import cast, tensor_amax  # the one home of the FP8 cast
+
+    dy = swiglu_backward_reference(do, y).reshape(-1, y.shape[-1])
+    q = cast(dy, scale, dtype)
+    return q, q.t().contiguous(), tensor_amax(dy)
 
 
 SWIGLU = Op("swiglu", swiglu_reference, "fused_swiglu_triton.swiglu", under_compile="reference")
 # the Triton kernel also while inductor traces it (a triton_op: launched, not fused)
 SWIGLU_BACKWARD = Op("swiglu_backward", swiglu_backward_reference,
                      "fused_swiglu_triton.swiglu_backward", under_compile="triton")
+SWIGLU_BACKWARD_FP8 = Op("swiglu_backward_fp8", swiglu_backward_fp8_reference,
+                         "fused_swiglu_triton.swiglu_backward_fp8", under_compile="triton")
 
 
 @triton_op("megaq::swiglu_backward", mutates_args=())
 def _swiglu_backward_op(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return SWIGLU_BACKWARD.pick(y)(do, y)
+
+
+def swiglu_backward(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[dgate | dup] for `do`: the kernel where it runs (launched, in a compiled block,
+    as the triton_op), else swiglu_backward_reference."""
+    return _swiglu_backward_op(do.contiguous(), y)
+
+
+@triton_op("megaq::swiglu_backward_fp8", mutates_args=())
+def _swiglu_backward_fp8_op(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return SWIGLU_BACKWARD_FP8.pick(y)(do, y, scale, dtype)
+
+
+def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiglu_backward_fp8_reference's result: one kernel where it runs (a fused pass in
+    place of the backward, the cast with its amax and the transpose: three passes over
+    dY), else the reference."""
+    return _swiglu_backward_fp8_op(do.contiguous(), y, scale, dtype)
 
 
 class _SwiGLUTraced(torch.autograd.Function):
@@ -58,7 +93,7 @@ class _SwiGLUTraced(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         (y,) = ctx.saved_tensors
-        return _swiglu_backward_op(do.contiguous(), y)
+        return swiglu_backward(do, y)
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:

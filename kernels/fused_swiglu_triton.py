@@ -1,7 +1,8 @@
 """Triton SwiGLU: y [N, 2F] = [gate | up] -> silu(gate) * up [N, F]; fp32 math. `swiglu`
 is the autograd op with the signature of kernels/fused_swiglu.swiglu_reference (eager);
 `swiglu_backward` the backward alone, launched through `wrap_triton` (the triton_op that
-compiled blocks call: kernels/fused_swiglu.py)."""
+compiled blocks call: kernels/fused_swiglu.py); `swiglu_backward_fp8` the backward with
+the FP8 cast of its output for the GEMMs of fc1's backward (megaq.parallel.fp8)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,79 @@ def swiglu_backward(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     kernel[(N, triton.cdiv(F, BLOCK))](do2, y2, dy, do2.stride(0), y2.stride(0), dy.stride(0), F,
                                        BLOCK=BLOCK, num_warps=4)
     return dy.view(y.shape)
+
+
+@triton.jit
+def _fp8_code(v, M: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
+    # torch's `(v * scale).clamp(-FMAX, FMAX).to(float8)` for v already scaled, as the
+    # format's byte: saturate, round to nearest even, NaN stays NaN. In integer operations
+    # rather than Triton's cast, whose CPU interpreter does not carry a rounding into the
+    # exponent (448-512 became 256 in E5M2); exact on both, tests compare every byte
+    bits = v.to(tl.int32, bitcast=True)
+    sign = ((bits >> 31) & 1) << 7
+    a = tl.minimum(tl.abs(v), FMAX)
+    SH: tl.constexpr = 23 - M
+    ab = a.to(tl.int32, bitcast=True)
+    r = ab + ((1 << (SH - 1)) - 1) + ((ab >> SH) & 1)  # the mantissa rounded to M bits
+    normal = (r >> SH) - ((127 - BIAS) << M)  # fp32's exponent rebiased
+    # below the smallest normal: multiples of 2^(1 - BIAS - M), rounded by the fp32 adder
+    QUANTA: tl.constexpr = 2.0 ** (BIAS + M - 1)
+    small = tl.minimum(a, 2.0 ** (1 - BIAS))
+    sub = ((small * QUANTA + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(a < 2.0 ** (1 - BIAS), sub, normal) | sign
+    return tl.where(v != v, 0x7F, code).to(tl.uint8)
+
+
+@triton.jit
+def _swiglu_bwd_fp8(DO, Y, Q, QT, AMAX, SCALE, N, F, stride_do, stride_y, M: tl.constexpr,
+                    BIAS: tl.constexpr, FMAX: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+    # a [BM tokens, BF features] tile of dgate and of dup: computed in fp32, rounded to
+    # y's dtype (the values a 16-bit dY holds), scaled and cast; stored row-major into Q
+    # [N, 2F] and transposed into QT [2F, N] (each tile row of QT one line of BM bytes)
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rf = tl.program_id(1) * BF + tl.arange(0, BF)
+    mask = (rm[:, None] < N) & (rf[None, :] < F)
+    rows = rm[:, None].to(tl.int64)
+    do = tl.load(DO + rows * stride_do + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(Y + rows * stride_y + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(Y + rows * stride_y + F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    dg = (do * u * sig * (1.0 + g * (1.0 - sig))).to(Y.dtype.element_ty).to(tl.float32)
+    du = (do * g * sig).to(Y.dtype.element_ty).to(tl.float32)
+    tl.atomic_max(AMAX, tl.max(tl.maximum(tl.abs(dg), tl.abs(du))))
+    scale = tl.load(SCALE)
+    qg = _fp8_code(dg * scale, M, BIAS, FMAX)
+    qu = _fp8_code(du * scale, M, BIAS, FMAX)
+    tl.store(Q + rows * (2 * F) + rf[None, :], qg, mask=mask)
+    tl.store(Q + rows * (2 * F) + F + rf[None, :], qu, mask=mask)
+    cols = rf[:, None].to(tl.int64)
+    tmask = (rf[:, None] < F) & (rm[None, :] < N)
+    tl.store(QT + cols * N + rm[None, :], tl.trans(qg), mask=tmask)
+    tl.store(QT + (cols + F) * N + rm[None, :], tl.trans(qu), mask=tmask)
+
+
+# the FP8 formats' mantissa bits and exponent bias (what _fp8_code needs)
+FP8_FORMATS = {torch.float8_e5m2: (2, 15), torch.float8_e4m3fn: (3, 7)}
+BM_FP8, BF_FP8 = 128, 64  # QT's tile rows are 128-byte lines; Q's 64 bytes per half
+
+
+def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels/fused_swiglu.swiglu_backward_fp8_reference's signature: one pass over
+    `do` and `y` writing dY's FP8 copy, its transpose and |dY|'s max."""
+    y2, do2 = rows_view(y), rows_view(do)
+    N, F2 = y2.shape
+    F = F2 // 2
+    q = torch.empty((N, F2), dtype=dtype, device=y.device)
+    qt = torch.empty((F2, N), dtype=dtype, device=y.device)
+    amax = torch.zeros((), dtype=torch.float32, device=y.device)
+    kernel = _swiglu_bwd_fp8 if interpreted(_swiglu_bwd_fp8) else wrap_triton(_swiglu_bwd_fp8)
+    m, bias = FP8_FORMATS[dtype]
+    kernel[(triton.cdiv(N, BM_FP8), triton.cdiv(F, BF_FP8))](
+        do2, y2, q.view(torch.uint8), qt.view(torch.uint8), amax, scale, N, F, do2.stride(0),
+        y2.stride(0), M=m, BIAS=bias, FMAX=torch.finfo(dtype).max, BM=BM_FP8, BF=BF_FP8,
+        num_warps=8)
+    return q, qt, amax
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -37,6 +37,7 @@ HADAMARD = _quant_op("hadamard")
 # signature and to the dispatch rule).
 OPS = (QUANTIZE, DEQUANTIZE, REORDER_QUANTIZE, DEQUANT_REDUCE_QUANTIZE, DEQUANT_REDUCE, HADAMARD,
        fused_rmsnorm.RMS_NORM, fused_rope.ROTARY, fused_swiglu.SWIGLU, fused_swiglu.SWIGLU_BACKWARD,
+       fused_swiglu.SWIGLU_BACKWARD_FP8,
        fused_cross_entropy.CROSS_ENTROPY, fused_adamw.ADAMW_STEP, transpose.TRANSPOSE)
 
 

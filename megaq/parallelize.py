@@ -14,6 +14,7 @@ from torch import nn
 
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
+from megaq.model.mlp import MLP
 from megaq.model.recompute import RecomputedLayers, layer_groups, recomputed_in_training
 from megaq.parallel.fp8 import FP8GEMM, FP8Recipe
 from megaq.parallel.fp8_delayed import AmaxState
@@ -83,13 +84,23 @@ def apply_fp8(module: nn.Module, recipe: FP8Recipe) -> nn.Module:
     """Step 3: every column- and row-parallel layer under `module` with a weight of its
     own computes its GEMMs in FP8: a megaq.parallel.fp8.FP8GEMM in its ``gemm`` slot,
     with the delayed recipe's amax state (megaq.parallel.fp8_delayed) on the weight's
-    device. parallelize passes the transformer blocks only."""
+    device. parallelize passes the transformer blocks only.
+
+    A SwiGLU MLP's fc1 (without bias) takes the activation into its FP8 GEMM, which then
+    returns silu(gate) * up, and the MLP's own activation is turned off: SwiGLU's
+    backward then writes fc1's FP8 dY directly (megaq.parallel.fp8, ``swiglu``)."""
     layers = [m for m in module.modules()
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None]
+    fused = {id(m.linear_fc1) for m in module.modules()
+             if isinstance(m, MLP) and m.swiglu and m.activation is not None
+             and m.linear_fc1.bias is None and m.linear_fc1.weight is not None}
     for layer in layers:
         amax = AmaxState(recipe).to(layer.weight.device) if recipe.delayed else None
         parallel = "column" if isinstance(layer, ColumnParallelLinear) else "row"
-        layer.gemm = FP8GEMM(recipe, layer.tp_group, parallel, amax)
+        layer.gemm = FP8GEMM(recipe, layer.tp_group, parallel, amax, swiglu=id(layer) in fused)
+    for m in module.modules():
+        if isinstance(m, MLP) and id(m.linear_fc1) in fused:
+            m.activation = None
     return module
 
 

@@ -478,6 +478,60 @@ def test_delayed_scaling_compiled_blocks_match_eager_without_graph_breaks():
         assert _rel(b, a) < 1e-5
 
 
+def _swiglu_split(model) -> None:
+    """Undo the SwiGLU epilogue of apply_fp8: fc1's GEMM plain, the MLP's activation on."""
+    from megaq.kernels.fused_swiglu import swiglu
+
+    for block in model.layers:
+        block.mlp.linear_fc1.gemm.swiglu, block.mlp.activation = False, swiglu
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_swiglu_epilogue_matches_swiglu_after_the_gemm(monkeypatch, kernels):
+    """apply_fp8 moves a SwiGLU MLP's activation into fc1's FP8 GEMM, whose backward then
+    hands fc1 its FP8 dY from one kernel once the delayed scale is known. Against the
+    model with the activation after the GEMM, two steps (tensorwise-scaled, then the
+    history's scales), eager:
+
+    * torch references (the CPU path): the same losses, gradients and histories, bit for bit;
+    * the Triton kernels (interpreted here; the GPU's path): step 1 (no delayed scale yet,
+      the unfused backward) bit for bit; step 2 runs the fused kernel, which rounds dY to
+      bf16 once where autograd rounds twice (tests/test_fused_kernels.py: a few percent of
+      dY's FP8 bytes one code apart). One E5M2 code is 2^-2 of the value at most, so a few
+      percent of them moving by it changes a gradient by ~1% (relative norm); 3% allowed,
+      against the ~10% by which FP8 gradients differ from bf16 ones at this size."""
+    monkeypatch.setenv("MEGAQ_KERNELS", kernels)
+    if kernels == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
+              fp8_format="hybrid", fp8_recipe="delayed", params_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 64, (2, 17), generator=gen) for _ in range(2)]
+    runs = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = _one_process_model(GPTConfig.llama(**kw))
+        assert all((b.mlp.activation is None) and b.mlp.linear_fc1.gemm.swiglu for b in model.layers)
+        if not fused:
+            _swiglu_split(model)
+        out = []
+        for ids in batches:
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+            loss.float().mean().backward()
+            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad()
+            fp8_delayed.step(model, None)
+        runs.append((out, [s.history.clone() for s in fp8_delayed.states(model)]))
+    (fused_out, fused_hist), (split_out, split_hist) = runs
+    for step, ((lf, gf), (ls, gs)) in enumerate(zip(fused_out, split_out)):
+        exact = kernels == "torch" or step == 0
+        assert torch.equal(lf, ls) if exact else _rel(lf, ls) < 1e-2
+        for name, g in gs.items():
+            assert torch.equal(gf[name], g) if exact else _rel(gf[name], g) < 3e-2, (step, name)
+    for a, b in zip(fused_hist, split_hist):
+        assert torch.equal(a, b) if kernels == "torch" else _rel(a, b) < 1e-2
+
+
 def test_fp8_delayed_training_resumes_exactly_from_a_checkpoint(tmp_path):
     """Delayed scaling's amax histories travel in the checkpoint (every pipeline stage's,
     gathered over PP): a run resumed at iteration 2 repeats the uninterrupted run's

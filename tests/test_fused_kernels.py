@@ -123,6 +123,70 @@ def test_swiglu_backward_kernel_matches_its_reference_and_autograd(dtype):
     assert rel(dy, leaf.grad) < TOL[dtype]
 
 
+FP8_DTYPES = [torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+def _fp8_rounding_cases(dtype) -> torch.Tensor:
+    """fp32 values at every rounding case of the FP8 `dtype`: each finite value, the
+    midpoints between neighbours (ties, to even), one fp32 ulp either side of them,
+    beyond the max, infinities, signed zeros, underflow, and random values over the
+    whole range (subnormals included)."""
+    vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2  # exact in fp32
+    fmax, inf = torch.finfo(dtype).max, torch.tensor(float("inf"))
+    g = torch.Generator().manual_seed(3)
+    spread = torch.randn(2000, generator=g) * torch.exp2(torch.randint(-24, 18, (2000,), generator=g).float())
+    edges = torch.tensor([fmax * 1.01, fmax * 4, -fmax * 4, inf, -inf, 0.0, -0.0, 1e-30, -1e-30])
+    return torch.cat([vals, mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf), edges, spread])
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+def test_swiglu_backward_fp8_casts_every_rounding_case_as_torch(fp8):
+    """The fused kernel's FP8 cast (integer rounding, kernels/fused_swiglu_triton._fp8_code)
+    gives torch's bytes for every case: with gate 0 and up 2, dgate is dOut exactly, so the
+    first half of Q is dOut cast; a NaN stays NaN. Q^T is Q transposed, byte for byte."""
+    v = _fp8_rounding_cases(fp8)
+    n = v.numel()
+    y = torch.cat([torch.zeros(1, n), torch.full((1, n), 2.0)], dim=1)
+    do = torch.cat([v, torch.tensor([float("nan")])])[None]
+    y = torch.cat([y[:, :n], torch.zeros(1, 1), y[:, n:], torch.full((1, 1), 2.0)], dim=1)
+    q, qt, _ = fsw.SWIGLU_BACKWARD_FP8.triton_function()(do.to(DEV), y.to(DEV), torch.tensor(1.0, device=DEV), fp8)
+    fmax = torch.finfo(fp8).max
+    want = v.clamp(-fmax, fmax).to(fp8).view(torch.uint8)
+    assert torch.equal(q[0, :n].cpu().view(torch.uint8), want)
+    assert torch.isnan(q[0, n].float())
+    assert torch.equal(qt.cpu().view(torch.uint8), q.cpu().view(torch.uint8).t().contiguous())
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_fp8_kernel_matches_its_reference(dtype, fp8):
+    """One pass that writes fc1's FP8 dY, its transpose and |dY|'s max, against the
+    reference (autograd's backward, megaq.parallel.fp8's cast and amax), on a tile-ragged
+    shape with a scale that saturates some values. fp32: the same bytes but at the odd
+    element one code off (the two sigmoids differ in the last bit, which can move dY
+    across a rounding boundary). bf16:
+    the reference rounds dY to bf16 twice, as autograd does, the kernel once: every byte
+    within one code of it, few of them off, and the amax within one bf16 ulp."""
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(300, 2 * 70, generator=g).to(dtype)  # 300 tokens, F = 70: ragged tiles
+    do = torch.randn(300, 70, generator=g).to(dtype)
+    scale = torch.tensor(torch.finfo(fp8).max / 3.0)  # |dY| reaches ~8: some saturate
+    q, qt, amax = [t.cpu() for t in fsw.SWIGLU_BACKWARD_FP8.triton_function()(
+        do.to(DEV), y.to(DEV), scale.to(DEV), fp8)]
+    rq, _, ramax = fsw.swiglu_backward_fp8_reference(do, y, scale, fp8)
+    assert q.shape == rq.shape and qt.shape == rq.t().shape and amax.shape == ()
+    assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t().contiguous())
+    codes = q.view(torch.uint8).int(), rq.view(torch.uint8).int()
+    off = codes[0] != codes[1]
+    assert ((codes[0] - codes[1]).abs() <= 1).all() and (q.float().sign() == rq.float().sign()).all()
+    if dtype == torch.float32:
+        assert off.float().mean() < 1e-3 and torch.allclose(amax, ramax, rtol=1e-6)
+    else:
+        assert off.float().mean() < 0.05 and torch.allclose(amax, ramax, rtol=2 ** -7)
+
+
 def test_compiled_swiglu_is_one_graph_with_the_kernels_backward(monkeypatch):
     """Under torch.compile (fullgraph) where the kernel runs (CUDA; forced here on the
     CPU), swiglu traces the reference forward and the triton_op backward: one graph,

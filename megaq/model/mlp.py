@@ -29,11 +29,13 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(
             ffn, config.hidden_size, tp_group,
             init_weight=init.normal("mlp.linear_fc2.weight", scaled=True), **common)
+        # [gate | up] -> silu(gate) * up (a fused Triton kernel on CUDA), or GELU. None:
+        # fc1's FP8 GEMM applies SwiGLU itself (megaq.parallelize.apply_fp8), so that its
+        # backward hands fc1 the FP8 dY in one pass
+        self.activation = swiglu if self.swiglu else F.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)
-        if self.swiglu:
-            y = swiglu(y)  # [gate | up] -> silu(gate) * up; fused Triton kernel on CUDA
-        else:
-            y = F.gelu(y)
+        if self.activation is not None:
+            y = self.activation(y)
         return self.linear_fc2(y)

@@ -51,6 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megaq.kernels.fused_swiglu import SWIGLU, SWIGLU_BACKWARD_FP8, swiglu_backward, swiglu_backward_fp8
+from megaq.kernels.dispatch import use_triton
 from megaq.kernels.transpose import transpose
 from megaq.parallel import comm
 from megaq.parallel.comm import Group
@@ -306,6 +308,14 @@ class _FP8Linear(torch.autograd.Function):
     dY is split) or "row" (W's input columns; x is split, dY is whole). That decides
     which amaxes cross a shard boundary and are reduced (module docstring).
 
+    `swiglu` (fc1 of a SwiGLU MLP, column-parallel; megaq.parallelize.apply_fp8): the
+    function returns silu(gate) * up of its [gate | up] output, and its backward takes
+    that product's gradient. SwiGLU's backward then produces dY for this layer's own
+    GEMMs, and with a delayed scale one kernel writes dY's FP8 copy, its transpose and
+    its amax (kernels/fused_swiglu.swiglu_backward_fp8): compiled, the backward, the cast
+    with its amax and the transpose are three passes over dY (the bf16 dY written and read
+    again), where the bytes need one.
+
     `weight_fp8`, `weight_inv` (tensorwise only): the weight already cast, as ZeRO-3's
     FP8 weight gather delivers it (``--zero-quantized-weights fp8``): E4M3 with the
     inverse of the per-tensor scale this function would have computed from `weight`
@@ -316,7 +326,7 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: FP8Recipe, group: Group, parallel: str,
                 weight_fp8=None, weight_inv=None, amax_scale=None, amax_now=None,
-                grad_sink=None, ready: bool = False, record: bool = False):
+                grad_sink=None, ready: bool = False, record: bool = False, swiglu: bool = False):
         col = parallel == "column"
         rw, fwd = recipe.rowwise, recipe.forward_dtype
         x2 = x.reshape(-1, x.shape[-1])
@@ -339,13 +349,15 @@ class _FP8Linear(torch.autograd.Function):
             wq, ws, w_scale = quantize(weight, fwd, 1 if rw else None, rw,
                                        _maybe(group, not (rw and col)), "weight", with_scale=True)
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype, fast_accum=True)
-        ctx.recipe, ctx.group, ctx.col = recipe, group, col
+        ctx.recipe, ctx.group, ctx.col, ctx.swiglu = recipe, group, col, swiglu
+        ctx.y_shape = (*x.shape[:-1], y.shape[-1])
+        kept = (y,) if swiglu else ()  # SwiGLU's input, for its backward (as swiglu keeps it)
         # delayed: dY's scale, and whether to report dY's amax (as the grad of amax.grad_sink)
         ctx.dy_scale = amax_scale[1] if delayed and ready else None
         ctx.amax_to_sink = delayed and record
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         if rw:  # backward casts along other dims: keep the originals
-            ctx.save_for_backward(x2, weight)
+            ctx.save_for_backward(x2, weight, *kept)
         else:
             # one scale per tensor: backward's casts are the forward's, bit for bit. The
             # weight, in memory anyway, is cast again there (an FP8 copy kept from forward
@@ -361,17 +373,28 @@ class _FP8Linear(torch.autograd.Function):
             recompute_x = torch.compiler.is_compiling() and (not col or group.size == 1)
             x_keep, x_scale_keep = (x2, x_scale) if recompute_x else (xq, None)
             w_keep = weight if w_scale is not None else wq
-            ctx.save_for_backward(x_keep, x_scale_keep, xs, w_keep, w_scale, ws)
+            ctx.save_for_backward(x_keep, x_scale_keep, xs, w_keep, w_scale, ws, *kept)
+        if swiglu:
+            y = SWIGLU.pick(y)(y)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         recipe, group, col = ctx.recipe, ctx.group, ctx.col
         gdt, rw = recipe.grad_dtype, recipe.rowwise
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        saved = ctx.saved_tensors
+        dyq_t = None  # dY's FP8 copy transposed, when SwiGLU's backward wrote it
+        if ctx.swiglu:  # dy is d(silu(gate) * up): this layer's dY comes from it
+            y, saved = saved[-1], saved[:-1]  # [tokens, 2F], as the GEMM wrote it
+            dy = dy.reshape(-1, dy.shape[-1])
+            if ctx.dy_scale is not None and use_triton(y, SWIGLU_BACKWARD_FP8.under_compile):
+                dyq, dyq_t, dy_amax = swiglu_backward_fp8(dy, y, ctx.dy_scale, gdt)
+            else:
+                dy = swiglu_backward(dy, y)
+        dy2 = dy.reshape(-1, ctx.y_shape[-1])
         dx = dw = None
         if rw:
-            x2, weight = ctx.saved_tensors
+            x2, weight = saved
             if ctx.needs_input_grad[0]:  # dX = dY W: reduction over output features
                 dyq, dys = quantize(dy2, gdt, -1, True, _maybe(group, col), "grad_output")
                 wq, ws = quantize(weight, recipe.forward_dtype, 0, True, _maybe(group, col),
@@ -382,11 +405,13 @@ class _FP8Linear(torch.autograd.Function):
                 xq, xs = quantize(x2, recipe.forward_dtype, 0, True, None, "input_for_grad_weight")
                 dw = scaled_mm(dyq.t(), xq, dys.t(), xs, ctx.w_dtype, fast_accum=False)
         else:
-            x_keep, x_scale, xs, w, w_scale, ws = ctx.saved_tensors
+            x_keep, x_scale, xs, w, w_scale, ws = saved
             fwd = recipe.forward_dtype
             xq = x_keep if x_scale is None else recast(x_keep, x_scale, fwd)
             wq = w if w_scale is None else recast(w, w_scale, fwd)
-            if ctx.dy_scale is not None:
+            if dyq_t is not None:
+                dys = ctx.dy_scale.reciprocal()
+            elif ctx.dy_scale is not None:
                 dyq, dys, dy_amax = quantize_delayed(dy2, gdt, ctx.dy_scale, "grad_output")
             else:
                 dyq, dys = quantize(dy2, gdt, None, False, _maybe(group, col), "grad_output")
@@ -394,20 +419,26 @@ class _FP8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx = scaled_mm(dyq, wq, dys, ws, ctx.x_dtype, fast_accum=False)
             if ctx.needs_input_grad[1]:
-                dw = scaled_mm(dyq.t(), xq, dys, xs, ctx.w_dtype, fast_accum=False)
+                dw = scaled_mm(dyq.t() if dyq_t is None else dyq_t, xq, dys, xs, ctx.w_dtype,
+                               fast_accum=False)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         sink = dy_amax.reshape(1) if ctx.amax_to_sink else None
-        return dx, dw, None, None, None, None, None, None, None, sink, None, None
+        return dx, dw, None, None, None, None, None, None, None, sink, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            recipe: FP8Recipe | None, group: Group, parallel: str,
            weight_fp8: torch.Tensor | None = None,
-           weight_inv: torch.Tensor | None = None, amax_state=None) -> torch.Tensor:
+           weight_inv: torch.Tensor | None = None, amax_state=None,
+           swiglu: bool = False) -> torch.Tensor:
     """The TP layers' GEMM: F.linear without a recipe, else the FP8 GEMMs above
     (`weight_fp8` / `weight_inv`: the weight as ZeRO's FP8 gather delivered it;
-    `amax_state`: the layer's fp8_delayed.AmaxState, for the delayed recipe)."""
+    `amax_state`: the layer's fp8_delayed.AmaxState, for the delayed recipe; `swiglu`:
+    return silu(gate) * up of the [gate | up] output, a column-parallel layer without
+    bias)."""
+    if swiglu and (parallel != "column" or bias is not None or recipe is None):
+        raise ValueError("the SwiGLU epilogue is for an FP8 column-parallel layer without bias")
     if recipe is None:
         return F.linear(x, weight, bias)
     if parallel not in ("column", "row"):
@@ -418,11 +449,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if recipe.delayed != (amax_state is not None):
         raise ValueError("the delayed FP8 recipe needs the layer's amax state (and only it)")
     if amax_state is None:
-        y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv)
+        y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv,
+                             None, None, None, False, False, swiglu)
     else:  # the grad sink's gradient carries dY's amax out of backward (fp8_delayed)
         s = amax_state
         y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv,
-                             s.scale, s.now, s.grad_sink, s.ready, torch.is_grad_enabled())
+                             s.scale, s.now, s.grad_sink, s.ready, torch.is_grad_enabled(), swiglu)
     return y if bias is None else y + bias
 
 
@@ -437,24 +469,27 @@ class FP8GEMM(nn.Module):
       sets them with :func:`use_fp8_weight`); None: the GEMM casts the weight itself.
       Buffers (not persistent, so never in a state dict) so that a compiled block
       treats them as graph inputs, as it treats the parameters;
-    * ``amax``: the delayed recipe's megaq.parallel.fp8_delayed.AmaxState, else None.
+    * ``amax``: the delayed recipe's megaq.parallel.fp8_delayed.AmaxState, else None;
+    * ``swiglu``: the GEMM returns silu(gate) * up of its output (fc1 of a SwiGLU MLP,
+      whose own activation is then off: megaq.parallelize.apply_fp8).
     """
 
-    def __init__(self, recipe: FP8Recipe, group: Group, parallel: str, amax: nn.Module | None = None):
+    def __init__(self, recipe: FP8Recipe, group: Group, parallel: str, amax: nn.Module | None = None,
+                 swiglu: bool = False):
         super().__init__()
         if parallel not in ("column", "row"):
             raise ValueError(f"parallel must be 'column' or 'row', not {parallel!r}")
-        self.recipe, self.group, self.parallel = recipe, group, parallel
+        self.recipe, self.group, self.parallel, self.swiglu = recipe, group, parallel, swiglu
         self.register_buffer("weight_fp8", None, persistent=False)
         self.register_buffer("weight_fp8_inv", None, persistent=False)
         self.amax = amax
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, weight, bias, self.recipe, self.group, self.parallel,
-                      self.weight_fp8, self.weight_fp8_inv, self.amax)
+                      self.weight_fp8, self.weight_fp8_inv, self.amax, self.swiglu)
 
     def extra_repr(self) -> str:
-        return f"{self.parallel}, {self.recipe}"
+        return f"{self.parallel}, {self.recipe}" + (", swiglu" if self.swiglu else "")
 
 
 def fp8_gemm_layers(module: nn.Module) -> list[nn.Module]:

@@ -28,6 +28,8 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
   megaq-s0-isw-comp, megaq-fp8dl-isw-comp  the same with inductor's SwiGLU backward (the
                   reference traced and fused), as before compiled blocks launched the
                   hand kernel (kernels/fused_swiglu.py): that change's A/B
+  megaq-fp8dl-nse-comp  megaq-fp8dl-comp with SwiGLU after fc1's FP8 GEMM rather than in
+                  it (no fused backward writing fc1's FP8 dY): that change's A/B
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -77,7 +79,7 @@ VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp
             "megaq-fp8tw-comp", "megaq-fp8rw-comp", "ao-tw-comp", "ao-rw-comp",
             "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp", "megaq-fp8dl-comp",
             "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp",
-            "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp"]
+            "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp", "megaq-fp8dl-nse-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -237,11 +239,12 @@ def device_megaq_model(config, dev):
 
 
 def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False, recompute=False,
-                init_on_device=False, fp32_grads=False):
+                init_on_device=False, fp32_grads=False, swiglu_epilogue=True):
     """The megaq variants: a copy of the size's CPU model on `dev` (or one initialised there:
     init_on_device), with parallelism applied as pretrain_gpt.py applies it
     (megaq.parallelize: FP8 GEMMs, compiled blocks, engine); recompute: full, per layer;
-    fp32_grads: fp32 gradient accumulators where the engine would keep bf16 gradients."""
+    fp32_grads: fp32 gradient accumulators where the engine would keep bf16 gradients;
+    swiglu_epilogue False: FP8's fc1 without SwiGLU in its GEMM (the MLP applies it)."""
     import copy
 
     from megaq.parallel.topology import Layout, build_topology
@@ -259,6 +262,10 @@ def build_megaq(size, stage, compiled, dev, fp8=None, fp8_gathers=False, recompu
         optimizer=OptimizerSettings(lr=3e-4, adam_beta2=0.95, weight_decay=0.1), chunks=[model])
     if fp32_grads:
         engine.grads.keep_16bit = False
+    if not swiglu_epilogue:  # before the blocks' first (tracing) call
+        from megaq.kernels.fused_swiglu import swiglu
+        for block in model.layers:
+            block.mlp.linear_fc1.gemm.swiglu, block.mlp.activation = False, swiglu
 
     def fwd_bwd(ids, labels):
         engine.zero_grad()
@@ -326,7 +333,8 @@ def build(size, variant, dev, **kw):
     if variant.startswith("megaq"):
         fp8 = next((v for k, v in FP8_VARIANTS.items() if f"-{k}" in variant), None)
         return build_megaq(size, 3 if "-s3" in variant else 0, variant.endswith("comp"), dev, fp8,
-                           fp8_gathers="-fp8g" in variant, fp32_grads="-f32g" in variant, **kw)
+                           fp8_gathers="-fp8g" in variant, fp32_grads="-f32g" in variant,
+                           swiglu_epilogue="-nse" not in variant, **kw)
     ao = next((v for k, v in AO_VARIANTS.items() if variant.startswith(k)), None)
     return build_ref(size, variant.endswith("comp"), dev, ao, **kw)
 
