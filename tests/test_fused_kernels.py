@@ -176,6 +176,10 @@ def test_swiglu_backward_fp8_kernel_matches_its_reference(dtype, fp8):
     q, qt, amax = [t.cpu() for t in fsw.SWIGLU_BACKWARD_FP8.triton_function()(
         do.to(DEV), y.to(DEV), scale.to(DEV), fp8)]
     rq, _, ramax = fsw.swiglu_backward_fp8_reference(do, y, scale, fp8)
+    from megaq.parallel import fp8 as mfp8  # the reference is fp8.cast and fp8.tensor_amax
+    dy = fsw.swiglu_backward_reference(do, y)
+    assert torch.equal(rq.view(torch.uint8), mfp8.cast(dy, scale, fp8).view(torch.uint8))
+    assert torch.equal(ramax, mfp8.tensor_amax(dy))
     assert q.shape == rq.shape and qt.shape == rq.t().shape and amax.shape == ()
     assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t().contiguous())
     codes = q.view(torch.uint8).int(), rq.view(torch.uint8).int()
