@@ -350,7 +350,6 @@ class _FP8Linear(torch.autograd.Function):
                                        _maybe(group, not (rw and col)), "weight", with_scale=True)
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype, fast_accum=True)
         ctx.recipe, ctx.group, ctx.col, ctx.swiglu = recipe, group, col, swiglu
-        ctx.y_shape = (*x.shape[:-1], y.shape[-1])
         kept = (y,) if swiglu else ()  # SwiGLU's input, for its backward (as swiglu keeps it)
         # delayed: dY's scale, and whether to report dY's amax (as the grad of amax.grad_sink)
         ctx.dy_scale = amax_scale[1] if delayed and ready else None
@@ -383,15 +382,14 @@ class _FP8Linear(torch.autograd.Function):
         recipe, group, col = ctx.recipe, ctx.group, ctx.col
         gdt, rw = recipe.grad_dtype, recipe.rowwise
         saved = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
         dyq_t = None  # dY's FP8 copy transposed, when SwiGLU's backward wrote it
         if ctx.swiglu:  # dy is d(silu(gate) * up): this layer's dY comes from it
             y, saved = saved[-1], saved[:-1]  # [tokens, 2F], as the GEMM wrote it
-            dy = dy.reshape(-1, dy.shape[-1])
             if ctx.dy_scale is not None and use_triton(y, SWIGLU_BACKWARD_FP8.under_compile):
-                dyq, dyq_t, dy_amax = swiglu_backward_fp8(dy, y, ctx.dy_scale, gdt)
+                dyq, dyq_t, dy_amax = swiglu_backward_fp8(dy2, y, ctx.dy_scale, gdt)
             else:
-                dy = swiglu_backward(dy, y)
-        dy2 = dy.reshape(-1, ctx.y_shape[-1])
+                dy2 = swiglu_backward(dy2, y)
         dx = dw = None
         if rw:
             x2, weight = saved

@@ -10,8 +10,8 @@ Per size (elements of one flat fp32 buffer), three variants, with the same two t
                     of its own: the baseline is, if anything, flattered
 
   cold   per call, eager, each after a 256 MB write that flushes the L2 (do_bench median)
-  graph  --calls-per-graph calls in one CUDA graph, replayed --iters times (CUDA events):
-         the median replay / calls-per-graph
+  graph  --calls-per-graph calls in one CUDA graph, replayed in batches of 5 (CUDA
+         events): the median batch / calls (bench_kernels.py's Timer, both columns)
 
 "vs torch" is torch's time / this time (above 1: faster). `bits`: from the same state,
 a step with g16.float() and one with g16 itself give the same param, moment and bf16
@@ -23,9 +23,6 @@ weight bits (a bf16 grad is read upcast exactly); exit status 1 if a size fails 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 
 import torch
@@ -34,43 +31,15 @@ import _checkout  # noqa: E402  (a link to tools/_checkout.py: the checkout's me
 
 _checkout.use_checkout()
 
+from bench_kernels import Timer, write_json  # noqa: E402  (the kernels' two timers)
+
 # 1.3B's SwiGLU weight (2048 x 5440); a 50M buffer; 256M elements (1 GB per fp32 buffer)
 SIZES = [2048 * 5440, 50_000_000, 256_000_000]
 LR, WD, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
 BYTES = {"megaq fp32 grad": 30, "megaq bf16 grad": 28, "torch fused+copy": 34}
 
 
-def cold_ms(fn) -> float:
-    from triton.testing import do_bench
-    return do_bench(fn, return_mode="median")
-
-
-def graph_ms(fn, calls: int, iters: int) -> float:
-    """ms per call of `fn` replayed from one CUDA graph of `calls` calls."""
-    side = torch.cuda.Stream()  # warm up (compiles, lazy optimizer state) off the default stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del g
-    return statistics.median(times) / calls
-
-
-def bench_size(n: int, calls: int, iters: int):
+def bench_size(n: int, timer: Timer):
     """{variant: (cold ms, graph ms)} and the bit check for one size."""
     from megaq.kernels import fused_adamw
     sc = fused_adamw.step_scalars(LR, WD, BETAS, EPS, step=1)
@@ -93,7 +62,7 @@ def bench_size(n: int, calls: int, iters: int):
     for name, grad in (("megaq fp32 grad", g32), ("megaq bf16 grad", g16)):
         def fn(grad=grad):
             fused_adamw.adamw_step(param, grad, m, v, w16, coef, sc)
-        times[name] = (cold_ms(fn), graph_ms(fn, calls, iters))
+        times[name] = (timer.cold(fn), timer(fn))
 
     tp = param.clone()
     tp.grad = g32.clone()
@@ -106,8 +75,7 @@ def bench_size(n: int, calls: int, iters: int):
             opt.step()
             w16.copy_(tp)  # the separate pass into the model's bf16 weights
         return fn
-    times["torch fused+copy"] = (cold_ms(torch_step(False)),
-                                 graph_ms(torch_step(True), calls, iters))
+    times["torch fused+copy"] = (timer.cold(torch_step(False)), timer(torch_step(True)))
     return times, bits
 
 
@@ -116,16 +84,17 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES, metavar="ELEMENTS")
     p.add_argument("--calls-per-graph", type=int, default=10)
-    p.add_argument("--iters", type=int, default=20, help="graph replays")
+    p.add_argument("--iters", type=int, default=20, help="graph replays (in batches of 5)")
     p.add_argument("--out", default=None, help="JSON results")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_adamw.py needs a CUDA GPU")
 
     torch.manual_seed(0)
+    timer = Timer("cuda", a.iters, calls_per_graph=a.calls_per_graph)
     rows = []
     for n in a.sizes:
-        times, bits = bench_size(n, a.calls_per_graph, a.iters)
+        times, bits = bench_size(n, timer)
         torch.cuda.empty_cache()  # this size's buffers are gone with bench_size's frame
         base = times["torch fused+copy"]
         for name, (cold, graph) in times.items():
@@ -149,11 +118,9 @@ def main(argv=None) -> int:
                   "command": " ".join(["bench_adamw.py"] + (argv or sys.argv[1:])),
                   "timers": {"cold": "per call, eager, cold L2 (triton.testing.do_bench median)",
                              "graph": f"CUDA graph of {a.calls_per_graph} calls, median of "
-                                      f"{a.iters} replays (CUDA events) / calls"},
+                                      f"batches of 5 replays (CUDA events) / calls"},
                   "rows": rows}
-        with open(a.out + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(a.out + ".tmp", a.out)
+        write_json(a.out, report)
     return 0 if all(r["bits"] for r in rows) else 1
 
 
