@@ -33,6 +33,12 @@ from .hardware import Cluster, HardwareError
 from .shapes import FP8_WEIGHTS_PER_LAYER, stage_units, total_params
 
 DEFAULT_VOCAB = 32000  # when neither the model nor --vocab-size says (a Llama tokenizer's)
+# Host seconds to launch one layer's forward and backward (compiled blocks), as measured on the
+# device machine's CPU: the 500-step FP8 check's 91M model (12 x 768, micro-batches of 8 x 1,024
+# tokens, an H100; docs/PLANNING.md, "What the model leaves out") stepped in 35.8 ms (bf16) and
+# 64.5 ms (FP8 delayed) for 24 layer passes, where the GPU work was predicted at 28.8 and 30.0.
+# A layer with less GPU work than this waits on the host, which the model does not count.
+HOST_LAYER_S = {"bf16": 1.5e-3, "fp8": 2.7e-3}
 
 
 class PlanError(ValueError):
@@ -424,6 +430,13 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
     if parts.get("grads") == 0:
         notes.append("memory peaks at backward's start, before the fp32 gradient "
                      "accumulators come back (the engine frees them between steps)")
+    layer_s = min((ch["cc"].fwd_s + ch["cc"].bwd_s) / layers_per_chunk for ch in stages[crit]["chunks"])
+    host_s = HOST_LAYER_S["fp8" if pi.fp8 else "bf16"]
+    if layer_s < host_s:
+        notes.append(f"a layer's forward and backward are {layer_s * 1e3:.2f} ms of GPU work per "
+                     f"micro-batch, less than the ~{host_s * 1e3:.1f} ms a host took to launch them "
+                     f"(docs/PLANNING.md): the step is likely bound by the host, which the model "
+                     f"does not count, and slower than predicted; a larger micro-batch helps")
     return Prediction(
         step_time_s=step, tokens_per_s=tokens_per_s,
         tflops_per_gpu=tflops, mfu=tflops / peak_tf, memory_gib=peak / memory.GIB,
