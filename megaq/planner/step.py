@@ -33,11 +33,12 @@ from .hardware import Cluster, HardwareError
 from .shapes import FP8_WEIGHTS_PER_LAYER, stage_units, total_params
 
 DEFAULT_VOCAB = 32000  # when neither the model nor --vocab-size says (a Llama tokenizer's)
-# Host seconds to launch one layer's forward and backward (compiled blocks), as measured on the
-# device machine's CPU: the 500-step FP8 check's 91M model (12 x 768, micro-batches of 8 x 1,024
-# tokens, an H100; docs/PLANNING.md, "What the model leaves out") stepped in 35.8 ms (bf16) and
-# 64.5 ms (FP8 delayed) for 24 layer passes, where the GPU work was predicted at 28.8 and 30.0.
-# A layer with less GPU work than this waits on the host, which the model does not count.
+# Host seconds to launch one layer's forward and backward (compiled blocks), as measured on
+# the device machine's CPU: the 500-step FP8 check's 91M model (12 x 768, micro-batches of
+# 8 x 1,024 tokens, an H100; docs/PLANNING.md, "What the model includes, and what it leaves
+# out") stepped in 35.8 ms (bf16) and 64.5 ms (FP8 delayed) for 24 layer passes, where the
+# GPU work was predicted at 28.8 and 30.0. A layer with less GPU work than this waits on the
+# host, which the model does not count.
 HOST_LAYER_S = {"bf16": 1.5e-3, "fp8": 2.7e-3}
 
 
