@@ -99,8 +99,24 @@ def _fp8_code(v, M: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr):
 
 
 @triton.jit
+def _fp8_cvt(v, M: tl.constexpr):
+    # the same bytes by the GPU's conversion (sm_89 on): cvt rounds fp32 straight to FP8,
+    # nearest even; satfinite saturates to the max finite (infinities too) and keeps NaN,
+    # which is torch's clamp-then-cast in one instruction (Triton's `.to(float8)` goes
+    # through fp16 on Ada, rounding twice). Two values per instruction: $1 the low byte
+    if M == 2:
+        q = tl.inline_asm_elementwise("cvt.rn.satfinite.e5m2x2.f32 $0, $2, $1;", "=h,f,f", [v],
+                                      dtype=tl.uint8, is_pure=True, pack=2)
+    else:
+        q = tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", [v],
+                                      dtype=tl.uint8, is_pure=True, pack=2)
+    return q
+
+
+@triton.jit
 def _swiglu_bwd_fp8(DO, Y, Q, QT, AMAX, SCALE, N, F, stride_do, stride_y, M: tl.constexpr,
-                    BIAS: tl.constexpr, FMAX: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+                    BIAS: tl.constexpr, FMAX: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr,
+                    HW_CAST: tl.constexpr):
     # a [BM tokens, BF features] tile of dgate and of dup: computed in fp32, rounded to
     # y's dtype (the values a 16-bit dY holds), scaled and cast; stored row-major into Q
     # [N, 2F] and transposed into QT [2F, N]
@@ -116,8 +132,12 @@ def _swiglu_bwd_fp8(DO, Y, Q, QT, AMAX, SCALE, N, F, stride_do, stride_y, M: tl.
     du = (do * g * sig).to(Y.dtype.element_ty).to(tl.float32)
     tl.atomic_max(AMAX, tl.max(tl.maximum(tl.abs(dg), tl.abs(du))))
     scale = tl.load(SCALE)
-    qg = _fp8_code(dg * scale, M, BIAS, FMAX)
-    qu = _fp8_code(du * scale, M, BIAS, FMAX)
+    if HW_CAST:
+        qg = _fp8_cvt(dg * scale, M)
+        qu = _fp8_cvt(du * scale, M)
+    else:
+        qg = _fp8_code(dg * scale, M, BIAS, FMAX)
+        qu = _fp8_code(du * scale, M, BIAS, FMAX)
     tl.store(Q + rows * (2 * F) + rf[None, :], qg, mask=mask)
     tl.store(Q + rows * (2 * F) + F + rf[None, :], qu, mask=mask)
     cols = rf[:, None].to(tl.int64)
@@ -131,6 +151,19 @@ FP8_FORMATS = {torch.float8_e5m2: (2, 15), torch.float8_e4m3fn: (3, 7)}
 # 64 x 64 tiles, 4 warps: 0.47 ms for 1.3B's dY on an H200, against 0.73 at 128 x 64 and 8
 # warps, the fastest of eight shapes (docs/PERFORMANCE.md, "SwiGLU's backward")
 BM_FP8, BF_FP8, WARPS_FP8 = 64, 64, 4
+# where the kernel converts with the GPU's instruction (_fp8_cvt): sm_89 on (Ada, Hopper),
+# 16-bit inputs (training's). Elsewhere, and for fp32 inputs, it rounds in integers
+# (_fp8_code): on an H100 with Triton 3.6 every hardware conversion (this one, an impure
+# asm, Triton's own cast) wrote wrong bytes for fp32 inputs at tiles of several rows, while
+# 16-bit inputs gave the integer form's bytes (docs/PERFORMANCE.md, "SwiGLU's backward")
+HW_CAST_CAPABILITY = (8, 9)
+HW_CAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def uses_hw_cast(y: torch.Tensor) -> bool:
+    """Whether the fused FP8 backward converts with the GPU's instruction for input `y`."""
+    return (y.is_cuda and y.dtype in HW_CAST_DTYPES and not interpreted(_swiglu_bwd_fp8)
+            and torch.cuda.get_device_capability(y.device) >= HW_CAST_CAPABILITY)
 
 
 def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
@@ -148,7 +181,7 @@ def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
     kernel[(triton.cdiv(N, BM_FP8), triton.cdiv(F, BF_FP8))](
         do2, y2, q.view(torch.uint8), qt.view(torch.uint8), amax, scale, N, F, do2.stride(0),
         y2.stride(0), M=m, BIAS=bias, FMAX=torch.finfo(dtype).max, BM=BM_FP8, BF=BF_FP8,
-        num_warps=WARPS_FP8)
+        HW_CAST=uses_hw_cast(y2), num_warps=WARPS_FP8)
     return q, qt, amax
 
 

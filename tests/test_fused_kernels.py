@@ -11,6 +11,8 @@ keep fp32 inside and round once while the references round intermediates to bf16
 norm error (bf16 has 8 bits of mantissa, one ulp ~ 4e-3).
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -141,11 +143,30 @@ def _fp8_rounding_cases(dtype) -> torch.Tensor:
     return torch.cat([vals, mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf), edges, spread])
 
 
+@pytest.fixture(params=["int", "gpu"])
+def fp8_cast(request, monkeypatch):
+    """Each of the fused FP8 backward's two conversions: rounding in integers
+    (kernels/fused_swiglu_triton._fp8_code: the CPU interpreter, GPUs before sm_89, fp32
+    inputs) and the GPU's instruction (_fp8_cvt: 16-bit inputs on sm_89 on, so only there)."""
+    mod = sys.modules[fsw.SWIGLU_BACKWARD_FP8.triton_function().__module__]
+    if request.param == "gpu":
+        if DEV == "cpu" or torch.cuda.get_device_capability() < mod.HW_CAST_CAPABILITY:
+            pytest.skip("the GPU's FP8 conversion needs an sm_89 or later GPU")
+    else:
+        monkeypatch.setattr(mod, "HW_CAST_CAPABILITY", (99, 0))
+    on = mod.uses_hw_cast(torch.empty(0, device=DEV, dtype=torch.bfloat16))
+    assert on == (request.param == "gpu") and not mod.uses_hw_cast(torch.empty(0, device=DEV))
+    return mod if request.param == "gpu" else None
+
+
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
-def test_swiglu_backward_fp8_casts_every_rounding_case_as_torch(fp8):
-    """The fused kernel's FP8 cast (integer rounding, kernels/fused_swiglu_triton._fp8_code)
-    gives torch's bytes for every case: with gate 0 and up 2, dgate is dOut exactly, so the
+def test_swiglu_backward_fp8_casts_every_rounding_case_as_torch(fp8, fp8_cast, monkeypatch):
+    """The fused kernel's FP8 cast (either conversion, `fp8_cast`) gives torch's bytes for
+    every case (the values are fp32: the GPU's instruction is let take them here, one row,
+    where it is exact; at tiles of several rows training's fp32 inputs round in integers): with gate 0 and up 2, dgate is dOut exactly, so the
     first half of Q is dOut cast; a NaN stays NaN. Q^T is Q transposed, byte for byte."""
+    if fp8_cast is not None:
+        monkeypatch.setattr(fp8_cast, "HW_CAST_DTYPES", (torch.float32,))
     v = _fp8_rounding_cases(fp8)
     n = v.numel()
     y = torch.cat([torch.zeros(1, n), torch.full((1, n), 2.0)], dim=1)
@@ -161,7 +182,7 @@ def test_swiglu_backward_fp8_casts_every_rounding_case_as_torch(fp8):
 
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_backward_fp8_kernel_matches_its_reference(dtype, fp8):
+def test_swiglu_backward_fp8_kernel_matches_its_reference(dtype, fp8, fp8_cast):
     """One pass that writes fc1's FP8 dY, its transpose and |dY|'s max, against the
     reference (autograd's backward, megaq.parallel.fp8's cast and amax), on a tile-ragged
     shape with a scale that saturates some values. fp32: the same bytes but at the odd

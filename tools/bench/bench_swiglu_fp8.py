@@ -3,11 +3,13 @@ backward writing E5M2 dY, its transpose and |dY|'s max) against the passes it re
 
 Per shape (the tokens of a micro-batch x the FFN width of a bench_train size):
 
-  fused            the op training runs (the committed tiles: BM_FP8 x BF_FP8, WARPS_FP8)
+  fused            the op training runs (the committed tiles: BM_FP8 x BF_FP8, WARPS_FP8, and
+                   the GPU's FP8 conversion where it has one, sm_89 on, else integer rounding)
   unfused          the bf16 SwiGLU backward kernel, then the cast with its amax (compiled:
                    inductor's one kernel, as in a compiled block) and the transpose op:
                    the path of SwiGLU after the GEMM (bench_train's -nse variants)
-  tiles BMxBF/W    the fused kernel at other tile shapes and warp counts (--no-tiles: none)
+  tiles BMxBF/W C  the fused kernel at other tile shapes, warp counts and conversions C (gpu:
+                   the instruction, int: integer rounding) (--no-tiles: none)
 
   cold   per call, eager, each after a 256 MB write that flushes the L2 (do_bench median)
   graph  10 calls in one CUDA graph, replayed (bench_kernels.py's Timer, both columns)
@@ -42,8 +44,8 @@ TILES = [(64, 64, 4), (128, 64, 8), (128, 64, 4), (32, 128, 4), (64, 128, 4), (1
 FP8 = torch.float8_e5m2  # dY's format in the hybrid recipe
 
 
-def launcher(do, y, scale, bm, bf, warps):
-    """The fused kernel itself at a given tile shape, into fresh outputs."""
+def launcher(do, y, scale, bm, bf, warps, hw_cast):
+    """The fused kernel itself at a given tile shape and conversion, into fresh outputs."""
     import triton
     from megaq.kernels import fused_swiglu_triton as K
     N, F = do.shape
@@ -56,7 +58,7 @@ def launcher(do, y, scale, bm, bf, warps):
         amax.zero_()
         K._swiglu_bwd_fp8[(triton.cdiv(N, bm), triton.cdiv(F, bf))](
             do, y, q, qt, amax, scale, N, F, do.stride(0), y.stride(0), M=m, BIAS=bias,
-            FMAX=torch.finfo(FP8).max, BM=bm, BF=bf, num_warps=warps)
+            FMAX=torch.finfo(FP8).max, BM=bm, BF=bf, HW_CAST=hw_cast, num_warps=warps)
         return q, qt, amax
     return run
 
@@ -86,8 +88,10 @@ def bench_shape(name, N, F, timer, tiles):
 
     nbytes = 10 * N * F
     cases = [("fused", fused), ("unfused", unfused)]
-    cases += [(f"tiles {bm}x{bf}/{w}", launcher(do, y, scale, bm, bf, w)) for bm, bf, w in tiles
-              if (bm, bf, w) != (K.BM_FP8, K.BF_FP8, K.WARPS_FP8)]
+    committed = (K.BM_FP8, K.BF_FP8, K.WARPS_FP8, K.uses_hw_cast(y))
+    casts = [True, False] if K.uses_hw_cast(y) else [False]
+    cases += [(f"tiles {bm}x{bf}/{w} {'gpu' if hw else 'int'}", launcher(do, y, scale, bm, bf, w, hw))
+              for hw in casts for bm, bf, w in tiles if (bm, bf, w, hw) != committed]
     rows = []
     for variant, fn in cases:
         cold, graph = timer.cold(fn), timer(fn)
