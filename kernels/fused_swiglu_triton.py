@@ -148,8 +148,9 @@ def _swiglu_bwd_fp8(DO, Y, Q, QT, AMAX, SCALE, N, F, stride_do, stride_y, M: tl.
 
 # the FP8 formats' mantissa bits and exponent bias (what _fp8_code needs)
 FP8_FORMATS = {torch.float8_e5m2: (2, 15), torch.float8_e4m3fn: (3, 7)}
-# 64 x 64 tiles, 4 warps: 0.47 ms for 1.3B's dY on an H200, against 0.73 at 128 x 64 and 8
-# warps, the fastest of eight shapes (docs/PERFORMANCE.md, "SwiGLU's backward")
+# 64 x 64 tiles, 4 warps: the fastest of eight shapes with either conversion (1.3B's dY: 0.47
+# ms on an H200 rounding in integers, against 0.73 at 128 x 64 and 8 warps; 0.39 on an H100
+# with the GPU's instruction; docs/PERFORMANCE.md, "SwiGLU's backward")
 BM_FP8, BF_FP8, WARPS_FP8 = 64, 64, 4
 # where the kernel converts with the GPU's instruction (_fp8_cvt): sm_89 on (Ada, Hopper),
 # 16-bit inputs (training's). Elsewhere, and for fp32 inputs, it rounds in integers
