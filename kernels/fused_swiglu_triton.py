@@ -168,9 +168,13 @@ def uses_hw_cast(y: torch.Tensor) -> bool:
 
 
 def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
-                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        dtype: torch.dtype, *, tiles: tuple[int, int, int] | None = None,
+                        hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels/fused_swiglu.swiglu_backward_fp8_reference's signature: one pass over
-    `do` and `y` writing dY's FP8 copy, its transpose and |dY|'s max."""
+    `do` and `y` writing dY's FP8 copy, its transpose and |dY|'s max. `tiles` (BM, BF,
+    warps) and `hw_cast` override the committed tiles and conversion (the benchmark's
+    sweep, tools/bench/bench_swiglu_fp8.py)."""
+    bm, bf, warps = tiles or (BM_FP8, BF_FP8, WARPS_FP8)
     y2, do2 = rows_view(y), rows_view(do)
     N, F2 = y2.shape
     F = F2 // 2
@@ -179,10 +183,10 @@ def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
     amax = torch.zeros((), dtype=torch.float32, device=y.device)
     kernel = _swiglu_bwd_fp8 if interpreted(_swiglu_bwd_fp8) else wrap_triton(_swiglu_bwd_fp8)
     m, bias = FP8_FORMATS[dtype]
-    kernel[(triton.cdiv(N, BM_FP8), triton.cdiv(F, BF_FP8))](
+    kernel[(triton.cdiv(N, bm), triton.cdiv(F, bf))](
         do2, y2, q.view(torch.uint8), qt.view(torch.uint8), amax, scale, N, F, do2.stride(0),
-        y2.stride(0), M=m, BIAS=bias, FMAX=torch.finfo(dtype).max, BM=BM_FP8, BF=BF_FP8,
-        HW_CAST=uses_hw_cast(y2), num_warps=WARPS_FP8)
+        y2.stride(0), M=m, BIAS=bias, FMAX=torch.finfo(dtype).max, BM=bm, BF=bf,
+        HW_CAST=uses_hw_cast(y2) if hw_cast is None else hw_cast, num_warps=warps)
     return q, qt, amax
 
 

@@ -162,9 +162,10 @@ def fp8_cast(request, monkeypatch):
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
 def test_swiglu_backward_fp8_casts_every_rounding_case_as_torch(fp8, fp8_cast, monkeypatch):
     """The fused kernel's FP8 cast (either conversion, `fp8_cast`) gives torch's bytes for
-    every case (the values are fp32: the GPU's instruction is let take them here, one row,
-    where it is exact; at tiles of several rows training's fp32 inputs round in integers): with gate 0 and up 2, dgate is dOut exactly, so the
-    first half of Q is dOut cast; a NaN stays NaN. Q^T is Q transposed, byte for byte."""
+    every case: with gate 0 and up 2, dgate is dOut exactly, so the first half of Q is dOut
+    cast; a NaN stays NaN. Q^T is Q transposed, byte for byte. (The values are fp32: the
+    GPU's instruction is let take them here, on one row, where it is exact; fp32 inputs
+    over several rows round in integers, see HW_CAST_DTYPES.)"""
     if fp8_cast is not None:
         monkeypatch.setattr(fp8_cast, "HW_CAST_DTYPES", (torch.float32,))
     v = _fp8_rounding_cases(fp8)

@@ -27,6 +27,7 @@ values; exit status 1 if a shape fails it.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -42,25 +43,6 @@ SHAPES = {"1.3B": (8 * 2048, 5440), "3B": (4 * 2048, 8192)}
 TILES = [(64, 64, 4), (128, 64, 8), (128, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (256, 64, 8),
          (128, 32, 4)]
 FP8 = torch.float8_e5m2  # dY's format in the hybrid recipe
-
-
-def launcher(do, y, scale, bm, bf, warps, hw_cast):
-    """The fused kernel itself at a given tile shape and conversion, into fresh outputs."""
-    import triton
-    from megaq.kernels import fused_swiglu_triton as K
-    N, F = do.shape
-    q = torch.empty((N, 2 * F), dtype=torch.uint8, device="cuda")
-    qt = torch.empty((2 * F, N), dtype=torch.uint8, device="cuda")
-    amax = torch.zeros((), device="cuda")
-    m, bias = K.FP8_FORMATS[FP8]
-
-    def run():
-        amax.zero_()
-        K._swiglu_bwd_fp8[(triton.cdiv(N, bm), triton.cdiv(F, bf))](
-            do, y, q, qt, amax, scale, N, F, do.stride(0), y.stride(0), M=m, BIAS=bias,
-            FMAX=torch.finfo(FP8).max, BM=bm, BF=bf, HW_CAST=hw_cast, num_warps=warps)
-        return q, qt, amax
-    return run
 
 
 def bench_shape(name, N, F, timer, tiles):
@@ -90,7 +72,8 @@ def bench_shape(name, N, F, timer, tiles):
     cases = [("fused", fused), ("unfused", unfused)]
     committed = (K.BM_FP8, K.BF_FP8, K.WARPS_FP8, K.uses_hw_cast(y))
     casts = [True, False] if K.uses_hw_cast(y) else [False]
-    cases += [(f"tiles {bm}x{bf}/{w} {'gpu' if hw else 'int'}", launcher(do, y, scale, bm, bf, w, hw))
+    cases += [(f"tiles {bm}x{bf}/{w} {'gpu' if hw else 'int'}",
+               functools.partial(K.swiglu_backward_fp8, do, y, scale, FP8, tiles=(bm, bf, w), hw_cast=hw))
               for hw in casts for bm, bf, w in tiles if (bm, bf, w, hw) != committed]
     rows = []
     for variant, fn in cases:
