@@ -168,13 +168,19 @@ def uses_hw_cast(y: torch.Tensor) -> bool:
 
 
 def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
-                        dtype: torch.dtype, *, tiles: tuple[int, int, int] | None = None,
-                        hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels/fused_swiglu.swiglu_backward_fp8_reference's signature: one pass over
-    `do` and `y` writing dY's FP8 copy, its transpose and |dY|'s max. `tiles` (BM, BF,
-    warps) and `hw_cast` override the committed tiles and conversion (the benchmark's
+    `do` and `y` writing dY's FP8 copy, its transpose and |dY|'s max."""
+    return swiglu_backward_fp8_at(do, y, scale, dtype, (BM_FP8, BF_FP8, WARPS_FP8),
+                                  uses_hw_cast(y))
+
+
+def swiglu_backward_fp8_at(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
+                           dtype: torch.dtype, tiles: tuple[int, int, int], hw_cast: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiglu_backward_fp8 at given tiles (BM, BF, warps) and conversion (the benchmark's
     sweep, tools/bench/bench_swiglu_fp8.py)."""
-    bm, bf, warps = tiles or (BM_FP8, BF_FP8, WARPS_FP8)
+    bm, bf, warps = tiles
     y2, do2 = rows_view(y), rows_view(do)
     N, F2 = y2.shape
     F = F2 // 2
@@ -186,7 +192,7 @@ def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
     kernel[(triton.cdiv(N, bm), triton.cdiv(F, bf))](
         do2, y2, q.view(torch.uint8), qt.view(torch.uint8), amax, scale, N, F, do2.stride(0),
         y2.stride(0), M=m, BIAS=bias, FMAX=torch.finfo(dtype).max, BM=bm, BF=bf,
-        HW_CAST=uses_hw_cast(y2) if hw_cast is None else hw_cast, num_warps=warps)
+        HW_CAST=hw_cast, num_warps=warps)
     return q, qt, amax
 
 

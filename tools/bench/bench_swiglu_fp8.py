@@ -73,7 +73,7 @@ def bench_shape(name, N, F, timer, tiles):
     committed = (K.BM_FP8, K.BF_FP8, K.WARPS_FP8, K.uses_hw_cast(y))
     casts = [True, False] if K.uses_hw_cast(y) else [False]
     cases += [(f"tiles {bm}x{bf}/{w} {'gpu' if hw else 'int'}",
-               functools.partial(K.swiglu_backward_fp8, do, y, scale, FP8, tiles=(bm, bf, w), hw_cast=hw))
+               functools.partial(K.swiglu_backward_fp8_at, do, y, scale, FP8, (bm, bf, w), hw))
               for hw in casts for bm, bf, w in tiles if (bm, bf, w, hw) != committed]
     rows = []
     for variant, fn in cases:
