@@ -11,8 +11,6 @@ keep fp32 inside and round once while the references round intermediates to bf16
 norm error (bf16 has 8 bits of mantissa, one ulp ~ 4e-3).
 """
 
-import sys
-
 import pytest
 import torch
 
@@ -148,7 +146,7 @@ def fp8_cast(request, monkeypatch):
     """Each of the fused FP8 backward's two conversions: rounding in integers
     (kernels/fused_swiglu_triton._fp8_code: the CPU interpreter, GPUs before sm_89, fp32
     inputs) and the GPU's instruction (_fp8_cvt: 16-bit inputs on sm_89 on, so only there)."""
-    mod = sys.modules[fsw.SWIGLU_BACKWARD_FP8.triton_function().__module__]
+    from megaq.kernels import fused_swiglu_triton as mod  # the module the op dispatches to
     if request.param == "gpu":
         if DEV == "cpu" or torch.cuda.get_device_capability() < mod.HW_CAST_CAPABILITY:
             pytest.skip("the GPU's FP8 conversion needs an sm_89 or later GPU")

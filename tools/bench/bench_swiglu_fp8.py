@@ -70,8 +70,9 @@ def bench_shape(name, N, F, timer, tiles):
 
     nbytes = 10 * N * F
     cases = [("fused", fused), ("unfused", unfused)]
-    committed = (K.BM_FP8, K.BF_FP8, K.WARPS_FP8, K.uses_hw_cast(y))
-    casts = [True, False] if K.uses_hw_cast(y) else [False]
+    hw_committed = K.uses_hw_cast(y)
+    committed = (K.BM_FP8, K.BF_FP8, K.WARPS_FP8, hw_committed)
+    casts = [True, False] if hw_committed else [False]
     cases += [(f"tiles {bm}x{bf}/{w} {'gpu' if hw else 'int'}",
                functools.partial(K.swiglu_backward_fp8_at, do, y, scale, FP8, (bm, bf, w), hw))
               for hw in casts for bm, bf, w in tiles if (bm, bf, w, hw) != committed]
