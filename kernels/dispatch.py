@@ -15,6 +15,11 @@ one keyword-only ``tuning``: how it launches, never what it computes). A call go
   ``torch.library.triton_op``, or ops that run outside compiled code) keeps its rule.
 - Fake tensors (a trace's) never go to the interpreter: it runs on real data only.
 
+A function that inductor must launch as one kernel and never fuse into (the SwiGLU
+backward, the FP8 transpose) is a :class:`CompiledOp`: a ``torch.library.triton_op``
+registered by :func:`register_compiled_ops` before anything compiles, called as the
+function itself outside a trace.
+
 The Triton side is named as ``"module.function"`` under megaq.kernels and imported on
 its first use, so CPU-only runs never load Triton.
 """
@@ -93,3 +98,42 @@ class Op:
     def pick(self, t: torch.Tensor) -> Callable:
         """The implementation for a call whose leading tensor is `t`."""
         return self.triton_function() if use_triton(t, self.under_compile) else self.reference
+
+
+_COMPILED_OPS: list = []  # every CompiledOp, in definition order
+
+
+class CompiledOp:
+    """`fn` as one op inside a torch.compile trace: the ``torch.library.triton_op``
+    ``megaq::<name>`` (inductor launches the Triton kernel inside it from its generated
+    code and fuses nothing into it), registered by :func:`register_compiled_ops`.
+
+    Registering a triton_op imports torch._inductor to find the kernels in `fn` (about
+    2 s of CPU), so it waits until something compiles (megaq.parallelize.compile_blocks
+    calls it): a process that never compiles (``--help``, an eager run, the ranks of a
+    CPU test) does not pay it. Outside a trace a call runs `fn` itself, the op's body.
+    A trace before registration records `reference` (the same values; inductor may fuse
+    into it), since a trace cannot register the op itself."""
+
+    def __init__(self, name: str, fn: Callable, reference: Callable):
+        self.name, self.fn, self.reference, self.op = name, fn, reference, None
+        _COMPILED_OPS.append(self)
+
+    def register(self) -> None:
+        if self.op is None:
+            from torch.library import triton_op
+
+            self.op = triton_op(f"megaq::{self.name}", mutates_args=())(self.fn)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args) if self.op is not None else self.reference(*args)
+        return self.fn(*args)
+
+
+def register_compiled_ops() -> None:
+    """Register every CompiledOp (once; call before torch.compile traces megaq code)."""
+    for module in ("fused_swiglu", "transpose"):  # the modules that define them
+        importlib.import_module(f"{__package__}.{module}")
+    for op in _COMPILED_OPS:
+        op.register()

@@ -7,20 +7,20 @@ is the torch definition; `swiglu` dispatches (kernels/dispatch.py).
 Under torch.compile on CUDA the forward stays the reference, which inductor fuses with
 its consumer (fc2's FP8 cast and amax, or nothing in bf16) and can recompute in
 backward, but the backward is `swiglu_backward`, a triton_op inductor launches and never
-fuses into. Left to inductor, autograd's derivative of ``silu(gate) * up`` becomes one
-kernel over the concatenated [dgate | dup] that loads each input once per output half
-(and, with FP8, also casts and reduces the amax): 412 us per 1.3B layer in bf16 and 584
-with FP8 on the H200, where the bytes need ~190 (docs/PERFORMANCE.md). The hand kernel
-reads gate, up and dOut once and writes both halves.
+fuses into (a dispatch.CompiledOp). Left to inductor, autograd's derivative of
+``silu(gate) * up`` becomes one kernel over the concatenated [dgate | dup] that loads
+each input once per output half (and, with FP8, also casts and reduces the amax): 412
+us per 1.3B layer in bf16 and 584 with FP8 on the H200, where the bytes need ~190
+(docs/PERFORMANCE.md). The hand kernel reads gate, up and dOut once and writes both
+halves.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op
 
-from .dispatch import Op, use_triton
+from .dispatch import CompiledOp, Op, use_triton
 
 
 def swiglu_reference(y: torch.Tensor) -> torch.Tensor:
@@ -57,9 +57,12 @@ SWIGLU_BACKWARD_FP8 = Op("swiglu_backward_fp8", swiglu_backward_fp8_reference,
                          "fused_swiglu_triton.swiglu_backward_fp8", under_compile="triton")
 
 
-@triton_op("megaq::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _swiglu_backward_body(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return SWIGLU_BACKWARD.pick(y)(do, y)
+
+
+_swiglu_backward_op = CompiledOp("swiglu_backward", _swiglu_backward_body,
+                                 swiglu_backward_reference)
 
 
 def swiglu_backward(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -68,10 +71,13 @@ def swiglu_backward(do: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _swiglu_backward_op(do.contiguous(), y)
 
 
-@triton_op("megaq::swiglu_backward_fp8", mutates_args=())
-def _swiglu_backward_fp8_op(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
-                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _swiglu_backward_fp8_body(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
+                              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return SWIGLU_BACKWARD_FP8.pick(y)(do, y, scale, dtype)
+
+
+_swiglu_backward_fp8_op = CompiledOp("swiglu_backward_fp8", _swiglu_backward_fp8_body,
+                                     swiglu_backward_fp8_reference)
 
 
 def swiglu_backward_fp8(do: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,

@@ -12,20 +12,20 @@ producer writes dY once, row-major, and this kernel copies it in 128 x 128 tiles
 lines read and written. `transpose_reference` (``x.t().contiguous()``) is the torch
 definition; both move bytes, so they agree bit for bit.
 
-It is a `torch.library.triton_op`: inductor sees the Triton kernel inside and launches it
-from its generated code like its own kernels (never fusing into it), where a plain custom
-op goes through the dispatcher and Triton's Python launcher on every call. A step makes
-three of these copies per FP8 linear and micro-batch (576 for a 24-layer model with two
-micro-batches), and as a custom op their host time held a 307M model's FP8 step at 66K
-tokens/s, against 92K now (docs/PERFORMANCE.md, "Host time of the transpose op").
+It is a `torch.library.triton_op` (a dispatch.CompiledOp): inductor sees the Triton
+kernel inside and launches it from its generated code like its own kernels (never
+fusing into it), where a plain custom op goes through the dispatcher and Triton's Python
+launcher on every call. A step makes three of these copies per FP8 linear and
+micro-batch (576 for a 24-layer model with two micro-batches), and as a custom op their
+host time held a 307M model's FP8 step at 66K tokens/s, against 92K now
+(docs/PERFORMANCE.md, "Host time of the transpose op").
 """
 
 from __future__ import annotations
 
 import torch
-from torch.library import triton_op
 
-from .dispatch import Op
+from .dispatch import CompiledOp, Op
 
 
 def transpose_reference(x: torch.Tensor) -> torch.Tensor:
@@ -39,9 +39,11 @@ def transpose_reference(x: torch.Tensor) -> torch.Tensor:
 TRANSPOSE = Op("transpose", transpose_reference, "transpose_triton.transpose", under_compile="triton")
 
 
-@triton_op("megaq::transpose_1byte", mutates_args=())
-def _transpose_op(x: torch.Tensor) -> torch.Tensor:
+def _transpose_body(x: torch.Tensor) -> torch.Tensor:
     return TRANSPOSE.pick(x)(x)
+
+
+_transpose_op = CompiledOp("transpose_1byte", _transpose_body, transpose_reference)
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:

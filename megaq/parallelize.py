@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaq.kernels.dispatch import register_compiled_ops
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
 from megaq.model.mlp import MLP
@@ -125,7 +126,9 @@ def compile_blocks(chunk: GPTModel, **compile_kwargs) -> GPTModel:
     """Step 5: torch.compile each transformer block's forward in place. Only `forward` is
     compiled, not the module call, so forward hooks (the ZeRO engine's gathers and
     releases) stay eager and every block reuses one compiled graph. Inside the compiled
-    region the fused ops trace their torch references, which inductor fuses itself."""
+    region the fused ops trace their torch references, which inductor fuses itself, and
+    the kernels it must not fuse into are registered as ops first."""
+    register_compiled_ops()
     compile_kwargs.setdefault("dynamic", False)
     for layer in chunk.layers:
         if not getattr(layer, "_megaq_compiled", False):

@@ -451,7 +451,7 @@ def cli(argv=None) -> int:
     from megaq.checkpoint import guard
     from megaq.checkpoint.errors import CheckpointError
     from megaq.data.errors import DataError
-    from megaq.interop.common import InteropError
+    from megaq.interop.errors import InteropError
     from megaq.runtime import peers
     from megaq.parallel.comm import CollectiveFailed
     from megaq.parallel.pipeline import PipelineConfigError

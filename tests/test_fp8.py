@@ -26,6 +26,7 @@ import torch
 import torch._dynamo  # noqa: F401  (imported once before the ranks fork)
 
 from megaq import pretrain
+from megaq.kernels.dispatch import register_compiled_ops
 from megaq.model import GPTConfig
 from megaq.parallel import fp8, fp8_delayed
 from megaq.parallel.fp8 import FP8Recipe, quantize
@@ -150,7 +151,8 @@ def test_scaled_mm_path_with_transposed_operands_matches_the_emulation(monkeypat
         monkeypatch.setattr(fp8, "fp8_gemm_available", lambda device: scaled_mm_path)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         fn = lambda a, b: fp8.linear(a, b, None, rec, group, parallel)  # noqa: E731
-        if compiled:
+        if compiled:  # the transpose as the op compiled blocks trace (compile_blocks registers it)
+            register_compiled_ops()
             fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
         y = fn(xx, ww)
         y.backward(dy)

@@ -100,3 +100,58 @@ def test_a_compiled_model_op_is_one_graph_of_its_reference(monkeypatch):
 def test_op_refuses_an_unknown_trace_policy():
     with pytest.raises(ValueError, match="under_compile='never'"):
         dispatch.Op("x", fused_rmsnorm.rms_norm_reference, "fused_rmsnorm_triton.rms_norm", under_compile="never")
+
+
+def test_building_and_parsing_import_no_compiler():
+    """The ops inductor must not fuse into are registered when blocks are compiled, not
+    at import: registering imports torch._inductor (about 2 s of CPU in every process).
+    A process that parses the CLI's flags and builds a model, FP8 GEMMs included (every
+    rank of an eager run, --help), leaves it unimported."""
+    import subprocess
+    import sys
+    probe = ("import sys\n"
+             "from megaq.config.arguments import parse_config\n"
+             "from megaq.model import GPTConfig, GPTModel\n"
+             "from megaq.parallel import fp8  # noqa: F401  (the FP8 GEMMs and their transpose)\n"
+             "GPTModel(GPTConfig.llama(num_layers=1, hidden_size=16, num_attention_heads=2,\n"
+             "                         vocab_size=64, seq_length=8))\n"
+             "print('torch._inductor' in sys.modules)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False"], r.stdout + r.stderr[-2000:]
+
+
+def test_compile_blocks_registers_every_op(monkeypatch):
+    """compile_blocks registers the ops (torch.ops.megaq.*) before a block is traced: a
+    trace would otherwise record their references, which inductor may fuse into."""
+    from megaq import parallelize
+    from megaq.model import GPTConfig, GPTModel
+
+    calls = []
+
+    def spy():
+        calls.append(len(calls))
+        dispatch.register_compiled_ops()
+
+    monkeypatch.setattr(parallelize, "register_compiled_ops", spy)
+    model = GPTModel(GPTConfig.llama(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                     vocab_size=64, seq_length=8))
+    parallelize.compile_blocks(model, backend="eager")
+    assert calls and dispatch._COMPILED_OPS
+    assert all(op.op is not None for op in dispatch._COMPILED_OPS)
+    assert all(hasattr(torch.ops.megaq, n)
+               for n in ("swiglu_backward", "swiglu_backward_fp8", "transpose_1byte"))
+
+
+def test_an_op_traced_before_registration_records_its_reference(monkeypatch):
+    """A trace of a CompiledOp that nothing registered (torch.compile of megaq code
+    outside compile_blocks) records the reference: the same values, no graph break."""
+    op = dispatch.CompiledOp("test_unregistered", lambda x: x.t().contiguous() + 0,
+                             lambda x: x.t().contiguous())
+    dispatch._COMPILED_OPS.remove(op)  # a probe, not one of megaq's ops
+    x = torch.arange(6.0).reshape(2, 3)
+    fn = torch.compile(lambda t: op(t), backend="eager", fullgraph=True)
+    assert torch.equal(fn(x), x.t().contiguous()) and op.op is None

@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from megaq.checkpoint.errors import CheckpointError
     from megaq.data.errors import DataError
-    from megaq.interop.common import InteropError
+    from megaq.interop.errors import InteropError
     try:
         a = build_parser().parse_args(argv)
         route = ROUTES.get((a.source, a.target))

@@ -30,10 +30,7 @@ from megaq.checkpoint.paths import (TRACKER_FILE, is_dist_checkpoint, iteration_
                                     read_tracker, save_file, write_tracker)
 from megaq.checkpoint.record import model_file_record, saved_config, saved_virtual_pipeline_size
 from megaq.checkpoint.reshard import concat_tp_shards, global_to_local_names
-
-
-class InteropError(RuntimeError):
-    """A conversion that cannot be done as asked; the message names the reason and the fix."""
+from megaq.interop.errors import InteropError
 
 
 def read_foreign(path: str, fmt, error_class=InteropError, data: bytes | None = None):

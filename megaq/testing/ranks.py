@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import io
 import multiprocessing as mp
 import os
@@ -29,6 +30,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from megaq.kernels.dispatch import register_compiled_ops
 from megaq.parallel import comm
 from megaq.parallel.launch import free_port, group_timeout
 from megaq.parallel.topology import Layout, build_topology, check_hpz_size
@@ -71,6 +73,15 @@ def _worker(rank, world_size, layout_kw, hpz_size, init_file, fn, args, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
+def _import_before_fork() -> None:
+    """What ranks import lazily at seconds of CPU each, imported once here and inherited
+    by every forked rank: torch._dynamo (torch.optim, checkpointing and custom autograd
+    Functions import it) and, with the ops compiled blocks trace, torch._inductor
+    (megaq.kernels.dispatch.register_compiled_ops)."""
+    importlib.import_module("torch._dynamo")
+    register_compiled_ops()
+
+
 def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
                  ranks_per_node: int | None = None, hpz_size: int = 1, order: str = "tp-dp-pp",
                  args: tuple = (),
@@ -81,9 +92,7 @@ def run_on_ranks(fn, world_size: int, *, tp: int = 1, pp: int = 1,
     """
     layout_kw = dict(tp=tp, pp=pp, ranks_per_node=ranks_per_node, order=order)
     check_hpz_size(Layout(world_size=world_size, **layout_kw), hpz_size)  # validate before forking
-    # torch.optim, checkpointing and custom autograd Functions import torch._dynamo lazily
-    # (seconds of CPU); importing it once here lets every forked rank inherit it.
-    import torch._dynamo  # noqa: F401
+    _import_before_fork()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +166,7 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
     once all ranks are started (fault injection; rank r writes outdir/r.out, r.err).
     Returns {"codes": [...], "stdout": str,
     "stderr": str, "seconds": float}, the outputs concatenated in rank order."""
-    import torch._dynamo  # noqa: F401 - imported once here, inherited by every rank
+    _import_before_fork()
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         pids = []

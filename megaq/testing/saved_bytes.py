@@ -38,6 +38,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from megaq.kernels.dispatch import register_compiled_ops
+
 
 @dataclasses.dataclass
 class SavedBytes:
@@ -111,6 +113,8 @@ PARTITIONED = "aot_eager_decomp_partition"  # inductor's partitioner, no code ge
 def count_saved(fn, args, resident: set, compiled: bool, backend: str = PARTITIONED) -> SavedBytes:
     """One forward of fn(*args) (compiled with `backend`, or eager) under the counting
     hooks, then its backward (so a compiled region's backward is traced too)."""
+    if compiled:  # as megaq.parallelize.compile_blocks: the ops inductor must not fuse into
+        register_compiled_ops()
     run = torch.compile(fn, backend=backend, dynamic=False) if compiled else fn
     counter = SavedBytes(resident=resident)
     with counter.counting():
