@@ -549,6 +549,44 @@ def test_a_step_with_little_gpu_work_per_layer_says_it_may_be_host_bound():
         assert not host_notes(bench_argv("1.3B", variant))
 
 
+def test_fused_swiglu_fp8_backward_saves_its_bytes_where_megaq_runs_it():
+    """fc1's fused FP8 SwiGLU backward (megaq.parallelize.apply_fp8: the delayed recipe, a
+    SwiGLU MLP without biases) writes the FP8 dY and its transpose in one pass: 5 bytes per
+    dY element fewer than the 16-bit dY written, read back and cast, and the cast read again
+    for the transpose. The plan takes it where megaq runs it; a replayed bench row takes it
+    as the row ran (its key, or the files of FUSED_SWIGLU_FP8_FILES, never -nse)."""
+    from megaq.planner.bench_rows import bench_argv, fused_swiglu_fp8_of
+    from megaq.planner.calibrate import _run_config
+
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=512,
+                          seq_length=64, fp8_format="hybrid", fp8_recipe="delayed")
+    f = cfg.ffn_hidden_size
+    for tp in (1, 2):
+        unfused = compute.elementwise_bytes_per_token_layer(cfg, tp, False, True)
+        fused = compute.elementwise_bytes_per_token_layer(cfg, tp, False, True, fused_swiglu_fp8=True)
+        assert unfused - fused == 5 * 2 * f / tp
+    assert (compute.elementwise_bytes_per_token_layer(cfg, 1, False, False, fused_swiglu_fp8=True)
+            == compute.elementwise_bytes_per_token_layer(cfg, 1, False, False))  # bf16: no FP8 dY
+
+    def plan(variant, bias=False):
+        argv = [a for a in bench_argv("1.3B", variant) if not (bias and a == "--disable-bias-linear")]
+        return PlanInput.from_config(_run_config(argv))
+    assert plan("megaq-fp8dl-comp").swiglu_fp8_backward_fused
+    for variant, bias in (("megaq-fp8tw-comp", False), ("megaq-s0-comp", False),
+                          ("megaq-fp8dl-comp", True)):
+        assert not plan(variant, bias).swiglu_fp8_backward_fused, (variant, bias)
+    h100 = Cluster(gpu_preset("H100-SXM"), num_nodes=1, gpus_per_node=1)
+    fast, slow = (predict(dataclasses.replace(plan("megaq-fp8dl-comp"), fused_swiglu_fp8=on),
+                          h100, CAL).step_time_s for on in (True, False))
+    assert 0.95 < fast / slow < 1.0
+
+    fused_file = "bench_train_h100_1.3B_fused_cvt.json"
+    assert fused_swiglu_fp8_of(fused_file, {"variant": "megaq-fp8dl-comp"})
+    assert not fused_swiglu_fp8_of(fused_file, {"variant": "megaq-fp8dl-nse-comp"})
+    assert not fused_swiglu_fp8_of("fp8final_h200_1.3B.json", {"variant": "megaq-fp8dl-comp"})
+    assert fused_swiglu_fp8_of("new.json", {"variant": "megaq-fp8dl-comp", "fused_swiglu_fp8": True})
+
+
 def test_hardware_presets():
     assert gpu_preset("h100-sxm").name == "H100-SXM"
     with pytest.raises(HardwareError, match="V100-32GB, A100-40GB"):

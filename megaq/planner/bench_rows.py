@@ -48,6 +48,8 @@ class TrainRow:
     optimizer: str              # "onepass" / "fused": the AdamW kernel the run used
     grad_bytes: int = 4         # bytes per gradient element the engine held (files before
     #                             megaq.zero.grads' 16-bit gradients: 4, its fp32 accumulators)
+    fused_swiglu_fp8: bool = False  # fc1's FP8 backward took SwiGLU's gradient from the fused
+    #                             kernel (PlanInput.fused_swiglu_fp8; see fused_swiglu_fp8_of)
     profile_ms: dict = field(default_factory=dict)  # GPU ms per step by kernel kind, if profiled
 
     @property
@@ -111,6 +113,24 @@ def file_gpu(path: str) -> str | None:
     return preset_of_device(device) if isinstance(device, str) else None
 
 
+# bench_train.py files measured with fc1's fused FP8 SwiGLU backward before the rows said so
+# (the key "fused_swiglu_fp8"): its delayed-recipe rows other than -nse (SwiGLU after the
+# GEMM) ran it. Every other file without the key predates the kernel.
+FUSED_SWIGLU_FP8_FILES = (
+    "bench_train_h100_1.3B_fused_fp8_bwd.json", "bench_train_h100_3B_fused_fp8_bwd.json",
+    "bench_train_h100_1.3B_gpu_fp8_cvt.json", "bench_train_h100_1.3B_fused_cvt.json",
+    "bench_train_h100_3B_fused_cvt.json", "bench_train_h100_1.3B_same_run.json",
+    "bench_train_h100_3B_same_run.json")
+
+
+def fused_swiglu_fp8_of(source: str, row: dict) -> bool:
+    """Whether a bench_train.py row's FP8 backward of fc1 ran the fused SwiGLU kernel."""
+    if "fused_swiglu_fp8" in row:
+        return bool(row["fused_swiglu_fp8"])
+    variant = str(row.get("variant", ""))
+    return source in FUSED_SWIGLU_FP8_FILES and "-fp8dl" in variant and "-nse" not in variant
+
+
 def read_train_rows(path: str) -> list[TrainRow]:
     """The megaq rows of one bench_train.py JSON (failed and reference rows left out)."""
     doc = _load_json(path)
@@ -129,6 +149,7 @@ def read_train_rows(path: str) -> list[TrainRow]:
                 step_ms=float(r["step_ms"]), fwd_bwd_ms=float(r["fwd_bwd_ms"]),
                 optimizer_ms=float(r["optimizer_ms"]), peak_mem_gib=float(r["peak_mem_gib"]),
                 optimizer=str(r.get("optimizer", "fused")), grad_bytes=int(r.get("grad_bytes", 4)),
+                fused_swiglu_fp8=fused_swiglu_fp8_of(os.path.basename(path), r),
                 profile_ms=dict(r.get("profile_ms_per_step_by_kind") or {})))
         except (KeyError, TypeError, ValueError) as e:
             raise BenchFileError(f"{path}: row {r.get('size')} {r.get('variant')} lacks or "

@@ -71,6 +71,10 @@ class PlanInput:
     # bytes per gradient element as a measured run's engine held them (None: what the
     # engine holds now, grad_elem's rule); replayed results from before 16-bit gradients: 4
     grad_bytes: int | None = None
+    # whether fc1's FP8 backward took SwiGLU's gradient from the fused kernel as a measured
+    # run did (None: what megaq does now, swiglu_fp8_backward_fused's rule); replayed
+    # results from before that kernel: False
+    fused_swiglu_fp8: bool | None = None
     # the vocabulary is DEFAULT_VOCAB because nothing said otherwise (a tokenizer's is
     # only known once it is loaded): the plan says so
     vocab_assumed: bool = field(default=False, compare=False)
@@ -126,6 +130,16 @@ class PlanInput:
             return self.grad_bytes
         once = self.dp == 1 and not self.zero.grads_reduced_once and self.num_micro_batches == 1
         return self.elem if once and self.optimizer == "adam" else 4
+
+    @property
+    def swiglu_fp8_backward_fused(self) -> bool:
+        """fc1's FP8 backward takes SwiGLU's gradient from one kernel that writes the FP8
+        dY and its transpose (megaq.parallelize.apply_fp8: a SwiGLU MLP without biases,
+        the delayed recipe, whose scale is known before dY; kernels/fused_swiglu.py)."""
+        if self.fused_swiglu_fp8 is not None:
+            return self.fused_swiglu_fp8
+        m = self.model
+        return self.fp8 and m.fp8_recipe == "delayed" and m.swiglu and not m.add_bias_linear
 
     @property
     def compiled(self) -> bool:
@@ -259,7 +273,8 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
             last = s == pi.pp - 1 and c == pi.vp - 1
             cc = compute.chunk_compute(cfg, gpu, cal, layers=layers_per_chunk, tp=pi.tp,
                                        sp=pi.sequence_parallel, micro_batch=mb, has_head=last,
-                                       fp8=pi.fp8, compiled=pi.compiled)
+                                       fp8=pi.fp8, compiled=pi.compiled,
+                                       fused_swiglu_fp8=pi.swiglu_fp8_backward_fused)
             per_unit_fwd = cc.fwd_s / max(len(cu), 1)
             per_unit_bwd = cc.bwd_s / max(len(cu), 1)
             tp_f, tp_b = tp_time(2 * layers_per_chunk), tp_time(2 * layers_per_chunk)

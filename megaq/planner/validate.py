@@ -102,7 +102,8 @@ def single_gpu_rows(calibration, files=None) -> list[dict]:
             if r.fp8 is not None and r.fp8[1] == "rowwise":
                 continue
             label = r.label + suffix
-            p = _predict(r.argv, calibration, cluster, grad_bytes=r.grad_bytes)
+            p = _predict(r.argv, calibration, cluster, grad_bytes=r.grad_bytes,
+                         fused_swiglu_fp8=r.fused_swiglu_fp8)
             out.append(_row("step", label, r.source, p.step_time_s * 1e3, r.step_ms, unit="ms"))
             earlier = os.path.basename(name) in EARLIER_TREE_FILES
             out.append(_row("memory", label, r.source, _allocated_gib(p), r.peak_mem_gib,

@@ -408,6 +408,11 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
     if hasattr(keep[1], "grads"):  # megaq: bytes per gradient element held (megaq.zero.grads)
         res["grad_bytes"] = keep[1].grads.memory_bytes() // sum(
             p.shard_numel for p in keep[1].partitions)
+        # fc1's FP8 backward took SwiGLU's gradient from the fused kernel (the planner's
+        # replay of this row: megaq.planner.bench_rows)
+        res["fused_swiglu_fp8"] = any(getattr(g, "swiglu", False) and g.recipe.delayed
+                                      for g in (getattr(m, "gemm", None) for m in keep[0].modules())
+                                      if g is not None)
     if profile:
         res["profile_ms_per_step_by_kind"] = profile
     del keep, fwd_bwd, opt_step, batches, losses
