@@ -28,7 +28,6 @@ import torch
 
 from megaq.runtime import failure, watchdog
 from megaq.checkpoint import staging
-from megaq.checkpoint.save import save_checkpoint
 from megaq.runtime.logging_utils import (TensorBoard, Timers, WandB, memory_report_line,
                                  memory_stats, perplexity, timers_block, training_log_line,
                                  validation_log_line)
@@ -294,6 +293,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoint
     def save(self) -> None:
+        # imported here: the checkpoint formats import torch.distributed.checkpoint (half
+        # a second), which the CLI's --help and refusals, importing this module for its
+        # errors, do not need
+        from megaq.checkpoint.save import save_checkpoint
+
         s = self.state
         with SetAside():
             t0 = time.perf_counter()
