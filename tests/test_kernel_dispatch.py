@@ -106,7 +106,8 @@ def test_building_and_parsing_import_no_compiler():
     """The ops inductor must not fuse into are registered when blocks are compiled, not
     at import: registering imports torch._inductor (about 2 s of CPU in every process).
     A process that parses the CLI's flags and builds a model, FP8 GEMMs included (every
-    rank of an eager run, --help), leaves it unimported."""
+    rank of an eager run, --help), leaves it unimported; so does the CLI's error handling
+    (megaq.pretrain.cli's imports) the checkpoint formats' torch.distributed.checkpoint."""
     import subprocess
     import sys
     probe = ("import sys\n"
@@ -115,13 +116,15 @@ def test_building_and_parsing_import_no_compiler():
              "from megaq.parallel import fp8  # noqa: F401  (the FP8 GEMMs and their transpose)\n"
              "GPTModel(GPTConfig.llama(num_layers=1, hidden_size=16, num_attention_heads=2,\n"
              "                         vocab_size=64, seq_length=8))\n"
-             "print('torch._inductor' in sys.modules)\n")
+             "print('torch._inductor' in sys.modules)\n"
+             "import megaq.pretrain, megaq.training, megaq.interop.errors  # noqa: F401,E401\n"
+             "print('torch.distributed.checkpoint' in sys.modules)\n")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["False"], r.stdout + r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "False"], r.stdout + r.stderr[-2000:]
 
 
 def test_compile_blocks_registers_every_op(monkeypatch):
