@@ -421,7 +421,8 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
 
 
 def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
-    """Profile two more steps of an already warmed-up variant; top kernels by GPU time."""
+    """Profile two more steps of an already warmed-up variant; top kernels by GPU time
+    (profile_SIZE_VARIANT.txt by total, profile_SIZE_VARIANT_self.txt by self time)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megaq.runtime.profiling import trace_busy
@@ -438,17 +439,22 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     if busy:
         print(f"profile {size} {variant}: device busy {busy['busy_us'] / 2e3:.1f} ms per step "
               f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms")
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
-    path = os.path.join(out_dir, f"profile_{size}_{variant}.txt")
-    with open(path + ".tmp", "w") as f:
-        f.write(table)
-    os.replace(path + ".tmp", path)
+    # two tables: by total GPU time (an op with its kernels), and by self GPU time (each
+    # kernel and op once: what the step's time is spent on)
+    paths = []
+    for suffix, sort_by, rows, width in (("", "cuda_time_total", 40, 90),
+                                         ("_self", "self_cuda_time_total", 60, 110)):
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=width)
+        paths.append(os.path.join(out_dir, f"profile_{size}_{variant}{suffix}.txt"))
+        with open(paths[-1] + ".tmp", "w") as f:
+            f.write(table)
+        os.replace(paths[-1] + ".tmp", paths[-1])
     cats = {}
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
         cats[kernel_category(evt.key)] = cats.get(kernel_category(evt.key), 0.0) + us / 2e3  # ms/step
     summary = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1]))
-    print(f"profile {size} {variant} -> {path}\n  GPU ms per step by kind: {summary}")
+    print(f"profile {size} {variant} -> {', '.join(paths)}\n  GPU ms per step by kind: {summary}")
     return cats
 
 
@@ -858,7 +864,7 @@ def main(argv=None):
                    help="first compare FP8 GEMMs (torch._scaled_mm) with the fp32 emulation, on the "
                         "GPU and on the CPU, at the 1.3B model's layer shapes")
     p.add_argument("--profile", nargs="*", default=[], metavar="SIZE:VARIANT",
-                   help="also profile two steps of these variants (table next to --out)")
+                   help="also profile two steps of these variants (tables by total and by self GPU time next to --out)")
     p.add_argument("--micro-batch", nargs="*", default=[], metavar="SIZE:MB",
                    help="override a size's micro-batch, e.g. 1.3B:16")
     args = p.parse_args(argv)
