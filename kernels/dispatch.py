@@ -133,7 +133,6 @@ class CompiledOp:
 
 def register_compiled_ops() -> None:
     """Register every CompiledOp (once; call before torch.compile traces megaq code)."""
-    for module in ("fused_swiglu", "transpose"):  # the modules that define them
-        importlib.import_module(f"{__package__}.{module}")
+    importlib.import_module(f"{__package__}.ops")  # the registry imports every kernel module
     for op in _COMPILED_OPS:
         op.register()
