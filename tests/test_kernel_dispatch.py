@@ -106,8 +106,9 @@ def test_building_and_parsing_import_no_compiler():
     """The ops inductor must not fuse into are registered when blocks are compiled, not
     at import: registering imports torch._inductor (about 2 s of CPU in every process).
     A process that parses the CLI's flags and builds a model, FP8 GEMMs included (every
-    rank of an eager run, --help), leaves it unimported; so does the CLI's error handling
-    (megaq.pretrain.cli's imports) the checkpoint formats' torch.distributed.checkpoint."""
+    rank of an eager run, --help), leaves it unimported; so do the CLI's error handling
+    (megaq.pretrain.cli's imports) and megaq-generate's parser (tools/generate.py --help)
+    the checkpoint formats' torch.distributed.checkpoint."""
     import subprocess
     import sys
     probe = ("import sys\n"
@@ -118,6 +119,7 @@ def test_building_and_parsing_import_no_compiler():
              "                         vocab_size=64, seq_length=8))\n"
              "print('torch._inductor' in sys.modules)\n"
              "import megaq.pretrain, megaq.training, megaq.interop.errors  # noqa: F401,E401\n"
+             "import megaq.cli.generate  # noqa: F401\n"
              "print('torch.distributed.checkpoint' in sys.modules)\n")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -23,14 +23,11 @@ import sys
 
 import torch
 
-from megaq.checkpoint.consolidate import load_consolidated_model
 from megaq.checkpoint.errors import CheckpointError
-from megaq.checkpoint.formats import checkpoint_layout
 from megaq.checkpoint.integrity import Verifier
 from megaq.checkpoint.paths import TRACKER_FILE, iteration_dir, read_tracker
 from megaq.config.flags import add_flag
 from megaq.config.run import CheckpointConfig
-from megaq.parallelize import apply_fp8
 
 
 EPILOG = """tokenizer: each file comes from the first of: the flags above; the copy of the
@@ -99,6 +96,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     verify = not a.no_verify_checkpoint
+    # the checkpoint formats import torch.distributed.checkpoint (about 0.8 s): only once
+    # there is a checkpoint to read, so --help and a flag's refusal come back at once
+    from megaq.checkpoint.consolidate import load_consolidated_model
+    from megaq.checkpoint.formats import checkpoint_layout
+    from megaq.parallelize import apply_fp8
     try:
         ckpt_dir = a.load
         if not os.path.basename(os.path.normpath(ckpt_dir)).startswith("iter_"):
