@@ -146,3 +146,35 @@ def test_a_rank_that_never_reports_fails_with_its_stack_not_a_bare_timeout():
     msg = str(e.value)
     assert msg.startswith("rank(s) [1] reported nothing within 5 s"), msg
     assert "--- rank 1's stacks ---" in msg and "_rank1_waits_forever_in_a_named_place" in msg, msg
+
+
+def _collect_now(topo):
+    import gc
+    gc.collect()  # reaches whatever the parent left uncollected, unless the rank froze it
+    return topo.rank
+
+
+def test_ranks_never_collect_the_parents_garbage():
+    """A gloo group left in a reference cycle by an earlier in-process test (a CLI run
+    that raised, say) is forked into every rank; collected there, its destructor joins
+    worker threads that exist only in the parent and blocks for ever (a CI run lost two
+    tests to this: ranks stuck in "Garbage-collecting"). Ranks freeze what they
+    inherit, so they finish; the parent collects its own garbage."""
+    import datetime
+    import gc
+
+    import torch.distributed as dist
+
+    class Cycle:
+        pass
+
+    c = Cycle()
+    c.me = c
+    c.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+    del c
+    gc.disable()  # keep the cycle uncollected until after the fork, as a GC schedule may
+    try:
+        assert run_on_ranks(_collect_now, 2, timeout=30) == [0, 1]
+    finally:
+        gc.enable()
+        gc.collect()

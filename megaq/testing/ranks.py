@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import importlib
 import io
 import multiprocessing as mp
@@ -50,7 +51,21 @@ def _stacks_file(tmp: str, rank: int) -> str:
     return os.path.join(tmp, f"stacks.{rank}")
 
 
+def forked_child() -> None:
+    """First thing in a forked rank: never collect what the parent left behind.
+
+    The parent's uncollected garbage comes along with the fork. Some of it ends in C++
+    destructors that join the parent's threads (a TCPStore's server, a gloo group's
+    workers): in the child those threads do not exist, so a collection that reaches
+    such an object blocks for ever (seen as a rank stuck in "Garbage-collecting" while
+    building its model). Freezing moves every inherited object out of the collector's
+    reach; the child's own objects are collected as usual, and the parent collects its
+    garbage itself, where its threads are."""
+    gc.freeze()
+
+
 def _worker(rank, world_size, layout_kw, hpz_size, init_file, fn, args, queue):
+    forked_child()
     # a rank that never reports has its Python stacks dumped here on SIGUSR1, so a hang
     # fails with where every silent rank stood (run_on_ranks), not a bare queue timeout
     stacks = open(_stacks_file(os.path.dirname(init_file), rank), "w")
@@ -174,6 +189,7 @@ def run_cli_on_ranks(entry, argv: list[str], world_size: int, *, env: dict | Non
             out, err = (os.path.join(tmp, f"{r}.{k}") for k in ("out", "err"))
             pid = os.fork()
             if pid == 0:  # the rank
+                forked_child()
                 code = 1
                 try:
                     os.setsid()
