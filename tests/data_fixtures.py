@@ -30,6 +30,8 @@ def write_jsonl(path, docs, key="text"):
 
 
 def _put_result(fn, q):
+    from megaq.testing.ranks import forked_child  # imported here: this module stays light
+    forked_child()
     q.put(fn())
 
 

@@ -25,7 +25,7 @@ import pytest
 from megaq import pretrain
 from megaq.checkpoint import guard, integrity, paths
 from megaq.checkpoint.consolidate import load_consolidated_model
-from megaq.testing.ranks import run_on_ranks
+from megaq.testing.ranks import forked_child, run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -155,6 +155,7 @@ def test_exact_resume_with_tp_dropout_and_eval(tmp_path):
 def _train_in_new_session(argv):
     """A forked job: 2 gloo ranks in a session of their own (one killpg ends them all,
     as a node failure would)."""
+    forked_child()
     os.setsid()
     run_on_ranks(_train, 2, args=(argv,), timeout=120)
 

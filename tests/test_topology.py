@@ -1,6 +1,10 @@
 """Rank grid, node map and ZeRO++ subgroups: membership and refusals."""
 
+import datetime
+import gc
+
 import pytest
+import torch.distributed as dist
 
 from megaq.testing.ranks import run_on_ranks
 from megaq.parallel.topology import (Layout, LayoutError, check_hpz_size, check_model_fits_tp,
@@ -149,7 +153,6 @@ def test_a_rank_that_never_reports_fails_with_its_stack_not_a_bare_timeout():
 
 
 def _collect_now(topo):
-    import gc
     gc.collect()  # reaches whatever the parent left uncollected, unless the rank froze it
     return topo.rank
 
@@ -160,18 +163,9 @@ def test_ranks_never_collect_the_parents_garbage():
     worker threads that exist only in the parent and blocks for ever (a CI run lost two
     tests to this: ranks stuck in "Garbage-collecting"). Ranks freeze what they
     inherit, so they finish; the parent collects its own garbage."""
-    import datetime
-    import gc
-
-    import torch.distributed as dist
-
-    class Cycle:
-        pass
-
-    c = Cycle()
-    c.me = c
-    c.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
-    del c
+    cycle = [dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))]
+    cycle.append(cycle)
+    del cycle
     gc.disable()  # keep the cycle uncollected until after the fork, as a GC schedule may
     try:
         assert run_on_ranks(_collect_now, 2, timeout=30) == [0, 1]

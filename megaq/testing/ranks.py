@@ -54,13 +54,14 @@ def _stacks_file(tmp: str, rank: int) -> str:
 def forked_child() -> None:
     """First thing in a forked rank: never collect what the parent left behind.
 
-    The parent's uncollected garbage comes along with the fork. Some of it ends in C++
-    destructors that join the parent's threads (a TCPStore's server, a gloo group's
-    workers): in the child those threads do not exist, so a collection that reaches
-    such an object blocks for ever (seen as a rank stuck in "Garbage-collecting" while
+    The parent's uncollected garbage comes along with the fork. A gloo process group in
+    it (left in a reference cycle by an in-process run) has a C++ destructor that joins
+    the group's worker threads: in the child those threads do not exist, so a
+    collection that reaches it blocks for ever (seen as a rank stuck in "Garbage-collecting" while
     building its model). Freezing moves every inherited object out of the collector's
     reach; the child's own objects are collected as usual, and the parent collects its
-    garbage itself, where its threads are."""
+    garbage itself, where its threads are. Every forked child that runs Python work
+    calls this (here, and the tests' own forks)."""
     gc.freeze()
 
 
