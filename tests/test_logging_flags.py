@@ -295,3 +295,44 @@ def test_profile_window_must_be_ordered(tmp_path):
     with pytest.raises(ArgumentsError, match="--profile-step-start 5 and --profile-step-end 5"):
         parse_config(_argv(tmp_path, ["--profile", "--profile-step-start", "5",
                                       "--profile-step-end", "5"]), world_size=1)
+
+
+def test_idle_gaps_name_what_the_device_waited_for():
+    """The largest gaps between device events, largest first: the kernels around each, the
+    host op that launched the one after, and whether the host was blocked (a sync ran in
+    the gap) or launching it late (host-bound); the window's start is not a gap."""
+    from megaq.runtime.profiling import gap_lines, idle_gaps
+
+    def kernel(name, ts, dur, corr, ext):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"correlation": corr, "External id": ext}}
+
+    def call(name, ts, dur, corr=None):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur,
+                "args": {} if corr is None else {"correlation": corr}}
+
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5, "args": {"External id": 1}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 95, "dur": 8, "args": {"External id": 2}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mul", "ts": 110, "dur": 5, "args": {"External id": 3}},
+        call("cudaLaunchKernel", 1, 3, corr=10), kernel("gemm", 50, 40, 10, 1),
+        # a sync on the host from 90 to 100, then add launched at 96-100 and run at 102:
+        # 12 us idle, blocked by the sync
+        call("cudaStreamSynchronize", 90, 10), call("cudaLaunchKernel", 96, 4, corr=11),
+        kernel("add_kernel", 102, 10, 11, 2),
+        # mul launched long before (at 111) but starts at 160: a dependency, 48 us
+        call("cudaLaunchKernel", 111, 3, corr=12), kernel("mul_kernel", 160, 10, 12, 3),
+        # a 30-us gap whose kernel was launched 2 us before it ran: the host was late
+        call("cudaLaunchKernel", 195, 3, corr=13), kernel("copy", 200, 5, 13, 3),
+    ]
+    gaps = idle_gaps(events, min_gap_us=10)
+    assert [(g["idle_us"], g["before"], g["after"]) for g in gaps] == [
+        (48, "add_kernel", "mul_kernel"), (30, "mul_kernel", "copy"), (12, "gemm", "add_kernel")]
+    assert [g["launched_by"] for g in gaps] == ["aten::mul", "aten::mul", "aten::add"]
+    assert [g["host_bound"] for g in gaps] == [False, True, True]
+    assert gaps[2]["blocking_calls"] == ["cudaStreamSynchronize"] and not gaps[0]["blocking_calls"]
+    lines = gap_lines(gaps)
+    assert "dependency" in lines[0] and "host launch" in lines[1]
+    assert "cudaStreamSynchronize" in lines[2] and lines[2].startswith("  idle 0.01 ms: after gemm")
+    # the smaller gaps are cut by min_gap_us and top
+    assert len(idle_gaps(events, min_gap_us=20)) == 2 and len(idle_gaps(events, top=1)) == 1

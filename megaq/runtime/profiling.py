@@ -8,7 +8,8 @@ took the most device time, and one line that says how busy the device was:
     idle 16.9 ms in 41 gaps (largest 6.1 ms)
 
 The idle time is what the host costs the step (a host sync, data loading, kernel
-launches the device waits for). Without --use-pytorch-profiler the window is marked for
+launches the device waits for); the largest gaps follow, each with the kernels around
+it and the host op that launched the next (:func:`idle_gaps`). Without --use-pytorch-profiler the window is marked for
 Nsight Systems (cudaProfilerStart / Stop: `nsys profile --capture-range=cudaProfilerApi`),
 as Megatron-LM does.
 """
@@ -97,6 +98,9 @@ class StepProfiler:
         print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=70),
               flush=True)
         print(self.summary_line(path, wall_us, iterations), flush=True)
+        gaps = idle_gaps(trace_events(path), top=5)
+        if gaps:
+            print("largest idle gaps:\n" + "\n".join(gap_lines(gaps)), flush=True)
 
     def summary_line(self, trace_path: str, wall_us: float, iterations: int) -> str:
         head = (f"profile: rank {self.rank}, iterations {self.start + 1}-{self.end}: "
@@ -111,12 +115,60 @@ class StepProfiler:
                 f"trace {trace_path}")
 
 
+# host calls that make the host wait for the device (or for the driver): a gap in which
+# one of these ran was the host's wait, not its launch rate
+BLOCKING_CALLS = ("Synchronize", "cudaMemcpy", "cudaFree", "cudaMalloc", "cudaHostAlloc",
+                  "cudaStreamWaitEvent")
+
+
+def idle_gaps(events, top: int = 8, min_gap_us: float = 20.0) -> list[dict]:
+    """The device's largest idle gaps in a Chrome trace's events, between its first and its
+    last device event (a window's start, an idle device waiting for the first launch, is
+    left out), each with what ended before it, what started after it, the host op that
+    launched the latter (the kernel's "External id") and the blocking host calls that ran
+    during it. `host_bound`: the kernel after the gap was launched less than 5 us before it
+    started, so the device was waiting for the host to launch it, not for a dependency."""
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e),
+                    key=lambda e: e["ts"])
+    ops = {e["args"]["External id"]: e["name"] for e in events
+           if e.get("cat") in ("cpu_op", "user_annotation") and "External id" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    blocking = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e
+                and any(b in e["name"] for b in BLOCKING_CALLS)]
+    gaps, cursor, last = [], None, None
+    for e in device:
+        if cursor is not None and e["ts"] - cursor >= min_gap_us:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            launch_end = launch["ts"] + launch["dur"] if launch else None
+            gaps.append({
+                "start_us": cursor, "idle_us": e["ts"] - cursor,
+                "before": last["name"], "after": e["name"],
+                "launched_by": ops.get(e.get("args", {}).get("External id"), "?"),
+                "host_bound": launch_end is not None and e["ts"] - launch_end < 5.0,
+                "blocking_calls": sorted({b["name"] for b in blocking
+                                          if b["ts"] < e["ts"] and b["ts"] + b["dur"] > cursor})})
+        end = e["ts"] + e["dur"]
+        if cursor is None or end > cursor:
+            cursor, last = end, e
+    return sorted(gaps, key=lambda g: -g["idle_us"])[:top]
+
+
+def gap_lines(gaps: list[dict]) -> list[str]:
+    """One line a gap (idle_gaps' dicts): how long, between what, and why."""
+    lines = []
+    for g in gaps:
+        why = ", ".join(g["blocking_calls"]) or ("host launch" if g["host_bound"] else "dependency")
+        lines.append(f"  idle {g['idle_us'] / 1e3:.2f} ms: after {g['before'][:60]}, before "
+                     f"{g['after'][:60]} (launched by {g['launched_by'][:50]}; {why})")
+    return lines
+
+
 def trace_busy(trace_path: str) -> dict | None:
     """How busy the device was over a Chrome trace's window (from its first host event to
     the last event's end): busy and idle microseconds, the idle gaps' count and largest.
     None when the trace has no device events (a CPU run)."""
-    with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
+    events = trace_events(trace_path)
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     host = [e for e in events if e.get("ph") == "X" and "dur" in e
             and e.get("cat") not in DEVICE_CATEGORIES]
@@ -126,4 +178,12 @@ def trace_busy(trace_path: str) -> dict | None:
     end = max(e["ts"] + e["dur"] for e in host + device)
     busy, gaps = device_busy(device, start, end)
     return {"busy_us": busy, "idle_us": end - start - busy, "busy_fraction": busy / (end - start),
-            "gaps": len(gaps), "largest_gap_us": max(gaps, default=0.0)}
+            "gaps": len(gaps), "largest_gap_us": max(gaps, default=0.0),
+            # the window's start: the host's first op until the device's first kernel
+            "before_first_kernel_us": min(e["ts"] for e in device) - start}
+
+
+def trace_events(trace_path: str) -> list[dict]:
+    """A Chrome trace's events (torch.profiler's export_chrome_trace)."""
+    with open(trace_path) as f:
+        return json.load(f).get("traceEvents", [])

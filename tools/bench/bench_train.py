@@ -437,7 +437,7 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     (profile_SIZE_VARIANT.txt by total, profile_SIZE_VARIANT_self.txt by self time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megaq.runtime.profiling import trace_busy
+    from megaq.runtime.profiling import gap_lines, idle_gaps, trace_busy, trace_events
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -450,7 +450,10 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     busy = trace_busy(trace)
     if busy:
         print(f"profile {size} {variant}: device busy {busy['busy_us'] / 2e3:.1f} ms per step "
-              f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms")
+              f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms "
+              f"({busy['before_first_kernel_us'] / 1e3:.1f} ms of the two steps before the "
+              f"first kernel); the largest gaps:")
+        print("\n".join(gap_lines(idle_gaps(trace_events(trace)))), flush=True)
     # two tables: by total GPU time (an op with its kernels), and by self GPU time (each
     # kernel and op once: what the step's time is spent on)
     paths = []
