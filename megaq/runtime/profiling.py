@@ -97,15 +97,17 @@ class StepProfiler:
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=70),
               flush=True)
-        print(self.summary_line(path, wall_us, iterations), flush=True)
-        gaps = idle_gaps(trace_events(path), top=5)
+        events = trace_events(path)
+        print(self.summary_line(events, path, wall_us, iterations), flush=True)
+        gaps = idle_gaps(events, top=5)
         if gaps:
             print("largest idle gaps:\n" + "\n".join(gap_lines(gaps)), flush=True)
 
-    def summary_line(self, trace_path: str, wall_us: float, iterations: int) -> str:
+    def summary_line(self, events: list[dict], trace_path: str, wall_us: float,
+                     iterations: int) -> str:
         head = (f"profile: rank {self.rank}, iterations {self.start + 1}-{self.end}: "
                 f"{wall_us / 1e3 / iterations:.1f} ms per iteration")
-        busy = trace_busy(trace_path)
+        busy = trace_busy(events)
         if busy is None:
             return f"{head}; trace {trace_path}"
         n = iterations
@@ -164,11 +166,11 @@ def gap_lines(gaps: list[dict]) -> list[str]:
     return lines
 
 
-def trace_busy(trace_path: str) -> dict | None:
-    """How busy the device was over a Chrome trace's window (from its first host event to
-    the last event's end): busy and idle microseconds, the idle gaps' count and largest.
-    None when the trace has no device events (a CPU run)."""
-    events = trace_events(trace_path)
+def trace_busy(events: list[dict]) -> dict | None:
+    """How busy the device was over a Chrome trace's window (its events, from the first
+    host event to the last event's end): busy and idle microseconds, the idle gaps' count
+    and largest, and how long the window ran before the first kernel. None when the trace
+    has no device events (a CPU run)."""
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     host = [e for e in events if e.get("ph") == "X" and "dur" in e
             and e.get("cat") not in DEVICE_CATEGORIES]

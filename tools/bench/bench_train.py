@@ -447,13 +447,14 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
         torch.cuda.synchronize()
     trace = os.path.join(out_dir, f"profile_{size}_{variant}.trace.json")
     prof.export_chrome_trace(trace)
-    busy = trace_busy(trace)
+    events = trace_events(trace)
+    busy = trace_busy(events)
     if busy:
         print(f"profile {size} {variant}: device busy {busy['busy_us'] / 2e3:.1f} ms per step "
               f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms "
               f"({busy['before_first_kernel_us'] / 1e3:.1f} ms of the two steps before the "
               f"first kernel); the largest gaps:")
-        print("\n".join(gap_lines(idle_gaps(trace_events(trace)))), flush=True)
+        print("\n".join(gap_lines(idle_gaps(events))), flush=True)
     # two tables: by total GPU time (an op with its kernels), and by self GPU time (each
     # kernel and op once: what the step's time is spent on)
     paths = []
