@@ -9,9 +9,9 @@ took the most device time, and one line that says how busy the device was:
 
 The idle time is what the host costs the step (a host sync, data loading, kernel
 launches the device waits for); the largest gaps follow, each with the kernels around
-it and the host op that launched the next (:func:`idle_gaps`). Without --use-pytorch-profiler the window is marked for
-Nsight Systems (cudaProfilerStart / Stop: `nsys profile --capture-range=cudaProfilerApi`),
-as Megatron-LM does.
+it and the host op that launched the next (:func:`idle_gaps`). Without
+--use-pytorch-profiler the window is marked for Nsight Systems (cudaProfilerStart / Stop:
+`nsys profile --capture-range=cudaProfilerApi`), as Megatron-LM does.
 """
 
 from __future__ import annotations
