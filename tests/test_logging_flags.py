@@ -301,7 +301,7 @@ def test_idle_gaps_name_what_the_device_waited_for():
     """The largest gaps between device events, largest first: the kernels around each, the
     host op that launched the one after, and whether the host was blocked (a sync ran in
     the gap) or launching it late (host-bound); the window's start is not a gap."""
-    from megaq.runtime.profiling import gap_lines, idle_gaps, trace_busy
+    from megaq.runtime.profiling import gap_lines, idle_by_launcher, idle_gaps, trace_busy
 
     def kernel(name, ts, dur, corr, ext):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
@@ -336,6 +336,16 @@ def test_idle_gaps_name_what_the_device_waited_for():
     assert "cudaStreamSynchronize" in lines[2] and lines[2].startswith("  idle 0.01 ms: after gemm")
     # the smaller gaps are cut by min_gap_us and top
     assert len(idle_gaps(events, min_gap_us=20)) == 2 and len(idle_gaps(events, top=1)) == 1
+    # summed by launching op: aten::mul's kernels ended two gaps, one a dependency, one late
+    assert idle_by_launcher(events, min_gap_us=10) == [
+        "  idle 0.05 ms in 1 gaps before kernels launched by aten::mul (dependency)",
+        "  idle 0.03 ms in 1 gaps before kernels launched by aten::mul (host launch)",
+        "  idle 0.01 ms in 1 gaps before kernels launched by aten::add (cudaStreamSynchronize)"]
+    assert idle_by_launcher(events, top=1, min_gap_us=10)[0].startswith("  idle 0.05 ms in 1 gaps")
+    # a second dependency gap before an aten::mul kernel (25 us) adds to the first (48)
+    more = events + [call("cudaLaunchKernel", 206, 3, corr=14), kernel("mul_kernel", 230, 5, 14, 3)]
+    assert idle_by_launcher(more, top=1, min_gap_us=10) == [
+        "  idle 0.07 ms in 2 gaps before kernels launched by aten::mul (dependency)"]
     # the window's summary counts the 50 us before the first kernel as idle too
     assert trace_busy(events) == {"busy_us": 65, "idle_us": 140, "busy_fraction": 65 / 205,
                                   "gaps": 4, "largest_gap_us": 50, "before_first_kernel_us": 50}

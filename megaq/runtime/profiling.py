@@ -9,7 +9,8 @@ took the most device time, and one line that says how busy the device was:
 
 The idle time is what the host costs the step (a host sync, data loading, kernel
 launches the device waits for); the largest gaps follow, each with the kernels around
-it and the host op that launched the next (:func:`idle_gaps`). Without
+it and the host op that launched the next (:func:`idle_gaps`), and the idle time summed
+by that op (:func:`idle_by_launcher`). Without
 --use-pytorch-profiler the window is marked for Nsight Systems (cudaProfilerStart / Stop:
 `nsys profile --capture-range=cudaProfilerApi`), as Megatron-LM does.
 """
@@ -102,6 +103,7 @@ class StepProfiler:
         gaps = idle_gaps(events, top=5)
         if gaps:
             print("largest idle gaps:\n" + "\n".join(gap_lines(gaps)), flush=True)
+            print("idle by launching op:\n" + "\n".join(idle_by_launcher(events)), flush=True)
 
     def summary_line(self, events: list[dict], trace_path: str, wall_us: float,
                      iterations: int) -> str:
@@ -123,13 +125,14 @@ BLOCKING_CALLS = ("Synchronize", "cudaMemcpy", "cudaFree", "cudaMalloc", "cudaHo
                   "cudaStreamWaitEvent")
 
 
-def idle_gaps(events, top: int = 8, min_gap_us: float = 20.0) -> list[dict]:
+def idle_gaps(events, top: int | None = 8, min_gap_us: float = 20.0) -> list[dict]:
     """The device's largest idle gaps in a Chrome trace's events, between its first and its
     last device event (a window's start, an idle device waiting for the first launch, is
     left out), each with what ended before it, what started after it, the host op that
     launched the latter (the kernel's "External id") and the blocking host calls that ran
     during it. `host_bound`: the kernel after the gap was launched less than 5 us before it
-    started, so the device was waiting for the host to launch it, not for a dependency."""
+    started, so the device was waiting for the host to launch it, not for a dependency.
+    `top` None: every gap of at least `min_gap_us`."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e),
                     key=lambda e: e["ts"])
     ops = {e["args"]["External id"]: e["name"] for e in events
@@ -156,14 +159,28 @@ def idle_gaps(events, top: int = 8, min_gap_us: float = 20.0) -> list[dict]:
     return sorted(gaps, key=lambda g: -g["idle_us"])[:top]
 
 
+def _why(gap: dict) -> str:
+    return ", ".join(gap["blocking_calls"]) or ("host launch" if gap["host_bound"] else "dependency")
+
+
 def gap_lines(gaps: list[dict]) -> list[str]:
     """One line a gap (idle_gaps' dicts): how long, between what, and why."""
-    lines = []
-    for g in gaps:
-        why = ", ".join(g["blocking_calls"]) or ("host launch" if g["host_bound"] else "dependency")
-        lines.append(f"  idle {g['idle_us'] / 1e3:.2f} ms: after {g['before'][:60]}, before "
-                     f"{g['after'][:60]} (launched by {g['launched_by'][:50]}; {why})")
-    return lines
+    return [f"  idle {g['idle_us'] / 1e3:.2f} ms: after {g['before'][:60]}, before "
+            f"{g['after'][:60]} (launched by {g['launched_by'][:50]}; {_why(g)})" for g in gaps]
+
+
+def idle_by_launcher(events, top: int = 5, min_gap_us: float = 2.0) -> list[str]:
+    """The idle time summed by the host op that launched the kernel after each gap, and
+    why it waited, largest first: many short gaps (a host that only just keeps ahead)
+    add up to what no single gap shows."""
+    total: dict = {}
+    for g in idle_gaps(events, top=None, min_gap_us=min_gap_us):
+        key = (g["launched_by"], _why(g))
+        us, n = total.get(key, (0.0, 0))
+        total[key] = (us + g["idle_us"], n + 1)
+    rows = sorted(total.items(), key=lambda kv: -kv[1][0])[:top]
+    return [f"  idle {us / 1e3:.2f} ms in {n} gaps before kernels launched by {op[:50]} ({why})"
+            for (op, why), (us, n) in rows]
 
 
 def trace_busy(events: list[dict]) -> dict | None:

@@ -437,7 +437,8 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     (profile_SIZE_VARIANT.txt by total, profile_SIZE_VARIANT_self.txt by self time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megaq.runtime.profiling import gap_lines, idle_gaps, trace_busy, trace_events
+    from megaq.runtime.profiling import (gap_lines, idle_by_launcher, idle_gaps, trace_busy,
+                                         trace_events)
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -455,6 +456,8 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
               f"({busy['before_first_kernel_us'] / 1e3:.1f} ms of the two steps before the "
               f"first kernel); the largest gaps:")
         print("\n".join(gap_lines(idle_gaps(events))), flush=True)
+        print("  summed by the op that launched the kernel after each gap:\n"
+              + "\n".join(idle_by_launcher(events)), flush=True)
     # two tables: by total GPU time (an op with its kernels), and by self GPU time (each
     # kernel and op once: what the step's time is spent on)
     paths = []
