@@ -319,6 +319,7 @@ def test_idle_gaps_name_what_the_device_waited_for():
         # a sync on the host from 90 to 100, then add launched at 96-100 and run at 102:
         # 12 us idle, blocked by the sync
         call("cudaStreamSynchronize", 90, 10), call("cudaLaunchKernel", 96, 4, corr=11),
+        call("cudaMemcpyAsync", 91, 2), call("cudaStreamWaitEvent", 93, 1),  # neither blocks
         kernel("add_kernel", 102, 10, 11, 2),
         # mul launched long before (at 111) but starts at 160: a dependency, 48 us
         call("cudaLaunchKernel", 111, 3, corr=12), kernel("mul_kernel", 160, 10, 12, 3),

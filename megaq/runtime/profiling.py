@@ -120,9 +120,14 @@ class StepProfiler:
 
 
 # host calls that make the host wait for the device (or for the driver): a gap in which
-# one of these ran was the host's wait, not its launch rate
-BLOCKING_CALLS = ("Synchronize", "cudaMemcpy", "cudaFree", "cudaMalloc", "cudaHostAlloc",
-                  "cudaStreamWaitEvent")
+# one of these ran was the host's wait, not its launch rate. By exact name, besides every
+# *Synchronize: cudaMemcpyAsync and cudaStreamWaitEvent return at once, cudaMemcpy and
+# cudaFree wait for the device
+BLOCKING_CALLS = ("cudaMemcpy", "cudaFree", "cudaMalloc", "cudaHostAlloc", "cudaFreeHost")
+
+
+def _blocking(name: str) -> bool:
+    return name in BLOCKING_CALLS or name.endswith("Synchronize")
 
 
 def idle_gaps(events, top: int | None = 8, min_gap_us: float = 20.0) -> list[dict]:
@@ -140,7 +145,7 @@ def idle_gaps(events, top: int | None = 8, min_gap_us: float = 20.0) -> list[dic
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     blocking = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e
-                and any(b in e["name"] for b in BLOCKING_CALLS)]
+                and _blocking(e["name"])]
     gaps, cursor, last = [], None, None
     for e in device:
         if cursor is not None and e["ts"] - cursor >= min_gap_us:
