@@ -335,17 +335,17 @@ def test_idle_gaps_name_what_the_device_waited_for():
     lines = gap_lines(gaps)
     assert "dependency" in lines[0] and "host launch" in lines[1]
     assert "cudaStreamSynchronize" in lines[2] and lines[2].startswith("  idle 0.01 ms: after gemm")
-    # the smaller gaps are cut by min_gap_us and top
-    assert len(idle_gaps(events, min_gap_us=20)) == 2 and len(idle_gaps(events, top=1)) == 1
+    # the smaller gaps are cut by min_gap_us (2 us by default keeps all three)
+    assert len(idle_gaps(events, min_gap_us=20)) == 2 and len(idle_gaps(events)) == 3
     # summed by launching op: aten::mul's kernels ended two gaps, one a dependency, one late
-    assert idle_by_launcher(events, min_gap_us=10) == [
+    assert idle_by_launcher(gaps) == [
         "  idle 0.05 ms in 1 gaps before kernels launched by aten::mul (dependency)",
         "  idle 0.03 ms in 1 gaps before kernels launched by aten::mul (host launch)",
         "  idle 0.01 ms in 1 gaps before kernels launched by aten::add (cudaStreamSynchronize)"]
-    assert idle_by_launcher(events, top=1, min_gap_us=10)[0].startswith("  idle 0.05 ms in 1 gaps")
+    assert idle_by_launcher(gaps, top=1)[0].startswith("  idle 0.05 ms in 1 gaps")
     # a second dependency gap before an aten::mul kernel (25 us) adds to the first (48)
     more = events + [call("cudaLaunchKernel", 206, 3, corr=14), kernel("mul_kernel", 230, 5, 14, 3)]
-    assert idle_by_launcher(more, top=1, min_gap_us=10) == [
+    assert idle_by_launcher(idle_gaps(more, min_gap_us=10), top=1) == [
         "  idle 0.07 ms in 2 gaps before kernels launched by aten::mul (dependency)"]
     # the window's summary counts the 50 us before the first kernel as idle too
     assert trace_busy(events) == {"busy_us": 65, "idle_us": 140, "busy_fraction": 65 / 205,

@@ -27,22 +27,31 @@ import torch
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def _busy_spans(events) -> list[list]:
+    """The union of events' [ts, ts + dur] intervals (several streams' kernels overlap),
+    in time order: [start, end, the event that began it, the event that ends it] each."""
+    spans: list[list] = []
+    for e in sorted(events, key=lambda e: e["ts"]):
+        lo, hi = e["ts"], e["ts"] + e["dur"]
+        if spans and lo <= spans[-1][1]:
+            if hi > spans[-1][1]:
+                spans[-1][1], spans[-1][3] = hi, e
+        else:
+            spans.append([lo, hi, e, e])
+    return spans
+
+
 def device_busy(events, start_us: float, end_us: float):
     """(busy us, idle gaps in us) of the device between start_us and end_us, from Chrome
     trace events with "ts" and "dur" (microseconds): the union of their intervals, so
     kernels on several streams that overlap count once."""
-    spans = sorted((max(e["ts"], start_us), min(e["ts"] + e["dur"], end_us))
-                   for e in events if e["ts"] < end_us and e["ts"] + e["dur"] > start_us)
-    busy, gaps, cursor = 0.0, [], start_us
-    for lo, hi in spans:
-        if lo > cursor:
-            gaps.append(lo - cursor)
-        if hi > cursor:
-            busy += hi - max(lo, cursor)
-            cursor = hi
-    if end_us > cursor:
-        gaps.append(end_us - cursor)
-    return busy, gaps
+    clipped = [{"ts": max(e["ts"], start_us), "dur": min(e["ts"] + e["dur"], end_us)
+                - max(e["ts"], start_us)}
+               for e in events if e["ts"] < end_us and e["ts"] + e["dur"] > start_us]
+    spans = _busy_spans(clipped)
+    edges = [start_us] + [x for lo, hi, _, _ in spans for x in (lo, hi)] + [end_us]
+    gaps = [hi - lo for lo, hi in zip(edges[::2], edges[1::2]) if hi > lo]
+    return sum(hi - lo for lo, hi, _, _ in spans), gaps
 
 
 class StepProfiler:
@@ -100,10 +109,10 @@ class StepProfiler:
               flush=True)
         events = trace_events(path)
         print(self.summary_line(events, path, wall_us, iterations), flush=True)
-        gaps = idle_gaps(events, top=5)
+        gaps = idle_gaps(events)
         if gaps:
-            print("largest idle gaps:\n" + "\n".join(gap_lines(gaps)), flush=True)
-            print("idle by launching op:\n" + "\n".join(idle_by_launcher(events)), flush=True)
+            print("largest idle gaps:\n" + "\n".join(gap_lines(gaps[:5])), flush=True)
+            print("idle by launching op:\n" + "\n".join(idle_by_launcher(gaps)), flush=True)
 
     def summary_line(self, events: list[dict], trace_path: str, wall_us: float,
                      iterations: int) -> str:
@@ -130,38 +139,35 @@ def _blocking(name: str) -> bool:
     return name in BLOCKING_CALLS or name.endswith("Synchronize")
 
 
-def idle_gaps(events, top: int | None = 8, min_gap_us: float = 20.0) -> list[dict]:
-    """The device's largest idle gaps in a Chrome trace's events, between its first and its
-    last device event (a window's start, an idle device waiting for the first launch, is
-    left out), each with what ended before it, what started after it, the host op that
-    launched the latter (the kernel's "External id") and the blocking host calls that ran
-    during it. `host_bound`: the kernel after the gap was launched less than 5 us before it
-    started, so the device was waiting for the host to launch it, not for a dependency.
-    `top` None: every gap of at least `min_gap_us`."""
-    device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e),
-                    key=lambda e: e["ts"])
+def idle_gaps(events, min_gap_us: float = 2.0) -> list[dict]:
+    """The device's idle gaps in a Chrome trace's events, largest first, between its first
+    and its last device event (a window's start, an idle device waiting for the first
+    launch, is left out), each with what ended before it, what started after it, the host
+    op that launched the latter (the kernel's "External id") and the blocking host calls
+    that ran during it. `host_bound`: the kernel after the gap was launched less than 5 us
+    before it started, so the device was waiting for the host to launch it, not for a
+    dependency."""
+    device = _device_events(events)
     ops = {e["args"]["External id"]: e["name"] for e in events
            if e.get("cat") in ("cpu_op", "user_annotation") and "External id" in e.get("args", {})}
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     blocking = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e
                 and _blocking(e["name"])]
-    gaps, cursor, last = [], None, None
-    for e in device:
-        if cursor is not None and e["ts"] - cursor >= min_gap_us:
-            launch = launches.get(e.get("args", {}).get("correlation"))
-            launch_end = launch["ts"] + launch["dur"] if launch else None
-            gaps.append({
-                "start_us": cursor, "idle_us": e["ts"] - cursor,
-                "before": last["name"], "after": e["name"],
-                "launched_by": ops.get(e.get("args", {}).get("External id"), "?"),
-                "host_bound": launch_end is not None and e["ts"] - launch_end < 5.0,
-                "blocking_calls": sorted({b["name"] for b in blocking
-                                          if b["ts"] < e["ts"] and b["ts"] + b["dur"] > cursor})})
-        end = e["ts"] + e["dur"]
-        if cursor is None or end > cursor:
-            cursor, last = end, e
-    return sorted(gaps, key=lambda g: -g["idle_us"])[:top]
+    spans = _busy_spans(device)
+    gaps = []
+    for (_, end, _, before), (start, _, after, _) in zip(spans, spans[1:]):
+        if start - end < min_gap_us:
+            continue
+        args = after.get("args", {})
+        launch = launches.get(args.get("correlation"))
+        gaps.append({
+            "start_us": end, "idle_us": start - end, "before": before["name"],
+            "after": after["name"], "launched_by": ops.get(args.get("External id"), "?"),
+            "host_bound": launch is not None and start - (launch["ts"] + launch["dur"]) < 5.0,
+            "blocking_calls": sorted({b["name"] for b in blocking
+                                      if b["ts"] < start and b["ts"] + b["dur"] > end})})
+    return sorted(gaps, key=lambda g: -g["idle_us"])
 
 
 def _why(gap: dict) -> str:
@@ -174,12 +180,12 @@ def gap_lines(gaps: list[dict]) -> list[str]:
             f"{g['after'][:60]} (launched by {g['launched_by'][:50]}; {_why(g)})" for g in gaps]
 
 
-def idle_by_launcher(events, top: int = 5, min_gap_us: float = 2.0) -> list[str]:
-    """The idle time summed by the host op that launched the kernel after each gap, and
-    why it waited, largest first: many short gaps (a host that only just keeps ahead)
-    add up to what no single gap shows."""
+def idle_by_launcher(gaps: list[dict], top: int = 5) -> list[str]:
+    """Lines of the idle time of `gaps` (idle_gaps' dicts) summed by the host op that
+    launched the kernel after each gap, and why it waited, largest first: many short gaps
+    (a host that only just keeps ahead) add up to what no single gap shows."""
     total: dict = {}
-    for g in idle_gaps(events, top=None, min_gap_us=min_gap_us):
+    for g in gaps:
         key = (g["launched_by"], _why(g))
         us, n = total.get(key, (0.0, 0))
         total[key] = (us + g["idle_us"], n + 1)
@@ -193,7 +199,7 @@ def trace_busy(events: list[dict]) -> dict | None:
     host event to the last event's end): busy and idle microseconds, the idle gaps' count
     and largest, and how long the window ran before the first kernel. None when the trace
     has no device events (a CPU run)."""
-    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    device = _device_events(events)
     host = [e for e in events if e.get("ph") == "X" and "dur" in e
             and e.get("cat") not in DEVICE_CATEGORIES]
     if not device or not host:
@@ -205,6 +211,10 @@ def trace_busy(events: list[dict]) -> dict | None:
             "gaps": len(gaps), "largest_gap_us": max(gaps, default=0.0),
             # the window's start: the host's first op until the device's first kernel
             "before_first_kernel_us": min(e["ts"] for e in device) - start}
+
+
+def _device_events(events) -> list[dict]:
+    return [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
 
 
 def trace_events(trace_path: str) -> list[dict]:

@@ -455,9 +455,10 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
               f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms "
               f"({busy['before_first_kernel_us'] / 1e3:.1f} ms of the two steps before the "
               f"first kernel); the largest gaps:")
-        print("\n".join(gap_lines(idle_gaps(events))), flush=True)
+        gaps = idle_gaps(events)
+        print("\n".join(gap_lines(gaps[:8])), flush=True)
         print("  summed by the op that launched the kernel after each gap:\n"
-              + "\n".join(idle_by_launcher(events)), flush=True)
+              + "\n".join(idle_by_launcher(gaps)), flush=True)
     # two tables: by total GPU time (an op with its kernels), and by self GPU time (each
     # kernel and op once: what the step's time is spent on)
     paths = []
