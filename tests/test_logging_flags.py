@@ -349,4 +349,12 @@ def test_idle_gaps_name_what_the_device_waited_for():
         "  idle 0.07 ms in 2 gaps before kernels launched by aten::mul (dependency)"]
     # the window's summary counts the 50 us before the first kernel as idle too
     assert trace_busy(events) == {"busy_us": 65, "idle_us": 140, "busy_fraction": 65 / 205,
-                                  "gaps": 4, "largest_gap_us": 50, "before_first_kernel_us": 50}
+                                  "gaps": 4, "largest_gap_us": 50, "small_gaps": 0,
+                                  "small_gaps_us": 0, "before_first_kernel_us": 50}
+    # gaps under 2 us (kernels back to back, the host far ahead) are summed apart: none of
+    # them is a gap idle_gaps lists
+    tight = [events[0], kernel("a", 0, 10, 20, 1), kernel("b", 10.5, 9.5, 21, 1),
+             kernel("c", 21.5, 8.5, 22, 1), kernel("d", 50, 10, 23, 1)]
+    busy = trace_busy(tight)
+    assert (busy["small_gaps"], busy["small_gaps_us"], busy["idle_us"]) == (2, 2.0, 22.0)
+    assert [g["idle_us"] for g in idle_gaps(tight)] == [20]

@@ -124,7 +124,9 @@ class StepProfiler:
         n = iterations
         return (f"{head}, device busy {busy['busy_us'] / 1e3 / n:.1f} ms "
                 f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 1e3 / n:.1f} ms "
-                f"in {busy['gaps'] / n:.0f} gaps (largest {busy['largest_gap_us'] / 1e3:.1f} ms); "
+                f"in {busy['gaps'] / n:.0f} gaps (largest {busy['largest_gap_us'] / 1e3:.1f} ms; "
+                f"{busy['small_gaps_us'] / 1e3 / n:.1f} ms in {busy['small_gaps'] / n:.0f} under "
+                f"{SMALL_GAP_US:g} us); "
                 f"trace {trace_path}")
 
 
@@ -139,7 +141,12 @@ def _blocking(name: str) -> bool:
     return name in BLOCKING_CALLS or name.endswith("Synchronize")
 
 
-def idle_gaps(events, min_gap_us: float = 2.0) -> list[dict]:
+# a gap shorter than this is the device's own time between two kernels (a launch that
+# came late leaves more): idle_gaps lists only longer ones, trace_busy sums the shorter
+SMALL_GAP_US = 2.0
+
+
+def idle_gaps(events, min_gap_us: float = SMALL_GAP_US) -> list[dict]:
     """The device's idle gaps in a Chrome trace's events, largest first, between its first
     and its last device event (a window's start, an idle device waiting for the first
     launch, is left out), each with what ended before it, what started after it, the host
@@ -197,8 +204,10 @@ def idle_by_launcher(gaps: list[dict], top: int = 5) -> list[str]:
 def trace_busy(events: list[dict]) -> dict | None:
     """How busy the device was over a Chrome trace's window (its events, from the first
     host event to the last event's end): busy and idle microseconds, the idle gaps' count
-    and largest, and how long the window ran before the first kernel. None when the trace
-    has no device events (a CPU run)."""
+    and largest, how long the window ran before the first kernel, and how much of the idle
+    time lies in gaps shorter than SMALL_GAP_US (a step of many small kernels pays those
+    even while the host keeps far ahead). None when the trace has no device events (a CPU
+    run)."""
     device = _device_events(events)
     host = [e for e in events if e.get("ph") == "X" and "dur" in e
             and e.get("cat") not in DEVICE_CATEGORIES]
@@ -207,8 +216,10 @@ def trace_busy(events: list[dict]) -> dict | None:
     start = min(e["ts"] for e in host)
     end = max(e["ts"] + e["dur"] for e in host + device)
     busy, gaps = device_busy(device, start, end)
+    small = [g for g in gaps if g < SMALL_GAP_US]
     return {"busy_us": busy, "idle_us": end - start - busy, "busy_fraction": busy / (end - start),
             "gaps": len(gaps), "largest_gap_us": max(gaps, default=0.0),
+            "small_gaps": len(small), "small_gaps_us": sum(small),
             # the window's start: the host's first op until the device's first kernel
             "before_first_kernel_us": min(e["ts"] for e in device) - start}
 

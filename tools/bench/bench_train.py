@@ -437,8 +437,8 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     (profile_SIZE_VARIANT.txt by total, profile_SIZE_VARIANT_self.txt by self time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megaq.runtime.profiling import (gap_lines, idle_by_launcher, idle_gaps, trace_busy,
-                                         trace_events)
+    from megaq.runtime.profiling import (SMALL_GAP_US, gap_lines, idle_by_launcher, idle_gaps,
+                                         trace_busy, trace_events)
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -454,7 +454,8 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
         print(f"profile {size} {variant}: device busy {busy['busy_us'] / 2e3:.1f} ms per step "
               f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms "
               f"({busy['before_first_kernel_us'] / 1e3:.1f} ms of the two steps before the "
-              f"first kernel); the largest gaps:")
+              f"first kernel; {busy['small_gaps_us'] / 2e3:.1f} ms per step in "
+              f"{busy['small_gaps'] / 2:.0f} gaps under {SMALL_GAP_US:g} us); the largest gaps:")
         gaps = idle_gaps(events)
         print("\n".join(gap_lines(gaps[:8])), flush=True)
         print("  summed by the op that launched the kernel after each gap:\n"
