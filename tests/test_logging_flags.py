@@ -301,7 +301,8 @@ def test_idle_gaps_name_what_the_device_waited_for():
     """The largest gaps between device events, largest first: the kernels around each, the
     host op that launched the one after, and whether the host was blocked (a sync ran in
     the gap) or launching it late (host-bound); the window's start is not a gap."""
-    from megaq.runtime.profiling import gap_lines, idle_by_launcher, idle_gaps, trace_busy
+    from megaq.runtime.profiling import (device_time_by, gap_lines, idle_by_launcher, idle_gaps,
+                                         trace_busy)
 
     def kernel(name, ts, dur, corr, ext):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
@@ -355,6 +356,8 @@ def test_idle_gaps_name_what_the_device_waited_for():
     # them is a gap idle_gaps lists
     tight = [events[0], kernel("a", 0, 10, 20, 1), kernel("b", 10.5, 9.5, 21, 1),
              kernel("c", 21.5, 8.5, 22, 1), kernel("d", 50, 10, 23, 1)]
+    # device time by kind: the kernels once each (the host ops that launched them not at all)
+    assert device_time_by(events, lambda n: "mm" if n == "gemm" else "rest") == {"mm": 40, "rest": 25}
     busy = trace_busy(tight)
     assert (busy["small_gaps"], busy["small_gaps_us"], busy["idle_us"]) == (2, 2.0, 22.0)
     assert [g["idle_us"] for g in idle_gaps(tight)] == [20]

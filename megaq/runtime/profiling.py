@@ -224,6 +224,17 @@ def trace_busy(events: list[dict]) -> dict | None:
             "before_first_kernel_us": min(e["ts"] for e in device) - start}
 
 
+def device_time_by(events: list[dict], key) -> dict[str, float]:
+    """Device microseconds of a Chrome trace's events (kernels, copies, memsets), summed by
+    ``key(name)``. From the trace, not the profiler's key_averages: those also give the op
+    that launched a kernel that kernel's time as its own "self" device time, so a sum over
+    their rows counts it twice."""
+    out: dict[str, float] = {}
+    for e in _device_events(events):
+        out[key(e["name"])] = out.get(key(e["name"]), 0.0) + e["dur"]
+    return out
+
+
 def _device_events(events) -> list[dict]:
     return [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
 

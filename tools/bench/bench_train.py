@@ -401,9 +401,9 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
     if graph_breaks:
         print(f"WARNING {size} {variant}: {graph_breaks} graph breaks "
               f"{dict(torch._dynamo.utils.counters['graph_break'])}", flush=True)
-    profile = None
+    profile = busy = None
     if profile_dir is not None:
-        profile = profile_steps(size, variant, fwd_bwd, opt_step, batches, profile_dir)
+        profile, busy = profile_steps(size, variant, fwd_bwd, opt_step, batches, profile_dir)
     step_ms = sorted(e[0].elapsed_time(e[2]) for e in ev)[steps // 2]
     fb_ms = sorted(e[0].elapsed_time(e[1]) for e in ev)[steps // 2]
     opt_ms = sorted(e[1].elapsed_time(e[2]) for e in ev)[steps // 2]
@@ -427,6 +427,8 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
                                       if g is not None)
     if profile:
         res["profile_ms_per_step_by_kind"] = profile
+    if busy:
+        res["profile_device_per_step"] = busy
     del keep, fwd_bwd, opt_step, batches, losses
     free_gpu()
     return res
@@ -437,8 +439,8 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     (profile_SIZE_VARIANT.txt by total, profile_SIZE_VARIANT_self.txt by self time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megaq.runtime.profiling import (SMALL_GAP_US, gap_lines, idle_by_launcher, idle_gaps,
-                                         trace_busy, trace_events)
+    from megaq.runtime.profiling import (SMALL_GAP_US, device_time_by, gap_lines,
+                                         idle_by_launcher, idle_gaps, trace_busy, trace_events)
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -470,13 +472,16 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
         with open(paths[-1] + ".tmp", "w") as f:
             f.write(table)
         os.replace(paths[-1] + ".tmp", paths[-1])
-    cats = {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
-        cats[kernel_category(evt.key)] = cats.get(kernel_category(evt.key), 0.0) + us / 2e3  # ms/step
+    cats = {k: us / 2e3 for k, us in device_time_by(events, kernel_category).items()}  # ms/step
     summary = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1]))
     print(f"profile {size} {variant} -> {', '.join(paths)}\n  GPU ms per step by kind: {summary}")
-    return cats
+    # the results file keeps the busy summary (the printed lines may be lost): per step,
+    # but the wait for the first kernel, once in the two steps' window
+    device = None if busy is None else {
+        "busy_ms": busy["busy_us"] / 2e3, "idle_ms": busy["idle_us"] / 2e3,
+        "small_gaps_ms": busy["small_gaps_us"] / 2e3, "small_gaps": busy["small_gaps"] / 2,
+        "before_first_kernel_ms": busy["before_first_kernel_us"] / 1e3}
+    return cats, device
 
 
 def kernel_category(name: str) -> str:
