@@ -231,7 +231,8 @@ def device_time_by(events: list[dict], key) -> dict[str, float]:
     their rows counts it twice."""
     out: dict[str, float] = {}
     for e in _device_events(events):
-        out[key(e["name"])] = out.get(key(e["name"]), 0.0) + e["dur"]
+        k = key(e["name"])
+        out[k] = out.get(k, 0.0) + e["dur"]
     return out
 
 
