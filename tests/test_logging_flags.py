@@ -300,9 +300,11 @@ def test_profile_window_must_be_ordered(tmp_path):
 def test_idle_gaps_name_what_the_device_waited_for():
     """The largest gaps between device events, largest first: the kernels around each, the
     host op that launched the one after, and whether the host was blocked (a sync ran in
-    the gap) or launching it late (host-bound); the window's start is not a gap."""
-    from megaq.runtime.profiling import (device_time_by, gap_lines, idle_by_launcher, idle_gaps,
-                                         trace_busy)
+    the gap) or launching it late (host-bound); the window's start is not a gap. The
+    window's summary sums gaps under 2 us apart, and device time by kind counts each
+    kernel once."""
+    from megaq.runtime.profiling import (device_time_by, gap_lines, gap_report, idle_by_launcher,
+                                         idle_gaps, trace_busy)
 
     def kernel(name, ts, dur, corr, ext):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
@@ -344,6 +346,10 @@ def test_idle_gaps_name_what_the_device_waited_for():
         "  idle 0.03 ms in 1 gaps before kernels launched by aten::mul (host launch)",
         "  idle 0.01 ms in 1 gaps before kernels launched by aten::add (cudaStreamSynchronize)"]
     assert idle_by_launcher(gaps, top=1)[0].startswith("  idle 0.05 ms in 1 gaps")
+    # what --profile prints: the top gaps, then the sums
+    assert gap_report(gaps, top=1) == (["largest idle gaps:", lines[0], "idle by launching op:"]
+                                       + idle_by_launcher(gaps))
+    assert gap_report([], top=5) == []
     # a second dependency gap before an aten::mul kernel (25 us) adds to the first (48)
     more = events + [call("cudaLaunchKernel", 206, 3, corr=14), kernel("mul_kernel", 230, 5, 14, 3)]
     assert idle_by_launcher(idle_gaps(more, min_gap_us=10), top=1) == [

@@ -4,15 +4,16 @@ With --use-pytorch-profiler the window runs under torch.profiler and leaves a Ch
 Perfetto trace (rank<r>.trace.json) in the profile directory, prints the kernels that
 took the most device time, and one line that says how busy the device was:
 
-    profile: rank 0, iterations 11-12: 271.9 ms per iteration, device busy 255.0 ms (93.8%),
-    idle 16.9 ms in 41 gaps (largest 6.1 ms)
+    profile: rank 0, iterations 11-12: T ms per iteration, device busy B ms (P%),
+    idle I ms in N gaps (largest G ms; S ms in M under 2 us)
 
 The idle time is what the host costs the step (a host sync, data loading, kernel
-launches the device waits for); the largest gaps follow, each with the kernels around
-it and the host op that launched the next (:func:`idle_gaps`), and the idle time summed
-by that op (:func:`idle_by_launcher`). Without
---use-pytorch-profiler the window is marked for Nsight Systems (cudaProfilerStart / Stop:
-`nsys profile --capture-range=cudaProfilerApi`), as Megatron-LM does.
+launches the device waits for) and what the device spends between kernels (the gaps
+under 2 us, paid per kernel even while the host is far ahead); the largest gaps follow,
+each with the kernels around it and the host op that launched the next
+(:func:`idle_gaps`), and the idle time summed by that op (:func:`idle_by_launcher`),
+both by :func:`gap_report`. Without --use-pytorch-profiler the window is marked for
+Nsight Systems (cudaProfilerStart / Stop: `nsys profile --capture-range=cudaProfilerApi`), as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -109,10 +110,9 @@ class StepProfiler:
               flush=True)
         events = trace_events(path)
         print(self.summary_line(events, path, wall_us, iterations), flush=True)
-        gaps = idle_gaps(events)
-        if gaps:
-            print("largest idle gaps:\n" + "\n".join(gap_lines(gaps[:5])), flush=True)
-            print("idle by launching op:\n" + "\n".join(idle_by_launcher(gaps)), flush=True)
+        report = gap_report(idle_gaps(events), top=5)
+        if report:
+            print("\n".join(report), flush=True)
 
     def summary_line(self, events: list[dict], trace_path: str, wall_us: float,
                      iterations: int) -> str:
@@ -199,6 +199,16 @@ def idle_by_launcher(gaps: list[dict], top: int = 5) -> list[str]:
     rows = sorted(total.items(), key=lambda kv: -kv[1][0])[:top]
     return [f"  idle {us / 1e3:.2f} ms in {n} gaps before kernels launched by {op[:50]} ({why})"
             for (op, why), (us, n) in rows]
+
+
+def gap_report(gaps: list[dict], top: int) -> list[str]:
+    """The lines --profile and bench_train.py --profile print after the busy summary: the
+    `top` largest of `gaps` (idle_gaps' dicts, largest first), then the idle time summed by
+    launching op. Empty without gaps."""
+    if not gaps:
+        return []
+    return (["largest idle gaps:"] + gap_lines(gaps[:top])
+            + ["idle by launching op:"] + idle_by_launcher(gaps))
 
 
 def trace_busy(events: list[dict]) -> dict | None:

@@ -439,8 +439,8 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     (profile_SIZE_VARIANT.txt by total, profile_SIZE_VARIANT_self.txt by self time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megaq.runtime.profiling import (SMALL_GAP_US, device_time_by, gap_lines,
-                                         idle_by_launcher, idle_gaps, trace_busy, trace_events)
+    from megaq.runtime.profiling import (SMALL_GAP_US, device_time_by, gap_report, idle_gaps,
+                                         trace_busy, trace_events)
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -457,13 +457,11 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
               f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms "
               f"({busy['before_first_kernel_us'] / 1e3:.1f} ms of the two steps before the "
               f"first kernel; {busy['small_gaps_us'] / 2e3:.1f} ms per step in "
-              f"{busy['small_gaps'] / 2:.0f} gaps under {SMALL_GAP_US:g} us); the largest gaps:")
-        gaps = idle_gaps(events)
-        print("\n".join(gap_lines(gaps[:8])), flush=True)
-        print("  summed by the op that launched the kernel after each gap:\n"
-              + "\n".join(idle_by_launcher(gaps)), flush=True)
+              f"{busy['small_gaps'] / 2:.0f} gaps under {SMALL_GAP_US:g} us)")
+        print("\n".join(gap_report(idle_gaps(events), top=8)), flush=True)
     # two tables: by total GPU time (an op with its kernels), and by self GPU time (each
-    # kernel and op once: what the step's time is spent on)
+    # kernel, and each op with the kernels it launched itself: rows overlap, so the kinds
+    # below are summed from the trace instead)
     paths = []
     for suffix, sort_by, rows, width in (("", "cuda_time_total", 40, 90),
                                          ("_self", "self_cuda_time_total", 60, 110)):
