@@ -13,7 +13,8 @@ under 2 us, paid per kernel even while the host is far ahead); the largest gaps 
 each with the kernels around it and the host op that launched the next
 (:func:`idle_gaps`), and the idle time summed by that op (:func:`idle_by_launcher`),
 both by :func:`gap_report`. Without --use-pytorch-profiler the window is marked for
-Nsight Systems (cudaProfilerStart / Stop: `nsys profile --capture-range=cudaProfilerApi`), as Megatron-LM does.
+Nsight Systems (cudaProfilerStart / Stop: `nsys profile --capture-range=cudaProfilerApi`),
+as Megatron-LM does.
 """
 
 from __future__ import annotations
