@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import signal
 import subprocess
 import sys
 
@@ -97,6 +98,20 @@ def test_bad_input_one_line_no_output(tmp_path, capsys, tiny_tokenizer, case):
         assert os.listdir(out) == []  # no partial output, not even temp files
 
 
+def _python_in_own_session(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -c code` in a session of its own; past `timeout`, SIGKILL (which no handler
+    catches) to the whole session, so a hung pool's workers do not outlive the test."""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hung for {timeout} s: {err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def test_workers_end_under_a_callers_sigterm_handler(tmp_path, tiny_tokenizer):
     """A caller's SIGTERM handler that does not exit (a training loop's, say) is inherited
     by the pool's forked workers; the pool must still end them when the input is bad.
@@ -110,9 +125,30 @@ def test_workers_end_under_a_callers_sigterm_handler(tmp_path, tiny_tokenizer):
     code = ("import signal, sys; signal.signal(signal.SIGTERM, lambda *a: None); "
             "from megaq.cli.preprocess_data import main; from megaq.data.errors import run_cli; "
             f"sys.exit(max(run_cli(main, {argv!r}) for _ in range(30)))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)  # kills with SIGKILL, which no handler catches
+    r = _python_in_own_session(code, timeout=120)
     assert r.returncode == 2 and r.stderr.count("missing json key 'text'") == 30, r.stderr[-2000:]
+
+
+def test_pool_ended_at_once_ends_under_a_callers_sigterm_handler(tiny_corpus, tiny_tokenizer):
+    """The window the test above reaches only under load, held open: each worker sleeps
+    0.3 s before its initializer (which installs its own handlers), and the pool is
+    terminated at once, so every SIGTERM lands while the workers still have the caller's
+    handler, one that does not exit. terminate() must end them all the same (the signal
+    blocked until the initializer, preprocess._start_pool). Without that mask every run
+    hangs; the parent is killed at 60 s."""
+    src, _ = tiny_corpus
+    enc = (src, ["text"], "SentencePieceTokenizer", tiny_tokenizer, False, None, None, None)
+    code = ("import multiprocessing as mp, signal, time; signal.signal(signal.SIGTERM, lambda *a: None)\n"
+            "from megaq.data import preprocess\n"
+            "init = preprocess._init_worker\n"
+            "preprocess._init_worker = lambda args: (time.sleep(0.3), init(args))\n"
+            "for _ in range(3):\n"
+            f"    pool = preprocess._start_pool(mp.get_context('fork'), 2, {enc!r})\n"
+            "    pool.terminate()\n"
+            "    pool.join()\n"
+            "print('ended')\n")
+    r = _python_in_own_session(code, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ended", r.stderr[-2000:]
 
 
 def test_bad_tokenizer_and_dtype(tmp_path, capsys, tiny_corpus, tiny_tokenizer):
