@@ -3,7 +3,7 @@
 # - uses the active virtualenv, or creates/activates .venv in the repo root;
 # - installs torch==2.13.0 (CPU build) only when no torch is importable: a user's
 #   CUDA torch is never replaced;
-# - installs triton, sentencepiece, numpy, pytest, tqdm, matplotlib, setuptools (with
+# - installs triton, sentencepiece, numpy, pytest, pytest-xdist, tqdm, matplotlib, setuptools (with
 #   bdist_wheel: tests/test_install.py builds a wheel offline), pyflakes==4.1.0 (the lint
 #   step of .ci/run) and megaq itself (editable);
 # - MEGAQ_TEST_EXTRAS: more pip requirements to install (.ci/run passes pyproject.toml's
@@ -26,7 +26,8 @@ fi
 missing=$($PY - <<'PYEOF'
 import importlib.util as u
 need = {"triton": "triton", "sentencepiece": "sentencepiece", "numpy": "numpy",
-        "pytest": "pytest", "tqdm": "tqdm", "matplotlib": "matplotlib",
+        "pytest": "pytest", "xdist": "pytest-xdist==3.8.0",  # test.sh's two workers
+        "tqdm": "tqdm", "matplotlib": "matplotlib",
         "setuptools": "setuptools",  # the editable install below (3.12+ venvs lack it)
         "pyflakes": "pyflakes==4.1.0"}  # the lint step of .ci/run
 absent = {m for m in need if u.find_spec(m) is None}  # module names
