@@ -33,6 +33,9 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
   megaq-s0-cdt-comp, megaq-fp8dl-cdt-comp  megaq-s0-comp / megaq-fp8dl-comp with inductor's
                   coordinate-descent tuning of its own Triton kernels (block sizes tried per
                   kernel at compile time): an A/B of that setting
+  megaq-s0-cg-comp, megaq-s3-cg-comp, megaq-fp8dl-cg-comp  megaq-s0-comp / megaq-s3-comp /
+                  megaq-fp8dl-comp with each compiled block replayed as CUDA graphs
+                  (inductor's triton.cudagraphs): an A/B of that setting
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -83,7 +86,7 @@ VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp
             "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp", "megaq-fp8dl-comp",
             "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp",
             "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp", "megaq-fp8dl-nse-comp",
-            "megaq-s0-cdt-comp", "megaq-fp8dl-cdt-comp"]
+            "megaq-s0-cdt-comp", "megaq-fp8dl-cdt-comp", "megaq-s0-cg-comp", "megaq-fp8dl-cg-comp", "megaq-s3-cg-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -366,12 +369,17 @@ def inductor_swiglu_backward(on: bool):
         fused_swiglu.use_triton = kept
 
 
-def inductor_tuning(on: bool):
-    """The -cdt variants (an A/B, bench-only): inductor tunes its Triton kernels' block
-    sizes by coordinate descent while their blocks compile (the first steps)."""
+def inductor_tuning(variant: str):
+    """Inductor settings of the bench-only A/B variants, patched while their blocks compile
+    (the first steps): -cdt, coordinate-descent tuning of its Triton kernels' block sizes;
+    -cg, each compiled block's forward and backward replayed as CUDA graphs (inductor's
+    cudagraph trees, as torch.compile's mode="reduce-overhead")."""
     import torch._inductor.config as inductor_config
 
-    return inductor_config.patch(coordinate_descent_tuning=True) if on else contextlib.nullcontext()
+    patch = {"coordinate_descent_tuning": True} if "-cdt" in variant else {}
+    if "-cg" in variant:
+        patch["triton.cudagraphs"] = True
+    return inductor_config.patch(patch) if patch else contextlib.nullcontext()
 
 
 def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw):
@@ -931,7 +939,7 @@ def main(argv=None):
             try:
                 prof_dir = (os.path.dirname(os.path.abspath(args.out or "."))
                             if f"{size}:{variant}" in args.profile else None)
-                with inductor_swiglu_backward("-isw" in variant), inductor_tuning("-cdt" in variant):
+                with inductor_swiglu_backward("-isw" in variant), inductor_tuning(variant):
                     r = time_variant(size, variant, dev, args.steps, args.warmup, prof_dir)
             except Exception as e:  # noqa: BLE001 - report the failure, keep measuring the rest
                 r = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
