@@ -26,7 +26,7 @@ fi
 missing=$($PY - <<'PYEOF'
 import importlib.util as u
 need = {"triton": "triton", "sentencepiece": "sentencepiece", "numpy": "numpy",
-        "pytest": "pytest", "xdist": "pytest-xdist==3.8.0",  # test.sh's two workers
+        "pytest": "pytest", "xdist": "pytest-xdist==3.8.0",  # test.sh's workers
         "tqdm": "tqdm", "matplotlib": "matplotlib",
         "setuptools": "setuptools",  # the editable install below (3.12+ venvs lack it)
         "pyflakes": "pyflakes==4.1.0"}  # the lint step of .ci/run
