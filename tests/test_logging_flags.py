@@ -301,14 +301,19 @@ def test_idle_gaps_name_what_the_device_waited_for():
     """The largest gaps between device events, largest first: the kernels around each, the
     host op that launched the one after, and whether the host was blocked (a sync ran in
     the gap) or launching it late (host-bound); the window's start is not a gap. The
-    window's summary sums gaps under 2 us apart, and device time by kind counts each
-    kernel once."""
+    window's summary sums gaps under 2 us apart and splits the gaps between kernels by
+    size, and device time by kind counts each kernel once."""
     from megaq.runtime.profiling import (device_time_by, gap_lines, gap_report, idle_by_launcher,
                                          idle_gaps, trace_busy)
 
     def kernel(name, ts, dur, corr, ext):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
                 "args": {"correlation": corr, "External id": ext}}
+
+    def sizes(counts, idle):  # trace_busy's gaps_by_size: [0, 1), [1, 2), [2, 10), [10, 100), [100, inf)
+        bounds = (0.0, 1.0, 2.0, 10.0, 100.0, float("inf"))
+        return [{"from_us": lo, "to_us": hi, "gaps": n, "idle_us": us}
+                for lo, hi, n, us in zip(bounds, bounds[1:], counts, idle)]
 
     def call(name, ts, dur, corr=None):
         return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur,
@@ -357,7 +362,8 @@ def test_idle_gaps_name_what_the_device_waited_for():
     # the window's summary counts the 50 us before the first kernel as idle too
     assert trace_busy(events) == {"busy_us": 65, "idle_us": 140, "busy_fraction": 65 / 205,
                                   "gaps": 4, "largest_gap_us": 50, "small_gaps": 0,
-                                  "small_gaps_us": 0, "before_first_kernel_us": 50}
+                                  "small_gaps_us": 0, "before_first_kernel_us": 50,
+                                  "gaps_by_size": sizes([0, 0, 0, 3, 0], [0, 0, 0, 90, 0])}
     # gaps under 2 us (kernels back to back, the host far ahead) are summed apart: none of
     # them is a gap idle_gaps lists
     tight = [events[0], kernel("a", 0, 10, 20, 1), kernel("b", 10.5, 9.5, 21, 1),
@@ -366,4 +372,6 @@ def test_idle_gaps_name_what_the_device_waited_for():
     assert device_time_by(events, lambda n: "mm" if n == "gemm" else "rest") == {"mm": 40, "rest": 25}
     busy = trace_busy(tight)
     assert (busy["small_gaps"], busy["small_gaps_us"], busy["idle_us"]) == (2, 2.0, 22.0)
+    # by size, only the gaps between kernels (the 50 us before the first one above is not)
+    assert busy["gaps_by_size"] == sizes([1, 1, 0, 1, 0], [0.5, 1.5, 0, 20, 0])
     assert [g["idle_us"] for g in idle_gaps(tight)] == [20]

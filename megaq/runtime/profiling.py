@@ -145,6 +145,8 @@ def _blocking(name: str) -> bool:
 # a gap shorter than this is the device's own time between two kernels (a launch that
 # came late leaves more): idle_gaps lists only longer ones, trace_busy sums the shorter
 SMALL_GAP_US = 2.0
+# trace_busy's split of the gaps between kernels by size: [0, 1), [1, 2), ... [100, inf) us
+GAP_SIZE_EDGES_US = (1.0, SMALL_GAP_US, 10.0, 100.0)
 
 
 def idle_gaps(events, min_gap_us: float = SMALL_GAP_US) -> list[dict]:
@@ -215,10 +217,10 @@ def gap_report(gaps: list[dict], top: int) -> list[str]:
 def trace_busy(events: list[dict]) -> dict | None:
     """How busy the device was over a Chrome trace's window (its events, from the first
     host event to the last event's end): busy and idle microseconds, the idle gaps' count
-    and largest, how long the window ran before the first kernel, and how much of the idle
-    time lies in gaps shorter than SMALL_GAP_US (a step of many small kernels pays those
-    even while the host keeps far ahead). None when the trace has no device events (a CPU
-    run)."""
+    and largest, how long the window ran before the first kernel, how much of the idle
+    time lies in gaps between kernels shorter than SMALL_GAP_US (a step of many small
+    kernels pays those even while the host keeps far ahead), and those gaps' count and sum
+    by size (GAP_SIZE_EDGES_US). None when the trace has no device events (a CPU run)."""
     device = _device_events(events)
     host = [e for e in events if e.get("ph") == "X" and "dur" in e
             and e.get("cat") not in DEVICE_CATEGORIES]
@@ -227,12 +229,21 @@ def trace_busy(events: list[dict]) -> dict | None:
     start = min(e["ts"] for e in host)
     end = max(e["ts"] + e["dur"] for e in host + device)
     busy, gaps = device_busy(device, start, end)
-    small = [g for g in gaps if g < SMALL_GAP_US]
+    first = min(e["ts"] for e in device)
+    last = max(e["ts"] + e["dur"] for e in device)
+    # the gaps between kernels: not the window's start nor its end (host work after them)
+    between = gaps[int(first > start):len(gaps) - int(end > last)]
+    small = [g for g in between if g < SMALL_GAP_US]
+    bounds = (0.0,) + GAP_SIZE_EDGES_US + (float("inf"),)
+    by_size = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        sel = [g for g in between if lo <= g < hi]
+        by_size.append({"from_us": lo, "to_us": hi, "gaps": len(sel), "idle_us": sum(sel)})
     return {"busy_us": busy, "idle_us": end - start - busy, "busy_fraction": busy / (end - start),
             "gaps": len(gaps), "largest_gap_us": max(gaps, default=0.0),
-            "small_gaps": len(small), "small_gaps_us": sum(small),
+            "small_gaps": len(small), "small_gaps_us": sum(small), "gaps_by_size": by_size,
             # the window's start: the host's first op until the device's first kernel
-            "before_first_kernel_us": min(e["ts"] for e in device) - start}
+            "before_first_kernel_us": first - start}
 
 
 def device_time_by(events: list[dict], key) -> dict[str, float]:

@@ -86,7 +86,8 @@ VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp
             "megaq-s3-fp8tw-comp", "megaq-s3-fp8tw-fp8g-comp", "megaq-fp8dl-comp",
             "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp",
             "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp", "megaq-fp8dl-nse-comp",
-            "megaq-s0-cdt-comp", "megaq-fp8dl-cdt-comp", "megaq-s0-cg-comp", "megaq-fp8dl-cg-comp", "megaq-s3-cg-comp"]
+            "megaq-s0-cdt-comp", "megaq-fp8dl-cdt-comp", "megaq-s0-cg-comp", "megaq-fp8dl-cg-comp",
+            "megaq-s3-cg-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -460,12 +461,26 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     prof.export_chrome_trace(trace)
     events = trace_events(trace)
     busy = trace_busy(events)
-    if busy:
-        print(f"profile {size} {variant}: device busy {busy['busy_us'] / 2e3:.1f} ms per step "
-              f"({100 * busy['busy_fraction']:.1f}%), idle {busy['idle_us'] / 2e3:.1f} ms "
-              f"({busy['before_first_kernel_us'] / 1e3:.1f} ms of the two steps before the "
-              f"first kernel; {busy['small_gaps_us'] / 2e3:.1f} ms per step in "
-              f"{busy['small_gaps'] / 2:.0f} gaps under {SMALL_GAP_US:g} us)")
+    # the results file keeps the busy summary (the printed lines may be lost): per step,
+    # but the wait for the first kernel, once in the two steps' window
+    device = None if busy is None else {
+        "busy_ms": busy["busy_us"] / 2e3, "idle_ms": busy["idle_us"] / 2e3,
+        "small_gaps_ms": busy["small_gaps_us"] / 2e3, "small_gaps": busy["small_gaps"] / 2,
+        "before_first_kernel_ms": busy["before_first_kernel_us"] / 1e3,
+        # JSON has no infinity: the last bucket's open end is null
+        "gaps_by_size": [{"from_us": b["from_us"],
+                          "to_us": None if b["to_us"] == float("inf") else b["to_us"],
+                          "gaps": b["gaps"] / 2, "idle_ms": b["idle_us"] / 2e3}
+                         for b in busy["gaps_by_size"]]}
+    if device:
+        print(f"profile {size} {variant}: device busy {device['busy_ms']:.1f} ms per step "
+              f"({100 * busy['busy_fraction']:.1f}%), idle {device['idle_ms']:.1f} ms "
+              f"({device['before_first_kernel_ms']:.1f} ms of the two steps before the "
+              f"first kernel; {device['small_gaps_ms']:.1f} ms per step in "
+              f"{device['small_gaps']:.0f} gaps under {SMALL_GAP_US:g} us)")
+        print("  gaps between kernels by size, per step: " + ", ".join(
+            f"[{b['from_us']:g}, {b['to_us'] or float('inf'):g}) us: {b['gaps']:.0f} gaps, "
+            f"{b['idle_ms']:.2f} ms" for b in device["gaps_by_size"]))
         print("\n".join(gap_report(idle_gaps(events), top=8)), flush=True)
     # two tables: by total GPU time (an op with its kernels), and by self GPU time (each
     # kernel, and each op with the kernels it launched itself: rows overlap, so the kinds
@@ -481,12 +496,6 @@ def profile_steps(size, variant, fwd_bwd, opt_step, batches, out_dir):
     cats = {k: us / 2e3 for k, us in device_time_by(events, kernel_category).items()}  # ms/step
     summary = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1]))
     print(f"profile {size} {variant} -> {', '.join(paths)}\n  GPU ms per step by kind: {summary}")
-    # the results file keeps the busy summary (the printed lines may be lost): per step,
-    # but the wait for the first kernel, once in the two steps' window
-    device = None if busy is None else {
-        "busy_ms": busy["busy_us"] / 2e3, "idle_ms": busy["idle_us"] / 2e3,
-        "small_gaps_ms": busy["small_gaps_us"] / 2e3, "small_gaps": busy["small_gaps"] / 2,
-        "before_first_kernel_ms": busy["before_first_kernel_us"] / 1e3}
     return cats, device
 
 
