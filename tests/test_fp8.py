@@ -24,6 +24,8 @@ import os
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported once before the ranks fork)
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func
 
 from megaq import pretrain
 from megaq.kernels.dispatch import register_compiled_ops
@@ -162,6 +164,53 @@ def test_scaled_mm_path_with_transposed_operands_matches_the_emulation(monkeypat
     for got in (run(True), run(True, compiled=True)):
         for a, b in zip(got, emulated):
             assert _rel(a, b) < tol
+
+
+@pytest.mark.parametrize("parallel", ["column", "row"])
+def test_compiled_backward_casts_weight_and_row_input_straight_into_the_gemm_layout(monkeypatch,
+                                                                                    parallel):
+    """Inside a compiled block on the _scaled_mm path (forced here, as above), backward
+    casts the weight, and a row-parallel layer's input, straight into the column-major
+    layout dX's and dW's GEMMs read (fp8.recast_col_major) instead of casting and then
+    copying the FP8 tensor's transpose (megaq's transpose op): one such copy per layer
+    remains (dY^T) where eager makes three, and a column-parallel layer keeps its input's
+    (the norm's output, whose recompute is a reduction). Same FP8 values in the same
+    layout, so the same bits: compiled (aot_eager) equals eager exactly."""
+    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
+    rec = FP8Recipe("hybrid", "tensorwise")
+    x, w, dy = _randn(5, 64, 32), 0.1 * _randn(6, 48, 32), _randn(7, 64, 48)
+    group = single_rank_group()
+    monkeypatch.setattr(fp8, "fp8_gemm_available", lambda device: True)
+    register_compiled_ops()
+    backward_graphs = []
+
+    def keep_backward(gm, example_inputs):
+        backward_graphs.append(gm.graph)
+        return make_boxed_func(gm.forward)
+
+    def run(compiled=False):
+        torch._dynamo.reset()
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn = lambda a, b: fp8.linear(a, b, None, rec, group, parallel)  # noqa: E731
+        if compiled:  # aot_eager, keeping the backward graph to read
+            fn = torch.compile(fn, fullgraph=True, backend=aot_autograd(
+                fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep_backward))
+        y = fn(xx, ww)
+        y.backward(dy)
+        return y.detach(), xx.grad, ww.grad
+
+    eager, compiled = run(), run(compiled=True)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    # the transpose op as a trace records it off the GPU: clone(t(an FP8 tensor))
+    t, clone = torch.ops.aten.t.default, torch.ops.aten.clone.default
+    fp8_transposes = [tuple(n.args[0].meta["val"].shape) for n in backward_graphs[-1].nodes
+                      if n.target == clone and n.args[0].target == t
+                      and n.args[0].args[0].meta["val"].dtype in (fp8.E4M3, fp8.E5M2)]
+    assert fp8_transposes == ([(48, 64), (32, 64)] if parallel == "column" else [(48, 64)])  # dY^T, X^T
+    monkeypatch.setattr(fp8, "cast_transposed_in_backward", lambda device: False)  # as before
+    run(compiled=True)
+    assert len([n for n in backward_graphs[-1].nodes if n.target == clone]) == 3  # W, X, dY
 
 
 def test_bad_fp8_settings_are_refused():

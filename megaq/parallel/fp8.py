@@ -239,6 +239,26 @@ def recast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return (scale * x.float()).clamp(-fmax, fmax).to(dtype)
 
 
+def recast_col_major(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`recast` laid out as _scaled_mm's second operand (column-major: the transpose
+    contiguous), written so in the pass that casts. For backward's operands that a compiled
+    block casts from a bf16 tensor in memory (the weight, and the input of a row-parallel
+    layer: attention's or SwiGLU's output, pointwise work in backward): inductor reads the
+    bf16 tensor in tiles and stores the FP8 copy transposed, 3 bytes an element, where a cast
+    then megaq's transpose (:func:`_col_major`) move 5. Not where inductor would fuse the
+    transposed store into a reduction (the norm's output, recomputed in backward: the
+    transpose module's docstring); not eager, where the copy would be torch's generic one."""
+    return recast(x.t(), scale, dtype).contiguous().t()
+
+
+def cast_transposed_in_backward(device: torch.device) -> bool:
+    """Whether backward casts the weight and a row-parallel input with
+    :func:`recast_col_major`: inside a compiled block, where the GEMM is torch._scaled_mm
+    (the emulation reads any layout). One place, so that the benchmark's A/B variant can
+    turn it off (tools/bench/bench_train.py, the -otr variants)."""
+    return torch.compiler.is_compiling() and fp8_gemm_available(device)
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """|x|'s max as fp32, reduced per row first: the iteration shape of the kernels that
     produce x (norms, SwiGLU, their backward), so inductor computes it in the same pass
@@ -405,8 +425,12 @@ class _FP8Linear(torch.autograd.Function):
         else:
             x_keep, x_scale, xs, w, w_scale, ws = saved
             fwd = recipe.forward_dtype
-            xq = x_keep if x_scale is None else recast(x_keep, x_scale, fwd)
-            wq = w if w_scale is None else recast(w, w_scale, fwd)
+            # the weight is read only by dX's GEMM and x only by dW's, both as the second
+            # operand: cast them in that layout where the cast is a pass of its own
+            fused_t = cast_transposed_in_backward(dy.device)
+            x_cast = recast_col_major if fused_t and not col else recast
+            xq = x_keep if x_scale is None else x_cast(x_keep, x_scale, fwd)
+            wq = w if w_scale is None else (recast_col_major if fused_t else recast)(w, w_scale, fwd)
             if dyq_t is not None:
                 dys = ctx.dy_scale.reciprocal()
             elif ctx.dy_scale is not None:
@@ -506,4 +530,4 @@ def use_fp8_weight(layer: nn.Module, weight_fp8: torch.Tensor, weight_inv: torch
 
 __all__ = ["FP8Recipe", "FP8GEMM", "linear", "quantize", "quantize_delayed", "tensor_amax",
            "AMAX_ALGOS", "scale_from_amax", "cast", "scaled_mm", "fp8_gemm_available",
-           "fp8_gemm_layers", "use_fp8_weight", "cast_weight", "FORMATS", "RECIPES"]
+           "fp8_gemm_layers", "use_fp8_weight", "cast_weight", "recast_col_major", "FORMATS", "RECIPES"]

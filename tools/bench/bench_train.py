@@ -36,6 +36,10 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
   megaq-s0-cg-comp, megaq-s3-cg-comp, megaq-fp8dl-cg-comp  megaq-s0-comp / megaq-s3-comp /
                   megaq-fp8dl-comp with each compiled block replayed as CUDA graphs
                   (inductor's triton.cudagraphs): an A/B of that setting
+  megaq-fp8dl-otr-comp  megaq-fp8dl-comp with backward casting the weight and the
+                  row-parallel inputs and then copying their transposes (megaq's transpose
+                  op), as before it cast them straight into the GEMM's layout
+                  (megaq.parallel.fp8.recast_col_major): that change's A/B
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -87,7 +91,7 @@ VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp
             "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp",
             "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp", "megaq-fp8dl-nse-comp",
             "megaq-s0-cdt-comp", "megaq-fp8dl-cdt-comp", "megaq-s0-cg-comp", "megaq-fp8dl-cg-comp",
-            "megaq-s3-cg-comp"]
+            "megaq-s3-cg-comp", "megaq-fp8dl-otr-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -353,6 +357,21 @@ def make_batches(size, dev, n=4):
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, VOCAB, (n, mb, SEQ + 1), generator=g)
     return [(d[:, :-1].contiguous().to(dev), d[:, 1:].contiguous().to(dev)) for d in data]
+
+
+@contextlib.contextmanager
+def transposes_after_cast(on: bool):
+    """The -otr variants (an A/B, bench-only): while their blocks are traced, backward casts
+    the weight and row-parallel inputs, then copies their transposes with megaq's op."""
+    from megaq.parallel import fp8
+
+    kept = fp8.cast_transposed_in_backward
+    if on:
+        fp8.cast_transposed_in_backward = lambda device: False
+    try:
+        yield
+    finally:
+        fp8.cast_transposed_in_backward = kept
 
 
 @contextlib.contextmanager
@@ -948,7 +967,8 @@ def main(argv=None):
             try:
                 prof_dir = (os.path.dirname(os.path.abspath(args.out or "."))
                             if f"{size}:{variant}" in args.profile else None)
-                with inductor_swiglu_backward("-isw" in variant), inductor_tuning(variant):
+                with inductor_swiglu_backward("-isw" in variant), inductor_tuning(variant), \
+                        transposes_after_cast("-otr" in variant):
                     r = time_variant(size, variant, dev, args.steps, args.warmup, prof_dir)
             except Exception as e:  # noqa: BLE001 - report the failure, keep measuring the rest
                 r = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
