@@ -402,6 +402,18 @@ def inductor_tuning(variant: str):
     return inductor_config.patch(patch) if patch else contextlib.nullcontext()
 
 
+def graph_steps(fwd_bwd):
+    """-cg variants: each step starts a new generation of inductor's CUDA graph trees
+    (torch.compiler.cudagraph_mark_step_begin), so a block's forward may replay while
+    the last step's graphs' outputs are dead but not yet freed by Python: without it the
+    trees leave their fast path ("pending, uninvoked backwards")."""
+    def step(ids, labels):
+        torch.compiler.cudagraph_mark_step_begin()
+        return fwd_bwd(ids, labels)
+
+    return step
+
+
 def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -409,6 +421,8 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
     t0 = time.time()
     breaks0 = sum(torch._dynamo.utils.counters["graph_break"].values())
     keep, fwd_bwd, opt_step, opt_kind = build(size, variant, dev, **build_kw)
+    if "-cg" in variant:
+        fwd_bwd = graph_steps(fwd_bwd)
     batches = make_batches(size, dev)
     for i in range(warmup):
         fwd_bwd(*batches[i % len(batches)])
