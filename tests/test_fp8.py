@@ -213,6 +213,34 @@ def test_compiled_backward_casts_weight_and_row_input_straight_into_the_gemm_lay
     assert len([n for n in backward_graphs[-1].nodes if n.target == clone]) == 3  # W, X, dY
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8.fp8_gemm_available(torch.device("cuda")),
+                    reason="needs a GPU with FP8 tensor cores (the CPU case is the test above)")
+@pytest.mark.parametrize("parallel", ["column", "row"])
+def test_inductor_casts_straight_into_the_gemm_layout_bit_for_bit_on_the_gpu(monkeypatch, parallel):
+    """The GPU path of the test above: inductor's generated kernels (the cast with its
+    transposed store) against the cast then megaq's transpose op, at a 1.3B layer's
+    shapes in bf16: the same output and gradients, bit for bit."""
+    register_compiled_ops()
+    rec, group = FP8Recipe("hybrid", "tensorwise"), single_rank_group()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = 0.02 * torch.randn(5504, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+    dy = torch.randn(4096, 5504, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    def run(fused):
+        monkeypatch.setattr(fp8, "cast_transposed_in_backward",
+                            lambda device: fused and torch.compiler.is_compiling())
+        torch._dynamo.reset()
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn = torch.compile(lambda a, b: fp8.linear(a, b, None, rec, group, parallel), fullgraph=True)
+        y = fn(xx, ww)
+        y.backward(dy)
+        return y.detach(), xx.grad, ww.grad
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
 def test_bad_fp8_settings_are_refused():
     with pytest.raises(ValueError, match="--fp8-format"):
         GPTConfig(fp8_format="e5m2")
