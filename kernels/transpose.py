@@ -15,10 +15,12 @@ definition; both move bytes, so they agree bit for bit.
 It is a `torch.library.triton_op` (a dispatch.CompiledOp): inductor sees the Triton
 kernel inside and launches it from its generated code like its own kernels (never
 fusing into it), where a plain custom op goes through the dispatcher and Triton's Python
-launcher on every call. A step makes three of these copies per FP8 linear and
-micro-batch (576 for a 24-layer model with two micro-batches), and as a custom op their
-host time held a 307M model's FP8 step at 66K tokens/s, against 92K now
-(docs/PERFORMANCE.md, "Host time of the transpose op").
+launcher on every call. Eager makes three of these copies per FP8 linear and micro-batch
+(576 for a 24-layer model with two micro-batches); a compiled block fewer, since it casts a
+bf16 weight and a row-parallel input straight into the GEMM's layout
+(megaq.parallel.fp8.recast_col_major). As a custom op their host time held a 307M
+model's FP8 step at 66K tokens/s, against 92K as a triton_op (docs/PERFORMANCE.md, "Host
+time of the transpose op").
 """
 
 from __future__ import annotations
