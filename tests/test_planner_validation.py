@@ -86,12 +86,14 @@ def test_validation_rows_hold_their_bounds():
     other = [r for r in doc["rows"] if r["source"] in validate.OTHER_GPU_FILES]
     # (with the A/B of bf16 gradients: the same variants with fp32 accumulators, -f32g; and
     # of fc1's fused FP8 backward: SwiGLU after the GEMM, -nse; and of inductor's
-    # coordinate-descent tuning, -cdt, at micro-batch 16)
+    # coordinate-descent tuning, -cdt, at micro-batch 16; of the casts straight into the GEMM
+    # layout: the old route, -otr; and of CUDA graphs, -cg)
     assert {(r["kind"], r["label"]) for r in other} == {
         (k, f"{s} megaq-{v}-comp (H100-SXM)") for k in ("step", "memory")
         for s, v in (("1.3B", "s0"), ("3B", "s0"), ("1.3B", "fp8dl"), ("3B", "fp8dl"),
                      ("1.3B", "s0-f32g"), ("1.3B", "fp8dl-f32g"), ("3B", "fp8dl-f32g"),
-                     ("1.3B", "fp8dl-nse"), ("3B", "fp8dl-nse"), ("1.3B", "s0-cdt"))}
+                     ("1.3B", "fp8dl-nse"), ("3B", "fp8dl-nse"), ("1.3B", "s0-cdt"),
+                     ("1.3B", "fp8dl-otr"), ("1.3B", "fp8dl-cg"), ("1.3B", "s0-cg"))}
     assert all(r["within"] and not r["excluded"] for r in other), other
     largest = [r for r in doc["rows"] if r["source"] in validate.VALIDATE_LARGEST_FILES]
     assert len(largest) == 10 and all(r["within"] for r in largest), largest

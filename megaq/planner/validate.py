@@ -41,14 +41,17 @@ CURRENT_TREE_FILES = ("bench_train_h200_1.3B_current.json", "bench_train_h200_3B
 # before the kernel's tiles changed; _gpu_fp8_cvt, with the GPU's FP8 conversion; _fused_cvt and
 # _ref, the committed kernel at both sizes and bf16 against plain PyTorch; _same_run, the
 # same code again, all of 1.3B's variants in one process; _mb12, _mb16_*, the same code at
-# micro-batch 12 and 16): predicted for the H100-SXM preset
+# micro-batch 12 and 16; _cast_transposed*, backward's casts straight into the GEMM layout,
+# with the old route, -otr, and CUDA graphs, -cg, beside it, which the model does not tell
+# apart from the plain variants): predicted for the H100-SXM preset
 OTHER_GPU_FILES = ("bench_train_h100_1.3B_current.json", "bench_train_h100_3B_current.json",
                    "bench_train_h100_1.3B_fused_fp8_bwd.json", "bench_train_h100_3B_fused_fp8_bwd.json",
                    "bench_train_h100_1.3B_gpu_fp8_cvt.json", "bench_train_h100_1.3B_fused_cvt.json",
                    "bench_train_h100_3B_fused_cvt.json", "bench_train_h100_1.3B_ref.json",
                    "bench_train_h100_1.3B_same_run.json", "bench_train_h100_3B_same_run.json",
                    "bench_train_h100_1.3B_mb12.json", "bench_train_h100_1.3B_mb16_cdt.json",
-                   "bench_train_h100_1.3B_mb16_fp8.json")
+                   "bench_train_h100_1.3B_mb16_fp8.json", "bench_train_h100_1.3B_cast_transposed.json",
+                   "bench_train_h100_1.3B_cast_transposed_ab.json")
 EARLIER_TREE_FILES = ("fp8final_h200_1.3B.json", "fp8final_h200_1.3B_recheck.json",
                       "fp8final_h200_3B.json", "fp8_gather_h200_1.3B.json")
 VALIDATE_TRAIN_FILES = CURRENT_TREE_FILES + OTHER_GPU_FILES + EARLIER_TREE_FILES
