@@ -429,8 +429,9 @@ class _FP8Linear(torch.autograd.Function):
             # operand: cast them in that layout where the cast is a pass of its own
             fused_t = cast_transposed_in_backward(dy.device)
             x_cast = recast_col_major if fused_t and not col else recast
+            w_cast = recast_col_major if fused_t else recast
             xq = x_keep if x_scale is None else x_cast(x_keep, x_scale, fwd)
-            wq = w if w_scale is None else (recast_col_major if fused_t else recast)(w, w_scale, fwd)
+            wq = w if w_scale is None else w_cast(w, w_scale, fwd)
             if dyq_t is not None:
                 dys = ctx.dy_scale.reciprocal()
             elif ctx.dy_scale is not None:

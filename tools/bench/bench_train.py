@@ -70,6 +70,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.utils.checkpoint
@@ -359,34 +360,20 @@ def make_batches(size, dev, n=4):
     return [(d[:, :-1].contiguous().to(dev), d[:, 1:].contiguous().to(dev)) for d in data]
 
 
-@contextlib.contextmanager
-def transposes_after_cast(on: bool):
-    """The -otr variants (an A/B, bench-only): while their blocks are traced, backward casts
-    the weight and row-parallel inputs, then copies their transposes with megaq's op."""
+def code_switches(variant: str) -> contextlib.ExitStack:
+    """megaq's code paths that the bench-only A/B variants turn back, switched while the
+    variant is built, traced and timed: -isw, swiglu records its reference, forward and
+    backward, for inductor to fuse; -otr, backward casts the weight and row-parallel inputs,
+    then copies their transposes with megaq's op."""
+    from megaq.kernels import fused_swiglu
     from megaq.parallel import fp8
 
-    kept = fp8.cast_transposed_in_backward
-    if on:
-        fp8.cast_transposed_in_backward = lambda device: False
-    try:
-        yield
-    finally:
-        fp8.cast_transposed_in_backward = kept
-
-
-@contextlib.contextmanager
-def inductor_swiglu_backward(on: bool):
-    """The -isw variants (an A/B, bench-only): while their blocks are traced, swiglu
-    records its reference, forward and backward, for inductor to fuse."""
-    from megaq.kernels import fused_swiglu
-
-    kept = fused_swiglu.use_triton
-    if on:
-        fused_swiglu.use_triton = lambda t, under_compile: False
-    try:
-        yield
-    finally:
-        fused_swiglu.use_triton = kept
+    stack = contextlib.ExitStack()
+    if "-isw" in variant:
+        stack.enter_context(mock.patch.object(fused_swiglu, "use_triton", lambda t, under_compile: False))
+    if "-otr" in variant:
+        stack.enter_context(mock.patch.object(fp8, "cast_transposed_in_backward", lambda device: False))
+    return stack
 
 
 def inductor_tuning(variant: str):
@@ -981,8 +968,7 @@ def main(argv=None):
             try:
                 prof_dir = (os.path.dirname(os.path.abspath(args.out or "."))
                             if f"{size}:{variant}" in args.profile else None)
-                with inductor_swiglu_backward("-isw" in variant), inductor_tuning(variant), \
-                        transposes_after_cast("-otr" in variant):
+                with code_switches(variant), inductor_tuning(variant):
                     r = time_variant(size, variant, dev, args.steps, args.warmup, prof_dir)
             except Exception as e:  # noqa: BLE001 - report the failure, keep measuring the rest
                 r = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
