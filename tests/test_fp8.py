@@ -48,6 +48,16 @@ def _randn(seed, *shape):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """megaq's Triton kernels on CPU tensors (MEGAQ_KERNELS=triton): Triton's interpreter,
+    the CPU suite. A GPU run (TRITON_INTERPRET=0) cannot launch them on CPU tensors; its
+    cases are the GPU tests below."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs megaq's Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 (the CPU suite)")
+    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
+
+
 @contextlib.contextmanager
 def capture_scales():
     """Collect (role, inverse scale) of every cast the FP8 GEMMs make inside (eager only),
@@ -104,12 +114,11 @@ def test_emulated_gemm_is_the_fp32_product_of_the_cast_operands():
     assert 1e-3 < _rel(y, a @ b) < 0.1  # FP8 is really in effect, and close
 
 
-def test_gemm_operands_get_the_layouts_scaled_mm_reads(monkeypatch):
+def test_gemm_operands_get_the_layouts_scaled_mm_reads(triton_on_cpu):
     """torch._scaled_mm reads A row-major and B column-major: the weight-gradient GEMM's
     dY^T and X and the input-gradient GEMM's W are row-major FP8 tensors, copied into
     those layouts by megaq's transpose kernel (the interpreter here) with every value
     kept; an operand already laid out (the forward's W^T) is passed as it is."""
-    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
     dyq, _ = quantize(_randn(3, 48, 32), fp8.E5M2, None, False)
     xq, _ = quantize(_randn(4, 48, 16), fp8.E4M3, None, False)
     b = fp8._col_major(xq)
@@ -134,14 +143,13 @@ def _cpu_scaled_mm_takes_row_scales() -> bool:
 
 @pytest.mark.parametrize("parallel", ["column", "row"])
 @pytest.mark.parametrize("recipe,tol", [(("hybrid", "tensorwise"), 1e-6), (("e4m3", "rowwise"), 5e-3)])
-def test_scaled_mm_path_with_transposed_operands_matches_the_emulation(monkeypatch, parallel,
-                                                                        recipe, tol):
+def test_scaled_mm_path_with_transposed_operands_matches_the_emulation(triton_on_cpu, monkeypatch,
+                                                                        parallel, recipe, tol):
     """The torch._scaled_mm path itself (forced here: torch's CPU build has the op too),
     with the backward's operands copied by megaq's transpose op, eager and compiled (fullgraph:
     the op traces without a graph break): y, dX and dW equal the emulation's.
     Tolerances: tensorwise writes fp32 here, so only the accumulation order differs
     (~1e-7); rowwise multiplies in bf16 (the GPU kernels' output), half a bf16 ulp ~2e-3."""
-    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
     rec = FP8Recipe(*recipe)
     if rec.rowwise and not _cpu_scaled_mm_takes_row_scales():
         pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only (torch < 2.13); "
@@ -167,8 +175,8 @@ def test_scaled_mm_path_with_transposed_operands_matches_the_emulation(monkeypat
 
 
 @pytest.mark.parametrize("parallel", ["column", "row"])
-def test_compiled_backward_casts_weight_and_row_input_straight_into_the_gemm_layout(monkeypatch,
-                                                                                    parallel):
+def test_compiled_backward_casts_weight_and_row_input_straight_into_the_gemm_layout(
+        triton_on_cpu, monkeypatch, parallel):
     """Inside a compiled block on the _scaled_mm path (forced here, as above), backward
     casts the weight, and a row-parallel layer's input, straight into the column-major
     layout dX's and dW's GEMMs read (fp8.recast_col_major) instead of casting and then
@@ -176,7 +184,6 @@ def test_compiled_backward_casts_weight_and_row_input_straight_into_the_gemm_lay
     remains (dY^T) where eager makes three, and a column-parallel layer keeps its input's
     (the norm's output, whose recompute is a reduction). Same FP8 values in the same
     layout, so the same bits: compiled (aot_eager) equals eager exactly."""
-    monkeypatch.setenv("MEGAQ_KERNELS", "triton")
     rec = FP8Recipe("hybrid", "tensorwise")
     x, w, dy = _randn(5, 64, 32), 0.1 * _randn(6, 48, 32), _randn(7, 64, 48)
     group = single_rank_group()
