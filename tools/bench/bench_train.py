@@ -360,11 +360,17 @@ def make_batches(size, dev, n=4):
     return [(d[:, :-1].contiguous().to(dev), d[:, 1:].contiguous().to(dev)) for d in data]
 
 
-def code_switches(variant: str) -> contextlib.ExitStack:
-    """megaq's code paths that the bench-only A/B variants turn back, switched while the
-    variant is built, traced and timed: -isw, swiglu records its reference, forward and
-    backward, for inductor to fuse; -otr, backward casts the weight and row-parallel inputs,
-    then copies their transposes with megaq's op."""
+def variant_switches(variant: str) -> contextlib.ExitStack:
+    """What the bench-only A/B variants switch, in place while the variant is built, traced
+    and timed. megaq's code paths turned back: -isw, swiglu records its reference, forward
+    and backward, for inductor to fuse; -otr, backward casts the weight and row-parallel
+    inputs, then copies their transposes with megaq's op. Inductor's settings (used while
+    the blocks compile, the first steps): -cdt, coordinate-descent tuning of its Triton
+    kernels' block sizes; -cg, each compiled block's forward and backward replayed as CUDA
+    graphs (inductor's cudagraph trees, as torch.compile's mode="reduce-overhead"; the
+    steps are marked by graph_steps)."""
+    import torch._inductor.config as inductor_config
+
     from megaq.kernels import fused_swiglu
     from megaq.parallel import fp8
 
@@ -373,20 +379,12 @@ def code_switches(variant: str) -> contextlib.ExitStack:
         stack.enter_context(mock.patch.object(fused_swiglu, "use_triton", lambda t, under_compile: False))
     if "-otr" in variant:
         stack.enter_context(mock.patch.object(fp8, "cast_transposed_in_backward", lambda device: False))
-    return stack
-
-
-def inductor_tuning(variant: str):
-    """Inductor settings of the bench-only A/B variants, patched while their blocks compile
-    (the first steps): -cdt, coordinate-descent tuning of its Triton kernels' block sizes;
-    -cg, each compiled block's forward and backward replayed as CUDA graphs (inductor's
-    cudagraph trees, as torch.compile's mode="reduce-overhead")."""
-    import torch._inductor.config as inductor_config
-
-    patch = {"coordinate_descent_tuning": True} if "-cdt" in variant else {}
+    inductor = {"coordinate_descent_tuning": True} if "-cdt" in variant else {}
     if "-cg" in variant:
-        patch["triton.cudagraphs"] = True
-    return inductor_config.patch(patch) if patch else contextlib.nullcontext()
+        inductor["triton.cudagraphs"] = True
+    if inductor:
+        stack.enter_context(inductor_config.patch(inductor))
+    return stack
 
 
 def graph_steps(fwd_bwd):
@@ -968,7 +966,7 @@ def main(argv=None):
             try:
                 prof_dir = (os.path.dirname(os.path.abspath(args.out or "."))
                             if f"{size}:{variant}" in args.profile else None)
-                with code_switches(variant), inductor_tuning(variant):
+                with variant_switches(variant):
                     r = time_variant(size, variant, dev, args.steps, args.warmup, prof_dir)
             except Exception as e:  # noqa: BLE001 - report the failure, keep measuring the rest
                 r = {"size": size, "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
