@@ -233,15 +233,16 @@ def trace_busy(events: list[dict]) -> dict | None:
     last = max(e["ts"] + e["dur"] for e in device)
     # the gaps between kernels: not the window's start nor its end (host work after them)
     between = gaps[int(first > start):len(gaps) - int(end > last)]
-    small = [g for g in between if g < SMALL_GAP_US]
     bounds = (0.0,) + GAP_SIZE_EDGES_US + (float("inf"),)
     by_size = []
     for lo, hi in zip(bounds, bounds[1:]):
         sel = [g for g in between if lo <= g < hi]
         by_size.append({"from_us": lo, "to_us": hi, "gaps": len(sel), "idle_us": sum(sel)})
+    small = [b for b in by_size if b["to_us"] <= SMALL_GAP_US]  # SMALL_GAP_US is an edge
     return {"busy_us": busy, "idle_us": end - start - busy, "busy_fraction": busy / (end - start),
             "gaps": len(gaps), "largest_gap_us": max(gaps, default=0.0),
-            "small_gaps": len(small), "small_gaps_us": sum(small), "gaps_by_size": by_size,
+            "small_gaps": sum(b["gaps"] for b in small),
+            "small_gaps_us": sum(b["idle_us"] for b in small), "gaps_by_size": by_size,
             # the window's start: the host's first op until the device's first kernel
             "before_first_kernel_us": first - start}
 
