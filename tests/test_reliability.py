@@ -312,6 +312,32 @@ def test_second_ctrl_c_exits_at_once(tmp_path):
     assert "[rank 1] error: interrupted again (second Ctrl-C)" in r["stderr"]
 
 
+def test_exit_line_from_a_signal_handler_inside_a_stderr_write():
+    """A second Ctrl-C's handler (exit_now) may run while the main thread is inside a write
+    to stderr, holding its buffered writer's lock; its line must still come out and the
+    rank exit with its code. Through print the handler met the lock and raised
+    RuntimeError("reentrant call inside <_io.BufferedWriter name=2>"): exit code 1 and no
+    line (CI, 2026-12-07, the test above). Here the handler is called from inside the raw
+    write that stderr's buffered writer makes, which is where a signal lands then."""
+    code = ("import io, os, sys\n"
+            "from megaq.runtime import failure\n"
+            "class Fd2(io.RawIOBase):  # stderr's file descriptor, a signal in its first write\n"
+            "    signalled = False\n"
+            "    def writable(self): return True\n"
+            "    def fileno(self): return 2\n"
+            "    def write(self, b):\n"
+            "        if not Fd2.signalled:\n"
+            "            Fd2.signalled = True\n"
+            "            failure.exit_now(130, 'error: interrupted again')\n"
+            "        return os.write(2, b)\n"
+            "sys.stderr = io.TextIOWrapper(io.BufferedWriter(Fd2()), write_through=True)\n"
+            "print('go', file=sys.stderr, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 130, r.stderr[-1000:]
+    assert r.stderr.splitlines()[-1] == "error: interrupted again", r.stderr[-1000:]
+
+
 # ------------------------------------------------------------------------ hangs
 def test_sigstopped_rank_ends_job_within_hang_bound_with_diagnosis(tmp_path):
     bound = 0.05 * 60  # --hang-timeout-minutes 0.05
