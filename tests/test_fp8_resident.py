@@ -123,7 +123,8 @@ def test_planner_memory_model_counts_the_e4m3_weights(recipe):
     assert model.grads == sum(t.numel() * 4 for t in engine.grads._accum.values())
 
 
-def _one_process_losses(stage: int, recipe: str, device: str, steps: int = 3) -> tuple:
+def _one_process_losses(stage: int, recipe: str, device: str, steps: int = 3,
+                        opt: OptimizerSettings = OPT) -> tuple:
     from megaq.parallel.topology import Layout, build_topology
 
     cfg = model_config(**MODEL, fp8_recipe=recipe, fp8_amax_history_len=4)
@@ -131,7 +132,7 @@ def _one_process_losses(stage: int, recipe: str, device: str, steps: int = 3) ->
     (model,), engine = parallelize(cfg, build_topology(Layout(world_size=1), 0),
                                    ZeroConfig(stage=stage, block_size=64,
                                               gather_dtype=torch.bfloat16),
-                                   optimizer=OPT, device=device)
+                                   optimizer=opt, device=device)
     losses = []
     for step in range(steps):
         engine.zero_grad()
@@ -157,6 +158,26 @@ def test_one_process_e4m3_weights_equal_the_gemms_own_cast(device, recipe):
     s0, e4m3 = _one_process_losses(0, recipe, device)
     s3, bf16_cast = _one_process_losses(3, recipe, device)
     assert e4m3 and not bf16_cast  # stage 3 without FP8 weight gathers: the GEMMs cast
+    assert s0 == s3, (s0, s3)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_amaxes_from_the_one_pass_step_give_the_same_weights(monkeypatch, kernels):
+    """megaq's one-pass AdamW (the GPU's default) takes each E4M3 weight's amax in its own
+    pass, so the refresh does not read the masters for it: the same losses, bit for bit,
+    as ZeRO-3 with the same optimizer, where each GEMM casts its gathered bf16 weight (the
+    kernel in Triton's interpreter, and its torch reference); and every step's refresh
+    got its amaxes from the step."""
+    from megaq.zero.fp8_resident import ResidentFP8Weights
+    monkeypatch.setenv("MEGAQ_KERNELS", kernels)
+    handed = []
+    refresh = ResidentFP8Weights.refresh
+    monkeypatch.setattr(ResidentFP8Weights, "refresh",
+                        lambda self, amax=None: (handed.append(amax is not None), refresh(self, amax)))
+    onepass = OptimizerSettings(lr=OPT.lr, weight_decay=OPT.weight_decay, fused_step=True)
+    s0, e4m3 = _one_process_losses(0, "delayed", "cpu", opt=onepass)
+    assert e4m3 and handed == [False, True, True, True], handed  # build, then 3 steps
+    s3, _ = _one_process_losses(3, "delayed", "cpu", opt=onepass)
     assert s0 == s3, (s0, s3)
 
 

@@ -66,6 +66,35 @@ def test_a_16bit_grad_gives_the_bits_of_its_fp32_copy(monkeypatch, grad_dtype, k
                                *want[2:], None, None, scalars)
 
 
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_the_step_takes_the_new_weights_amax_per_range(monkeypatch, kernels):
+    """Stage 0's E4M3 weights take their scale from the new masters' max |x| per weight
+    (megaq.zero.fp8_resident): the step writes it in its own pass, the same value as
+    reading the new weights again, for ranges inside one block, across block edges, with
+    gaps between them, empty, in the partial last block, and with a NaN (which wins)."""
+    monkeypatch.setenv("MEGAQ_KERNELS", kernels)
+    n = 3 * 2048 + 77
+    ranges = [(0, 5), (5, 2048), (2100, 4100), (4100, 4100), (4200, n)]
+    got = _buffers(n, 2)
+    got[0][4300] = float("nan")
+    want = [t.clone() for t in got]
+    amax = torch.full((len(ranges),), -1.0, device=DEV)  # the step overwrites every element
+    segments = fused_adamw.Segments(ranges, amax)
+    scalars = fused_adamw.step_scalars(1e-3, 0.1, (0.9, 0.95), 1e-8, 2)
+    fused_adamw.adamw_step(*got, None, None, scalars, segments)
+    fused_adamw.adamw_step(*want, None, None, scalars)
+    for a, b in zip(got, want):  # the update itself is unchanged (NaN included: bits)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    new = want[0]
+    expect = [new[a:b].abs().max().item() if b > a else 0.0 for a, b in ranges]
+    assert amax[:4].tolist() == expect[:4] and amax[4].isnan(), (amax, expect)
+    with pytest.raises(ValueError, match="sorted, disjoint"):
+        fused_adamw.Segments([(10, 20), (15, 30)], torch.zeros(2, device=DEV))
+    with pytest.raises(ValueError, match="must lie in param"):
+        fused_adamw.adamw_step(*want, None, None, scalars,
+                               fused_adamw.Segments([(0, n + 1)], torch.zeros(1, device=DEV)))
+
+
 def test_step_scalars_refuse_step_zero():
     with pytest.raises(ValueError, match="steps count from 1"):
         fused_adamw.step_scalars(1e-3, 0.0, (0.9, 0.95), 1e-8, 0)

@@ -587,6 +587,27 @@ def test_fused_swiglu_fp8_backward_saves_its_bytes_where_megaq_runs_it():
     assert fused_swiglu_fp8_of("new.json", {"variant": "megaq-fp8dl-comp", "fused_swiglu_fp8": True})
 
 
+def test_refresh_reads_the_masters_only_where_the_step_leaves_the_amaxes():
+    """Stage 0's E4M3 refresh (megaq.zero.fp8_resident) costs the optimizer step 3 bytes a
+    weight element after megaq's one-pass AdamW, which takes the amaxes in its own pass,
+    and 4 more where a pass over the masters finds them (SGD; replayed runs from before):
+    the difference of the two predictions is those 4 bytes of every FP8 weight."""
+    from megaq.planner.bench_rows import bench_argv
+    from megaq.planner.calibrate import _run_config
+    from megaq.zero.fp8_resident import AMAX_READ_BYTES_PER_PARAM
+
+    pi = PlanInput.from_config(_run_config(bench_argv("1.3B", "megaq-fp8dl-comp")))
+    assert not pi.refresh_reads_masters
+    assert dataclasses.replace(pi, optimizer="sgd").refresh_reads_masters
+    h100 = Cluster(gpu_preset("H100-SXM"), num_nodes=1, gpus_per_node=1)
+    took, read = (predict(dataclasses.replace(pi, amax_from_step=on), h100, CAL).step_time_s
+                  for on in (True, False))
+    fp8_numel = sum(u.fp8_numel for u in stage_units(pi.model, 1, 1, 1, 0, pi.e4m3_weights))
+    assert fp8_numel > 0.9e9  # the block weights of 1.3B
+    assert read - took == pytest.approx(
+        fp8_numel * AMAX_READ_BYTES_PER_PARAM / (h100.gpu.hbm_gb_per_s * 1e9 * CAL.hbm_efficiency), rel=1e-6)
+
+
 def test_hardware_presets():
     assert gpu_preset("h100-sxm").name == "H100-SXM"
     with pytest.raises(HardwareError, match="V100-32GB, A100-40GB"):

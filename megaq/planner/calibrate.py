@@ -104,20 +104,16 @@ def _plan_input(argv: tuple, world_size: int, ranks_per_node: int):
     return PlanInput.from_config(_run_config(argv, world_size, ranks_per_node))
 
 
-def _predict(argv, calibration, cluster=None, prefetch_limit=None, grad_bytes=None,
-             fused_swiglu_fp8=None):
+def _predict(argv, calibration, cluster=None, prefetch_limit=None, as_measured=None):
     """The model's prediction for pretrain_gpt.py's flags `argv` on `cluster` (default: one
-    reference GPU); prefetch_limit as in megaq.planner.step.predict; grad_bytes and
-    fused_swiglu_fp8: as a measured run held its gradients and ran fc1's FP8 backward
-    (PlanInput.grad_bytes, PlanInput.fused_swiglu_fp8)."""
+    reference GPU); prefetch_limit as in megaq.planner.step.predict; as_measured: the
+    PlanInput fields of how a measured run's code worked (TrainRow.as_measured)."""
     from megaq.planner.hardware import Cluster, gpu_preset
     from megaq.planner.step import predict
     cluster = cluster or Cluster(gpu_preset(REFERENCE_GPU), num_nodes=1, gpus_per_node=1)
     pi = _plan_input(tuple(argv), cluster.world_size, cluster.gpus_per_node)
-    if grad_bytes is not None:
-        pi = dataclasses.replace(pi, grad_bytes=grad_bytes)
-    if fused_swiglu_fp8 is not None:
-        pi = dataclasses.replace(pi, fused_swiglu_fp8=fused_swiglu_fp8)
+    if as_measured:
+        pi = dataclasses.replace(pi, **as_measured)
     return predict(pi, cluster, calibration, prefetch_limit)
 
 
@@ -273,8 +269,7 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
         for r in fit_rows:
             def step(x, r=r):
                 c = dataclasses.replace(cal, elementwise_bytes_scale={**scales, mode: x})
-                return _predict(r.argv, c, grad_bytes=r.grad_bytes,
-                                fused_swiglu_fp8=r.fused_swiglu_fp8).step_time_s
+                return _predict(r.argv, c, as_measured=r.as_measured()).step_time_s
             vals.append(_bisect(step, r.step_ms / 1e3, 0.0, 50.0))
         scales[mode] = _r(_median(vals))
     cal = dataclasses.replace(cal, elementwise_bytes_scale=scales)
@@ -297,8 +292,7 @@ def fit(train_files, kernel_files, emulated_file=None, *, base=None):
             def step(e, r=r, d=d):
                 table = tuple(sorted({**dims, d: e}.items()))
                 c = dataclasses.replace(cal, gemm_efficiency={**cal.gemm_efficiency, dtype: table})
-                return -_predict(r.argv, c, grad_bytes=r.grad_bytes,
-                                 fused_swiglu_fp8=r.fused_swiglu_fp8).step_time_s  # falls as the efficiency rises
+                return -_predict(r.argv, c, as_measured=r.as_measured()).step_time_s  # falls as the efficiency rises
             unprofiled.setdefault(d, []).append(_bisect(step, -r.step_ms / 1e3, 0.05, 1.0))
         if unprofiled:
             dims.update({d: _r(_median(v)) for d, v in unprofiled.items()})

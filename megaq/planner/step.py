@@ -24,7 +24,7 @@ from megaq.model.config import GPTConfig
 from megaq.parallel.comm import INTER, INTRA
 from megaq.parallel.topology import Layout, check_hpz_size, validate_layout
 from megaq.zero.config import ZeroConfig, fp8_weights_kept_in_e4m3
-from megaq.zero.fp8_resident import REFRESH_BYTES_PER_PARAM
+from megaq.zero.fp8_resident import AMAX_READ_BYTES_PER_PARAM, REFRESH_BYTES_PER_PARAM
 
 from . import bubble as bubble_mod
 from . import compute, memory, traffic
@@ -75,6 +75,10 @@ class PlanInput:
     # run did (None: what megaq does now, swiglu_fp8_backward_fused's rule); replayed
     # results from before that kernel: False
     fused_swiglu_fp8: bool | None = None
+    # whether stage 0's E4M3 weights took their amaxes from the optimizer's pass as a
+    # measured run did (None: what megaq does now, refresh_reads_masters's rule);
+    # replayed results from before the one-pass step took them: False
+    amax_from_step: bool | None = None
     # the vocabulary is DEFAULT_VOCAB because nothing said otherwise (a tokenizer's is
     # only known once it is loaded): the plan says so
     vocab_assumed: bool = field(default=False, compare=False)
@@ -140,6 +144,15 @@ class PlanInput:
             return self.fused_swiglu_fp8
         m = self.model
         return self.fp8 and m.fp8_recipe == "delayed" and m.swiglu and not m.add_bias_linear
+
+    @property
+    def refresh_reads_masters(self) -> bool:
+        """Does stage 0's refresh of the E4M3 weights read the fp32 masters once more for
+        their amaxes (megaq.zero.fp8_resident)? Not after megaq's one-pass AdamW step,
+        which takes them in its own pass (the GPU's AdamW); SGD's step does not."""
+        if self.amax_from_step is not None:
+            return not self.amax_from_step
+        return self.optimizer != "adam"
 
     @property
     def compiled(self) -> bool:
@@ -388,7 +401,7 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
                                   - fp32_grad_extra_bytes(pi.grad_elem)) / hbm
     if z.stage == 0:  # then the E4M3-only weights are cast from the masters (fp8_resident)
         optimizer_s += max(sum(u.fp8_numel for u in st["units"]) for st in stages) \
-            * REFRESH_BYTES_PER_PARAM / hbm
+            * (REFRESH_BYTES_PER_PARAM + AMAX_READ_BYTES_PER_PARAM * pi.refresh_reads_masters) / hbm
     deltas_s = 0.0
     if z.weight_deltas:
         # the exchange's exposed waits, and the kernels that make and apply the differences

@@ -108,8 +108,7 @@ def single_gpu_rows(calibration, files=None) -> list[dict]:
             if r.fp8 is not None and r.fp8[1] == "rowwise":
                 continue
             label = r.label + suffix
-            p = _predict(r.argv, calibration, cluster, grad_bytes=r.grad_bytes,
-                         fused_swiglu_fp8=r.fused_swiglu_fp8)
+            p = _predict(r.argv, calibration, cluster, as_measured=r.as_measured())
             out.append(_row("step", label, r.source, p.step_time_s * 1e3, r.step_ms, unit="ms"))
             earlier = os.path.basename(name) in EARLIER_TREE_FILES
             out.append(_row("memory", label, r.source, _allocated_gib(p), r.peak_mem_gib,
@@ -142,7 +141,7 @@ def _largest_rows(calibration, path: str) -> list[dict]:
             "--recompute-num-layers", "1"]
         label = f"{best['layers']}x{fam['hidden']} {variant} (recompute){suffix}"
         # (files from before 16-bit gradients say nothing: the fp32 accumulators, 4)
-        p = _predict(argv, calibration, cluster, grad_bytes=best.get("grad_bytes", 4))
+        p = _predict(argv, calibration, cluster, as_measured=dict(grad_bytes=best.get("grad_bytes", 4)))
         out.append(_row("memory", label,
                         os.path.basename(path), _allocated_gib(p), best["peak_gib"], unit="GiB",
                         excluded=BEFORE_E4M3 if _before_e4m3(path, argv) else None))

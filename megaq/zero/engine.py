@@ -395,10 +395,12 @@ class ZeroEngine:
             grad_norm = float(self.grad_norm())
             skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if not skipped:
-            self.optimizer.step(lr, self._clip.coef)
+            # stage 0's E4M3-only weights follow the masters (their amaxes from the update's
+            # own pass where it takes them)
+            amax = self.fp8_resident.amax_buffers()
+            took_amax = self.optimizer.step(lr, self._clip.coef, weight_amax=amax)
+            self.fp8_resident.refresh(amax if took_amax else None)
         # the post-step hooks (torchtitan's post-optimizer hooks), applied or skipped alike
-        if not skipped:  # stage 0's E4M3-only weights follow the masters
-            self.fp8_resident.refresh()
         if not skipped and self.resident:  # the shards moved: every rank's weights follow
             self._gather_resident()
         elif not skipped and self.gatherer is not None:  # the shards moved

@@ -27,11 +27,14 @@ import torch
 from megaq.parallel import fp8
 
 
-# HBM bytes per E4M3 weight element of one refresh, net: the amax pass reads the fp32
-# master (4), the fused cast reads it again and writes E4M3 (4 + 1); the optimizer no
-# longer writes a 16-bit copy (-2). The planner charges it to the optimizer step
+# HBM bytes per E4M3 weight element of one refresh after an optimizer step, net: the
+# fused cast reads the fp32 master and writes E4M3 (4 + 1); the optimizer no longer
+# writes a 16-bit copy (-2). The amaxes come from the optimizer's own pass (megaq's
+# one-pass AdamW); where they do not, a pass over the masters reads them once more
+# (AMAX_READ_BYTES_PER_PARAM). The planner charges both to the optimizer step
 # (megaq.planner.step).
-REFRESH_BYTES_PER_PARAM = 4 + (4 + 1) - 2
+REFRESH_BYTES_PER_PARAM = (4 + 1) - 2
+AMAX_READ_BYTES_PER_PARAM = 4
 
 
 class ResidentFP8Weights:
@@ -45,10 +48,22 @@ class ResidentFP8Weights:
         self._graph = None  # the casts as one CUDA graph (see refresh)
         self._graph_key = None
         self._scale = None  # the graph's input: this step's scales
+        # per partition, its FP8 weights' max |master|, which the optimizer's update may
+        # fill in its own pass (amax_buffers)
+        self._amax = {st.part.name: torch.zeros(len(st.part.fp8_slots), dtype=torch.float32,
+                                                device=st.master.device) for st in self.states}
+        self.amax_from_step = False  # did the last refresh take its amaxes from the step?
 
-    def refresh(self) -> None:
-        """Cast every FP8 weight from its master: the amaxes (one multi-tensor pass), one
-        all-reduce over TP, then one fused round-and-cast pass per weight.
+    def amax_buffers(self) -> dict[str, torch.Tensor]:
+        """{partition name: fp32 tensor, one per FP8 slot}: for the optimizer's step to fill
+        with the new masters' max |x| (ShardedOptimizer.step's `weight_amax`), then
+        handed to :meth:`refresh`. Empty when no weight is held in E4M3."""
+        return self._amax
+
+    def refresh(self, amax: dict[str, torch.Tensor] | None = None) -> None:
+        """Cast every FP8 weight from its master: the amaxes (given: :meth:`amax_buffers`
+        as the optimizer's step filled them; else one multi-tensor pass over the
+        masters), one all-reduce over TP, then one fused round-and-cast pass per weight.
 
         On a GPU the casts are replayed from a CUDA graph: launched one by one they cost
         the host about 0.1 ms a weight (a compiled call each), and the host works through
@@ -58,11 +73,14 @@ class ResidentFP8Weights:
         a buffer it reads or writes has moved."""
         if not self.states:
             return
+        self.amax_from_step = amax is not None
         masters = [st.master[s.offset:s.offset + s.numel]
                    for st in self.states for s in st.part.fp8_slots]
         (dtype,) = {st.part.dtype for st in self.states}  # the engine's one gather dtype
         # the 16-bit copy's max |x| is max |x| rounded: rounding is monotonic
-        amax = torch.stack(torch._foreach_norm(masters, math.inf)).to(dtype).float()
+        amax = (torch.cat([amax[st.part.name] for st in self.states]) if amax is not None
+                else torch.stack(torch._foreach_norm(masters, math.inf)))
+        amax = amax.to(dtype).float()
         scale = fp8.weight_scales(amax, [(self.tp, fp8.PHASE)])
         if not scale.is_cuda:
             self._cast_all(masters, scale)

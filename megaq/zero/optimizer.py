@@ -162,14 +162,21 @@ class ShardedOptimizer:
         return ok.to(torch.float32)
 
     # ------------------------------------------------------------------ update
-    def step(self, lr: float, grad_scale: torch.Tensor | None = None) -> None:
+    def step(self, lr: float, grad_scale: torch.Tensor | None = None,
+             weight_amax: dict[str, torch.Tensor] | None = None) -> bool:
         """One update from the gradients GradState holds, times `grad_scale` (the clip
         factor, a 0-d tensor: no host sync; None: no clipping). The update applies it in
         its own pass where it can (:meth:`_applies_grad_scale`: a read and a write of
-        every grad less), else the grads are multiplied in place first."""
+        every grad less), else the grads are multiplied in place first.
+
+        `weight_amax`: {partition name: fp32 tensor, one element per FP8 slot of that
+        replicated partition} to receive each slot's max |master| after the update, where
+        the update takes it in its own pass (megaq's one-pass AdamW:
+        :meth:`_update_amax`). Returns whether it did; if not, the caller reads the
+        masters for it (megaq.zero.fp8_resident)."""
         self.step_count += 1
         if not self._leaves:
-            return
+            return False
         # settled; fp32 unless the update reads 16-bit gradients (the leaves' .grad view
         # the fp32 accumulators)
         grads = self.grads.read_any() if self.reads_16bit_grads else self.grads.read()
@@ -177,7 +184,38 @@ class ShardedOptimizer:
             for g in grads.values():
                 g.mul_(grad_scale)
             grad_scale = None
-        self._update(lr, grad_scale, grads)
+        segments = self._amax_segments(weight_amax) if weight_amax else None
+        self._update(lr, grad_scale, grads, segments)
+        return segments is not None
+
+    def _amax_segments(self, weight_amax: dict[str, torch.Tensor]) -> dict | None:
+        """{leaf index: fused_adamw.Segments} that fill `weight_amax` in the update's pass,
+        or None where the update cannot (another kernel, or a slot cut by a leaf edge)."""
+        if not self._update_amax:
+            return None
+        key = tuple((name, t.data_ptr()) for name, t in sorted(weight_amax.items()))
+        if self._segments_key != key:
+            self._segments_key, self._segments = key, self._build_segments(weight_amax)
+        return self._segments
+
+    def _build_segments(self, weight_amax):
+        out, covered = {}, set()
+        for i, (leaf, st, a, b) in enumerate(self._leaves):
+            amax = weight_amax.get(st.part.name)
+            if amax is None or st.part.sharded:
+                continue
+            slots = [(k, s) for k, s in enumerate(st.part.fp8_slots)
+                     if a <= s.offset and s.offset + s.numel <= b]
+            if slots:
+                k0, k1 = slots[0][0], slots[-1][0] + 1
+                out[i] = fused_adamw.Segments(
+                    [(s.offset - a, s.offset + s.numel - a) for _, s in slots], amax[k0:k1])
+                covered.update((st.part.name, k) for k, _ in slots)
+        want = {(name, k) for name, t in weight_amax.items() for k in range(t.numel())}
+        return out if covered == want else None
+
+    _update_amax = False  # does _update take segments? (ShardedAdamW's one-pass kernel)
+    _segments_key = None
 
     @property
     def reads_16bit_grads(self) -> bool:
@@ -191,10 +229,10 @@ class ShardedOptimizer:
         return False
 
     def _update(self, lr: float, grad_scale: torch.Tensor | None,
-                grads: dict[str, torch.Tensor]) -> None:
+                grads: dict[str, torch.Tensor], segments: dict | None = None) -> None:
         """The inner optimizer's step on the leaves, then the gather-dtype write-back.
         `grads`: GradState's settled gradients by partition name (the leaves' .grad view
-        the fp32 ones)."""
+        the fp32 ones); `segments`: None here (:meth:`_amax_segments`)."""
         for g in self.inner.param_groups:
             g["lr"] = lr
         self.inner.step()
@@ -250,8 +288,12 @@ class ShardedAdamW(ShardedOptimizer):
     def reads_16bit_grads(self) -> bool:
         return self.kind == "onepass"  # megaq's kernel upcasts as it loads
 
+    @property
+    def _update_amax(self) -> bool:
+        return self.kind == "onepass"
+
     def _update(self, lr: float, grad_scale: torch.Tensor | None,
-                grads: dict[str, torch.Tensor]) -> None:
+                grads: dict[str, torch.Tensor], segments: dict | None = None) -> None:
         if self.kind == "fused":  # torch's fused AdamW divides by it, as AMP's unscale
             self.inner.grad_scale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
         if self.kind != "onepass":
@@ -260,12 +302,13 @@ class ShardedAdamW(ShardedOptimizer):
         scalars = {wd: fused_adamw.step_scalars(lr, wd, self._betas, self.opt.adam_eps,
                                                 self.step_count)
                    for wd in set(self._leaf_decay.values())}
-        for leaf, st, a, b in self._leaves:
+        for i, (leaf, st, a, b) in enumerate(self._leaves):
             f = st.part.shard_from  # elements before it have no gather-dtype copy
             out = None if (st.master is st.part.shard or b <= f) else st.part.shard[a - f:b - f]
             fused_adamw.adamw_step(leaf.data, grads[st.part.name][a:b], st.state["exp_avg"][a:b],
                                    st.state["exp_avg_sq"][a:b], out, scale,
-                                   scalars[self._leaf_decay[id(leaf)]])
+                                   scalars[self._leaf_decay[id(leaf)]],
+                                   segments.get(i) if segments else None)
 
     def _install_step(self, state, leaf, step):
         if self.kind == "apex":  # apex keeps one step per param group

@@ -40,6 +40,9 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
                   row-parallel inputs and then copying their transposes (megaq's transpose
                   op), as before it cast them straight into the GEMM's layout
                   (megaq.parallel.fp8.recast_col_major): that change's A/B
+  megaq-fp8dl-rma-comp  megaq-fp8dl-comp with the E4M3 weights' refresh reading the
+                  masters for their amaxes, as before the one-pass AdamW step took them in
+                  its own pass (megaq.zero.fp8_resident): that change's A/B
   ao-tw-comp      ref-comp with its block linears converted by torchao's
   ao-rw-comp      convert_to_float8_training (recipe "tensorwise" / "rowwise"; the
                   output head stays bf16 as in megaq), needs torchao (setup.py extra fp8)
@@ -92,7 +95,7 @@ VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp
             "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp",
             "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp", "megaq-fp8dl-nse-comp",
             "megaq-s0-cdt-comp", "megaq-fp8dl-cdt-comp", "megaq-s0-cg-comp", "megaq-fp8dl-cg-comp",
-            "megaq-s3-cg-comp", "megaq-fp8dl-otr-comp"]
+            "megaq-s3-cg-comp", "megaq-fp8dl-otr-comp", "megaq-fp8dl-rma-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -364,7 +367,9 @@ def variant_switches(variant: str) -> contextlib.ExitStack:
     """What the bench-only A/B variants switch, in place while the variant is built, traced
     and timed. megaq's code paths turned back: -isw, swiglu records its reference, forward
     and backward, for inductor to fuse; -otr, backward casts the weight and row-parallel
-    inputs, then copies their transposes with megaq's op. Inductor's settings (used while
+    inputs, then copies their transposes with megaq's op; -rma, stage 0's E4M3 weights
+    take their amaxes from a pass over the masters, not from the AdamW step's. Inductor's
+    settings (used while
     the blocks compile, the first steps): -cdt, coordinate-descent tuning of its Triton
     kernels' block sizes; -cg, each compiled block's forward and backward replayed as CUDA
     graphs (inductor's cudagraph trees, as torch.compile's mode="reduce-overhead"; the
@@ -379,6 +384,9 @@ def variant_switches(variant: str) -> contextlib.ExitStack:
         stack.enter_context(mock.patch.object(fused_swiglu, "use_triton", lambda t, under_compile: False))
     if "-otr" in variant:
         stack.enter_context(mock.patch.object(fp8, "cast_transposed_in_backward", lambda device: False))
+    if "-rma" in variant:
+        from megaq.zero.optimizer import ShardedAdamW
+        stack.enter_context(mock.patch.object(ShardedAdamW, "_update_amax", False))
     inductor = {"coordinate_descent_tuning": True} if "-cdt" in variant else {}
     if "-cg" in variant:
         inductor["triton.cudagraphs"] = True
@@ -452,6 +460,9 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
         res["fused_swiglu_fp8"] = any(getattr(g, "swiglu", False) and g.recipe.delayed
                                       for g in (getattr(m, "gemm", None) for m in keep[0].modules())
                                       if g is not None)
+        # stage 0's E4M3 weights took their amaxes from the AdamW step's own pass (the
+        # planner's replay: megaq.planner.bench_rows)
+        res["fp8_amax_from_step"] = keep[1].fp8_resident.amax_from_step
     if profile:
         res["profile_ms_per_step_by_kind"] = profile
     if busy:
