@@ -36,8 +36,8 @@ HADAMARD = _quant_op("hadamard")
 # Every kernel of the package (tests/test_kernel_dispatch.py holds each to its reference's
 # signature and to the dispatch rule).
 OPS = (QUANTIZE, DEQUANTIZE, REORDER_QUANTIZE, DEQUANT_REDUCE_QUANTIZE, DEQUANT_REDUCE, HADAMARD,
-       fused_rmsnorm.RMS_NORM, fused_rope.ROTARY, fused_swiglu.SWIGLU, fused_swiglu.SWIGLU_BACKWARD,
-       fused_swiglu.SWIGLU_BACKWARD_FP8,
+       fused_rmsnorm.RMS_NORM, fused_rope.ROTARY, fused_rope.ROTARY_BACKWARD, fused_swiglu.SWIGLU, fused_swiglu.SWIGLU_BACKWARD,
+       fused_swiglu.SWIGLU_BACKWARD_FP8, fused_rope.QKV_ROPE_BACKWARD_FP8,
        fused_cross_entropy.CROSS_ENTROPY, fused_adamw.ADAMW_STEP, transpose.TRANSPOSE)
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megaq.kernels.dispatch import register_compiled_ops
+from megaq.model.attention import SelfAttention
 from megaq.model.config import GPTConfig
 from megaq.model.gpt import GPTModel
 from megaq.model.mlp import MLP
@@ -89,16 +90,23 @@ def apply_fp8(module: nn.Module, recipe: FP8Recipe) -> nn.Module:
 
     A SwiGLU MLP's fc1 (without bias) takes the activation into its FP8 GEMM, which then
     returns silu(gate) * up, and the MLP's own activation is turned off: SwiGLU's
-    backward then writes fc1's FP8 dY directly (megaq.parallel.fp8, ``swiglu``)."""
+    backward then writes fc1's FP8 dY directly (megaq.parallel.fp8, ``swiglu``). Likewise
+    attention's fused QKV layer (without bias or q/k norms) takes RoPE and the q, k, v
+    split into its FP8 GEMM, given RoPE's tables (megaq.model.attention.rope_in_gemm):
+    RoPE's backward then writes its FP8 dY (``rope_per_group``)."""
     layers = [m for m in module.modules()
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None]
     fused = {id(m.linear_fc1) for m in module.modules()
              if isinstance(m, MLP) and m.swiglu and m.activation is not None
              and m.linear_fc1.bias is None and m.linear_fc1.weight is not None}
+    rope = {id(m.linear_qkv): m.heads_per_group for m in module.modules()
+            if isinstance(m, SelfAttention) and m.q_layernorm is None
+            and m.linear_qkv.bias is None and m.linear_qkv.weight is not None}
     for layer in layers:
         amax = AmaxState(recipe).to(layer.weight.device) if recipe.delayed else None
         parallel = "column" if isinstance(layer, ColumnParallelLinear) else "row"
-        layer.gemm = FP8GEMM(recipe, layer.tp_group, parallel, amax, swiglu=id(layer) in fused)
+        layer.gemm = FP8GEMM(recipe, layer.tp_group, parallel, amax, swiglu=id(layer) in fused,
+                             rope_per_group=rope.get(id(layer), 0))
     for m in module.modules():
         if isinstance(m, MLP) and id(m.linear_fc1) in fused:
             m.activation = None

@@ -618,6 +618,76 @@ def test_swiglu_epilogue_matches_swiglu_after_the_gemm(monkeypatch, kernels):
         assert torch.equal(a, b) if kernels == "torch" else _rel(a, b) < 1e-2
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_rope_epilogue_matches_rope_after_the_gemm(monkeypatch, kernels):
+    """apply_fp8 moves RoPE and the q, k, v split of attention's fused QKV layer into its
+    FP8 GEMM, whose backward then takes dq, dk, dv and, once the delayed scale is known,
+    writes its FP8 dY, the transpose and the amax in one kernel. Against the model with
+    RoPE after the GEMM, GQA (4 query heads in 2 groups), two steps (tensorwise-scaled,
+    then the history's scales), eager, losses, gradients and histories bit for bit: with
+    the torch references (the CPU path: the same ops), and with the Triton kernels
+    (interpreted here; the GPU's path), where both routes compute RoPE's backward in fp32
+    and round dY to bf16 once before the same cast (tests/test_fused_kernels.py holds the
+    kernel to its reference)."""
+    monkeypatch.setenv("MEGAQ_KERNELS", kernels)
+    if kernels == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+              vocab_size=64, seq_length=16, fp8_format="hybrid", fp8_recipe="delayed",
+              params_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(6)
+    batches = [torch.randint(0, 64, (2, 17), generator=gen) for _ in range(2)]
+    calls = []
+    kernel = fp8.qkv_rope_backward_fp8
+    monkeypatch.setattr(fp8, "qkv_rope_backward_fp8", lambda *a: (calls.append(1), kernel(*a))[1])
+    runs = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = _one_process_model(GPTConfig.llama(**kw))
+        qkv = [b.self_attention.linear_qkv.gemm for b in model.layers]
+        assert all(g.rope_per_group == 2 for g in qkv) and "rope" in repr(qkv[0])
+        if not fused:
+            for g in qkv:
+                g.rope_per_group = 0
+        out = []
+        for ids in batches:
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+            loss.float().mean().backward()
+            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad()
+            fp8_delayed.step(model, None)
+        runs.append((out, [s.history.clone() for s in fp8_delayed.states(model)]))
+    # the one-pass kernel ran where it should: each layer's second step (a delayed scale)
+    assert len(calls) == (2 if kernels == "triton" else 0)
+    (fused_out, fused_hist), (split_out, split_hist) = runs
+    for step, ((lf, gf), (ls, gs)) in enumerate(zip(fused_out, split_out)):
+        assert torch.equal(lf, ls), step
+        for name, g in gs.items():
+            assert torch.equal(gf[name], g), (step, name)
+    assert all(h[1].abs().sum() > 0 for h in fused_hist)  # dY's amaxes were recorded
+    for a, b in zip(fused_hist, split_hist):
+        assert torch.equal(a, b)
+
+
+def test_rope_epilogue_is_refused_where_it_does_not_apply():
+    """Only attention's QKV layer takes RoPE into its GEMM: an FP8 layer without the
+    epilogue refuses RoPE's tables, a layer with a bias refuses both epilogues, and q/k
+    norms (applied between the split and RoPE) keep RoPE after the GEMM."""
+    kw = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
+              seq_length=16, fp8_format="hybrid", fp8_recipe="delayed")
+    model = _one_process_model(GPTConfig.llama(**kw))
+    proj = model.layers[0].self_attention.linear_proj
+    x = torch.randn(16, 1, 32)
+    with pytest.raises(ValueError, match="fused QKV layer's FP8 GEMM only"):
+        proj.gemm(x, proj.weight, None, rotary=(torch.ones(16, 1, 1, 8), torch.zeros(16, 1, 1, 8)))
+    with pytest.raises(ValueError, match="without bias"):
+        fp8.linear(x, proj.weight, torch.zeros(32), proj.gemm.recipe, proj.gemm.group, "column",
+                   amax_state=proj.gemm.amax, rotary=(torch.ones(16, 1, 1, 8), torch.zeros(16, 1, 1, 8)),
+                   per_group=1)
+    normed = _one_process_model(GPTConfig.llama(**kw, qk_layernorm=True))
+    assert not normed.layers[0].self_attention.rope_in_gemm
+
+
 def test_fp8_delayed_training_resumes_exactly_from_a_checkpoint(tmp_path):
     """Delayed scaling's amax histories travel in the checkpoint (every pipeline stage's,
     gathered over PP): a run resumed at iteration 2 repeats the uninterrupted run's

@@ -211,6 +211,49 @@ def test_swiglu_backward_fp8_kernel_matches_its_reference(dtype, fp8, fp8_cast):
         assert off.float().mean() < 0.05 and torch.allclose(amax, ramax, rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_batch_positions", [False, True])
+def test_qkv_rope_backward_fp8_kernel_matches_its_reference(dtype, fp8, per_batch_positions, fp8_cast):
+    """One pass from attention's dq, dk, dv (dq strided as attention's backward hands it:
+    [b, heads, s, d] memory seen as [s, b, heads, d]) to the fused QKV layer's FP8 dY, its
+    transpose and |dY|'s max: GQA (3 query heads a group, 2 groups), a token count that
+    leaves a ragged tile, a scale that saturates some values. fp32: the reference's bytes.
+    bf16: both compute RoPE's backward in fp32 and round once (the reference through
+    apply_rotary's kernel, MEGAQ_KERNELS=triton here), so every byte within one code and
+    the amax within a bf16 ulp. (Against autograd's roundings of the torch reference,
+    twice, a byte can move further where q's two products cancel: the model test
+    test_fp8.py::test_rope_epilogue_matches_rope_after_the_gemm compares like with like.)"""
+    g = torch.Generator().manual_seed(3)
+    S, B, G, P, D = 37, 3, 2, 3, 16
+    dq = torch.randn(B, G * P, S, D, generator=g).to(dtype).permute(2, 0, 1, 3)
+    dk, dv = (torch.randn(S, B, G, D, generator=g).to(dtype) for _ in range(2))
+    ang = torch.randn(S, B if per_batch_positions else 1, 1, D // 2, generator=g)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    scale = torch.tensor(torch.finfo(fp8).max / 3.0)
+    q, qt, amax = [t.cpu() for t in frp.QKV_ROPE_BACKWARD_FP8.triton_function()(
+        *(t.to(DEV) for t in (dq, dk, dv, cos, sin, scale)), fp8)]
+    rq, rqt, ramax = [t.cpu() for t in frp.qkv_rope_backward_fp8_reference(
+        *(t.to(DEV) for t in (dq, dk, dv, cos, sin, scale)), fp8)]
+    assert q.shape == (S * B, G * (P + 2) * D) and qt.shape == q.t().shape and amax.shape == ()
+    assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t().contiguous())
+    assert torch.equal(rqt.view(torch.uint8), rq.view(torch.uint8).t().contiguous())
+    from megaq.parallel import fp8 as mfp8  # the reference is fp8.cast and fp8.tensor_amax
+    dy = frp.qkv_rope_backward(dq.to(DEV), dk.to(DEV), dv.to(DEV), cos.to(DEV), sin.to(DEV)).cpu()
+    assert torch.equal(rq.view(torch.uint8), mfp8.cast(dy, scale, fp8).view(torch.uint8))
+    assert torch.equal(ramax, mfp8.tensor_amax(dy))
+    # v's columns are dv itself, cast: the same bytes on every path
+    v_cols = q.view(S, B, G, P + 2, D)[:, :, :, -1]
+    assert torch.equal(v_cols.contiguous().view(torch.uint8), mfp8.cast(dv, scale, fp8).view(torch.uint8))
+    codes = q.view(torch.uint8).int(), rq.view(torch.uint8).int()
+    off = codes[0] != codes[1]
+    assert ((codes[0] - codes[1]).abs() <= 1).all() and (q.float().sign() == rq.float().sign()).all()
+    if dtype == torch.float32:
+        assert off.float().mean() < 1e-3 and torch.allclose(amax, ramax, rtol=1e-6)
+    else:
+        assert off.float().mean() < 0.05 and torch.allclose(amax, ramax, rtol=2 ** -7)
+
+
 def test_compiled_swiglu_is_one_graph_with_the_kernels_backward(monkeypatch):
     """Under torch.compile (fullgraph) where the kernel runs (CUDA; forced here on the
     CPU), swiglu traces the reference forward and the triton_op backward: one graph,

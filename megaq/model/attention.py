@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaq.kernels.fused_rope import split_qkv
 from megaq.model.config import GPTConfig
 from megaq.model.init import ParamInit
 from megaq.model.layers import apply_rotary, build_norm
@@ -67,20 +68,29 @@ class SelfAttention(nn.Module):
         self.q_layernorm = build_norm(config, per_head=True) if config.qk_layernorm else None
         self.k_layernorm = build_norm(config, per_head=True) if config.qk_layernorm else None
 
+    @property
+    def rope_in_gemm(self) -> bool:
+        """Does linear_qkv's GEMM apply RoPE and split q, k, v (an FP8 GEMM given that
+        epilogue by megaq.parallelize.apply_fp8)?"""
+        return bool(getattr(self.linear_qkv.gemm, "rope_per_group", 0))
+
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        qkv = self.linear_qkv(x)  # [s, b, groups/tp * (heads_per_group + 2) * d]; s is full
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.heads_per_rank, self.head_dim)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-        if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        if rotary is not None or self.q_layernorm is not None:
-            # q and k are new tensors: v alone would keep the whole QKV output alive for
-            # attention's backward, 3x its own bytes (MHA); its own copy keeps only v
-            v = v.contiguous()
+        if rotary is not None and self.rope_in_gemm:
+            # the FP8 GEMM rotates q and k itself (megaq.parallelize.apply_fp8), so that its
+            # backward takes dq, dk and dv and writes its FP8 dY from them in one pass
+            q, k, v = self.linear_qkv(x, rotary=rotary)
+        else:
+            qkv = self.linear_qkv(x)  # [s, b, groups/tp * (heads_per_group + 2) * d]; s is full
+            q, k, v = split_qkv(qkv, self.heads_per_group, self.head_dim)
+            if self.q_layernorm is not None:
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rotary is not None:
+                q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            if rotary is not None or self.q_layernorm is not None:
+                # q and k are new tensors: v alone would keep the whole QKV output alive for
+                # attention's backward, 3x its own bytes (MHA); its own copy keeps only v
+                v = v.contiguous()
+        s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         dropout = self.attention_dropout if self.training else 0.0
         out = self.core_attention(q, k, v, dropout, self.repeat_kv)

@@ -51,6 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megaq.kernels.fused_rope import (QKV_ROPE_BACKWARD_FP8, qkv_rope_backward_fp8,
+                                     qkv_rope_backward, qkv_rope_split)
 from megaq.kernels.fused_swiglu import SWIGLU, SWIGLU_BACKWARD_FP8, swiglu_backward, swiglu_backward_fp8
 from megaq.kernels.dispatch import use_triton
 from megaq.kernels.transpose import transpose
@@ -336,6 +338,14 @@ class _FP8Linear(torch.autograd.Function):
     with its amax and the transpose are three passes over dY (the bf16 dY written and read
     again), where the bytes need one.
 
+    `cos`, `sin` (attention's fused QKV layer with RoPE, column-parallel; `per_group`
+    query heads a group): the function returns RoPE'd q and k and v, split from its
+    output as kernels/fused_rope.qkv_rope_split lays it out, and its backward takes their
+    three gradients. With a delayed scale one kernel then writes dY's FP8 copy, its
+    transpose and its amax from dq, dk and dv (kernels/fused_rope.qkv_rope_backward_fp8),
+    where compiled, assembling dY with RoPE's backward, the cast and its amax are one
+    pass and the transposed copy another.
+
     `weight_fp8`, `weight_inv` (tensorwise only): the weight already cast, as ZeRO-3's
     FP8 weight gather delivers it (``--zero-quantized-weights fp8``): E4M3 with the
     inverse of the per-tensor scale this function would have computed from `weight`
@@ -346,7 +356,8 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: FP8Recipe, group: Group, parallel: str,
                 weight_fp8=None, weight_inv=None, amax_scale=None, amax_now=None,
-                grad_sink=None, ready: bool = False, record: bool = False, swiglu: bool = False):
+                grad_sink=None, ready: bool = False, record: bool = False, swiglu: bool = False,
+                cos=None, sin=None, per_group: int = 0):
         col = parallel == "column"
         rw, fwd = recipe.rowwise, recipe.forward_dtype
         x2 = x.reshape(-1, x.shape[-1])
@@ -370,7 +381,9 @@ class _FP8Linear(torch.autograd.Function):
                                        _maybe(group, not (rw and col)), "weight", with_scale=True)
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype, fast_accum=True)
         ctx.recipe, ctx.group, ctx.col, ctx.swiglu = recipe, group, col, swiglu
-        kept = (y,) if swiglu else ()  # SwiGLU's input, for its backward (as swiglu keeps it)
+        ctx.rope = cos is not None
+        # SwiGLU's input, for its backward (as swiglu keeps it); RoPE's tables
+        kept = (y,) if swiglu else (cos, sin) if ctx.rope else ()
         # delayed: dY's scale, and whether to report dY's amax (as the grad of amax.grad_sink)
         ctx.dy_scale = amax_scale[1] if delayed and ready else None
         ctx.amax_to_sink = delayed and record
@@ -395,15 +408,25 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward(x_keep, x_scale_keep, xs, w_keep, w_scale, ws, *kept)
         if swiglu:
             y = SWIGLU.pick(y)(y)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        if ctx.rope:  # (q, k, v): three tensors of their own, each with its gradient
+            return qkv_rope_split(y, cos, sin, per_group)
+        return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *grads):
         recipe, group, col = ctx.recipe, ctx.group, ctx.col
         gdt, rw = recipe.grad_dtype, recipe.rowwise
         saved = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq_t = None  # dY's FP8 copy transposed, when SwiGLU's backward wrote it
+        dy = grads[0]
+        dyq_t = None  # dY's FP8 copy transposed, when SwiGLU's or RoPE's backward wrote it
+        if ctx.rope:  # dq, dk, dv: this layer's dY comes from them through RoPE's backward
+            (cos, sin), saved = saved[-2:], saved[:-2]
+            if ctx.dy_scale is not None and use_triton(dy, QKV_ROPE_BACKWARD_FP8.under_compile):
+                dyq, dyq_t, dy_amax = qkv_rope_backward_fp8(*grads, cos, sin, ctx.dy_scale, gdt)
+            else:
+                dy = qkv_rope_backward(*grads, cos, sin)
+        dy2 = dy.reshape(-1, dy.shape[-1]) if dyq_t is None else None
         if ctx.swiglu:  # dy is d(silu(gate) * up): this layer's dY comes from it
             y, saved = saved[-1], saved[:-1]  # [tokens, 2F], as the GEMM wrote it
             if ctx.dy_scale is not None and use_triton(y, SWIGLU_BACKWARD_FP8.under_compile):
@@ -447,21 +470,25 @@ class _FP8Linear(torch.autograd.Function):
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         sink = dy_amax.reshape(1) if ctx.amax_to_sink else None
-        return dx, dw, None, None, None, None, None, None, None, sink, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, sink, None, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            recipe: FP8Recipe | None, group: Group, parallel: str,
            weight_fp8: torch.Tensor | None = None,
            weight_inv: torch.Tensor | None = None, amax_state=None,
-           swiglu: bool = False) -> torch.Tensor:
+           swiglu: bool = False, rotary=None, per_group: int = 0):
     """The TP layers' GEMM: F.linear without a recipe, else the FP8 GEMMs above
     (`weight_fp8` / `weight_inv`: the weight as ZeRO's FP8 gather delivered it;
     `amax_state`: the layer's fp8_delayed.AmaxState, for the delayed recipe; `swiglu`:
     return silu(gate) * up of the [gate | up] output, a column-parallel layer without
-    bias)."""
-    if swiglu and (parallel != "column" or bias is not None or recipe is None):
-        raise ValueError("the SwiGLU epilogue is for an FP8 column-parallel layer without bias")
+    bias; `rotary` (RoPE's (cos, sin) tables) with `per_group` query heads a group:
+    return (q, k, v) of the fused QKV output, q and k rotated, a column-parallel layer
+    without bias)."""
+    if (swiglu or rotary is not None) and (parallel != "column" or bias is not None or recipe is None):
+        raise ValueError("the SwiGLU and RoPE epilogues are for an FP8 column-parallel layer "
+                         "without bias")
+    rope = (None, None, 0) if rotary is None else (*rotary, per_group)
     if recipe is None:
         return F.linear(x, weight, bias)
     if parallel not in ("column", "row"):
@@ -473,11 +500,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError("the delayed FP8 recipe needs the layer's amax state (and only it)")
     if amax_state is None:
         y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv,
-                             None, None, None, False, False, swiglu)
+                             None, None, None, False, False, swiglu, *rope)
     else:  # the grad sink's gradient carries dY's amax out of backward (fp8_delayed)
         s = amax_state
         y = _FP8Linear.apply(x, weight, recipe, group, parallel, weight_fp8, weight_inv,
-                             s.scale, s.now, s.grad_sink, s.ready, torch.is_grad_enabled(), swiglu)
+                             s.scale, s.now, s.grad_sink, s.ready, torch.is_grad_enabled(),
+                             swiglu, *rope)
     return y if bias is None else y + bias
 
 
@@ -494,25 +522,34 @@ class FP8GEMM(nn.Module):
       treats them as graph inputs, as it treats the parameters;
     * ``amax``: the delayed recipe's megaq.parallel.fp8_delayed.AmaxState, else None;
     * ``swiglu``: the GEMM returns silu(gate) * up of its output (fc1 of a SwiGLU MLP,
-      whose own activation is then off: megaq.parallelize.apply_fp8).
+      whose own activation is then off: megaq.parallelize.apply_fp8);
+    * ``rope_per_group``: attention's fused QKV layer with this many query heads a
+      group, whose GEMM, given RoPE's tables (``gemm(x, weight, None, rotary=...)``),
+      returns q and k rotated and v (megaq.model.attention); 0: not that layer.
     """
 
     def __init__(self, recipe: FP8Recipe, group: Group, parallel: str, amax: nn.Module | None = None,
-                 swiglu: bool = False):
+                 swiglu: bool = False, rope_per_group: int = 0):
         super().__init__()
         if parallel not in ("column", "row"):
             raise ValueError(f"parallel must be 'column' or 'row', not {parallel!r}")
         self.recipe, self.group, self.parallel, self.swiglu = recipe, group, parallel, swiglu
+        self.rope_per_group = rope_per_group
         self.register_buffer("weight_fp8", None, persistent=False)
         self.register_buffer("weight_fp8_inv", None, persistent=False)
         self.amax = amax
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                rotary=None):
+        if rotary is not None and not self.rope_per_group:
+            raise ValueError("RoPE's tables go to the fused QKV layer's FP8 GEMM only")
         return linear(x, weight, bias, self.recipe, self.group, self.parallel,
-                      self.weight_fp8, self.weight_fp8_inv, self.amax, self.swiglu)
+                      self.weight_fp8, self.weight_fp8_inv, self.amax, self.swiglu,
+                      rotary, self.rope_per_group)
 
     def extra_repr(self) -> str:
-        return f"{self.parallel}, {self.recipe}" + (", swiglu" if self.swiglu else "")
+        return (f"{self.parallel}, {self.recipe}" + (", swiglu" if self.swiglu else "")
+                + (f", rope ({self.rope_per_group} query heads a group)" if self.rope_per_group else ""))
 
 
 def fp8_gemm_layers(module: nn.Module) -> list[nn.Module]:

@@ -369,13 +369,14 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.gemm = None
 
-    def forward(self, x, weight: torch.Tensor | None = None):
+    def forward(self, x, weight: torch.Tensor | None = None, **gemm_kw):
+        """`gemm_kw`: for the ``gemm`` module (an FP8 GEMM's epilogue, megaq.parallel.fp8)."""
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, output_grad_is_partial=True)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias) if self.gemm is None else self.gemm(x, weight, self.bias)
+        y = F.linear(x, weight, self.bias) if self.gemm is None else self.gemm(x, weight, self.bias, **gemm_kw)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 

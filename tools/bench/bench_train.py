@@ -40,6 +40,9 @@ for Llama-style models of about 125M, 350M and 1.3B parameters, it times:
                   row-parallel inputs and then copying their transposes (megaq's transpose
                   op), as before it cast them straight into the GEMM's layout
                   (megaq.parallel.fp8.recast_col_major): that change's A/B
+  megaq-fp8dl-nre-comp  megaq-fp8dl-comp with RoPE and the q, k, v split after the QKV
+                  layer's FP8 GEMM rather than in it (no one-pass backward writing its
+                  FP8 dY from dq, dk, dv): that change's A/B
   megaq-fp8dl-rma-comp  megaq-fp8dl-comp with the E4M3 weights' refresh reading the
                   masters for their amaxes, as before the one-pass AdamW step took them in
                   its own pass (megaq.zero.fp8_resident): that change's A/B
@@ -95,7 +98,8 @@ VARIANTS = ["megaq-s0", "megaq-s0-comp", "megaq-s3-comp", "ref-eager", "ref-comp
             "megaq-s3-fp8dl-fp8g-comp", "megaq-s0-f32g-comp", "megaq-fp8dl-f32g-comp",
             "megaq-s0-isw-comp", "megaq-fp8dl-isw-comp", "megaq-fp8dl-nse-comp",
             "megaq-s0-cdt-comp", "megaq-fp8dl-cdt-comp", "megaq-s0-cg-comp", "megaq-fp8dl-cg-comp",
-            "megaq-s3-cg-comp", "megaq-fp8dl-otr-comp", "megaq-fp8dl-rma-comp"]
+            "megaq-s3-cg-comp", "megaq-fp8dl-otr-comp", "megaq-fp8dl-rma-comp",
+            "megaq-fp8dl-nre-comp"]
 DEFAULT_VARIANTS = VARIANTS[:5]
 # variant tag -> (--fp8-format, --fp8-recipe) for megaq, torchao recipe name for the reference;
 # megaq's pair mirrors torchao's recipe of the same name (tensorwise: E5M2 grads, rowwise: E4M3)
@@ -368,7 +372,8 @@ def variant_switches(variant: str) -> contextlib.ExitStack:
     and timed. megaq's code paths turned back: -isw, swiglu records its reference, forward
     and backward, for inductor to fuse; -otr, backward casts the weight and row-parallel
     inputs, then copies their transposes with megaq's op; -rma, stage 0's E4M3 weights
-    take their amaxes from a pass over the masters, not from the AdamW step's. Inductor's
+    take their amaxes from a pass over the masters, not from the AdamW step's; -nre,
+    attention applies RoPE after the QKV GEMM, not the GEMM in its FP8 epilogue. Inductor's
     settings (used while
     the blocks compile, the first steps): -cdt, coordinate-descent tuning of its Triton
     kernels' block sizes; -cg, each compiled block's forward and backward replayed as CUDA
@@ -384,6 +389,9 @@ def variant_switches(variant: str) -> contextlib.ExitStack:
         stack.enter_context(mock.patch.object(fused_swiglu, "use_triton", lambda t, under_compile: False))
     if "-otr" in variant:
         stack.enter_context(mock.patch.object(fp8, "cast_transposed_in_backward", lambda device: False))
+    if "-nre" in variant:
+        from megaq.model.attention import SelfAttention
+        stack.enter_context(mock.patch.object(SelfAttention, "rope_in_gemm", False))
     if "-rma" in variant:
         from megaq.zero.optimizer import ShardedAdamW
         stack.enter_context(mock.patch.object(ShardedAdamW, "_update_amax", False))
