@@ -587,6 +587,33 @@ def test_fused_swiglu_fp8_backward_saves_its_bytes_where_megaq_runs_it():
     assert fused_swiglu_fp8_of("new.json", {"variant": "megaq-fp8dl-comp", "fused_swiglu_fp8": True})
 
 
+def test_fused_rope_fp8_backward_saves_the_transposes_read_where_megaq_runs_it():
+    """RoPE's fused FP8 backward (kernels/fused_rope.qkv_rope_backward_fp8) writes the QKV
+    layer's dY and its transpose in one pass: 1 byte per dY element less (the transpose
+    op's read), on the delayed recipe with RoPE and no bias or q/k norms only."""
+    from megaq.planner.bench_rows import bench_argv
+    from megaq.planner.calibrate import _run_config
+
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=256, num_attention_heads=4,
+                          num_query_groups=2, vocab_size=512, seq_length=64,
+                          fp8_format="hybrid", fp8_recipe="delayed")
+    qkv = cfg.num_attention_heads * cfg.kv_channels + 2 * cfg.num_query_groups * cfg.kv_channels
+    for tp in (1, 2):
+        plain = compute.elementwise_bytes_per_token_layer(cfg, tp, False, True)
+        fused = compute.elementwise_bytes_per_token_layer(cfg, tp, False, True, fused_rope_fp8=True)
+        assert plain - fused == qkv / tp
+
+    def plan(*extra):
+        return PlanInput.from_config(_run_config(bench_argv("1.3B", "megaq-fp8dl-comp") + list(extra)))
+    assert plan().rope_fp8_backward_fused
+    assert not plan("--qk-layernorm").rope_fp8_backward_fused
+    assert not PlanInput.from_config(_run_config(bench_argv("1.3B", "megaq-fp8tw-comp"))).rope_fp8_backward_fused
+    h100 = Cluster(gpu_preset("H100-SXM"), num_nodes=1, gpus_per_node=1)
+    fast, slow = (predict(dataclasses.replace(plan(), fused_rope_fp8=on), h100, CAL).step_time_s
+                  for on in (True, False))
+    assert 0.99 < fast / slow < 1.0
+
+
 def test_refresh_reads_the_masters_only_where_the_step_leaves_the_amaxes():
     """Stage 0's E4M3 refresh (megaq.zero.fp8_resident) costs the optimizer step 3 bytes a
     weight element after megaq's one-pass AdamW, which takes the amaxes in its own pass,

@@ -50,6 +50,8 @@ class TrainRow:
     #                             megaq.zero.grads' 16-bit gradients: 4, its fp32 accumulators)
     fused_swiglu_fp8: bool = False  # fc1's FP8 backward took SwiGLU's gradient from the fused
     #                             kernel (PlanInput.fused_swiglu_fp8; see fused_swiglu_fp8_of)
+    fused_rope_fp8: bool = False  # the QKV layer's FP8 backward took RoPE's gradient from the
+    #                             fused kernel (the key "fused_rope_fp8"; files before: False)
     amax_from_step: bool = False  # stage 0's E4M3 weights took their amaxes from the AdamW
     #                             step's pass (the key "fp8_amax_from_step"; files before: False)
     profile_ms: dict = field(default_factory=dict)  # GPU ms per step by kernel kind, if profiled
@@ -57,9 +59,9 @@ class TrainRow:
     def as_measured(self) -> dict:
         """The PlanInput fields that say how this run's code worked where megaq's has
         changed since (megaq.planner.step.PlanInput: grad_bytes, fused_swiglu_fp8,
-        amax_from_step)."""
+        fused_rope_fp8, amax_from_step)."""
         return dict(grad_bytes=self.grad_bytes, fused_swiglu_fp8=self.fused_swiglu_fp8,
-                    amax_from_step=self.amax_from_step)
+                    fused_rope_fp8=self.fused_rope_fp8, amax_from_step=self.amax_from_step)
 
     @property
     def shape(self) -> tuple:
@@ -159,6 +161,7 @@ def read_train_rows(path: str) -> list[TrainRow]:
                 optimizer_ms=float(r["optimizer_ms"]), peak_mem_gib=float(r["peak_mem_gib"]),
                 optimizer=str(r.get("optimizer", "fused")), grad_bytes=int(r.get("grad_bytes", 4)),
                 fused_swiglu_fp8=fused_swiglu_fp8_of(os.path.basename(path), r),
+                fused_rope_fp8=bool(r.get("fused_rope_fp8", False)),
                 amax_from_step=bool(r.get("fp8_amax_from_step", False)),
                 profile_ms=dict(r.get("profile_ms_per_step_by_kind") or {})))
         except (KeyError, TypeError, ValueError) as e:

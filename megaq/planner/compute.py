@@ -65,12 +65,16 @@ def recompute_fraction(cfg: GPTConfig, layers_in_chunk: int) -> tuple[float, flo
 
 
 def elementwise_bytes_per_token_layer(cfg: GPTConfig, tp: int, sp: bool, fp8: bool,
-                                      fused_swiglu_fp8: bool = False) -> float:
+                                      fused_swiglu_fp8: bool = False,
+                                      fused_rope_fp8: bool = False) -> float:
     """HBM bytes of the non-GEMM kernels of one layer, forward + backward, per token on one
     TP rank (16-bit activations). Backward reads what forward wrote and writes gradients:
     about twice forward. `fused_swiglu_fp8`: SwiGLU's backward writes fc1's FP8 dY and its
     transpose in one kernel, which saves 5 bytes per dY element (2f per token): dY's 16-bit
-    write and read-back (2 + 2) and the transpose's read of the FP8 copy (1)."""
+    write and read-back (2 + 2) and the transpose's read of the FP8 copy (1).
+    `fused_rope_fp8`: RoPE's backward writes the QKV layer's FP8 dY and its transpose in
+    one kernel, which saves the transpose's read of the FP8 copy (1 byte per dY element:
+    inductor already fused the rest into the cast)."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     q = cfg.num_attention_heads * cfg.kv_channels // tp
     kv = cfg.num_query_groups * cfg.kv_channels // tp
@@ -86,6 +90,8 @@ def elementwise_bytes_per_token_layer(cfg: GPTConfig, tp: int, sp: bool, fp8: bo
     total = 2.0 * 3 * fwd  # bytes (16-bit), forward + backward (2x)
     if fp8 and fused_swiglu_fp8 and cfg.swiglu:
         total -= 5 * 2 * f / tp
+    if fp8 and fused_rope_fp8 and cfg.position_embedding_type == "rope":
+        total -= 1 * (q + 2 * kv)
     return total
 
 
@@ -131,9 +137,10 @@ def elementwise_rate(gpu: GPU, cal: Calibration, mode: str) -> float:
 
 def chunk_compute(cfg: GPTConfig, gpu: GPU, cal: Calibration, *, layers: int, tp: int,
                   sp: bool, micro_batch: int, has_head: bool, fp8: bool,
-                  compiled: bool, fused_swiglu_fp8: bool = False) -> ChunkCompute:
+                  compiled: bool, fused_swiglu_fp8: bool = False,
+                  fused_rope_fp8: bool = False) -> ChunkCompute:
     """One micro-batch of `micro_batch` sequences through `layers` blocks (+ the head);
-    `fused_swiglu_fp8`: see elementwise_bytes_per_token_layer."""
+    `fused_swiglu_fp8`, `fused_rope_fp8`: see elementwise_bytes_per_token_layer."""
     tokens = micro_batch * cfg.seq_length
     whole = flop_split(cfg, tokens, tp)
     per_layer_gemm = whole.gemm / cfg.num_layers / tp
@@ -147,7 +154,7 @@ def chunk_compute(cfg: GPTConfig, gpu: GPU, cal: Calibration, *, layers: int, tp
     t_attn = per_layer_attn / (gpu.peak_bf16_tflops * 1e12 * cal.attention_efficiency)
     mode = "compiled" if compiled else "eager"
     hbm = gpu.hbm_gb_per_s * 1e9 * cal.hbm_efficiency
-    t_elem = (elementwise_bytes_per_token_layer(cfg, tp, sp, fp8, fused_swiglu_fp8) * tokens
+    t_elem = (elementwise_bytes_per_token_layer(cfg, tp, sp, fp8, fused_swiglu_fp8, fused_rope_fp8) * tokens
               / elementwise_rate(gpu, cal, mode))
     t_layer = t_gemm + t_attn + t_elem + cal.layer_overhead_s[mode]
     full, core = recompute_fraction(cfg, layers)

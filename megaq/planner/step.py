@@ -75,6 +75,9 @@ class PlanInput:
     # run did (None: what megaq does now, swiglu_fp8_backward_fused's rule); replayed
     # results from before that kernel: False
     fused_swiglu_fp8: bool | None = None
+    # likewise RoPE's backward into the QKV layer's FP8 dY (None: rope_fp8_backward_fused's
+    # rule); replayed results from before that kernel: False
+    fused_rope_fp8: bool | None = None
     # whether stage 0's E4M3 weights took their amaxes from the optimizer's pass as a
     # measured run did (None: what megaq does now, refresh_reads_masters's rule);
     # replayed results from before the one-pass step took them: False
@@ -144,6 +147,17 @@ class PlanInput:
             return self.fused_swiglu_fp8
         m = self.model
         return self.fp8 and m.fp8_recipe == "delayed" and m.swiglu and not m.add_bias_linear
+
+    @property
+    def rope_fp8_backward_fused(self) -> bool:
+        """The QKV layer's FP8 backward takes RoPE's gradient from one kernel that writes
+        the FP8 dY and its transpose (megaq.parallelize.apply_fp8: RoPE, no bias or q/k
+        norms, the delayed recipe; kernels/fused_rope.py)."""
+        if self.fused_rope_fp8 is not None:
+            return self.fused_rope_fp8
+        m = self.model
+        return (self.fp8 and m.fp8_recipe == "delayed" and m.position_embedding_type == "rope"
+                and not m.add_bias_linear and not m.qk_layernorm)
 
     @property
     def refresh_reads_masters(self) -> bool:
@@ -287,7 +301,8 @@ def predict(pi: PlanInput, cluster: Cluster, cal: Calibration,
             cc = compute.chunk_compute(cfg, gpu, cal, layers=layers_per_chunk, tp=pi.tp,
                                        sp=pi.sequence_parallel, micro_batch=mb, has_head=last,
                                        fp8=pi.fp8, compiled=pi.compiled,
-                                       fused_swiglu_fp8=pi.swiglu_fp8_backward_fused)
+                                       fused_swiglu_fp8=pi.swiglu_fp8_backward_fused,
+                                       fused_rope_fp8=pi.rope_fp8_backward_fused)
             per_unit_fwd = cc.fwd_s / max(len(cu), 1)
             per_unit_bwd = cc.bwd_s / max(len(cu), 1)
             tp_f, tp_b = tp_time(2 * layers_per_chunk), tp_time(2 * layers_per_chunk)

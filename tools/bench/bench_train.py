@@ -468,6 +468,10 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
         res["fused_swiglu_fp8"] = any(getattr(g, "swiglu", False) and g.recipe.delayed
                                       for g in (getattr(m, "gemm", None) for m in keep[0].modules())
                                       if g is not None)
+        res["fused_rope_fp8"] = any(getattr(g, "rope_per_group", 0) and g.recipe.delayed
+                                    for g in (getattr(m, "gemm", None) for m in keep[0].modules())
+                                    if g is not None) and any(
+            m.rope_in_gemm for m in keep[0].modules() if hasattr(m, "rope_in_gemm"))
         # stage 0's E4M3 weights took their amaxes from the AdamW step's own pass (the
         # planner's replay: megaq.planner.bench_rows)
         res["fp8_amax_from_step"] = keep[1].fp8_resident.amax_from_step
