@@ -329,6 +329,53 @@ def test_cached_launch_passes_what_the_jit_passes():
     # (8 entries: plain calls and plans key them apart, each kernel compiled once by the JIT)
 
 
+_HOPPER_BUILD = """
+import sys
+import torch
+from host_driver import host_driver
+from triton.runtime.jit import JITFunction
+from megaq.kernels import fused_adamw, fused_adamw_triton as A, fused_rope_triton as R
+
+A.wrap_triton = R.wrap_triton = lambda k: k  # launched as themselves (the driver records)
+with host_driver() as calls:
+    n = 3 * 2048 + 5
+    p, m, v = (torch.zeros(n) for _ in range(3))
+    A.adamw_step(p, torch.zeros(n, dtype=torch.bfloat16), m, v, None, torch.ones(()),
+                 fused_adamw.step_scalars(1e-3, 0.1, (0.9, 0.95), 1e-8, 1),
+                 fused_adamw.Segments([(0, 100), (100, n)], torch.zeros(2)))
+    for cvt, groups, per_group in ((False, 2, 3), (True, 2, 3), (True, 4, 1)):
+        R.uses_hw_cast = lambda t, cvt=cvt: cvt
+        dq = torch.zeros(16, 2, groups * per_group, 128, dtype=torch.bfloat16)
+        dk, dv = (torch.zeros(16, 2, groups, 128, dtype=torch.bfloat16) for _ in range(2))
+        tables = torch.zeros(16, 1, 1, 128)
+        R.qkv_rope_backward_fp8(dq, dk, dv, tables, tables, torch.ones(()), torch.float8_e5m2)
+print("launched", len(calls))
+"""
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="CPU only: swaps Triton's active driver (a GPU compiles them for real)")
+def test_kernels_the_interpreter_tests_also_compile_for_hopper():
+    """The interpreter checks what a kernel computes, not that it compiles: Triton's CUDA
+    backend builds these for sm_90 (PTX, then ptxas's cubin) through their own wrappers,
+    on the CPU with the stand-in driver (tools/bench/host_driver.py), launching nothing:
+    the AdamW step's per-range amax loop (a range read from memory, atomics) and the QKV
+    layer's fused RoPE FP8 backward (branches on the head slot; both FP8 conversions; a
+    group of one query head, where Triton makes that count a constant). In a process of
+    its own: under TRITON_INTERPRET=1 Triton's library functions (tl.max) are
+    interpreter-only."""
+    pytest.importorskip("triton.backends.nvidia.driver")
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([repo, os.path.join(repo, "tools", "bench"),
+                                         env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "launched 4" in out.stdout, out.stderr[-3000:]
+
+
 @pytest.mark.skipif(INTERPRETED or DEV != "cuda", reason="needs a GPU and compiled Triton (TRITON_INTERPRET=0)")
 def test_fp8_transpose_is_launched_from_inductors_code(monkeypatch):
     """On the GPU, inductor launches the transpose kernel from its own generated code
