@@ -17,7 +17,7 @@ import triton.language as tl
 
 from torch.library import wrap_triton
 
-from .fused_swiglu_triton import FP8_FORMATS, _fp8_code, _fp8_cvt, uses_hw_cast
+from .fused_swiglu_triton import FP8_FORMATS, _cast_pair_fp8, uses_hw_cast
 from .launch import interpreted
 from .tuning import DEFAULT_TUNING, Tuning
 
@@ -132,16 +132,7 @@ def _qkv_rope_bwd_fp8(DQ, DK, DV, COS, SIN, Q, QT, AMAX, SCALE, T, B, P, N, D2,
     else:
         o1 = x1
         o2 = x2
-    o1 = o1.to(DQ.dtype.element_ty).to(tl.float32)
-    o2 = o2.to(DQ.dtype.element_ty).to(tl.float32)
-    tl.atomic_max(AMAX, tl.max(tl.maximum(tl.abs(o1), tl.abs(o2))))
-    scale = tl.load(SCALE)
-    if HW_CAST:
-        q1 = _fp8_cvt(o1 * scale, M)
-        q2 = _fp8_cvt(o2 * scale, M)
-    else:
-        q1 = _fp8_code(o1 * scale, M, BIAS, FMAX)
-        q2 = _fp8_code(o2 * scale, M, BIAS, FMAX)
+    q1, q2 = _cast_pair_fp8(o1, o2, DQ.dtype.element_ty, AMAX, SCALE, M, BIAS, FMAX, HW_CAST)
     col = slot * (2 * D2) + half
     rows = rm[:, None].to(tl.int64)
     tl.store(Q + rows * N + col[None, :], q1, mask=mask)

@@ -114,6 +114,21 @@ def _fp8_cvt(v, M: tl.constexpr):
 
 
 @triton.jit
+def _cast_pair_fp8(a, b, DTYPE: tl.constexpr, AMAX, SCALE, M: tl.constexpr, BIAS: tl.constexpr,
+                   FMAX: tl.constexpr, HW_CAST: tl.constexpr):
+    # two fp32 tiles of a 16-bit gradient (a fused backward's two halves) rounded to DTYPE
+    # (the values a 16-bit dY holds), their max |x| folded into AMAX, then scaled by SCALE
+    # and cast to FP8 (M mantissa bits): by the GPU's instruction (HW_CAST) or in integers
+    a = a.to(DTYPE).to(tl.float32)
+    b = b.to(DTYPE).to(tl.float32)
+    tl.atomic_max(AMAX, tl.max(tl.maximum(tl.abs(a), tl.abs(b))))
+    scale = tl.load(SCALE)
+    if HW_CAST:
+        return _fp8_cvt(a * scale, M), _fp8_cvt(b * scale, M)
+    return _fp8_code(a * scale, M, BIAS, FMAX), _fp8_code(b * scale, M, BIAS, FMAX)
+
+
+@triton.jit
 def _swiglu_bwd_fp8(DO, Y, Q, QT, AMAX, SCALE, N, F, stride_do, stride_y, M: tl.constexpr,
                     BIAS: tl.constexpr, FMAX: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr,
                     HW_CAST: tl.constexpr):
@@ -128,16 +143,9 @@ def _swiglu_bwd_fp8(DO, Y, Q, QT, AMAX, SCALE, N, F, stride_do, stride_y, M: tl.
     g = tl.load(Y + rows * stride_y + rf[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(Y + rows * stride_y + F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    dg = (do * u * sig * (1.0 + g * (1.0 - sig))).to(Y.dtype.element_ty).to(tl.float32)
-    du = (do * g * sig).to(Y.dtype.element_ty).to(tl.float32)
-    tl.atomic_max(AMAX, tl.max(tl.maximum(tl.abs(dg), tl.abs(du))))
-    scale = tl.load(SCALE)
-    if HW_CAST:
-        qg = _fp8_cvt(dg * scale, M)
-        qu = _fp8_cvt(du * scale, M)
-    else:
-        qg = _fp8_code(dg * scale, M, BIAS, FMAX)
-        qu = _fp8_code(du * scale, M, BIAS, FMAX)
+    dg = do * u * sig * (1.0 + g * (1.0 - sig))
+    du = do * g * sig
+    qg, qu = _cast_pair_fp8(dg, du, Y.dtype.element_ty, AMAX, SCALE, M, BIAS, FMAX, HW_CAST)
     tl.store(Q + rows * (2 * F) + rf[None, :], qg, mask=mask)
     tl.store(Q + rows * (2 * F) + F + rf[None, :], qu, mask=mask)
     cols = rf[:, None].to(tl.int64)

@@ -564,6 +564,19 @@ def test_delayed_scaling_compiled_blocks_match_eager_without_graph_breaks():
         assert _rel(b, a) < 1e-5
 
 
+def _delayed_steps(model, batches):
+    """Eager steps of `model` with delayed scaling on `batches`: each step's loss and
+    gradients, and the amax histories after the last."""
+    out = []
+    for ids in batches:
+        loss = model(ids[:, :-1], labels=ids[:, 1:])
+        loss.float().mean().backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad()
+        fp8_delayed.step(model, None)
+    return out, [s.history.clone() for s in fp8_delayed.states(model)]
+
+
 def _swiglu_split(model) -> None:
     """Undo the SwiGLU epilogue of apply_fp8: fc1's GEMM plain, the MLP's activation on."""
     from megaq.kernels.fused_swiglu import swiglu
@@ -600,14 +613,7 @@ def test_swiglu_epilogue_matches_swiglu_after_the_gemm(monkeypatch, kernels):
         assert all((b.mlp.activation is None) and b.mlp.linear_fc1.gemm.swiglu for b in model.layers)
         if not fused:
             _swiglu_split(model)
-        out = []
-        for ids in batches:
-            loss = model(ids[:, :-1], labels=ids[:, 1:])
-            loss.float().mean().backward()
-            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-            model.zero_grad()
-            fp8_delayed.step(model, None)
-        runs.append((out, [s.history.clone() for s in fp8_delayed.states(model)]))
+        runs.append(_delayed_steps(model, batches))
     (fused_out, fused_hist), (split_out, split_hist) = runs
     for step, ((lf, gf), (ls, gs)) in enumerate(zip(fused_out, split_out)):
         exact = kernels == "torch" or step == 0
@@ -649,14 +655,7 @@ def test_rope_epilogue_matches_rope_after_the_gemm(monkeypatch, kernels):
         if not fused:
             for g in qkv:
                 g.rope_per_group = 0
-        out = []
-        for ids in batches:
-            loss = model(ids[:, :-1], labels=ids[:, 1:])
-            loss.float().mean().backward()
-            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-            model.zero_grad()
-            fp8_delayed.step(model, None)
-        runs.append((out, [s.history.clone() for s in fp8_delayed.states(model)]))
+        runs.append(_delayed_steps(model, batches))
     # the one-pass kernel ran where it should: each layer's second step (a delayed scale)
     assert len(calls) == (2 if kernels == "triton" else 0)
     (fused_out, fused_hist), (split_out, split_hist) = runs

@@ -335,8 +335,9 @@ import torch
 from host_driver import host_driver
 from triton.runtime.jit import JITFunction
 from megaq.kernels import fused_adamw, fused_adamw_triton as A, fused_rope_triton as R
+from megaq.kernels import fused_swiglu_triton as S
 
-A.wrap_triton = R.wrap_triton = lambda k: k  # launched as themselves (the driver records)
+A.wrap_triton = R.wrap_triton = S.wrap_triton = lambda k: k  # launched as themselves (the driver records)
 with host_driver() as calls:
     n = 3 * 2048 + 5
     p, m, v = (torch.zeros(n) for _ in range(3))
@@ -349,6 +350,10 @@ with host_driver() as calls:
         dk, dv = (torch.zeros(16, 2, groups, 128, dtype=torch.bfloat16) for _ in range(2))
         tables = torch.zeros(16, 1, 1, 128)
         R.qkv_rope_backward_fp8(dq, dk, dv, tables, tables, torch.ones(()), torch.float8_e5m2)
+    for cvt in (False, True):
+        S.swiglu_backward_fp8_at(torch.zeros(70, 40, dtype=torch.bfloat16),
+                                 torch.zeros(70, 80, dtype=torch.bfloat16), torch.ones(()),
+                                 torch.float8_e5m2, (S.BM_FP8, S.BF_FP8, S.WARPS_FP8), cvt)
 print("launched", len(calls))
 """
 
@@ -358,9 +363,10 @@ def test_kernels_the_interpreter_tests_also_compile_for_hopper():
     """The interpreter checks what a kernel computes, not that it compiles: Triton's CUDA
     backend builds these for sm_90 (PTX, then ptxas's cubin) through their own wrappers,
     on the CPU with the stand-in driver (tools/bench/host_driver.py), launching nothing:
-    the AdamW step's per-range amax loop (a range read from memory, atomics) and the QKV
+    the AdamW step's per-range amax loop (a range read from memory, atomics), the QKV
     layer's fused RoPE FP8 backward (branches on the head slot; both FP8 conversions; a
-    group of one query head, where Triton makes that count a constant). In a process of
+    group of one query head, where Triton makes that count a constant) and fc1's fused
+    SwiGLU FP8 backward, which shares its cast. In a process of
     its own: under TRITON_INTERPRET=1 Triton's library functions (tl.max) are
     interpreter-only."""
     pytest.importorskip("triton.backends.nvidia.driver")
@@ -373,7 +379,7 @@ def test_kernels_the_interpreter_tests_also_compile_for_hopper():
                                          env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], env=env, capture_output=True,
                          text=True, timeout=300)
-    assert out.returncode == 0 and "launched 4" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0 and "launched 6" in out.stdout, out.stderr[-3000:]
 
 
 @pytest.mark.skipif(INTERPRETED or DEV != "cuda", reason="needs a GPU and compiled Triton (TRITON_INTERPRET=0)")
