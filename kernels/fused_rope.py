@@ -8,8 +8,8 @@ rounds once).
 
 `qkv_rope_backward_fp8(dq, dk, dv, cos, sin, scale, dtype)`: the gradient of the fused QKV
 GEMM's output from attention's dq, dk, dv, through RoPE's backward, as that GEMM's FP8
-backward takes it (megaq.parallel.fp8, ``rope``: the delayed recipe, whose dY scale is
-known before dY): dY cast to FP8, its transpose and its amax, in one pass. Left to
+backward takes it (megaq.parallel.fp8, ``FP8GEMM.rope_per_group``: the delayed recipe,
+whose dY scale is known before dY): dY cast to FP8, its transpose and its amax, in one pass. Left to
 inductor, assembling dY from the three gradients with RoPE's backward, the cast and the
 amax are one kernel, and the transposed copy another (kernels/transpose.py), each well
 short of its bytes' time (docs/PERFORMANCE.md); this kernel reads dq, dk, dv once and
@@ -76,7 +76,7 @@ def qkv_rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_
 
 
 def qkv_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                      cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """d(fused QKV output) [s * b, groups * (heads_per_group + 2) * d] from dq [s, b,
     heads, d], dk and dv [s, b, groups, d] (the gradients of RoPE'd q and k, and of v),
     laid out by query group as the QKV weight is ([group][q heads..., k, v][d]): RoPE's
