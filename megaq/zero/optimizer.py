@@ -97,6 +97,8 @@ class ShardedOptimizer:
         self.opt, self.topo, self.grads = opt, topo, grads
         self.states = [PartitionState(p, self.STATE_NAMES) for p in partitions]
         self.step_count = 0
+        # the update's amax ranges (_amax_segments), built once per set of amax buffers
+        self._segments_key = self._segments = None
         device = partitions[0].device if partitions else torch.device("cpu")
         groups = {True: [], False: []}
         self._leaves: list[tuple[torch.nn.Parameter, PartitionState, int, int]] = []
@@ -215,7 +217,6 @@ class ShardedOptimizer:
         return out if covered == want else None
 
     _update_amax = False  # does _update take segments? (ShardedAdamW's one-pass kernel)
-    _segments_key = None
 
     @property
     def reads_16bit_grads(self) -> bool:

@@ -465,13 +465,13 @@ def time_variant(size, variant, dev, steps, warmup, profile_dir=None, **build_kw
             p.shard_numel for p in keep[1].partitions)
         # fc1's FP8 backward took SwiGLU's gradient from the fused kernel (the planner's
         # replay of this row: megaq.planner.bench_rows)
-        res["fused_swiglu_fp8"] = any(getattr(g, "swiglu", False) and g.recipe.delayed
-                                      for g in (getattr(m, "gemm", None) for m in keep[0].modules())
-                                      if g is not None)
-        res["fused_rope_fp8"] = any(getattr(g, "rope_per_group", 0) and g.recipe.delayed
-                                    for g in (getattr(m, "gemm", None) for m in keep[0].modules())
-                                    if g is not None) and any(
-            m.rope_in_gemm for m in keep[0].modules() if hasattr(m, "rope_in_gemm"))
+        # (and the QKV layer's from RoPE's fused kernel: attention hands the GEMM its tables)
+        from megaq.model.attention import SelfAttention
+        from megaq.parallel.fp8 import fp8_gemm_layers
+        delayed = [m.gemm for m in fp8_gemm_layers(keep[0]) if m.gemm.recipe.delayed]
+        res["fused_swiglu_fp8"] = any(g.swiglu for g in delayed)
+        res["fused_rope_fp8"] = any(a.rope_in_gemm and a.linear_qkv.gemm in delayed
+                                    for a in keep[0].modules() if isinstance(a, SelfAttention))
         # stage 0's E4M3 weights took their amaxes from the AdamW step's own pass (the
         # planner's replay: megaq.planner.bench_rows)
         res["fp8_amax_from_step"] = keep[1].fp8_resident.amax_from_step
